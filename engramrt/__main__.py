@@ -1,0 +1,3 @@
+from engramrt.cli import main
+
+raise SystemExit(main())

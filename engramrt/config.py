@@ -1,0 +1,133 @@
+"""Model configuration read from a HF-style ``config.json``.
+
+DeepSeek-V4.1 nests the language-model fields under ``text_config`` while smaller models keep
+them flat; both are accepted so one loader serves released checkpoints and test models alike.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config field is missing or violates a rule; the message names the field."""
+
+
+@dataclass(frozen=True)
+class EngramConfig:
+    """The Engram fields of a model config (SPEC §1)."""
+
+    layer_ids: tuple[int, ...]
+    num_embeddings: tuple[int, ...]
+    max_ngram_size: int
+    n_heads: int
+    head_dim: int
+    vocab_size: int  # where the prime search starts; not a token vocabulary
+    pad_token_id: int
+    compressed_vocab_size: int
+    hidden_size: int
+    hc_mult: int
+    rms_norm_eps: float
+    image_token_id: int | None = None
+
+    @property
+    def n_hash_cols(self) -> int:
+        return (self.max_ngram_size - 1) * self.n_heads
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+
+def text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Flatten ``text_config`` over the top level (top-level keys such as image_token_id stay)."""
+    merged = {k: v for k, v in raw.items() if k != "text_config"}
+    merged.update(raw.get("text_config") or {})
+    return merged
+
+
+def _get(cfg: Mapping[str, Any], name: str, *aliases: str) -> Any:
+    for key in (name, *aliases):
+        if key in cfg:
+            return cfg[key]
+    raise ConfigError(f"config field {name!r} is missing")
+
+
+def _int_list(cfg: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    value = _get(cfg, name)
+    if isinstance(value, int):
+        value = [value]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, int) for v in value):
+        raise ConfigError(f"config field {name!r} must be a list of integers, got {value!r}")
+    return tuple(value)
+
+
+def _int(cfg: Mapping[str, Any], name: str, *aliases: str) -> int:
+    value = _get(cfg, name, *aliases)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"config field {name!r} must be an integer, got {value!r}")
+    return value
+
+
+def engram_config(raw: Mapping[str, Any]) -> EngramConfig:
+    """Read and validate the Engram fields; every failure names the offending field."""
+    cfg = text_config(raw)
+    eps = float(_get(cfg, "rms_norm_eps", "norm_eps"))
+    image = cfg.get("image_token_id")
+    out = EngramConfig(
+        layer_ids=_int_list(cfg, "engram_layer_ids"),
+        num_embeddings=_int_list(cfg, "engram_num_embeddings"),
+        max_ngram_size=_int(cfg, "engram_max_ngram_size"),
+        n_heads=_int(cfg, "engram_n_heads"),
+        head_dim=_int(cfg, "engram_head_dim"),
+        vocab_size=_int(cfg, "engram_vocab_size"),
+        pad_token_id=_int(cfg, "engram_pad_token_id", "engram_pad_id"),
+        compressed_vocab_size=_int(cfg, "engram_compressed_vocab_size"),
+        hidden_size=_int(cfg, "hidden_size", "dim"),
+        hc_mult=_int(cfg, "hc_mult"),
+        rms_norm_eps=eps,
+        image_token_id=None if image is None else int(image),
+    )
+    _validate(out)
+    return out
+
+
+def _validate(c: EngramConfig) -> None:
+    if c.max_ngram_size < 2:
+        raise ConfigError(f"engram_max_ngram_size must be >= 2, got {c.max_ngram_size}")
+    if c.n_heads < 2:
+        raise ConfigError(f"engram_n_heads must be >= 2, got {c.n_heads}")
+    if not c.layer_ids:
+        raise ConfigError("engram_layer_ids must not be empty")
+    if any(b <= a for a, b in zip(c.layer_ids, c.layer_ids[1:], strict=False)):
+        raise ConfigError(f"engram_layer_ids must be sorted and unique, got {list(c.layer_ids)}")
+    if min(c.layer_ids) < 0:
+        raise ConfigError(f"engram_layer_ids must be >= 0, got {list(c.layer_ids)}")
+    if len(c.num_embeddings) != len(c.layer_ids):
+        raise ConfigError(
+            f"engram_num_embeddings has {len(c.num_embeddings)} entries but engram_layer_ids "
+            f"has {len(c.layer_ids)}"
+        )
+    for attr, field in (
+        ("head_dim", "engram_head_dim"),
+        ("vocab_size", "engram_vocab_size"),
+        ("compressed_vocab_size", "engram_compressed_vocab_size"),
+        ("hidden_size", "hidden_size"),
+        ("hc_mult", "hc_mult"),
+    ):
+        if getattr(c, attr) < 1:
+            raise ConfigError(f"{field} must be >= 1, got {getattr(c, attr)}")
+    if c.pad_token_id < 0:
+        raise ConfigError(f"engram_pad_token_id must be >= 0, got {c.pad_token_id}")
+
+
+def load_json(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found")
+    with path.open() as f:
+        return json.load(f)

@@ -1,0 +1,107 @@
+"""The Engram module of DeepSeek-V4.1 (SPEC §6): table lookup -> wkv -> per-copy gate.
+
+One projection yields a key per hc copy and one value shared by all copies; each copy gates the
+value by how well its stream agrees with its key. There is no short conv and no norm weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engramrt.config import EngramConfig
+from engramrt.engram.table import SCALE_BLOCK, EngramTable
+
+GATE_CLAMP = 1e-6  # |dot| floor before the sqrt; keeps the gate away from exactly 0.5
+
+
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An fp8 e4m3 matrix with one e8m0 scale per 32x32 block, to bf16 (exact)."""
+    rows, cols = weight.shape
+    want = [-(-rows // SCALE_BLOCK), -(-cols // SCALE_BLOCK)]
+    if list(scale.shape) != want:
+        raise ValueError(
+            f"block scale shape {list(scale.shape)} != {want} for weight {[rows, cols]}"
+        )
+    if scale.dtype != torch.float8_e8m0fnu:
+        scale = scale.view(torch.float8_e8m0fnu)
+    full = scale.float().repeat_interleave(SCALE_BLOCK, 0).repeat_interleave(SCALE_BLOCK, 1)
+    return (weight.float() * full[:rows, :cols]).to(torch.bfloat16)
+
+
+def gate_from_dot(dot: torch.Tensor) -> torch.Tensor:
+    """sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))) with copysign, so -0.0 gives sigmoid(-1e-3)."""
+    return torch.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp(min=GATE_CLAMP)), dot))
+
+
+def engram_gate(
+    x: torch.Tensor,
+    kv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    dead: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [T, hc, D]``, ``kv [T, (hc+1)*D]`` -> x + gate * value per copy, rounded once.
+
+    Rows where ``dead`` (image tokens) are returned unchanged, bit for bit.
+    """
+    tokens, hc, dim = x.shape
+    h = x.float()
+    key = kv[:, : hc * dim].reshape(tokens, hc, dim).float()
+    value = kv[:, hc * dim :].float()
+    w = q_weight.float() * k_weight.float()
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (h * w * key).sum(-1) * rstd * dim**-0.5
+    out = (h + gate_from_dot(dot)[..., None] * value[:, None, :]).to(x.dtype)
+    if dead is not None:
+        out = torch.where(dead[:, None, None], x, out)
+    return out
+
+
+class Engram(nn.Module):
+    """The Engram of one layer; ``layer_index`` is its position in ``engram_layer_ids``."""
+
+    def __init__(
+        self,
+        cfg: EngramConfig,
+        layer_index: int,
+        table: EngramTable | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ):
+        super().__init__()
+        self.layer_index = layer_index
+        self.layer_id = cfg.layer_ids[layer_index]
+        self.eps = cfg.rms_norm_eps
+        self.hc, self.dim = cfg.hc_mult, cfg.hidden_size
+        in_features = cfg.n_hash_cols * cfg.head_dim
+        self.wkv = nn.Linear(in_features, (self.hc + 1) * self.dim, bias=False, dtype=dtype)
+        self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=dtype))
+        self.k_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=dtype))
+        self.table = table
+
+    def load_wkv(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Take a bf16/fp32 weight, or an fp8 block-scaled one (dequantized here once)."""
+        if scale is not None:
+            weight = dequantize_blocks(weight, scale)
+        if weight.shape != self.wkv.weight.shape:
+            raise ValueError(
+                f"engram.wkv.weight of layer {self.layer_id}: expected "
+                f"{list(self.wkv.weight.shape)}, got {list(weight.shape)}"
+            )
+        with torch.no_grad():
+            self.wkv.weight.copy_(weight)
+
+    def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            raise RuntimeError(f"Engram of layer {self.layer_id} has no table")
+        return self.table.lookup(hash_ids)
+
+    def forward(
+        self, x: torch.Tensor, hash_ids: torch.Tensor, dead: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x [T, hc, D]``, ``hash_ids [T, (N-1)*H]`` of this layer, ``dead [T]`` image rows."""
+        if hash_ids is None:
+            raise RuntimeError(f"Engram of layer {self.layer_id} got no hash ids")
+        kv = self.wkv(self.lookup(hash_ids).to(self.wkv.weight.dtype))
+        return engram_gate(x, kv, self.q_weight, self.k_weight, self.eps, dead)

@@ -1,0 +1,91 @@
+"""Engram embedding tables: fp8 e4m3 rows with e8m0 scales per 32 elements, or plain bf16/fp32.
+
+A table may hold only a contiguous range of rows (its shard). Lookups of rows it does not own
+read as -0.0, the IEEE additive identity, so summing the partial lookups of all shards in any
+order reproduces the full lookup bit for bit (x + -0.0 == x for every x, +0.0 included).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_BLOCK = 32  # elements per e8m0 scale, hard-coded in DeepSeek-V4.1
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32(e4m3) * 2**(e - 127), rounded once to bf16. e8m0 byte 0 is 2**-127, not zero."""
+    factor = scale.float().repeat_interleave(SCALE_BLOCK, dim=-1)
+    return (weight.float() * factor).to(torch.bfloat16)
+
+
+def shard_row_range(
+    num_rows: int, rank: int, world: int, column_bounds: list[int] | None = None
+) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` owned by ``rank``: whole hash columns when the column count divides by
+    ``world`` and ``column_bounds`` are given, else a floor split of the rows."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} out of range for world size {world}")
+    if column_bounds is not None:
+        cols = len(column_bounds) - 1
+        if column_bounds[-1] != num_rows:
+            raise ValueError(f"column bounds end at {column_bounds[-1]}, table has {num_rows} rows")
+        if cols % world == 0:
+            per = cols // world
+            return column_bounds[rank * per], column_bounds[(rank + 1) * per]
+    return num_rows * rank // world, num_rows * (rank + 1) // world
+
+
+class EngramTable:
+    """Rows ``[row_start, row_start + len(weight))`` of one Engram layer's table."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, row_start: int = 0):
+        if weight.dim() != 2:
+            raise ValueError(
+                f"table weight must be 2-D [rows, dim], got shape {list(weight.shape)}"
+            )
+        if weight.dtype in FP8_DTYPES:
+            rows, dim = weight.shape
+            want = [rows, dim // SCALE_BLOCK]
+            if scale is None or dim % SCALE_BLOCK or list(scale.shape) != want:
+                got = None if scale is None else list(scale.shape)
+                raise ValueError(f"fp8 table needs an e8m0 scale of shape {want}, got {got}")
+            if scale.dtype != torch.float8_e8m0fnu:
+                scale = scale.view(torch.float8_e8m0fnu)  # uint8 bytes as stored by some tools
+        elif scale is not None:
+            raise ValueError(f"a {weight.dtype} table takes no scale")
+        self.weight = weight
+        self.scale = scale
+        self.row_start = row_start
+
+    @property
+    def num_rows(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.scale is not None else self.weight.dtype
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[T, cols]`` global row ids -> ``[T, cols * dim]``; unowned rows read as -0.0."""
+        local = ids.long() - self.row_start
+        owned = (local >= 0) & (local < self.num_rows)
+        safe = torch.where(owned, local, 0)
+        if self.scale is not None:
+            rows = dequantize_rows(self.weight[safe], self.scale[safe])
+        else:
+            rows = self.weight[safe]
+        rows = rows.masked_fill(~owned[..., None], -0.0)
+        return rows.flatten(-2)
+
+    def shard(self, rank: int, world: int, column_bounds: list[int] | None = None) -> EngramTable:
+        """This table's rows owned by ``rank`` (a view; the full table must start at row 0)."""
+        if self.row_start != 0:
+            raise ValueError("only a full table can be sharded")
+        lo, hi = shard_row_range(self.num_rows, rank, world, column_bounds)
+        scale = None if self.scale is None else self.scale[lo:hi]
+        return EngramTable(self.weight[lo:hi], scale, row_start=lo)
