@@ -81,5 +81,5 @@ def oracle_pad_ids(layout: EngramLayout, token_map: Sequence[int]) -> list[list[
 def oracle_history(tokens: Sequence[int], n: int) -> list[int]:
     """History row after ``tokens``: the last ``n - 1`` ids, oldest first, left-padded with 0."""
     width = n - 1
-    tail = [int(t) for t in tokens][-width:] if tokens else []
+    tail = [int(t) for t in tokens][-width:]
     return [0] * (width - len(tail)) + tail

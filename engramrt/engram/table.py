@@ -72,6 +72,9 @@ class EngramTable:
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """``[T, cols]`` global row ids -> ``[T, cols * dim]``; unowned rows read as -0.0."""
+        if self.num_rows == 0:  # an empty shard (more ranks than rows) owns nothing
+            shape = (*ids.shape[:-1], ids.shape[-1] * self.dim)
+            return torch.full(shape, -0.0, dtype=self.out_dtype, device=ids.device)
         local = ids.long() - self.row_start
         owned = (local >= 0) & (local < self.num_rows)
         safe = torch.where(owned, local, 0)
