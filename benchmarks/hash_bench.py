@@ -125,14 +125,17 @@ def main() -> None:
             h.decode(toks, slots, pos, check=False)
         us = median_us(graph.replay, dev)
         floor = floor_bytes(256) / (args.bandwidth_gbs * 1e3)
-        rows.append({"mode": "decode", "tokens": 256, "path": "cuda-graph", "us": us,
-                     "floor_us": floor})
+        rows.append(
+            {"mode": "decode", "tokens": 256, "path": "cuda-graph", "us": us, "floor_us": floor}
+        )
     results["rows"] = rows
     print(f"device {results['device']}  device==cpu bitwise: {results['device_equals_cpu']}")
     print(f"{'mode':8} {'tokens':>7} {'path':>11} {'us/call':>9} {'Mtok/s':>8} {'floor us':>9}")
     for r in rows:
-        print(f"{r['mode']:8} {r['tokens']:>7} {r['path']:>11} {r['us']:>9.1f} "
-              f"{r['tokens'] / r['us']:>8.2f} {r['floor_us']:>9.3f}")
+        print(
+            f"{r['mode']:8} {r['tokens']:>7} {r['path']:>11} {r['us']:>9.1f} "
+            f"{r['tokens'] / r['us']:>8.2f} {r['floor_us']:>9.3f}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

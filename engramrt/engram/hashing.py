@@ -79,6 +79,8 @@ class EngramHasher:
             self._check(tokens, real, slots)
         src = self._sources(tokens, slot, off)
         ids = self._hash(src, pos, real)
+        if tokens.numel() == 0:  # nothing hashed, so nothing to commit
+            return ids
         last = (ends - 1).clamp(min=0)
         self.history.write(slots, self._commit_rows(src[last], pos[last]), lens > 0)
         return ids

@@ -46,13 +46,17 @@ class NgramHistory:
         anchor of the next block and gets committed with it.
         """
         bsz, block = block_tokens.shape
-        n_acc = num_accepted.long()
+        keep = torch.arange(bsz, device=slots.device) < (bsz if num_real is None else num_real)
+        n_acc = torch.where(keep, num_accepted.long(), 0)  # padding rows may hold garbage
         if bool(((n_acc < 0) | (n_acc >= block)).any()):
             raise ValueError(f"num_accepted must lie in [0, {block - 1}], got {n_acc.tolist()}")
-        keep = torch.arange(bsz, device=slots.device) < (bsz if num_real is None else num_real)
-        window = torch.cat([self.rows(slots), block_tokens.long()], dim=1)
+        live = slots.long()[keep]
+        if bool(((live < 0) | (live >= self.num_slots)).any()):
+            raise ValueError(f"slots must lie in [0, {self.num_slots}), got {live.tolist()}")
+        target = torch.where(keep, slots.long(), self.pad_row)
+        window = torch.cat([self.rows(target), block_tokens.long()], dim=1)
         take = (1 + n_acc)[:, None] + torch.arange(self.width, device=slots.device)
-        self.write(slots, window.gather(1, take), keep)
+        self.write(target, window.gather(1, take), keep)
 
     def rebuild(self, slot: int, tokens_before: Sequence[int] | torch.Tensor) -> None:
         """Set a row from the tokens that precede the next forward (prefix hit, resume, chunk)."""
