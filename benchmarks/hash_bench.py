@@ -78,6 +78,14 @@ def median_us(fn, device: str, reps: int = 200) -> float:
     return statistics.median(times)
 
 
+def copy_bandwidth_gbs(device: str) -> float:
+    """Measured ceiling: a 2 GiB device-to-device copy, bytes read plus bytes written."""
+    src = torch.empty(2**29, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    us = median_us(lambda: dst.copy_(src), device, reps=20)
+    return 2 * src.numel() * 4 / (us * 1e3)
+
+
 def floor_bytes(tokens: int, layers: int = 2, cols: int = 24, n: int = 4) -> int:
     """Each input read once, each output written once: token (8 B), history row (3x4 B), the
     token-map entries of its N shifts (Nx8 B), ids out (L*cols*8 B), history write (3x4 B)."""
@@ -88,10 +96,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")
-    ap.add_argument("--bandwidth-gbs", type=float, default=4800.0)
     args = ap.parse_args()
     dev = args.device
     results: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
+    bandwidth = copy_bandwidth_gbs(dev) if dev == "cuda" else 50.0  # CPU: a nominal DRAM rate
+    results["copy_bandwidth_gbs"] = bandwidth
 
     # 1. device path == CPU path, bitwise, ids and history, over all three modes in sequence
     ref, dut = make_hasher("cpu", 256), make_hasher(dev, 256)
@@ -110,7 +119,7 @@ def main() -> None:
     rows = []
     for mode, tokens in (("extend", 8192), ("decode", 256), ("verify", 256)):
         us = median_us(lambda m=mode: run(h, m, b[m], check=False), dev)
-        floor = floor_bytes(tokens) / (args.bandwidth_gbs * 1e3)  # bytes / (GB/s) in us
+        floor = floor_bytes(tokens) / (bandwidth * 1e3)  # bytes / (GB/s) in us
         rows.append({"mode": mode, "tokens": tokens, "path": "eager", "us": us, "floor_us": floor})
     if dev == "cuda":
         graph = torch.cuda.CUDAGraph()
@@ -124,12 +133,15 @@ def main() -> None:
         with torch.cuda.graph(graph):
             h.decode(toks, slots, pos, check=False)
         us = median_us(graph.replay, dev)
-        floor = floor_bytes(256) / (args.bandwidth_gbs * 1e3)
+        floor = floor_bytes(256) / (bandwidth * 1e3)
         rows.append(
             {"mode": "decode", "tokens": 256, "path": "cuda-graph", "us": us, "floor_us": floor}
         )
     results["rows"] = rows
-    print(f"device {results['device']}  device==cpu bitwise: {results['device_equals_cpu']}")
+    print(
+        f"device {results['device']}  device==cpu bitwise: {results['device_equals_cpu']}  "
+        f"copy bandwidth {bandwidth:.0f} GB/s (floor uses it)"
+    )
     print(f"{'mode':8} {'tokens':>7} {'path':>11} {'us/call':>9} {'Mtok/s':>8} {'floor us':>9}")
     for r in rows:
         print(
