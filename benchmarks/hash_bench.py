@@ -14,28 +14,15 @@ import time
 
 import torch
 
+from engramrt.bundled import FLASH_CONFIG
 from engramrt.config import engram_config
 from engramrt.engram import EngramHasher, EngramLayout
 
-FLASH = {
-    "image_token_id": 129264,
-    "hidden_size": 5120,
-    "hc_mult": 4,
-    "rms_norm_eps": 1e-20,
-    "engram_layer_ids": [1, 14],
-    "engram_num_embeddings": [384006168, 384016682],
-    "engram_max_ngram_size": 4,
-    "engram_n_heads": 8,
-    "engram_head_dim": 256,
-    "engram_vocab_size": 16000000,
-    "engram_pad_token_id": 2,
-    "engram_compressed_vocab_size": 99092,
-}
 VOCAB = 128815  # tokenizer length; a random token map stands in for the real tokenizer's
 
 
 def make_hasher(device: str, slots: int) -> EngramHasher:
-    layout = EngramLayout.from_config(engram_config(FLASH))
+    layout = EngramLayout.from_config(engram_config(json.loads(FLASH_CONFIG.read_text())))
     gen = torch.Generator().manual_seed(0)
     token_map = torch.randint(0, 99092, (VOCAB,), generator=gen)
     return EngramHasher(layout, token_map, slots, device)

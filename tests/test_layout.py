@@ -3,33 +3,15 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
+from engramrt.bundled import FLASH_CONFIG
 from engramrt.config import ConfigError, engram_config
 from engramrt.engram.layout import EngramLayout, is_prime
 
-FLASH = {
-    "architectures": ["DeepseekV41ForCausalLM"],
-    "image_token_id": 129264,
-    "text_config": {
-        "hidden_size": 5120,
-        "num_hidden_layers": 40,
-        "vocab_size": 129280,
-        "rms_norm_eps": 1e-20,
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6,
-        "engram_layer_ids": [1, 14],
-        "engram_num_embeddings": [384006168, 384016682],
-        "engram_max_ngram_size": 4,
-        "engram_n_heads": 8,
-        "engram_head_dim": 256,
-        "engram_vocab_size": 16000000,
-        "engram_pad_token_id": 2,
-        "engram_compressed_vocab_size": 99092,
-    },
-}
+FLASH = json.loads(FLASH_CONFIG.read_text())
 
 # SPEC §3, recomputed independently of engramrt there.
 FLASH_PRIMES = [

@@ -3,6 +3,8 @@
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "tiny"
+# The Engram fields of the released DeepSeek-V4.1-Flash config, for layout checks and benchmarks.
+FLASH_CONFIG = Path(__file__).parent / "deepseek_v41_flash_config.json"
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:
