@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engramrt.bundled import resolve_model_dir
+from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -24,7 +24,7 @@ def _parse_ids(text: str) -> list[int]:
 def engram_hash(args: argparse.Namespace) -> int:
     from engramrt.engram import load_hasher
 
-    hasher, tokenizer = load_hasher(resolve_model_dir(args.model))
+    hasher, tokenizer = load_hasher(args.model or DEFAULT_MODEL_DIR)  # needs no weights
     ids = args.token_ids if args.token_ids is not None else tokenizer.encode(args.text).ids
     if not ids:
         raise ValueError("nothing to hash: the input has no tokens")
@@ -57,6 +57,23 @@ def engram_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def generate(args: argparse.Namespace) -> int:
+    from engramrt.generate import generate as run
+    from engramrt.session import Session
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    session = Session.load(resolve_model_dir(args.model), device=device, dtype=args.dtype)
+    out = run(session, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed)
+    print(out.text)
+    n = len(out.token_ids)
+    print(
+        f"[{len(out.prompt_ids)} prompt + {n} generated tokens, finish_reason={out.finish_reason}, "
+        f"{n / out.seconds:.1f} tok/s on {device}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engramrt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--token-ids", type=_parse_ids, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=engram_hash)
+
+    g = sub.add_parser("generate", help="complete a prompt (prefill + decode with a KV cache)")
+    g.add_argument("--model", help="HF-style model directory (default: the bundled tiny model)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the config's")
+    g.set_defaults(func=generate)
     return parser
 
 

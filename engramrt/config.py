@@ -131,3 +131,112 @@ def load_json(model_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path} not found")
     with path.open() as f:
         return json.load(f)
+
+
+ATTENTION_TYPES = ("gqa",)
+FFN_TYPES = ("dense", "moe")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the decoder needs; built only for configs engramrt can run exactly."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    attention_type: str
+    ffn_type: str
+    engram: EngramConfig
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    torch_dtype: str = "bfloat16"
+
+    @property
+    def hc_mix_dim(self) -> int:
+        return (2 + self.hc_mult) * self.hc_mult
+
+
+def model_config(raw: Mapping[str, Any]) -> ModelConfig:
+    cfg = text_config(raw)
+    attention = cfg.get("attention_type")
+    if attention not in ATTENTION_TYPES:
+        hint = (
+            " (this looks like DeepSeek-V4.1's compressed sparse attention, which engramrt does "
+            "not run yet)"
+            if "compress_ratios" in cfg or "index_n_heads" in cfg
+            else ""
+        )
+        raise ConfigError(
+            f"attention_type must be one of {list(ATTENTION_TYPES)}, got {attention!r}{hint}"
+        )
+    ffn = cfg.get("ffn_type")
+    if ffn not in FFN_TYPES:
+        raise ConfigError(f"ffn_type must be one of {list(FFN_TYPES)}, got {ffn!r}")
+    eos = cfg.get("eos_token_id")
+    out = ModelConfig(
+        vocab_size=_int(cfg, "vocab_size"),
+        hidden_size=_int(cfg, "hidden_size", "dim"),
+        num_layers=_int(cfg, "num_hidden_layers", "n_layers"),
+        num_heads=_int(cfg, "num_attention_heads", "n_heads"),
+        num_kv_heads=_int(cfg, "num_key_value_heads"),
+        head_dim=_int(cfg, "head_dim"),
+        intermediate_size=_int(cfg, "intermediate_size") if ffn == "dense" else 0,
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", "norm_eps")),
+        max_position_embeddings=_int(cfg, "max_position_embeddings"),
+        hc_mult=_int(cfg, "hc_mult"),
+        hc_sinkhorn_iters=_int(cfg, "hc_sinkhorn_iters"),
+        hc_eps=float(_get(cfg, "hc_eps")),
+        attention_type=attention,
+        ffn_type=ffn,
+        engram=engram_config(raw),
+        n_routed_experts=_int(cfg, "n_routed_experts") if ffn == "moe" else 0,
+        num_experts_per_tok=_int(cfg, "num_experts_per_tok") if ffn == "moe" else 0,
+        n_shared_experts=int(cfg.get("n_shared_experts", 0)) if ffn == "moe" else 0,
+        moe_intermediate_size=_int(cfg, "moe_intermediate_size") if ffn == "moe" else 0,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        torch_dtype=str(cfg.get("torch_dtype", "bfloat16")),
+    )
+    _validate_model(out)
+    return out
+
+
+def _validate_model(c: ModelConfig) -> None:
+    if c.num_heads % c.num_kv_heads:
+        raise ConfigError(
+            f"num_attention_heads ({c.num_heads}) must be a multiple of num_key_value_heads "
+            f"({c.num_kv_heads})"
+        )
+    if c.head_dim % 2:
+        raise ConfigError(f"head_dim must be even for rotary embeddings, got {c.head_dim}")
+    if max(c.engram.layer_ids) >= c.num_layers:
+        raise ConfigError(
+            f"engram_layer_ids {list(c.engram.layer_ids)} must be < num_hidden_layers "
+            f"({c.num_layers})"
+        )
+    if c.engram.hidden_size != c.hidden_size or c.engram.hc_mult != c.hc_mult:
+        raise ConfigError("hidden_size/hc_mult disagree between the model and its Engram")
+    if c.ffn_type == "moe" and not 0 < c.num_experts_per_tok <= c.n_routed_experts:
+        raise ConfigError(
+            f"num_experts_per_tok must lie in [1, n_routed_experts={c.n_routed_experts}], "
+            f"got {c.num_experts_per_tok}"
+        )
+    if c.hc_sinkhorn_iters < 1:
+        raise ConfigError(f"hc_sinkhorn_iters must be >= 1, got {c.hc_sinkhorn_iters}")

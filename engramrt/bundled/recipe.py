@@ -118,6 +118,8 @@ def model_config(vocab: int, compressed_vocab: int) -> dict:
         "hc_mult": 4,
         "hc_sinkhorn_iters": 20,
         "hc_eps": 1e-6,
+        "attention_type": "gqa",
+        "ffn_type": "dense",
         "engram_layer_ids": [1, 2],
         "engram_num_embeddings": [0, 0],
         "engram_max_ngram_size": 4,

@@ -78,7 +78,7 @@ class Engram(nn.Module):
         self.wkv = nn.Linear(in_features, (self.hc + 1) * self.dim, bias=False, dtype=dtype)
         self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=dtype))
-        self.table = table
+        self.embed = table  # checkpoint name: layers.{i}.engram.embed.{weight,scale}
 
     def load_wkv(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Take a bf16/fp32 weight, or an fp8 block-scaled one (dequantized here once)."""
@@ -93,9 +93,9 @@ class Engram(nn.Module):
             self.wkv.weight.copy_(weight)
 
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        if self.table is None:
+        if self.embed is None:
             raise RuntimeError(f"Engram of layer {self.layer_id} has no table")
-        return self.table.lookup(hash_ids)
+        return self.embed.lookup(hash_ids)
 
     def forward(
         self, x: torch.Tensor, hash_ids: torch.Tensor, dead: torch.Tensor | None = None

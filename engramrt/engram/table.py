@@ -8,6 +8,7 @@ order reproduces the full lookup bit for bit (x + -0.0 == x for every x, +0.0 in
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 SCALE_BLOCK = 32  # elements per e8m0 scale, hard-coded in DeepSeek-V4.1
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -17,6 +18,18 @@ def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32(e4m3) * 2**(e - 127), rounded once to bf16. e8m0 byte 0 is 2**-127, not zero."""
     factor = scale.float().repeat_interleave(SCALE_BLOCK, dim=-1)
     return (weight.float() * factor).to(torch.bfloat16)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``[rows, dim]`` -> e4m3 weight and one power-of-two e8m0 scale per 32 elements,
+    the smallest scale that keeps each block within e4m3's range (448)."""
+    rows, dim = x.shape
+    blocks = x.float().view(rows, dim // SCALE_BLOCK, SCALE_BLOCK)
+    amax = blocks.abs().amax(-1).clamp(min=2.0**-127 * 448)
+    exponent = torch.ceil(torch.log2(amax / 448)).clamp(-127, 127)
+    weight = (blocks / torch.exp2(exponent)[..., None]).view(rows, dim).to(torch.float8_e4m3fn)
+    scale = (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    return weight, scale
 
 
 def shard_row_range(
@@ -36,10 +49,12 @@ def shard_row_range(
     return num_rows * rank // world, num_rows * (rank + 1) // world
 
 
-class EngramTable:
-    """Rows ``[row_start, row_start + len(weight))`` of one Engram layer's table."""
+class EngramTable(nn.Module):
+    """Rows ``[row_start, row_start + len(weight))`` of one Engram layer's table; its buffers
+    carry the checkpoint names ``weight`` and ``scale``."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, row_start: int = 0):
+        super().__init__()
         if weight.dim() != 2:
             raise ValueError(
                 f"table weight must be 2-D [rows, dim], got shape {list(weight.shape)}"
@@ -54,8 +69,8 @@ class EngramTable:
                 scale = scale.view(torch.float8_e8m0fnu)  # uint8 bytes as stored by some tools
         elif scale is not None:
             raise ValueError(f"a {weight.dtype} table takes no scale")
-        self.weight = weight
-        self.scale = scale
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
         self.row_start = row_start
 
     @property
@@ -69,6 +84,9 @@ class EngramTable:
     @property
     def out_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.scale is not None else self.weight.dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lookup(ids)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """``[T, cols]`` global row ids -> ``[T, cols * dim]``; unowned rows read as -0.0."""

@@ -1,0 +1,201 @@
+"""HF-style checkpoints: ``config.json`` + ``*.safetensors`` (optionally sharded with an index)
++ tokenizer files. Tensor names are DeepSeek-V4.1's (SPEC §9); every mismatch names the tensor.
+
+Names besides the Engram and hc ones: ``layers.{i}.attn.w{q,k,v,o}.weight``,
+``layers.{i}.{attn,ffn}_norm.weight``, dense FFN ``layers.{i}.ffn.w{1,2,3}.weight`` (gate, down,
+up), MoE ``layers.{i}.ffn.gate.weight``, ``.ffn.experts.{e}.w{1,2,3}.weight``,
+``.ffn.shared_experts.w{1,2,3}.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from engramrt.config import load_json, model_config
+from engramrt.engram.module import dequantize_blocks
+from engramrt.engram.table import EngramTable
+from engramrt.model.decoder import EngramMHCModel
+
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match its config; the message names the tensor."""
+
+
+def _files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it."""
+    index = model_dir / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / f for name, f in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    out = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            out.update(dict.fromkeys(st.keys(), f))
+    return out
+
+
+def _shapes(where: dict[str, Path]) -> dict[str, list[int]]:
+    shapes = {}
+    for f in sorted(set(where.values())):
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} listed in the index is missing")
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                shapes[name] = list(st.get_slice(name).get_shape())
+    return shapes
+
+
+def _optional_scales(model: EngramMHCModel) -> set[str]:
+    return {
+        f"layers.{i}.engram.{part}.scale"
+        for i in model.engram_layer_ids
+        for part in ("embed", "wkv")
+    }
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    layer_ids: list[int] | None = None,
+) -> EngramMHCModel:
+    """Build the model (or the ``layer_ids`` of one pipeline stage) and load its weights."""
+    model_dir = Path(model_dir)
+    cfg = model_config(load_json(model_dir))
+    dtype = DTYPES[dtype or cfg.torch_dtype] if not isinstance(dtype, torch.dtype) else dtype
+    with torch.device("meta"):
+        model = EngramMHCModel(cfg, dtype, layer_ids)
+        full = EngramMHCModel(cfg, dtype) if layer_ids is not None else model
+    expected = {k: list(v.shape) for k, v in model.state_dict().items()}
+    known = set(full.state_dict()) | _optional_scales(full)  # other stages' tensors are skipped
+    where = _files(model_dir)
+    shapes = _shapes(where)
+    for name, shape in shapes.items():
+        if name not in known:
+            raise CheckpointError(f"unexpected tensor {name} (shape {shape}) in {model_dir}")
+        if name in expected and shape != expected[name]:
+            raise CheckpointError(
+                f"tensor {name}: checkpoint shape {shape}, model expects {expected[name]}"
+            )
+    missing = [n for n in expected if n not in shapes]
+    if missing:
+        raise CheckpointError(
+            f"tensor {missing[0]} (shape {expected[missing[0]]}) is missing from {model_dir}"
+            + (f", and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
+    optional = [n for n in _optional_scales(model) if n in shapes]
+    state = _read(where, [*expected, *optional], model_dir)
+    _install_engram(model, state, dtype)
+    for name, t in state.items():
+        if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+            raise CheckpointError(
+                f"tensor {name} has dtype {t.dtype}, which needs a scale or is not a float"
+            )
+        state[name] = t.float() if ".hc_" in name else t.to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    leftover = [n for n, t in model.state_dict().items() if t.is_meta]
+    if leftover:
+        raise CheckpointError(f"tensor {leftover[0]} was not loaded")
+    return model.to(device).eval()
+
+
+def _read(where: dict[str, Path], names: list[str], model_dir: Path) -> dict[str, torch.Tensor]:
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(where[name], []).append(name)
+    state = {}
+    with tqdm(
+        total=len(names), desc=f"loading {model_dir.name}", unit="tensor", disable=None
+    ) as bar:
+        for f, group in by_file.items():
+            with safe_open(f, framework="pt") as st:
+                for name in group:
+                    state[name] = st.get_tensor(name)
+                    bar.update()
+    return state
+
+
+def _install_engram(
+    model: EngramMHCModel, state: dict[str, torch.Tensor], dtype: torch.dtype
+) -> None:
+    """Tables keep their stored format (fp8 + e8m0 or plain); fp8 wkv is dequantized once."""
+    for i in model.engram_layer_ids:
+        engram = model.layers[str(i)].engram
+        prefix = f"layers.{i}.engram"
+        weight, scale = (
+            state.pop(f"{prefix}.embed.weight"),
+            state.pop(f"{prefix}.embed.scale", None),
+        )
+        if scale is None:
+            if not weight.is_floating_point() or weight.dtype == torch.float8_e4m3fn:
+                raise CheckpointError(
+                    f"tensor {prefix}.embed.weight has dtype {weight.dtype} but there is no "
+                    f"{prefix}.embed.scale"
+                )
+            weight = weight.to(dtype)
+        try:
+            engram.embed = EngramTable(weight, scale)
+        except ValueError as exc:
+            raise CheckpointError(f"tensor {prefix}.embed.weight: {exc}") from exc
+        wkv_scale = state.pop(f"{prefix}.wkv.scale", None)
+        if wkv_scale is not None:
+            name = f"{prefix}.wkv.weight"
+            try:
+                state[name] = dequantize_blocks(state[name], wkv_scale)
+            except ValueError as exc:
+                raise CheckpointError(f"tensor {prefix}.wkv.scale: {exc}") from exc
+
+
+def save_checkpoint(
+    model: EngramMHCModel,
+    out_dir: str | Path,
+    config: dict,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = 2**30,
+) -> Path:
+    """Write ``model`` in the format ``load_model`` reads; shards (with an index) above
+    ``max_shard_bytes``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors")
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards, 1):
+            fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, out / fname)
+            weight_map.update(dict.fromkeys(shard, fname))
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX).write_text(json.dumps(index, indent=1))
+    (out / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.is_file():
+                shutil.copyfile(src, out / name)
+    return out

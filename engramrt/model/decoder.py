@@ -1,0 +1,142 @@
+"""The DeepSeek-V4.1 decoder with lagged mHC (SPEC §8).
+
+Every block does the same thing whatever fed it (DESIGN §1): its Engram first, if it owns one,
+then attention collapsed with the pre-mix of the sublayer before it, then the FFN collapsed with
+the attention's pre-mix. A pipeline stage only changes where ``(x, pre)`` come from and go to.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engramrt.config import ModelConfig
+from engramrt.engram.module import Engram
+from engramrt.engram.table import EngramTable
+from engramrt.mhc import first_pre, hc_mixes, hc_post, hc_pre, hc_split_sinkhorn
+from engramrt.model.attention import Attention
+from engramrt.model.context import ForwardContext
+from engramrt.model.layers import MLP, MoE, RMSNorm
+
+
+def _hc_params(cfg: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+    """One sublayer's mixing parameters (fn, base, scale), kept in fp32."""
+    mix = cfg.hc_mix_dim
+    return (
+        nn.Parameter(torch.zeros(mix, cfg.hc_mult * cfg.hidden_size)),
+        nn.Parameter(torch.zeros(mix)),
+        nn.Parameter(torch.ones(3)),
+    )
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer_id = layer_id
+        e = cfg.engram
+        self.engram: Engram | None = None
+        if layer_id in e.layer_ids:
+            index = e.layer_ids.index(layer_id)
+            table = EngramTable(torch.zeros(e.num_embeddings[index], e.head_dim, dtype=dtype))
+            self.engram = Engram(e, index, table, dtype=dtype)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, layer_id, dtype)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.ffn_type == "moe":
+            self.ffn: nn.Module = MoE(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.n_routed_experts,
+                cfg.num_experts_per_tok,
+                cfg.n_shared_experts,
+                cfg.norm_topk_prob,
+                dtype,
+            )
+        else:
+            self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _hc_params(cfg)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_params(cfg)
+        self.hc, self.iters, self.hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        self.norm_eps = cfg.rms_norm_eps
+
+    def _split(
+        self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mixes = hc_mixes(x, fn, self.norm_eps)
+        return hc_split_sinkhorn(mixes, scale, base, self.hc, self.iters, self.hc_eps)
+
+    def forward(
+        self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, hc, D]`` and the lagged ``pre [T, hc]`` in; the same pair out."""
+        if self.engram is not None:
+            ids = ctx.engram_inputs(self.layer_id, self.engram.layer_index)
+            ctx.trace("engram_in", self.layer_id, x)
+            x = self.engram(x, ids, ctx.dead)
+            ctx.trace("engram_out", self.layer_id, x)
+            ctx.engram_ran.append(self.layer_id)
+        a_pre, a_post, a_comb = self._split(
+            x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale
+        )
+        collapsed = hc_pre(x, pre)
+        ctx.trace("attn_collapse_in", self.layer_id, collapsed)
+        x = hc_post(self.attn(self.attn_norm(collapsed), ctx), x, a_post, a_comb)
+        f_pre, f_post, f_comb = self._split(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        x = hc_post(self.ffn(self.ffn_norm(hc_pre(x, a_pre))), x, f_post, f_comb)
+        return x, f_pre
+
+
+class EngramMHCModel(nn.Module):
+    """Holds layers ``layer_ids`` (all by default); the embedding and the head live only where
+    the first and the last layer do, which is what a pipeline stage needs."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.bfloat16,
+        layer_ids: list[int] | None = None,
+    ):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
+        self.layer_ids = ids
+        self.embed = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if 0 in ids else None
+        )
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, dtype) for i in ids})
+        last = cfg.num_layers - 1 in ids
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else None
+        self.head = (
+            nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype) if last else None
+        )
+
+    @property
+    def engram_layer_ids(self) -> list[int]:
+        return [i for i in self.layer_ids if i in self.cfg.engram.layer_ids]
+
+    def embed_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream ``[T, hc, D]`` (the embedding in every copy) and the first pre-mix."""
+        x = self.embed(tokens)
+        hc = self.cfg.hc_mult
+        return x[:, None, :].expand(-1, hc, -1).contiguous(), first_pre(len(tokens), hc, x.device)
+
+    def forward_layers(
+        self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run this model's layers, then fail closed if an Engram layer among them did not run."""
+        ran_before = len(ctx.engram_ran)
+        for block in self.layers.values():
+            x, pre = block(x, pre, ctx)
+        missing = sorted(set(self.engram_layer_ids) - set(ctx.engram_ran[ran_before:]))
+        if missing:
+            raise RuntimeError(f"Engram layers {missing} did not run in this forward")
+        return x, pre
+
+    def logits(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Collapse with the last FFN pre-mix, normalise, project; fp32 logits."""
+        y = self.norm(hc_pre(x, pre))
+        return torch.nn.functional.linear(y.float(), self.head.weight.float())
+
+    def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, pre = self.embed_tokens(tokens)
+        return self.logits(*self.forward_layers(x, pre, ctx))

@@ -1,0 +1,76 @@
+"""Standard transformer pieces: RMSNorm, rotary embedding, SwiGLU MLP and a top-k routed MoE."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by position, rotate-half (Llama/HF) convention, fp32."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / theta ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.float()[:, None] * inv_freq  # [T, half]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter, bias=False, dtype=dtype)
+        self.w2 = nn.Linear(inter, dim, bias=False, dtype=dtype)
+        self.w3 = nn.Linear(dim, inter, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Softmax router, top-k experts (weights renormalised when asked), plus shared experts."""
+
+    def __init__(
+        self,
+        dim: int,
+        inter: int,
+        n_experts: int,
+        top_k: int,
+        n_shared: int,
+        norm_topk: bool,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.top_k, self.norm_topk = top_k, norm_topk
+        self.gate = nn.Linear(dim, n_experts, bias=False, dtype=dtype)
+        self.experts = nn.ModuleList(MLP(dim, inter, dtype) for _ in range(n_experts))
+        self.shared_experts = MLP(dim, inter * n_shared, dtype) if n_shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.gate(x).float().softmax(-1)
+        weights, chosen = scores.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.nonzero(chosen == e, as_tuple=True)
+            if token.numel():
+                out.index_add_(0, token, expert(x[token]).float() * weights[token, slot, None])
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x).float()
+        return out.to(x.dtype)
