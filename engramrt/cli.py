@@ -59,12 +59,21 @@ def engram_hash(args: argparse.Namespace) -> int:
 
 def generate(args: argparse.Namespace) -> int:
     from engramrt.generate import generate as run
+    from engramrt.model.trace import EngramUpdateStats
     from engramrt.session import Session
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     session = Session.load(resolve_model_dir(args.model), device=device, dtype=args.dtype)
-    out = run(session, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed)
+    stats = EngramUpdateStats() if args.engram_stats else None
+    out = run(session, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed, stats)
     print(out.text)
+    if stats is not None:
+        for layer, row in stats.summary().items():
+            print(
+                f"[engram layer {layer}: update RMS {row['update_rms']:.4f} on a stream of RMS "
+                f"{row['stream_rms']:.4f}, {100 * row['changed_frac']:.2f}% of elements changed]",
+                file=sys.stderr,
+            )
     n = len(out.token_ids)
     print(
         f"[{len(out.prompt_ids)} prompt + {n} generated tokens, finish_reason={out.finish_reason}, "
@@ -94,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the config's")
+    g.add_argument(
+        "--engram-stats", action="store_true", help="print each Engram's update RMS and reach"
+    )
     g.set_defaults(func=generate)
     return parser
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engramrt.model.context import Tracer
 from engramrt.sampling import sample
 from engramrt.session import Session
 
@@ -27,6 +28,7 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    tracer: Tracer | None = None,
 ) -> Generation:
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -43,7 +45,7 @@ def generate(
     gen = torch.Generator(device=device).manual_seed(seed)
     start = time.perf_counter()
     session.hasher.rebuild(0, [])
-    logits = session.step(prompt_ids, [0], [len(prompt_ids)], [0])[-1:]
+    logits = session.step(prompt_ids, [0], [len(prompt_ids)], [0], tracer)[-1:]
     out: list[int] = []
     finish = "length"
     while True:
@@ -54,6 +56,6 @@ def generate(
         out.append(nxt)
         if len(out) == max_tokens:
             break
-        logits = session.step([nxt], [0], [1], [len(prompt_ids) + len(out) - 1])
+        logits = session.step([nxt], [0], [1], [len(prompt_ids) + len(out) - 1], tracer)
     seconds = time.perf_counter() - start
     return Generation(prompt_ids, out, tok.decode(out), finish, seconds)

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from engramrt.engram import load_hasher
 from engramrt.engram.hashing import EngramHasher
 from engramrt.model.checkpoint import load_model
-from engramrt.model.context import ForwardContext, KVCache
+from engramrt.model.context import ForwardContext, KVCache, Tracer
 from engramrt.model.decoder import EngramMHCModel
 
 
@@ -55,7 +55,12 @@ class Session:
 
     @torch.inference_mode()
     def step(
-        self, tokens: list[int], slots: list[int], run_lens: list[int], start_pos: list[int]
+        self,
+        tokens: list[int],
+        slots: list[int],
+        run_lens: list[int],
+        start_pos: list[int],
+        tracer: Tracer | None = None,
     ) -> torch.Tensor:
         """Logits ``[T, V]`` for a flat batch; runs of one token use the decode hash mode."""
         device = self.kv.k[self.model.layer_ids[0]].device
@@ -67,6 +72,13 @@ class Session:
             lens, pos = (torch.tensor(v, device=device) for v in (run_lens, start_pos))
             ids = self.hasher.extend(t, s, lens, pos)
         ctx = ForwardContext.for_runs(
-            slots, run_lens, start_pos, self.kv, device, hash_ids=ids, dead=self.hasher.is_dead(t)
+            slots,
+            run_lens,
+            start_pos,
+            self.kv,
+            device,
+            hash_ids=ids,
+            dead=self.hasher.is_dead(t),
+            tracer=tracer,
         )
         return self.model(t, ctx)

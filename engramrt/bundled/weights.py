@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
-from engramrt.config import load_json, model_config
+from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engram.table import EngramTable, quantize_rows
+from engramrt.model.checkpoint import save_checkpoint
+from engramrt.model.decoder import EngramMHCModel
 
 SEED = 10007
 RECIPE_VERSION = 1  # bump when the initialisation below changes
@@ -47,28 +49,31 @@ def _init(name: str, shape: torch.Size, hc: int, gen: torch.Generator) -> torch.
     return torch.randn(shape, generator=gen) * shape[-1] ** -0.5  # linear [out, in]
 
 
-def generate(model_dir: Path, out_dir: Path) -> None:
-    """Write config, tokenizer and seeded weights (fp8 Engram tables, bf16 rest) to ``out_dir``."""
-    from engramrt.model.checkpoint import save_checkpoint
-    from engramrt.model.decoder import EngramMHCModel
-
-    raw = load_json(model_dir)
-    cfg = model_config(raw)
+def seeded_model(
+    cfg: ModelConfig, seed: int = SEED, dtype: torch.dtype = torch.bfloat16, fp8_tables: bool = True
+) -> EngramMHCModel:
+    """A model with deterministic random weights (hc parameters fp32, Engram tables fp8 + e8m0
+    scales or plain ``dtype``)."""
     with torch.device("meta"):
         skeleton = EngramMHCModel(cfg, torch.float32)
-    gen = torch.Generator().manual_seed(SEED)
-    model = EngramMHCModel(cfg, torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    model = EngramMHCModel(cfg, dtype)
     state = {}
     for name, t in sorted(skeleton.state_dict().items()):
         value = _init(name, t.shape, cfg.hc_mult, gen)
-        state[name] = value if ".hc_" in name else value.to(torch.bfloat16)
-    tables = {}
+        state[name] = value if ".hc_" in name else value.to(dtype)
     for i in model.engram_layer_ids:
-        tables[i] = quantize_rows(state.pop(f"layers.{i}.engram.embed.weight").float())
+        table = state.pop(f"layers.{i}.engram.embed.weight")
+        args = quantize_rows(table.float()) if fp8_tables else (table,)
+        model.layers[str(i)].engram.embed = EngramTable(*args)
     model.load_state_dict(state, strict=False)
-    for i, (weight, scale) in tables.items():
-        model.layers[str(i)].engram.embed = EngramTable(weight, scale)
-    save_checkpoint(model, out_dir, raw, tokenizer_dir=model_dir)
+    return model.eval()
+
+
+def generate(model_dir: Path, out_dir: Path) -> None:
+    """Write config, tokenizer and seeded weights (fp8 Engram tables, bf16 rest) to ``out_dir``."""
+    raw = load_json(model_dir)
+    save_checkpoint(seeded_model(model_config(raw)), out_dir, raw, tokenizer_dir=model_dir)
 
 
 def materialize(model_dir: Path) -> Path:
