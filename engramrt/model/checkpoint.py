@@ -84,6 +84,9 @@ def load_model(
     known = set(full.state_dict()) | _optional_scales(full)  # other stages' tensors are skipped
     where = _files(model_dir)
     shapes = _shapes(where)
+    unindexed = sorted(set(shapes) - set(where))
+    if unindexed:
+        raise CheckpointError(f"tensor {unindexed[0]} is stored but missing from {INDEX}")
     for name, shape in shapes.items():
         if name not in known:
             raise CheckpointError(f"unexpected tensor {name} (shape {shape}) in {model_dir}")
@@ -101,7 +104,7 @@ def load_model(
     state = _read(where, [*expected, *optional], model_dir)
     _install_engram(model, state, dtype)
     for name, t in state.items():
-        if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        if not t.is_floating_point() or t.element_size() == 1:
             raise CheckpointError(
                 f"tensor {name} has dtype {t.dtype}, which needs a scale or is not a float"
             )
@@ -141,7 +144,7 @@ def _install_engram(
             state.pop(f"{prefix}.embed.scale", None),
         )
         if scale is None:
-            if not weight.is_floating_point() or weight.dtype == torch.float8_e4m3fn:
+            if not weight.is_floating_point() or weight.element_size() == 1:
                 raise CheckpointError(
                     f"tensor {prefix}.embed.weight has dtype {weight.dtype} but there is no "
                     f"{prefix}.embed.scale"
@@ -150,10 +153,16 @@ def _install_engram(
         try:
             engram.embed = EngramTable(weight, scale)
         except ValueError as exc:
-            raise CheckpointError(f"tensor {prefix}.embed.weight: {exc}") from exc
+            named = f"{prefix}.embed.scale" if scale is not None else f"{prefix}.embed.weight"
+            raise CheckpointError(f"tensor {named}: {exc}") from exc
         wkv_scale = state.pop(f"{prefix}.wkv.scale", None)
         if wkv_scale is not None:
             name = f"{prefix}.wkv.weight"
+            if state[name].dtype != torch.float8_e4m3fn:
+                raise CheckpointError(
+                    f"tensor {prefix}.wkv.scale is given but {name} is {state[name].dtype}, "
+                    "not float8_e4m3fn"
+                )
             try:
                 state[name] = dequantize_blocks(state[name], wkv_scale)
             except ValueError as exc:
