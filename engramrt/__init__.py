@@ -1,0 +1,6 @@
+"""engramrt: an inference engine for Engram + mHC language models (DeepSeek-V4.1 family)."""
+
+from engramrt.model.checkpoint import CheckpointError, load_model, save_checkpoint
+from engramrt.session import Session
+
+__all__ = ["CheckpointError", "Session", "load_model", "save_checkpoint"]

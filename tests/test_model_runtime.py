@@ -75,6 +75,16 @@ def test_batched_requests_equal_alone(model) -> None:
             )
 
 
+def test_forward_reports_engram_layers(model) -> None:
+    """The context of a forward lists the Engram layers that ran, in layer order."""
+    s = new_session(model, 1)
+    t = torch.tensor([7, 8, 9])
+    ids = s.hasher.extend(t, torch.tensor([0]), torch.tensor([3]), torch.tensor([0]))
+    ctx = ForwardContext.for_runs([0], [3], [0], s.kv, "cpu", hash_ids=ids)
+    model(t, ctx)
+    assert ctx.engram_ran == [0, 2]
+
+
 def test_forward_without_hash_ids_raises(model) -> None:
     s = new_session(model, 1)
     ctx = ForwardContext.for_runs([0], [3], [0], s.kv, "cpu")
