@@ -29,6 +29,7 @@ from engramrt.model.checkpoint import INDEX, CheckpointError, load_model
 from engramrt.model.context import ForwardContext
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.session import Session
+from tests.fp8_oracle import e4m3_value
 from tests.model_factory import make_model, make_raw_config, save_model
 
 # Includes the pad id 2, repeats (shared n-grams), the last vocab id and the image id 5.
@@ -80,19 +81,9 @@ def _edit(src: Path, dst: Path, fn: Callable[[dict[str, torch.Tensor]], object])
     return dst
 
 
-def _e4m3_value(byte: int) -> float:
-    sign = -1.0 if byte & 0x80 else 1.0
-    exp, man = (byte >> 3) & 0xF, byte & 0x7
-    if exp == 0xF and man == 0x7:
-        return math.nan
-    if exp == 0:
-        return sign * math.ldexp(man, -9)
-    return sign * math.ldexp(8 + man, exp - 10)
-
-
 def _dequant_blocks_oracle(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """e4m3 ``[out, in]`` times 2**(e - 127) of its 32x32 block, in float64, rounded to bf16."""
-    lut = [_e4m3_value(b) for b in range(256)]
+    lut = [e4m3_value(b) for b in range(256)]
     w = weight.view(torch.uint8).tolist()
     s = scale.view(torch.uint8).tolist()
     out = [

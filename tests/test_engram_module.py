@@ -15,6 +15,7 @@ import torch
 from engramrt.config import EngramConfig
 from engramrt.engram.module import Engram, engram_gate, gate_from_dot
 from engramrt.engram.table import EngramTable
+from tests.fp8_oracle import e4m3_value
 
 CLAMP = 1e-6  # SPEC §1: hard-coded gate clamp
 
@@ -52,17 +53,6 @@ def oracle_gate(x, kv, q_weight, k_weight, eps, dead=None) -> np.ndarray:
             if dead is not None and bool(dead[t]):
                 out[t, j] = h
     return out
-
-
-def e4m3_value(byte: int) -> float:
-    """float8_e4m3fn byte -> float64 (bias 7, 3-bit mantissa, subnormals, 0x7f/0xff NaN)."""
-    sign = -1.0 if byte & 0x80 else 1.0
-    exp, man = (byte >> 3) & 0xF, byte & 0x7
-    if exp == 0xF and man == 0x7:
-        return math.nan
-    if exp == 0:
-        return sign * math.ldexp(man, -9)
-    return sign * math.ldexp(8 + man, exp - 10)
 
 
 def random_fp8(rng: np.random.Generator, shape) -> np.ndarray:
