@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engramrt.model.context import Tracer
+from engramrt.model.trace import Tracer
 from engramrt.sampling import sample
 from engramrt.session import Session
 

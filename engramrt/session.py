@@ -1,7 +1,10 @@
-"""A minimal single-process runner: model + Engram hasher + KV cache for a few request slots.
+"""One process's share of the model: its layers, their KV cache and, on the first stage, the
+Engram hasher. ``step`` runs one forward over a flat batch.
 
-Every forward goes through ``step``: hash once where the tokens are (DESIGN §3), build the
-forward context, run the model. Prefill, chunked prefill and decode differ only in the hash mode.
+The first stage hashes once where the token ids are (DESIGN §3) and embeds; every other stage
+starts from what the previous one handed over (``Carry``) and refuses to run without it
+(DESIGN §2). Which stage a process is changes where the stream comes from and where it goes,
+never what a layer does (DESIGN §1).
 """
 
 from __future__ import annotations
@@ -15,14 +18,26 @@ from tokenizers import Tokenizer
 from engramrt.engram import load_hasher
 from engramrt.engram.hashing import EngramHasher
 from engramrt.model.checkpoint import load_model
-from engramrt.model.context import ForwardContext, KVCache, Tracer
+from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
+from engramrt.model.trace import Tracer
+
+
+@dataclass
+class Carry:
+    """What crosses a stage boundary: the hc stream, the lagged pre-mix (fp32), the hash ids
+    computed on the first stage, and the image-token mask."""
+
+    x: torch.Tensor  # [T, hc, D]
+    pre: torch.Tensor  # [T, hc] fp32
+    hash_ids: torch.Tensor  # [T, L, (N-1)*H] int64
+    dead: torch.Tensor  # [T] bool
 
 
 @dataclass
 class Session:
     model: EngramMHCModel
-    hasher: EngramHasher
+    hasher: EngramHasher | None
     kv: KVCache
     tokenizer: Tokenizer | None = None
 
@@ -32,11 +47,14 @@ class Session:
         model_dir: str | Path,
         num_slots: int = 1,
         max_len: int | None = None,
-        device: str = "cpu",
+        device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
+        layer_ids: list[int] | None = None,
     ) -> Session:
-        model = load_model(model_dir, dtype, device)
-        hasher, tokenizer = load_hasher(model_dir, num_slots, device)
+        model = load_model(model_dir, dtype, device, layer_ids)
+        hasher, tokenizer = None, None
+        if model.embed is not None:
+            hasher, tokenizer = load_hasher(model_dir, num_slots, device)
         return cls(model, hasher, cls.new_cache(model, num_slots, max_len), tokenizer)
 
     @staticmethod
@@ -53,32 +71,59 @@ class Session:
             model.layer_ids, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, model.dtype, device
         )
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def embed(
+        self, tokens: list[int], slots: list[int], run_lens: list[int], start_pos: list[int]
+    ) -> Carry:
+        """First stage only: hash ids (decode mode when every run is one token) and the stream."""
+        if self.hasher is None:
+            raise RuntimeError("only the first stage holds the embedding and the Engram hasher")
+        dev = self.device
+        t = torch.tensor(tokens, dtype=torch.int64, device=dev)
+        s = torch.tensor(slots, dtype=torch.int64, device=dev)
+        if all(n == 1 for n in run_lens):
+            ids = self.hasher.decode(t, s, torch.tensor(start_pos, device=dev))
+        else:
+            lens, pos = (torch.tensor(v, device=dev) for v in (run_lens, start_pos))
+            ids = self.hasher.extend(t, s, lens, pos)
+        x, pre = self.model.embed_tokens(t)
+        return Carry(x, pre, ids, self.hasher.is_dead(t))
+
     @torch.inference_mode()
     def step(
         self,
-        tokens: list[int],
+        tokens: list[int] | None,
         slots: list[int],
         run_lens: list[int],
         start_pos: list[int],
         tracer: Tracer | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[T, V]`` for a flat batch; runs of one token use the decode hash mode."""
-        device = self.kv.k[self.model.layer_ids[0]].device
-        t = torch.tensor(tokens, dtype=torch.int64, device=device)
-        s = torch.tensor(slots, dtype=torch.int64, device=device)
-        if all(n == 1 for n in run_lens):
-            ids = self.hasher.decode(t, s, torch.tensor(start_pos, device=device))
-        else:
-            lens, pos = (torch.tensor(v, device=device) for v in (run_lens, start_pos))
-            ids = self.hasher.extend(t, s, lens, pos)
+        carry: Carry | None = None,
+    ) -> torch.Tensor | Carry:
+        """Logits ``[T, V]`` on the last stage, else the ``Carry`` for the next stage."""
+        if carry is None:
+            if self.model.embed is None:
+                first = self.model.layer_ids[0]
+                raise RuntimeError(
+                    f"the stage starting at layer {first} needs the stream, lagged pre-mix and "
+                    "hash ids of the previous stage and received none"
+                )
+            carry = self.embed(tokens, slots, run_lens, start_pos)
         ctx = ForwardContext.for_runs(
             slots,
             run_lens,
             start_pos,
             self.kv,
-            device,
-            hash_ids=ids,
-            dead=self.hasher.is_dead(t),
+            self.device,
+            hash_ids=carry.hash_ids,
+            dead=carry.dead,
             tracer=tracer,
         )
-        return self.model(t, ctx)
+        ctx.trace("stage_entry", self.model.layer_ids[0], carry.x)
+        x, pre = self.model.forward_layers(carry.x, carry.pre, ctx)
+        ctx.trace("stage_exit", self.model.layer_ids[-1], x)
+        if self.model.head is not None:
+            return self.model.logits(x, pre)
+        return Carry(x, pre, carry.hash_ids, carry.dead)

@@ -3,13 +3,11 @@ Engram inputs, and which Engram layers ran (so a skipped one is an error, not si
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-# A tracer sees (event, layer_id, tensor); events: engram_in, engram_out, attn_collapse_in.
-Tracer = Callable[[str, int, torch.Tensor], None]
+from engramrt.model.trace import Tracer
 
 
 class KVCache:

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: layer partitions, stage processes and the stage-to-stage hand-off."""
