@@ -1,3 +1,4 @@
 from engramrt.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # spawned stage processes import this module too
+    raise SystemExit(main())

@@ -9,8 +9,10 @@ import sys
 from collections.abc import Sequence
 
 import torch
+import torch.multiprocessing as mp
 
 from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
+from engramrt.parallel.launch import DistConfig
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -57,29 +59,52 @@ def engram_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dist_config(args: argparse.Namespace, device: str) -> DistConfig:
+    return DistConfig(
+        pp_size=args.pipeline_parallel_size,
+        device=device,
+        backend=args.distributed_backend,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        timeout_s=args.distributed_timeout,
+    )
+
+
+def _add_dist_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument(
+        "--pp-layer-partition",
+        help="layers per stage, e.g. 14,26 (also $ENGRAMRT_PP_LAYER_PARTITION); "
+        "default: vLLM's even split",
+    )
+    p.add_argument("--distributed-backend", choices=["gloo", "nccl"], help="default: by device")
+    p.add_argument("--master-addr", help="default: $MASTER_ADDR or 127.0.0.1")
+    p.add_argument("--master-port", type=int, help="default: $MASTER_PORT or a free port")
+    p.add_argument("--distributed-timeout", type=float, default=600.0, help="seconds")
+
+
 def generate(args: argparse.Namespace) -> int:
-    from engramrt.generate import generate as run
-    from engramrt.model.trace import EngramUpdateStats
-    from engramrt.session import Session
+    from engramrt.config import load_json, model_config
+    from engramrt.generate import GenerateOptions, run_generate
+    from engramrt.parallel.partition import resolve_partition
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    session = Session.load(resolve_model_dir(args.model), device=device, dtype=args.dtype)
-    stats = EngramUpdateStats() if args.engram_stats else None
-    out = run(session, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed, stats)
-    print(out.text)
-    if stats is not None:
-        for layer, row in stats.summary().items():
-            print(
-                f"[engram layer {layer}: update RMS {row['update_rms']:.4f} on a stream of RMS "
-                f"{row['stream_rms']:.4f}, {100 * row['changed_frac']:.2f}% of elements changed]",
-                file=sys.stderr,
-            )
-    n = len(out.token_ids)
-    print(
-        f"[{len(out.prompt_ids)} prompt + {n} generated tokens, finish_reason={out.finish_reason}, "
-        f"{n / out.seconds:.1f} tok/s on {device}]",
-        file=sys.stderr,
+    model_dir = resolve_model_dir(args.model)
+    layers = model_config(load_json(model_dir)).num_layers
+    opts = GenerateOptions(
+        model_dir=model_dir,
+        prompt=args.prompt,
+        partition=resolve_partition(layers, args.pipeline_parallel_size, args.pp_layer_partition),
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        dtype=args.dtype,
+        dist=_dist_config(args, device),
+        trace_path=args.engram_trace,
+        engram_stats=args.engram_stats,
     )
+    run_generate(opts)
     return 0
 
 
@@ -106,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--engram-stats", action="store_true", help="print each Engram's update RMS and reach"
     )
+    g.add_argument("--engram-trace", metavar="PATH", help="JSON lines of stage/Engram checksums")
+    _add_dist_flags(g)
     g.set_defaults(func=generate)
     return parser
 
@@ -120,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"engramrt {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except mp.ProcessException as exc:  # a stage process failed; its traceback is in exc
+        print(f"engramrt {args.command}: error: a stage process failed:\n{exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

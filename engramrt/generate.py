@@ -1,14 +1,18 @@
-"""``engramrt generate``: prefill + decode of one prompt with a KV cache."""
+"""``engramrt generate``: prefill + decode of one prompt, on one process or a pipeline of stages."""
 
 from __future__ import annotations
 
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
-import torch
+from tokenizers import Tokenizer
 
-from engramrt.model.trace import Tracer
-from engramrt.sampling import sample
+from engramrt.model.trace import EngramTrace, EngramUpdateStats
+from engramrt.parallel.launch import DistConfig, launch, stage_device
+from engramrt.parallel.partition import stage_layers
+from engramrt.parallel.pipeline import Pipeline
 from engramrt.session import Session
 
 
@@ -22,40 +26,85 @@ class Generation:
 
 
 def generate(
-    session: Session,
-    prompt: str,
-    max_tokens: int = 32,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    tracer: Tracer | None = None,
+    pipeline: Pipeline, tokenizer: Tokenizer, prompt: str, max_tokens: int = 32
 ) -> Generation:
+    """Greedy or sampled completion of ``prompt`` in slot 0 (the pipeline holds the sampling
+    parameters; its last stage samples)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    cfg, tok = session.model.cfg, session.tokenizer
-    prompt_ids = ([cfg.bos_token_id] if cfg.bos_token_id is not None else []) + tok.encode(
-        prompt
-    ).ids
-    if len(prompt_ids) + max_tokens > session.kv.max_len:
+    cfg = pipeline.session.model.cfg
+    bos = [cfg.bos_token_id] if cfg.bos_token_id is not None else []
+    prompt_ids = bos + tokenizer.encode(prompt).ids
+    limit = pipeline.session.kv.max_len
+    if len(prompt_ids) + max_tokens > limit:
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-            f"maximum context length {session.kv.max_len}"
+            f"maximum context length {limit}"
         )
-    device = session.kv.k[session.model.layer_ids[0]].device
-    gen = torch.Generator(device=device).manual_seed(seed)
     start = time.perf_counter()
-    session.hasher.rebuild(0, [])
-    logits = session.step(prompt_ids, [0], [len(prompt_ids)], [0], tracer)[-1:]
+    nxt = pipeline.step(prompt_ids, [0], [len(prompt_ids)], [0]).tokens[0]
     out: list[int] = []
     finish = "length"
     while True:
-        nxt = int(sample(logits, temperature, top_p, gen)[0])
         if nxt == cfg.eos_token_id:
             finish = "stop"
             break
         out.append(nxt)
         if len(out) == max_tokens:
             break
-        logits = session.step([nxt], [0], [1], [len(prompt_ids) + len(out) - 1], tracer)
+        nxt = pipeline.step([nxt], [0], [1], [len(prompt_ids) + len(out) - 1]).tokens[0]
     seconds = time.perf_counter() - start
-    return Generation(prompt_ids, out, tok.decode(out), finish, seconds)
+    return Generation(prompt_ids, out, tokenizer.decode(out), finish, seconds)
+
+
+@dataclass
+class GenerateOptions:
+    model_dir: Path
+    prompt: str
+    partition: list[int]
+    max_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    dtype: str | None = None
+    dist: DistConfig = field(default_factory=DistConfig)
+    trace_path: str | None = None
+    engram_stats: bool = False
+
+
+def run_generate(opts: GenerateOptions) -> None:
+    launch(opts.dist, _worker, opts)
+
+
+def _worker(rank: int, world: int, opts: GenerateOptions) -> None:
+    device = stage_device(opts.dist)
+    layers = stage_layers(opts.partition, rank)
+    session = Session.load(opts.model_dir, device=device, dtype=opts.dtype, layer_ids=layers)
+    if opts.trace_path and rank == 0:
+        Path(opts.trace_path).write_text("")  # before any stage can have written
+    trace = EngramTrace(opts.trace_path, rank) if opts.trace_path else None
+    stats = EngramUpdateStats() if opts.engram_stats else None
+    pipe = Pipeline(session, rank, world, opts.temperature, opts.top_p, opts.seed, trace, stats)
+    if rank == 0:
+        try:
+            out = generate(pipe, session.tokenizer, opts.prompt, opts.max_tokens)
+        finally:
+            pipe.stop()
+        print(out.text, flush=True)
+        n = len(out.token_ids)
+        print(
+            f"[{len(out.prompt_ids)} prompt + {n} generated tokens, "
+            f"finish_reason={out.finish_reason}, {n / out.seconds:.1f} tok/s on {device}, "
+            f"{world} stage(s) {opts.partition}]",
+            file=sys.stderr,
+        )
+    else:
+        pipe.serve()
+    for layer, row in (stats.summary() if stats else {}).items():
+        print(
+            f"[engram layer {layer} (stage {rank}): update RMS {row['update_rms']:.4f} on a "
+            f"stream of RMS {row['stream_rms']:.4f}, {100 * row['changed_frac']:.2f}% of "
+            "elements changed]",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -1,0 +1,96 @@
+"""Start the pipeline stages: under torchrun this process is one rank (torch's environment
+variables say which); otherwise it spawns one process per stage on this machine. A stage that
+fails takes the others down with it instead of leaving them waiting."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+Worker = Callable[..., None]  # worker(rank, world, *args)
+
+
+@dataclass
+class DistConfig:
+    pp_size: int = 1
+    device: str = "cpu"
+    backend: str | None = None  # default: nccl on cuda, gloo on cpu
+    master_addr: str | None = None  # default: $MASTER_ADDR or 127.0.0.1
+    master_port: int | None = None  # default: $MASTER_PORT or a free port
+    timeout_s: float = 600.0
+
+    @property
+    def resolved_backend(self) -> str:
+        return self.backend or ("nccl" if self.device == "cuda" else "gloo")
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def stage_device(cfg: DistConfig) -> torch.device:
+    if cfg.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg: DistConfig, worker: Worker, *args) -> None:
+    """Run ``worker(rank, world, *args)`` on every stage."""
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != cfg.pp_size:
+            raise ValueError(
+                f"torchrun started {world} processes but --pipeline-parallel-size is {cfg.pp_size}"
+            )
+        _run(int(os.environ["RANK"]), cfg, worker, args)
+    elif cfg.pp_size == 1:
+        worker(0, 1, *args)
+    else:
+        addr = cfg.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = cfg.master_port or int(os.environ.get("MASTER_PORT", 0)) or _free_port()
+        mp.start_processes(
+            _spawned,
+            args=(cfg, addr, port, worker, args),
+            nprocs=cfg.pp_size,
+            start_method="spawn",
+        )
+
+
+def _spawned(rank: int, cfg: DistConfig, addr: str, port: int, worker: Worker, args) -> None:
+    os.environ.update(
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(cfg.pp_size),
+        LOCAL_RANK=str(rank),
+    )
+    _run(rank, cfg, worker, args)
+
+
+def _run(rank: int, cfg: DistConfig, worker: Worker, args) -> None:
+    if cfg.device == "cuda":
+        torch.cuda.set_device(stage_device(cfg))
+    dist.init_process_group(
+        cfg.resolved_backend,
+        rank=rank,
+        world_size=cfg.pp_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
+    try:
+        worker(rank, cfg.pp_size, *args)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,186 @@
+"""A synchronous pipeline over torch.distributed point-to-point messages.
+
+Rank 0 is the first stage and the driver: it takes a flat batch, hashes and embeds, runs its
+layers and sends (metadata, Carry) to rank 1, and so on; the last stage collapses, normalises
+and samples, and sends the sampled tokens (and, when asked, the logits) back to rank 0. With one
+stage there are no messages and the same code runs in one process.
+
+Tensors travel as raw bytes, so the hand-off is bit-exact whatever the dtype or backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engramrt.model.trace import EngramTrace, Tracer, fanout
+from engramrt.sampling import sample
+from engramrt.session import Carry, Session
+
+_STEP, _STOP = 0, 1
+
+
+@dataclass
+class Meta:
+    slots: list[int]
+    run_lens: list[int]
+    start_pos: list[int]
+    return_logits: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.run_lens)
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # sampled after each request's last token this step (-1: empty run)
+    logits: torch.Tensor | None  # [T, V] fp32 when asked for
+
+
+class Pipeline:
+    def __init__(
+        self,
+        session: Session,
+        rank: int = 0,
+        world: int = 1,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        trace: EngramTrace | None = None,
+        tracer: Tracer | None = None,
+    ):
+        self.session, self.rank, self.world = session, rank, world
+        self.temperature, self.top_p = temperature, top_p
+        self.generator = torch.Generator(device=session.device).manual_seed(seed)
+        self.trace = trace
+        self.tracer = fanout(trace, tracer)
+        cfg = session.model.cfg
+        self.vocab, self.hc, self.dim = cfg.vocab_size, cfg.hc_mult, cfg.hidden_size
+        self.hash_shape = (cfg.engram.num_layers, cfg.engram.n_hash_cols)
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world - 1
+
+    # --- the driver (rank 0) -------------------------------------------------------------
+
+    def step(
+        self,
+        tokens: Sequence[int],
+        slots: Sequence[int],
+        run_lens: Sequence[int],
+        start_pos: Sequence[int],
+        return_logits: bool = False,
+    ) -> StepResult:
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 drives the pipeline")
+        if len(tokens) != sum(run_lens):
+            raise ValueError(f"{len(tokens)} tokens but run lengths sum to {sum(run_lens)}")
+        meta = Meta(list(slots), list(run_lens), list(start_pos), return_logits)
+        result = self._stage(meta, list(tokens))
+        return result if result is not None else self._recv_result(meta)
+
+    def stop(self) -> None:
+        """Release the other stages (their ``serve`` returns)."""
+        if self.rank == 0 and self.world > 1:
+            self._send_header(_STOP, 0)
+
+    # --- every other rank ----------------------------------------------------------------
+
+    def serve(self) -> None:
+        while True:
+            kind, n = self._recv_header()
+            if kind == _STOP:
+                if not self.is_last:
+                    self._send_header(_STOP, 0)
+                return
+            self._stage(self._recv_meta(n))
+
+    # --- one stage of one step -----------------------------------------------------------
+
+    def _stage(self, meta: Meta, tokens: list[int] | None = None) -> StepResult | None:
+        carry = None if self.rank == 0 else self._recv_carry(meta.num_tokens)
+        out = self.session.step(
+            tokens, meta.slots, meta.run_lens, meta.start_pos, self.tracer, carry
+        )
+        if self.trace is not None:
+            self.trace.end_step()
+        if not self.is_last:
+            self._send_meta(meta)
+            self._send_carry(out)
+            return None
+        result = self._sample(out, meta)
+        if self.rank != 0:
+            self._send_result(result)
+            return None
+        return result
+
+    def _sample(self, logits: torch.Tensor, meta: Meta) -> StepResult:
+        ends = torch.tensor(meta.run_lens).cumsum(0) - 1
+        live = [i for i, n in enumerate(meta.run_lens) if n > 0]
+        picked = sample(logits[ends[live]], self.temperature, self.top_p, self.generator).tolist()
+        tokens = [-1] * len(meta.run_lens)
+        for i, tok in zip(live, picked, strict=True):
+            tokens[i] = tok
+        return StepResult(tokens, logits if meta.return_logits else None)
+
+    # --- messages ------------------------------------------------------------------------
+
+    def _dev(self) -> torch.device:
+        return self.session.device
+
+    def _send(self, t: torch.Tensor, dst: int) -> None:
+        dist.send(t.contiguous().view(torch.uint8).flatten(), dst)
+
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self._dev())
+        dist.recv(buf, src)
+        return buf.view(dtype).view(shape)
+
+    def _send_header(self, kind: int, n: int) -> None:
+        self._send(torch.tensor([kind, n], dtype=torch.int64, device=self._dev()), self.rank + 1)
+
+    def _recv_header(self) -> tuple[int, int]:
+        kind, n = self._recv((2,), torch.int64, self.rank - 1).tolist()
+        return kind, n
+
+    def _send_meta(self, meta: Meta) -> None:
+        body = [int(meta.return_logits), *meta.slots, *meta.run_lens, *meta.start_pos]
+        self._send_header(_STEP, len(body))
+        self._send(torch.tensor(body, dtype=torch.int64, device=self._dev()), self.rank + 1)
+
+    def _recv_meta(self, n: int) -> Meta:
+        body = self._recv((n,), torch.int64, self.rank - 1).tolist()
+        b = (n - 1) // 3
+        return Meta(body[1 : 1 + b], body[1 + b : 1 + 2 * b], body[1 + 2 * b :], bool(body[0]))
+
+    def _send_carry(self, carry: Carry) -> None:
+        for t in (carry.x, carry.pre, carry.hash_ids, carry.dead):
+            self._send(t, self.rank + 1)
+
+    def _recv_carry(self, t: int) -> Carry:
+        src, model = self.rank - 1, self.session.model
+        return Carry(
+            self._recv((t, self.hc, self.dim), model.dtype, src),
+            self._recv((t, self.hc), torch.float32, src),
+            self._recv((t, *self.hash_shape), torch.int64, src),
+            self._recv((t,), torch.bool, src),
+        )
+
+    def _send_result(self, result: StepResult) -> None:
+        self._send(torch.tensor(result.tokens, dtype=torch.int64, device=self._dev()), 0)
+        if result.logits is not None:
+            self._send(result.logits.float(), 0)
+
+    def _recv_result(self, meta: Meta) -> StepResult:
+        last = self.world - 1
+        tokens = self._recv((len(meta.run_lens),), torch.int64, last).tolist()
+        logits = None
+        if meta.return_logits:
+            logits = self._recv((meta.num_tokens, self.vocab), torch.float32, last)
+        return StepResult(tokens, logits)
