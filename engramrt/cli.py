@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 import torch
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
 from engramrt.parallel.launch import DistConfig
@@ -108,6 +108,32 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_pp(args: argparse.Namespace) -> int:
+    from engramrt.check_pp import CheckOptions, check_pp, format_report
+
+    device = args.device or "cpu"
+    prompts = None
+    if args.prompts:
+        with open(args.prompts) as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        if not prompts:
+            raise ValueError(f"{args.prompts} holds no prompts (one per line)")
+    opts = CheckOptions(
+        model_dir=resolve_model_dir(args.model),
+        stages=args.stages,
+        max_partitions=args.max_partitions,
+        decode_steps=args.decode_steps,
+        dtype=args.dtype,
+        atol=args.atol,
+        dist=_dist_config(args, device),
+    )
+    if prompts:
+        opts.prompts = prompts
+    report = check_pp(opts)
+    print(format_report(report))
+    return 0 if report["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engramrt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engram-trace", metavar="PATH", help="JSON lines of stage/Engram checksums")
     _add_dist_flags(g)
     g.set_defaults(func=generate)
+
+    c = sub.add_parser("check-pp", help="every layer partition must reproduce PP = 1 exactly")
+    c.add_argument("--model", help="HF-style model directory (default: the bundled tiny model)")
+    c.add_argument("--stages", type=int, default=2)
+    c.add_argument("--max-partitions", type=int, help="at most K (entry-on-Engram ones always)")
+    c.add_argument("--prompts", metavar="FILE", help="one prompt per line")
+    c.add_argument("--decode-steps", type=int, default=8)
+    c.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    c.add_argument("--atol", type=float, default=0.0, help="allowed max |dlogit| (default 0)")
+    _add_dist_flags(c)
+    c.set_defaults(func=check_pp)
     return parser
 
 
@@ -147,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"engramrt {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except mp.ProcessException as exc:  # a stage process failed; its traceback is in exc
+    except ProcessException as exc:  # a stage process failed; its traceback is in exc
         print(f"engramrt {args.command}: error: a stage process failed:\n{exc}", file=sys.stderr)
         return 1
 

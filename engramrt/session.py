@@ -9,7 +9,7 @@ never what a layer does (DESIGN §1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ class Session:
     hasher: EngramHasher | None
     kv: KVCache
     tokenizer: Tokenizer | None = None
+    engram_ran: list[int] = field(default_factory=list)  # every Engram layer run, in order
 
     @classmethod
     def load(
@@ -123,6 +124,7 @@ class Session:
         )
         ctx.trace("stage_entry", self.model.layer_ids[0], carry.x)
         x, pre = self.model.forward_layers(carry.x, carry.pre, ctx)
+        self.engram_ran.extend(ctx.engram_ran)
         ctx.trace("stage_exit", self.model.layer_ids[-1], x)
         if self.model.head is not None:
             return self.model.logits(x, pre)

@@ -92,5 +92,6 @@ def _run(rank: int, cfg: DistConfig, worker: Worker, args) -> None:
     )
     try:
         worker(rank, cfg.pp_size, *args)
+        dist.barrier()  # no stage tears its connections down while another still uses them
     finally:
         dist.destroy_process_group()

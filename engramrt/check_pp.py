@@ -1,0 +1,179 @@
+"""``engramrt check-pp``: the same prompts with PP = 1 and with every partition of the layers
+into N stages; any logit or greedy-token difference, or an Engram layer that did not run exactly
+once per step on the stage that owns it, is a failure (exit code 1).
+
+Each partition is fed the PP = 1 run's greedy tokens, so one mismatch cannot cascade and the
+logits of every step are compared like for like.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engramrt.config import load_json, model_config
+from engramrt.engram.token_map import load_tokenizer
+from engramrt.parallel.launch import DistConfig, launch, stage_device
+from engramrt.parallel.partition import all_partitions, stage_layers
+from engramrt.parallel.pipeline import Pipeline
+from engramrt.session import Session
+
+DEFAULT_PROMPTS = [
+    "The Engram hashes every token of this prompt.",
+    "A pipeline stage may begin on an Engram layer.",
+    "Hi",
+]
+# Test-only fault injection: make the Engram of a stage's first layer an identity (while still
+# counted as run), i.e. the silent stage-entry skip this tool exists to catch.
+FAULT_ENV = "ENGRAMRT_CHECK_PP_FAULT"
+
+
+def choose_partitions(num_layers: int, stages: int, engram_layers: list[int], limit: int | None):
+    """All partitions, or ``limit`` of them that always include every partition in which a
+    later stage starts on an Engram layer."""
+    every = all_partitions(num_layers, stages)
+    if limit is None or limit >= len(every):
+        return every
+
+    def entry_on_engram(parts: list[int]) -> bool:
+        return any(sum(parts[:r]) in engram_layers for r in range(1, stages))
+
+    must = [p for p in every if entry_on_engram(p)]
+    rest = [p for p in every if not entry_on_engram(p)]
+    return must + rest[: max(0, limit - len(must))]
+
+
+@dataclass
+class CheckOptions:
+    model_dir: Path
+    stages: int = 2
+    max_partitions: int | None = None
+    prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
+    decode_steps: int = 8
+    dtype: str = "float32"
+    atol: float = 0.0
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+def check_pp(opts: CheckOptions) -> dict:
+    """Run the check; returns the report (also what the table is printed from)."""
+    cfg = model_config(load_json(opts.model_dir))
+    if not 1 <= opts.stages <= cfg.num_layers:
+        raise ValueError(f"--stages must lie in [1, {cfg.num_layers}], got {opts.stages}")
+    partitions = choose_partitions(
+        cfg.num_layers, opts.stages, list(cfg.engram.layer_ids), opts.max_partitions
+    )
+    tok = load_tokenizer(opts.model_dir)
+    bos = [cfg.bos_token_id] if cfg.bos_token_id is not None else []
+    prompts = [bos + tok.encode(p).ids for p in opts.prompts]
+    opts.dist.pp_size = opts.stages
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        launch(opts.dist, _worker, opts, partitions, prompts, str(out))
+        report = json.loads(out.read_text())
+    report["ok"] = all(r["ok"] for r in report["partitions"])
+    return report
+
+
+def _scenario(pipe: Pipeline, prompts: list[list[int]], steps: int, forced: list | None):
+    """Prefill all prompts in one batch, then ``steps`` decode steps; logits of every step."""
+    slots = list(range(len(prompts)))
+    res = pipe.step([t for p in prompts for t in p], slots, [len(p) for p in prompts],
+                    [0] * len(prompts), return_logits=True)  # fmt: skip
+    logits, tokens = [res.logits], [res.tokens]
+    lengths = [len(p) for p in prompts]
+    for k in range(steps):
+        feed = forced[k] if forced is not None else tokens[-1]
+        res = pipe.step(feed, slots, [1] * len(prompts), lengths, return_logits=True)
+        lengths = [n + 1 for n in lengths]
+        logits.append(res.logits)
+        tokens.append(res.tokens)
+    return logits, tokens
+
+
+def _session(opts: CheckOptions, layers: list[int], num_slots: int) -> Session:
+    return Session.load(
+        opts.model_dir, num_slots, device=stage_device(opts.dist), dtype=opts.dtype,
+        layer_ids=layers,
+    )  # fmt: skip
+
+
+def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    n = len(prompts)
+    if rank == 0:
+        full = _session(opts, list(range(sum(partitions[0]))), n)
+        ref_logits, ref_tokens = _scenario(Pipeline(full), prompts, opts.decode_steps, None)
+    rows = []
+    for parts in partitions:
+        session = _session(opts, stage_layers(parts, rank), n)
+        if os.environ.get(FAULT_ENV) == "skip-entry-engram" and rank > 0:
+            first = session.model.layers[str(session.model.layer_ids[0])]
+            if first.engram is not None:
+                first.engram.forward = lambda x, ids, dead=None: x
+        pipe = Pipeline(session, rank, world)
+        if rank == 0:
+            try:
+                logits, tokens = _scenario(pipe, prompts, opts.decode_steps, ref_tokens)
+            finally:
+                pipe.stop()
+        else:
+            pipe.serve()
+        per_stage = [session.engram_ran]
+        if world > 1:
+            per_stage = [None] * world if rank == 0 else None
+            dist.gather_object(session.engram_ran, per_stage, dst=0)
+        if rank == 0:
+            rows.append(_compare(opts, parts, per_stage, logits, tokens, ref_logits, ref_tokens))
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"stages": world, "partitions": rows}))
+
+
+def _compare(opts, parts, per_stage, logits, tokens, ref_logits, ref_tokens) -> dict:
+    steps = len(ref_logits)
+    delta = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True))
+    cfg = model_config(load_json(opts.model_dir))
+    expected = [
+        [layer for layer in stage_layers(parts, r) if layer in cfg.engram.layer_ids] * steps
+        for r in range(len(parts))
+    ]
+    ran_ok = [sorted(ran) == sorted(exp) for ran, exp in zip(per_stage, expected, strict=True)]
+    same_tokens = tokens == ref_tokens
+    return {
+        "partition": parts,
+        "engram_layers_by_stage": [sorted(set(r)) for r in per_stage],
+        "engram_runs_ok": all(ran_ok),
+        "max_abs_dlogit": delta,
+        "greedy_tokens_identical": same_tokens,
+        "ok": all(ran_ok) and same_tokens and delta <= opts.atol,
+    }
+
+
+def format_report(report: dict) -> str:
+    lines = [
+        f"{'partition':<14} {'Engram layers ran, by stage':<30} {'max |dlogit|':>13} "
+        f"{'greedy tokens':>14}  result",
+    ]
+    for r in report["partitions"]:
+        by_stage = " | ".join(
+            f"s{i}:{','.join(map(str, layers)) or '-'}"
+            for i, layers in enumerate(r["engram_layers_by_stage"])
+        )
+        lines.append(
+            f"{','.join(map(str, r['partition'])):<14} {by_stage:<30} "
+            f"{r['max_abs_dlogit']:>13.3g} "
+            f"{'identical' if r['greedy_tokens_identical'] else 'DIFFER':>14}  "
+            f"{'ok' if r['ok'] else 'MISMATCH'}"
+        )
+    bad = sum(not r["ok"] for r in report["partitions"])
+    lines.append(
+        f"{len(report['partitions'])} partitions into {report['stages']} stages: "
+        + ("all match PP = 1" if not bad else f"{bad} MISMATCH")
+    )
+    return "\n".join(lines)
