@@ -42,7 +42,7 @@ def stage_device(cfg: DistConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -61,7 +61,7 @@ def launch(cfg: DistConfig, worker: Worker, *args) -> None:
         worker(0, 1, *args)
     else:
         addr = cfg.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = cfg.master_port or int(os.environ.get("MASTER_PORT", 0)) or _free_port()
+        port = cfg.master_port or int(os.environ.get("MASTER_PORT", 0)) or free_port()
         mp.start_processes(
             _spawned,
             args=(cfg, addr, port, worker, args),

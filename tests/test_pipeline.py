@@ -1,0 +1,241 @@
+"""Pipeline parallelism: partition rules, every partition bitwise equal to PP = 1, the engram
+trace, torchrun, and failure behaviour."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engramrt.check_pp import FAULT_ENV, CheckOptions, check_pp, choose_partitions
+from engramrt.cli import main
+from engramrt.parallel.launch import free_port
+from engramrt.parallel.partition import (
+    ENV,
+    PartitionError,
+    all_partitions,
+    default_partition,
+    resolve_partition,
+)
+from engramrt.session import Carry, Session
+from tests.model_factory import make_model, save_model
+
+PROMPTS = ["The Engram hashes every token of this prompt, twice over.", "Hi there", "x"]
+
+
+def _cli(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "engramrt", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+# --- partitions ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layers", "pp", "want"),
+    [(3, 2, [2, 1]), (4, 3, [1, 2, 1]), (5, 3, [2, 2, 1]), (22, 4, [5, 6, 6, 5]),
+     (61, 4, [15, 15, 16, 15]), (40, 2, [20, 20]), (40, 3, [13, 14, 13]), (6, 1, [6])],
+)  # fmt: skip
+def test_default_split_matches_vllm(layers: int, pp: int, want: list[int]) -> None:
+    """vLLM's get_pp_indices: remainder to the stages before the last, from the back."""
+    assert default_partition(layers, pp) == want == resolve_partition(layers, pp)
+
+
+@pytest.mark.parametrize(
+    ("text", "pp", "rule"),
+    [
+        ("3,3,3", 2, "one entry per stage"),
+        ("3,4", 2, "must sum to num_hidden_layers"),
+        ("0,6", 2, "empty stage"),
+        ("-1,7", 2, "empty stage"),
+        ("3,a", 2, "comma-separated integers"),
+        ("3,3,", 2, "comma-separated integers"),
+        ("6", 0, "pipeline_parallel_size must be >= 1"),
+    ],
+)
+def test_invalid_partitions_name_the_rule(text: str, pp: int, rule: str) -> None:
+    with pytest.raises(PartitionError, match=rule):
+        resolve_partition(6, pp, text)
+
+
+def test_partition_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, "1,5")
+    assert resolve_partition(6, 2) == [1, 5]
+    assert resolve_partition(6, 2, "4,2") == [4, 2]  # the flag wins
+    monkeypatch.setenv(ENV, "2,2")
+    with pytest.raises(PartitionError, match=r"\[2, 2\] sums to 4 .* 6 layers"):
+        resolve_partition(6, 2)
+
+
+def test_cli_rejects_bad_partition(capsys: pytest.CaptureFixture) -> None:
+    code = main(["generate", "--prompt", "x", "-pp", "2", "--pp-layer-partition", "4,0"])
+    assert code == 2 and "empty stage" in capsys.readouterr().err
+
+
+def test_partition_enumeration_and_selection() -> None:
+    every = all_partitions(6, 3)
+    assert len(every) == 10 and all(sum(p) == 6 and min(p) >= 1 for p in every)
+    assert len({tuple(p) for p in every}) == 10
+    picked = choose_partitions(6, 3, [1, 4], 4)
+    entry_on_engram = [p for p in every if p[0] in (1, 4) or p[0] + p[1] in (1, 4)]
+    assert all(p in picked for p in entry_on_engram) and len(picked) >= 4
+
+
+# --- fail closed on every stage --------------------------------------------------------------
+
+
+def test_later_stage_without_carry_raises() -> None:
+    """DESIGN §2: a later stage handed no stream / lagged pre / hash ids refuses to run."""
+    model, _ = make_model(num_hidden_layers=3, engram_layer_ids=[0, 2])
+    stage = _stage_of(model, [1, 2])
+    session = Session(stage, None, Session.new_cache(stage, 1))
+    with pytest.raises(RuntimeError, match="stage starting at layer 1 needs the stream"):
+        session.step(None, [0], [2], [0])
+
+
+def _stage_of(model, layers: list[int]):
+    from engramrt.model.decoder import EngramMHCModel
+
+    stage = EngramMHCModel(model.cfg, model.dtype, layers)
+    stage.load_state_dict({k: v for k, v in model.state_dict().items() if k in stage.state_dict()},
+                          strict=False)  # fmt: skip
+    for i in layers:
+        if stage.layers[str(i)].engram is not None:
+            stage.layers[str(i)].engram.embed = model.layers[str(i)].engram.embed
+    return stage
+
+
+def test_stage_carry_hand_off_is_exact_in_process() -> None:
+    """Stages run one after another in one process (no messages) give PP = 1's logits bitwise,
+    including a later stage that starts on an Engram layer."""
+    from engramrt.bundled import DEFAULT_MODEL_DIR
+    from engramrt.engram import load_hasher
+
+    model, _ = make_model(seed=4, num_hidden_layers=4, engram_layer_ids=[1, 2])
+    hasher, _ = load_hasher(DEFAULT_MODEL_DIR, 1)
+    whole = Session(model, hasher, Session.new_cache(model, 1))
+    tokens = [0, 55, 66, 77, 88]
+    want = whole.step(tokens, [0], [5], [0])
+    hasher2, _ = load_hasher(DEFAULT_MODEL_DIR, 1)
+    first = Session(_stage_of(model, [0]), hasher2, None)
+    second = Session(_stage_of(model, [1, 2, 3]), None, None)
+    for s in (first, second):
+        s.kv = Session.new_cache(s.model, 1)
+    carry = first.step(tokens, [0], [5], [0])
+    assert isinstance(carry, Carry) and carry.pre.dtype.is_floating_point
+    got = second.step(None, [0], [5], [0], carry=carry)
+    assert got.equal(want) and second.engram_ran == [1, 2]
+
+
+# --- every partition == PP = 1, bitwise (multi-process, gloo) --------------------------------
+
+
+@pytest.fixture(scope="module")
+def six_layer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model, raw = make_model(seed=5, num_hidden_layers=6, engram_layer_ids=[1, 4])
+    return save_model(model, raw, tmp_path_factory.mktemp("six"))
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_every_partition_bitwise_equals_pp1(six_layer_dir: Path, stages: int) -> None:
+    """6 layers, Engram at {1, 4}: all 2- and 3-stage partitions, prefill + 8 decode steps of
+    3 requests of different lengths, logits bitwise equal to PP = 1."""
+    report = check_pp(CheckOptions(six_layer_dir, stages=stages, prompts=PROMPTS))
+    parts = [r["partition"] for r in report["partitions"]]
+    assert parts == all_partitions(6, stages)
+    for must in ([1, 5], [4, 2], [1, 3, 2]):
+        assert must in parts or len(must) != stages
+    for r in report["partitions"]:
+        assert r["max_abs_dlogit"] == 0.0 and r["greedy_tokens_identical"] and r["engram_runs_ok"]
+    assert report["ok"]
+
+
+def test_engram_at_first_and_last_layer_with_one_layer_stages(tmp_path: Path) -> None:
+    model, raw = make_model(seed=6, num_hidden_layers=3, engram_layer_ids=[0, 2])
+    model_dir = save_model(model, raw, tmp_path)
+    report = check_pp(CheckOptions(model_dir, stages=3, prompts=PROMPTS, decode_steps=3))
+    (row,) = report["partitions"]
+    assert row["partition"] == [1, 1, 1] and row["engram_layers_by_stage"] == [[0], [], [2]]
+    assert report["ok"] and row["max_abs_dlogit"] == 0.0
+
+
+# --- the check-pp command, and proof that it can fail ----------------------------------------
+
+
+def test_check_pp_on_default_model_passes_and_catches_a_skipped_engram() -> None:
+    good = _cli("check-pp")
+    assert good.returncode == 0, good.stderr
+    assert "all match PP = 1" in good.stdout and "1,3" in good.stdout
+    bad = _cli("check-pp", env={FAULT_ENV: "skip-entry-engram"})
+    assert bad.returncode == 1, bad.stderr
+    rows = {line.split()[0]: line for line in bad.stdout.splitlines()[1:-1]}
+    assert "MISMATCH" in rows["1,3"] and "MISMATCH" in rows["2,2"]  # stage 1 starts on Engram
+    assert rows["3,1"].endswith(" ok")  # no Engram at that stage's entry: nothing skipped
+
+
+# --- trace, generate and torchrun ------------------------------------------------------------
+
+
+def test_engram_trace_shows_the_stage_entry_engram(tmp_path: Path) -> None:
+    """Partition 1,3 on the default model: stage 1 starts on Engram layer 1. Every step, each
+    Engram layer runs once on its stage; layer 1's input is exactly the received stream, which
+    is exactly what stage 0 sent."""
+    trace = tmp_path / "trace.jsonl"
+    args = ["generate", "--prompt", "The quick brown fox", "--max-tokens", "6"]
+    pp = _cli(*args, "-pp", "2", "--pp-layer-partition", "1,3", "--engram-trace", str(trace))
+    assert pp.returncode == 0, pp.stderr
+    single = _cli(*args)
+    assert pp.stdout == single.stdout and pp.stdout.strip()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = sorted({r["step"] for r in rows})
+    assert steps == list(range(6))  # prefill + 5 decode steps
+    for step in steps:
+        at = {(r["rank"], r["layer"]): r for r in rows if r["step"] == step}
+        assert {layer for (_, layer), r in at.items() if "engram_out_sha256" in r} == {1, 2}
+        assert [k for k, r in at.items() if "engram_in_sha256" in r] == [(1, 1), (1, 2)]
+        entry = at[(1, 1)]
+        assert entry["engram_in_sha256"] == entry["stage_entry_sha256"]
+        assert entry["stage_entry_sha256"] == at[(0, 0)]["stage_exit_sha256"]
+        assert entry["engram_out_sha256"] != entry["engram_in_sha256"]
+        assert entry["engram_update_rms"] > 0.1 and entry["engram_changed_frac"] > 0.5
+
+
+def test_torchrun_runs_the_same_flags() -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    run = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "engramrt", "generate",
+         "--prompt", "The quick brown fox", "--max-tokens", "5", "-pp", "2"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    single = _cli("generate", "--prompt", "The quick brown fox", "--max-tokens", "5")
+    assert run.stdout == single.stdout
+
+
+def test_a_dead_stage_ends_the_others_quickly() -> None:
+    """Two ranks started as torchrun would (no supervising parent); rank 1 dies after one
+    step. Rank 0 must exit with an error within seconds, not wait out its 600 s timeout."""
+    script = Path(__file__).with_name("pp_stage_dies.py")
+    port = str(free_port())
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
+           "PYTHONPATH": str(Path(__file__).parent.parent)}  # fmt: skip
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen([sys.executable, str(script), "600"], env={**env, "RANK": str(r),
+                         "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for r in range(2)
+    ]  # fmt: skip
+    codes = [p.wait(timeout=120) for p in procs]
+    elapsed = time.monotonic() - start
+    assert codes[1] == 3 and codes[0] != 0
+    assert elapsed < 60
