@@ -131,16 +131,20 @@ class Pipeline:
     # --- messages ------------------------------------------------------------------------
 
     def _dev(self) -> torch.device:
+        """Where messages live: host memory for gloo (also with CUDA stages), else the stage's
+        device."""
+        if self.world > 1 and dist.get_backend() == "gloo":
+            return torch.device("cpu")
         return self.session.device
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
-        dist.send(t.contiguous().view(torch.uint8).flatten(), dst)
+        dist.send(t.contiguous().view(torch.uint8).flatten().to(self._dev()), dst)
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self._dev())
         dist.recv(buf, src)
-        return buf.view(dtype).view(shape)
+        return buf.to(self.session.device).view(dtype).view(shape)
 
     def _send_header(self, kind: int, n: int) -> None:
         self._send(torch.tensor([kind, n], dtype=torch.int64, device=self._dev()), self.rank + 1)
