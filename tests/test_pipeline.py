@@ -191,7 +191,7 @@ def test_engram_trace_shows_the_stage_entry_engram(tmp_path: Path) -> None:
     Engram layer runs once on its stage; layer 1's input is exactly the received stream, which
     is exactly what stage 0 sent."""
     trace = tmp_path / "trace.jsonl"
-    args = ["generate", "--prompt", "The quick brown fox", "--max-tokens", "6"]
+    args = ["generate", "--prompt", "The quick brown fox", "--max-tokens", "6", "--device", "cpu"]
     pp = _cli(*args, "-pp", "2", "--pp-layer-partition", "1,3", "--engram-trace", str(trace))
     assert pp.returncode == 0, pp.stderr
     single = _cli(*args)
@@ -214,11 +214,13 @@ def test_torchrun_runs_the_same_flags() -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     run = subprocess.run(
         [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "engramrt", "generate",
-         "--prompt", "The quick brown fox", "--max-tokens", "5", "-pp", "2"],
+         "--prompt", "The quick brown fox", "--max-tokens", "5", "-pp", "2", "--device", "cpu"],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    single = _cli("generate", "--prompt", "The quick brown fox", "--max-tokens", "5")
+    single = _cli(
+        "generate", "--prompt", "The quick brown fox", "--max-tokens", "5", "--device", "cpu"
+    )
     assert run.stdout == single.stdout
 
 
