@@ -59,7 +59,14 @@ class Session:
         return cls(model, hasher, cls.new_cache(model, num_slots, max_len), tokenizer)
 
     @staticmethod
-    def new_cache(model: EngramMHCModel, num_slots: int, max_len: int | None = None) -> KVCache:
+    def new_cache(
+        model: EngramMHCModel,
+        num_slots: int,
+        max_len: int | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+    ) -> KVCache:
+        """Enough blocks for ``num_slots`` sequences of ``max_len`` unless ``num_blocks`` says."""
         cfg = model.cfg
         max_len = max_len or cfg.max_position_embeddings
         if max_len > cfg.max_position_embeddings:
@@ -68,8 +75,17 @@ class Session:
                 f"({cfg.max_position_embeddings})"
             )
         device = next(model.parameters()).device
+        if num_blocks is None:
+            num_blocks = num_slots * -(-max_len // block_size)
         return KVCache(
-            model.layer_ids, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, model.dtype, device
+            model.layer_ids,
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            model.dtype,
+            device,
+            max_len,
         )
 
     @property
@@ -102,8 +118,10 @@ class Session:
         start_pos: list[int],
         tracer: Tracer | None = None,
         carry: Carry | None = None,
+        block_tables: list[list[int]] | None = None,
     ) -> torch.Tensor | Carry:
-        """Logits ``[T, V]`` on the last stage, else the ``Carry`` for the next stage."""
+        """Logits ``[T, V]`` on the last stage, else the ``Carry`` for the next stage. Without
+        ``block_tables`` each slot uses its own fixed blocks."""
         if carry is None:
             if self.model.embed is None:
                 first = self.model.layer_ids[0]
@@ -118,6 +136,7 @@ class Session:
             start_pos,
             self.kv,
             self.device,
+            block_tables,
             hash_ids=carry.hash_ids,
             dead=carry.dead,
             tracer=tracer,

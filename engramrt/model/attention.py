@@ -1,7 +1,8 @@
 """Grouped-query attention with RoPE over a contiguous per-slot KV cache.
 
-Tokens arrive as runs, one per request; each run writes its K/V at its positions and attends
-causally over its slot's cache. Prefill, chunked prefill and decode are the same code.
+Tokens arrive as runs, one per request; each run writes its K/V at its positions (through its
+block table) and attends causally over its cached positions. Prefill, chunked prefill and decode
+are the same code.
 """
 
 from __future__ import annotations
@@ -32,24 +33,23 @@ class Attention(nn.Module):
         q = apply_rope(self.wq(x).view(t, self.heads, self.head_dim), ctx.positions, self.theta)
         k = apply_rope(self.wk(x).view(t, self.kv_heads, self.head_dim), ctx.positions, self.theta)
         v = self.wv(x).view(t, self.kv_heads, self.head_dim)
-        k_cache, v_cache = ctx.kv.k[self.layer_id], ctx.kv.v[self.layer_id]
+        kv = ctx.kv
+        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         out = torch.zeros_like(q)
         start = 0
-        for slot, n, p0 in zip(ctx.slots, ctx.run_lens, ctx.start_pos, strict=True):
+        for n, p0, table in zip(ctx.run_lens, ctx.start_pos, ctx.block_tables, strict=True):
             if n == 0:
                 continue
             end = p0 + n
-            k_cache[slot, p0:end] = k[start : start + n]
-            v_cache[slot, p0:end] = v[start : start + n]
-            mask = (
-                torch.arange(end, device=x.device)
-                <= torch.arange(p0, end, device=x.device)[:, None]
-            )
+            rows = kv.token_slots(table, 0, end, x.device)
+            k_cache[rows[p0:]] = k[start : start + n]
+            v_cache[rows[p0:]] = v[start : start + n]
+            causal = torch.arange(end, device=x.device) <= rows.new_tensor(range(p0, end))[:, None]
             o = F.scaled_dot_product_attention(
                 q[start : start + n].transpose(0, 1),
-                k_cache[slot, :end].transpose(0, 1),
-                v_cache[slot, :end].transpose(0, 1),
-                attn_mask=mask,
+                k_cache[rows].transpose(0, 1),
+                v_cache[rows].transpose(0, 1),
+                attn_mask=causal,
                 enable_gqa=True,
             )
             out[start : start + n] = o.transpose(0, 1)

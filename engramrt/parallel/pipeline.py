@@ -28,11 +28,32 @@ class Meta:
     slots: list[int]
     run_lens: list[int]
     start_pos: list[int]
+    block_tables: list[list[int]] | None = None  # None: each slot's fixed blocks
     return_logits: bool = False
 
     @property
     def num_tokens(self) -> int:
         return sum(self.run_lens)
+
+    def encode(self) -> list[int]:
+        tables = self.block_tables
+        head = [int(self.return_logits), len(self.slots), int(tables is not None)]
+        body = [*self.slots, *self.run_lens, *self.start_pos]
+        if tables is not None:
+            body += [len(t) for t in tables] + [b for t in tables for b in t]
+        return head + body
+
+    @classmethod
+    def decode(cls, v: list[int]) -> Meta:
+        ret, b, has_tables = v[:3]
+        slots, lens, pos = v[3 : 3 + b], v[3 + b : 3 + 2 * b], v[3 + 2 * b : 3 + 3 * b]
+        tables = None
+        if has_tables:
+            sizes, flat, tables = v[3 + 3 * b : 3 + 4 * b], v[3 + 4 * b :], []
+            for n in sizes:
+                tables.append(flat[:n])
+                flat = flat[n:]
+        return cls(slots, lens, pos, tables, bool(ret))
 
 
 @dataclass
@@ -75,12 +96,13 @@ class Pipeline:
         run_lens: Sequence[int],
         start_pos: Sequence[int],
         return_logits: bool = False,
+        block_tables: list[list[int]] | None = None,
     ) -> StepResult:
         if self.rank != 0:
             raise RuntimeError("only rank 0 drives the pipeline")
         if len(tokens) != sum(run_lens):
             raise ValueError(f"{len(tokens)} tokens but run lengths sum to {sum(run_lens)}")
-        meta = Meta(list(slots), list(run_lens), list(start_pos), return_logits)
+        meta = Meta(list(slots), list(run_lens), list(start_pos), block_tables, return_logits)
         result = self._stage(meta, list(tokens))
         return result if result is not None else self._recv_result(meta)
 
@@ -105,7 +127,7 @@ class Pipeline:
     def _stage(self, meta: Meta, tokens: list[int] | None = None) -> StepResult | None:
         carry = None if self.rank == 0 else self._recv_carry(meta.num_tokens)
         out = self.session.step(
-            tokens, meta.slots, meta.run_lens, meta.start_pos, self.tracer, carry
+            tokens, meta.slots, meta.run_lens, meta.start_pos, self.tracer, carry, meta.block_tables
         )
         if self.trace is not None:
             self.trace.end_step()
@@ -154,14 +176,12 @@ class Pipeline:
         return kind, n
 
     def _send_meta(self, meta: Meta) -> None:
-        body = [int(meta.return_logits), *meta.slots, *meta.run_lens, *meta.start_pos]
+        body = meta.encode()
         self._send_header(_STEP, len(body))
         self._send(torch.tensor(body, dtype=torch.int64, device=self._dev()), self.rank + 1)
 
     def _recv_meta(self, n: int) -> Meta:
-        body = self._recv((n,), torch.int64, self.rank - 1).tolist()
-        b = (n - 1) // 3
-        return Meta(body[1 : 1 + b], body[1 + b : 1 + 2 * b], body[1 + 2 * b :], bool(body[0]))
+        return Meta.decode(self._recv((n,), torch.int64, self.rank - 1).tolist())
 
     def _send_carry(self, carry: Carry) -> None:
         for t in (carry.x, carry.pre, carry.hash_ids, carry.dead):
