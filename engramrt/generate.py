@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -13,6 +13,7 @@ from engramrt.model.trace import EngramTrace, EngramUpdateStats
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
+from engramrt.sampling import SampleRow
 from engramrt.session import Session
 
 
@@ -26,10 +27,16 @@ class Generation:
 
 
 def generate(
-    pipeline: Pipeline, tokenizer: Tokenizer, prompt: str, max_tokens: int = 32
+    pipeline: Pipeline,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_tokens: int = 32,
+    sampling: SampleRow | None = None,
 ) -> Generation:
-    """Greedy or sampled completion of ``prompt`` in slot 0 (the pipeline holds the sampling
-    parameters; its last stage samples)."""
+    """Greedy (the default) or sampled completion of ``prompt`` in slot 0; the pipeline's last
+    stage samples."""
+    row = sampling or SampleRow()
+    row.validate()
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     cfg = pipeline.session.model.cfg
@@ -42,8 +49,12 @@ def generate(
             f"maximum context length {limit}"
         )
     start = time.perf_counter()
-    nxt = pipeline.step(prompt_ids, [0], [len(prompt_ids)], [0]).tokens[0]
+
+    def rows() -> list[SampleRow]:
+        return [replace(row, index=len(out))]
+
     out: list[int] = []
+    nxt = pipeline.step(prompt_ids, [0], [len(prompt_ids)], [0], sampling=rows()).tokens[0]
     finish = "length"
     while True:
         if nxt == cfg.eos_token_id:
@@ -52,7 +63,8 @@ def generate(
         out.append(nxt)
         if len(out) == max_tokens:
             break
-        nxt = pipeline.step([nxt], [0], [1], [len(prompt_ids) + len(out) - 1]).tokens[0]
+        pos = len(prompt_ids) + len(out) - 1
+        nxt = pipeline.step([nxt], [0], [1], [pos], sampling=rows()).tokens[0]
     seconds = time.perf_counter() - start
     return Generation(prompt_ids, out, tokenizer.decode(out), finish, seconds)
 
@@ -84,10 +96,11 @@ def _worker(rank: int, world: int, opts: GenerateOptions) -> None:
         Path(opts.trace_path).write_text("")  # before any stage can have written
     trace = EngramTrace(opts.trace_path, rank) if opts.trace_path else None
     stats = EngramUpdateStats() if opts.engram_stats else None
-    pipe = Pipeline(session, rank, world, opts.temperature, opts.top_p, opts.seed, trace, stats)
+    pipe = Pipeline(session, rank, world, opts.seed, trace, stats)
     if rank == 0:
+        row = SampleRow(opts.temperature, opts.top_p, seed=opts.seed)
         try:
-            out = generate(pipe, session.tokenizer, opts.prompt, opts.max_tokens)
+            out = generate(pipe, session.tokenizer, opts.prompt, opts.max_tokens, row)
         finally:
             pipe.stop()
         print(out.text, flush=True)

@@ -1,22 +1,112 @@
-"""Token sampling: greedy at temperature 0, else temperature + nucleus (top-p) sampling."""
+"""Token sampling with per-request parameters, on the stage that holds the logits.
+
+Each row carries its own temperature, top-k, top-p, min-p and optional seed. A seeded row draws
+its noise from a generator keyed by (seed, token index), so a request's samples do not depend on
+its batch neighbours or on how its steps were scheduled. Logprobs are of the raw model
+distribution (before temperature and truncation), as vLLM reports them.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+_SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class SampleRow:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    index: int = 0  # which output token of the request this is (keys the seeded noise)
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's plus the top k
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must lie in [0, 1], got {self.min_p}")
+
+    def as_floats(self) -> list[float]:
+        seed = -1.0 if self.seed is None else float(self.seed)
+        k = -1.0 if self.logprobs is None else float(self.logprobs)
+        return [self.temperature, self.top_p, float(self.top_k), self.min_p, seed, self.index, k]
+
+    @classmethod
+    def from_floats(cls, v: list[float]) -> SampleRow:
+        t, p, k, m, seed, index, lp = v
+        return cls(t, p, int(k), m, None if seed < 0 else int(seed), int(index),
+                   None if lp < 0 else int(lp))  # fmt: skip
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[float] | None = None  # of each sampled token
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+def _filtered_probs(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    probs = torch.softmax(logits.float() / row.temperature, dim=-1)
+    if row.top_k and row.top_k < probs.numel():
+        kth = probs.topk(row.top_k).values[-1]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if row.min_p > 0:
+        probs = probs.masked_fill(probs < row.min_p * probs.max(), 0.0)
+    if row.top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        outside = sorted_p.cumsum(0) - sorted_p >= row.top_p * sorted_p.sum()  # top one stays
+        probs = probs.scatter(0, order, sorted_p.masked_fill(outside, 0.0))
+    return probs
+
+
+def sample_rows(
+    logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None
+) -> Sampled:
+    """``logits [B, V]`` -> one token per row (argmax of probs / Exp(1) noise when sampling)."""
+    tokens = []
+    for i, row in enumerate(rows):
+        if row.temperature == 0:
+            tokens.append(int(logits[i].argmax()))
+            continue
+        probs = _filtered_probs(logits[i], row)
+        gen = generator
+        if row.seed is not None:
+            gen = torch.Generator(device=logits.device)
+            gen.manual_seed((row.seed * _SEED_STRIDE + row.index) % 2**63)
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        tokens.append(int((probs / noise).argmax()))
+    want = [r.logprobs for r in rows if r.logprobs is not None]
+    if not want:
+        return Sampled(tokens)
+    return Sampled(tokens, *token_logprobs(logits, tokens, max(want)))
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: list[int], k: int
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """Log-probability of ``targets[i]`` under row i, and the row's top ``k``."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+    if k == 0:
+        return picked, [[] for _ in targets], [[] for _ in targets]
+    top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    return picked, top.indices.tolist(), top.values.tolist()
 
 
 def sample(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """``logits [B, V]`` -> token ids ``[B]``."""
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1:
-        sorted_p, order = probs.sort(-1, descending=True)
-        outside = sorted_p.cumsum(-1) - sorted_p >= top_p  # the top token always stays
-        sorted_p = sorted_p.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One set of parameters for every row of ``logits [B, V]``."""
+    row = SampleRow(temperature, top_p)
+    row.validate()
+    return torch.tensor(sample_rows(logits, [row] * logits.shape[0], generator).tokens)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engramrt.model.trace import EngramTrace, Tracer, fanout
-from engramrt.sampling import sample
+from engramrt.sampling import SampleRow, sample_rows, token_logprobs
 from engramrt.session import Carry, Session
 
 _STEP, _STOP = 0, 1
@@ -30,36 +30,59 @@ class Meta:
     start_pos: list[int]
     block_tables: list[list[int]] | None = None  # None: each slot's fixed blocks
     return_logits: bool = False
+    targets: list[int] | None = None  # per token: next-token id to score (-1: none)
+    target_k: int = 0  # top-k alternatives reported with each scored target
+    sampling: list[SampleRow] | None = None  # per request; None: greedy
+
+    def rows(self) -> list[SampleRow]:
+        return self.sampling if self.sampling is not None else [SampleRow()] * len(self.slots)
+
+    @property
+    def logprobs_k(self) -> int | None:
+        ks = [r.logprobs for r in self.rows() if r.logprobs is not None]
+        return max(ks) if ks else None
 
     @property
     def num_tokens(self) -> int:
         return sum(self.run_lens)
 
     def encode(self) -> list[int]:
-        tables = self.block_tables
+        """Integers only; the sampling rows travel separately as float64."""
+        tables, targets = self.block_tables, self.targets
         head = [int(self.return_logits), len(self.slots), int(tables is not None)]
+        head += [int(targets is not None), self.target_k]
         body = [*self.slots, *self.run_lens, *self.start_pos]
         if tables is not None:
             body += [len(t) for t in tables] + [b for t in tables for b in t]
+        if targets is not None:
+            body += targets
         return head + body
 
     @classmethod
     def decode(cls, v: list[int]) -> Meta:
-        ret, b, has_tables = v[:3]
-        slots, lens, pos = v[3 : 3 + b], v[3 + b : 3 + 2 * b], v[3 + 2 * b : 3 + 3 * b]
+        ret, b, has_tables, has_targets, target_k = v[:5]
+        v = v[5:]
+        slots, lens, pos, v = v[:b], v[b : 2 * b], v[2 * b : 3 * b], v[3 * b :]
         tables = None
         if has_tables:
-            sizes, flat, tables = v[3 + 3 * b : 3 + 4 * b], v[3 + 4 * b :], []
+            sizes, v, tables = v[:b], v[b:], []
             for n in sizes:
-                tables.append(flat[:n])
-                flat = flat[n:]
-        return cls(slots, lens, pos, tables, bool(ret))
+                tables.append(v[:n])
+                v = v[n:]
+        targets = v[: sum(lens)] if has_targets else None
+        return cls(slots, lens, pos, tables, bool(ret), targets, target_k)
 
 
 @dataclass
 class StepResult:
     tokens: list[int]  # sampled after each request's last token this step (-1: empty run)
-    logits: torch.Tensor | None  # [T, V] fp32 when asked for
+    logits: torch.Tensor | None = None  # [T, V] fp32 when asked for
+    logprobs: list[float] | None = None  # of each sampled token, when any row asked
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    target_logprobs: list[float] | None = None  # per token, of its target (NaN: none)
+    target_top_ids: list[list[int]] | None = None
+    target_top_logprobs: list[list[float]] | None = None
 
 
 class Pipeline:
@@ -68,14 +91,12 @@ class Pipeline:
         session: Session,
         rank: int = 0,
         world: int = 1,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
         seed: int = 0,
         trace: EngramTrace | None = None,
         tracer: Tracer | None = None,
     ):
+        """``seed`` drives the rows that carry no seed of their own."""
         self.session, self.rank, self.world = session, rank, world
-        self.temperature, self.top_p = temperature, top_p
         self.generator = torch.Generator(device=session.device).manual_seed(seed)
         self.trace = trace
         self.tracer = fanout(trace, tracer)
@@ -97,12 +118,18 @@ class Pipeline:
         start_pos: Sequence[int],
         return_logits: bool = False,
         block_tables: list[list[int]] | None = None,
+        sampling: list[SampleRow] | None = None,
+        targets: list[int] | None = None,
+        target_k: int = 0,
     ) -> StepResult:
         if self.rank != 0:
             raise RuntimeError("only rank 0 drives the pipeline")
         if len(tokens) != sum(run_lens):
             raise ValueError(f"{len(tokens)} tokens but run lengths sum to {sum(run_lens)}")
-        meta = Meta(list(slots), list(run_lens), list(start_pos), block_tables, return_logits)
+        meta = Meta(
+            list(slots), list(run_lens), list(start_pos), block_tables, return_logits,
+            None if targets is None else list(targets), target_k, sampling,
+        )  # fmt: skip
         result = self._stage(meta, list(tokens))
         return result if result is not None else self._recv_result(meta)
 
@@ -142,13 +169,29 @@ class Pipeline:
         return result
 
     def _sample(self, logits: torch.Tensor, meta: Meta) -> StepResult:
-        ends = torch.tensor(meta.run_lens).cumsum(0) - 1
+        ends = (torch.tensor(meta.run_lens).cumsum(0) - 1).tolist()
         live = [i for i, n in enumerate(meta.run_lens) if n > 0]
-        picked = sample(logits[ends[live]], self.temperature, self.top_p, self.generator).tolist()
-        tokens = [-1] * len(meta.run_lens)
-        for i, tok in zip(live, picked, strict=True):
+        rows = meta.rows()
+        sampled = sample_rows(logits[[ends[i] for i in live]], [rows[i] for i in live],
+                              self.generator)  # fmt: skip
+        tokens = [-1] * len(rows)
+        for i, tok in zip(live, sampled.tokens, strict=True):
             tokens[i] = tok
-        return StepResult(tokens, logits if meta.return_logits else None)
+        result = StepResult(tokens, logits if meta.return_logits else None)
+        k = meta.logprobs_k
+        if k is not None:  # rows of empty runs are scored on row 0 and ignored by the engine
+            picked = [ends[i] if meta.run_lens[i] else 0 for i in range(len(rows))]
+            toks = [max(t, 0) for t in tokens]
+            result.logprobs, result.top_ids, result.top_logprobs = token_logprobs(
+                logits[picked], toks, k
+            )
+        if meta.targets is not None:
+            lp, ids, tops = token_logprobs(logits, [max(t, 0) for t in meta.targets], meta.target_k)
+            result.target_logprobs = [
+                x if t >= 0 else float("nan") for x, t in zip(lp, meta.targets, strict=True)
+            ]
+            result.target_top_ids, result.target_top_logprobs = ids, tops
+        return result
 
     # --- messages ------------------------------------------------------------------------
 
@@ -179,9 +222,14 @@ class Pipeline:
         body = meta.encode()
         self._send_header(_STEP, len(body))
         self._send(torch.tensor(body, dtype=torch.int64, device=self._dev()), self.rank + 1)
+        rows = [r.as_floats() for r in meta.rows()]
+        self._send(torch.tensor(rows, dtype=torch.float64, device=self._dev()), self.rank + 1)
 
     def _recv_meta(self, n: int) -> Meta:
-        return Meta.decode(self._recv((n,), torch.int64, self.rank - 1).tolist())
+        meta = Meta.decode(self._recv((n,), torch.int64, self.rank - 1).tolist())
+        rows = self._recv((len(meta.slots), 7), torch.float64, self.rank - 1).tolist()
+        meta.sampling = [SampleRow.from_floats(r) for r in rows]
+        return meta
 
     def _send_carry(self, carry: Carry) -> None:
         for t in (carry.x, carry.pre, carry.hash_ids, carry.dead):
@@ -197,14 +245,37 @@ class Pipeline:
         )
 
     def _send_result(self, result: StepResult) -> None:
-        self._send(torch.tensor(result.tokens, dtype=torch.int64, device=self._dev()), 0)
+        def send(values, dtype):
+            self._send(torch.tensor(values, dtype=dtype, device=self._dev()), 0)
+
+        send(result.tokens, torch.int64)
+        if result.logprobs is not None:
+            send(result.logprobs, torch.float32)
+            send(result.top_ids, torch.int64)
+            send(result.top_logprobs, torch.float32)
+        if result.target_logprobs is not None:
+            send(result.target_logprobs, torch.float32)
+            send(result.target_top_ids, torch.int64)
+            send(result.target_top_logprobs, torch.float32)
         if result.logits is not None:
             self._send(result.logits.float(), 0)
 
     def _recv_result(self, meta: Meta) -> StepResult:
-        last = self.world - 1
-        tokens = self._recv((len(meta.run_lens),), torch.int64, last).tolist()
-        logits = None
+        last, b, t = self.world - 1, len(meta.run_lens), meta.num_tokens
+
+        def recv(shape, dtype):
+            return self._recv(shape, dtype, last).tolist()
+
+        result = StepResult(recv((b,), torch.int64))
+        k = meta.logprobs_k
+        if k is not None:
+            result.logprobs = recv((b,), torch.float32)
+            result.top_ids = recv((b, k), torch.int64)
+            result.top_logprobs = recv((b, k), torch.float32)
+        if meta.targets is not None:
+            result.target_logprobs = recv((t,), torch.float32)
+            result.target_top_ids = recv((t, meta.target_k), torch.int64)
+            result.target_top_logprobs = recv((t, meta.target_k), torch.float32)
         if meta.return_logits:
-            logits = self._recv((meta.num_tokens, self.vocab), torch.float32, last)
-        return StepResult(tokens, logits)
+            result.logits = self._recv((t, self.vocab), torch.float32, last)
+        return result
