@@ -61,8 +61,8 @@ class CheckOptions:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
-def check_pp(opts: CheckOptions) -> dict:
-    """Run the check; returns the report (also what the table is printed from)."""
+def check_pp(opts: CheckOptions) -> dict | None:
+    """Run the check; the report (also what the table is printed from), on rank 0 only."""
     cfg = model_config(load_json(opts.model_dir))
     if not 1 <= opts.stages <= cfg.num_layers:
         raise ValueError(f"--stages must lie in [1, {cfg.num_layers}], got {opts.stages}")
@@ -72,10 +72,20 @@ def check_pp(opts: CheckOptions) -> dict:
     tok = load_tokenizer(opts.model_dir)
     bos = [cfg.bos_token_id] if cfg.bos_token_id is not None else []
     prompts = [bos + tok.encode(p).ids for p in opts.prompts]
+    if opts.decode_steps < 0 or not all(prompts):
+        raise ValueError("--decode-steps must be >= 0 and every prompt must have tokens")
+    longest = max(len(p) for p in prompts) + opts.decode_steps
+    if longest > cfg.max_position_embeddings:
+        raise ValueError(
+            f"the longest prompt plus --decode-steps is {longest} tokens, over the model's "
+            f"{cfg.max_position_embeddings}"
+        )
     opts.dist.pp_size = opts.stages
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         launch(opts.dist, _worker, opts, partitions, prompts, str(out))
+        if not out.exists():  # a torchrun rank other than 0: rank 0 reports
+            return None
         report = json.loads(out.read_text())
     report["ok"] = all(r["ok"] for r in report["partitions"])
     return report

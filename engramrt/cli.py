@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 import torch
-from torch.multiprocessing.spawn import ProcessException
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
 from engramrt.parallel.launch import DistConfig
@@ -130,6 +130,8 @@ def check_pp(args: argparse.Namespace) -> int:
     if prompts:
         opts.prompts = prompts
     report = check_pp(opts)
+    if report is None:
+        return 0
     print(format_report(report))
     return 0 if report["ok"] else 1
 
@@ -185,7 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"engramrt {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except ProcessException as exc:  # a stage process failed; its traceback is in exc
+    except ProcessExitedException as exc:  # the stage printed its own one-line error
+        print(f"engramrt {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code if exc.exit_code == 2 else 1
+    except ProcessException as exc:  # a stage raised; its traceback is in exc
         print(f"engramrt {args.command}: error: a stage process failed:\n{exc}", file=sys.stderr)
         return 1
 

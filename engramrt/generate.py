@@ -9,6 +9,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from engramrt.config import ModelConfig, load_json, model_config
+from engramrt.engram.token_map import load_tokenizer
 from engramrt.model.trace import EngramTrace, EngramUpdateStats
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import stage_layers
@@ -36,18 +38,8 @@ def generate(
     """Greedy (the default) or sampled completion of ``prompt`` in slot 0; the pipeline's last
     stage samples."""
     row = sampling or SampleRow()
-    row.validate()
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     cfg = pipeline.session.model.cfg
-    bos = [cfg.bos_token_id] if cfg.bos_token_id is not None else []
-    prompt_ids = bos + tokenizer.encode(prompt).ids
-    limit = pipeline.session.kv.max_len
-    if len(prompt_ids) + max_tokens > limit:
-        raise ValueError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-            f"maximum context length {limit}"
-        )
+    prompt_ids = prompt_tokens(tokenizer, cfg, prompt, max_tokens, pipeline.session.kv.max_len, row)
     start = time.perf_counter()
 
     def rows() -> list[SampleRow]:
@@ -69,6 +61,30 @@ def generate(
     return Generation(prompt_ids, out, tokenizer.decode(out), finish, seconds)
 
 
+def prompt_tokens(
+    tokenizer: Tokenizer,
+    cfg: ModelConfig,
+    prompt: str,
+    max_tokens: int,
+    limit: int,
+    row: SampleRow,
+) -> list[int]:
+    """The prompt's ids (BOS first when the model has one), after checking every parameter."""
+    row.validate()
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    bos = [cfg.bos_token_id] if cfg.bos_token_id is not None else []
+    ids = bos + tokenizer.encode(prompt).ids
+    if not ids:
+        raise ValueError("the prompt has no tokens")
+    if len(ids) + max_tokens - 1 > limit:  # the last sampled token is never fed back
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"maximum context length {limit}"
+        )
+    return ids
+
+
 @dataclass
 class GenerateOptions:
     model_dir: Path
@@ -85,6 +101,10 @@ class GenerateOptions:
 
 
 def run_generate(opts: GenerateOptions) -> None:
+    cfg = model_config(load_json(opts.model_dir))  # check what can be checked before starting
+    row = SampleRow(opts.temperature, opts.top_p, seed=opts.seed)
+    tok = load_tokenizer(opts.model_dir)
+    prompt_tokens(tok, cfg, opts.prompt, opts.max_tokens, cfg.max_position_embeddings, row)
     launch(opts.dist, _worker, opts)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 _SEED_STRIDE = 1_000_003
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 @dataclass
@@ -34,17 +35,23 @@ class SampleRow:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must lie in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must lie in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must lie in [0, 2**63), got {self.seed}")
 
-    def as_floats(self) -> list[float]:
-        seed = -1.0 if self.seed is None else float(self.seed)
-        k = -1.0 if self.logprobs is None else float(self.logprobs)
-        return [self.temperature, self.top_p, float(self.top_k), self.min_p, seed, self.index, k]
+    def floats(self) -> list[float]:
+        return [self.temperature, self.top_p, self.min_p]
+
+    def ints(self) -> list[int]:
+        seed = -1 if self.seed is None else self.seed
+        k = -1 if self.logprobs is None else self.logprobs
+        return [self.top_k, seed, self.index, k]
 
     @classmethod
-    def from_floats(cls, v: list[float]) -> SampleRow:
-        t, p, k, m, seed, index, lp = v
-        return cls(t, p, int(k), m, None if seed < 0 else int(seed), int(index),
-                   None if lp < 0 else int(lp))  # fmt: skip
+    def from_parts(cls, f: list[float], i: list[int]) -> SampleRow:
+        (t, p, m), (k, seed, index, lp) = f, i
+        return cls(t, p, k, m, None if seed < 0 else seed, index, None if lp < 0 else lp)
 
 
 @dataclass

@@ -77,6 +77,7 @@ class EngramHasher:
         slot = torch.where(real, slots.long()[req], self.history.pad_row)
         if check:
             self._check(tokens, real, slots)
+            self._check_runs(tokens.numel(), slots, lens)
         src = self._sources(tokens, slot, off)
         ids = self._hash(src, pos, real)
         if tokens.numel() == 0:  # nothing hashed, so nothing to commit
@@ -143,7 +144,9 @@ class EngramHasher:
         self.history.commit_verify(tokens.view(slots.numel(), -1), slots, num_accepted, num_real)
 
     def rebuild(self, slot: int, tokens_before: torch.Tensor | list[int]) -> None:
-        self.history.rebuild(slot, tokens_before)
+        tail = torch.as_tensor(tokens_before, dtype=torch.int64).flatten()[-(self.n - 1) :]
+        self._check(tail, torch.ones_like(tail, dtype=torch.bool), torch.tensor([slot]))
+        self.history.rebuild(slot, tail)
 
     # --- core --------------------------------------------------------------------------------
 
@@ -191,6 +194,16 @@ class EngramHasher:
     def _real_rows(self, rows: int, num_real: Count | None, device: torch.device) -> torch.Tensor:
         idx = torch.arange(rows, device=device)
         return idx < (rows if num_real is None else num_real)
+
+    def _check_runs(self, num_tokens: int, slots: torch.Tensor, lens: torch.Tensor) -> None:
+        if bool((lens < 0).any()) or int(lens.sum()) > num_tokens:
+            raise ValueError(
+                f"run lengths {lens.tolist()} must be >= 0 and sum to at most the {num_tokens} "
+                "tokens given"
+            )
+        live = slots.long()[lens > 0].tolist()
+        if len(set(live)) != len(live):
+            raise ValueError(f"two runs in one extend share a slot: {live}")
 
     def _check(self, tokens: torch.Tensor, real: torch.Tensor, live_slots: torch.Tensor) -> None:
         """Host-synchronising input validation; graph-captured callers pass ``check=False``."""

@@ -104,9 +104,9 @@ class EngramTable(nn.Module):
         return rows.flatten(-2)
 
     def shard(self, rank: int, world: int, column_bounds: list[int] | None = None) -> EngramTable:
-        """This table's rows owned by ``rank`` (a view; the full table must start at row 0)."""
+        """A copy of the rows ``rank`` owns (the full table must start at row 0)."""
         if self.row_start != 0:
             raise ValueError("only a full table can be sharded")
         lo, hi = shard_row_range(self.num_rows, rank, world, column_bounds)
-        scale = None if self.scale is None else self.scale[lo:hi]
-        return EngramTable(self.weight[lo:hi], scale, row_start=lo)
+        scale = None if self.scale is None else self.scale[lo:hi].clone()
+        return EngramTable(self.weight[lo:hi].clone(), scale, row_start=lo)

@@ -76,7 +76,11 @@ def load_model(
     """Build the model (or the ``layer_ids`` of one pipeline stage) and load its weights."""
     model_dir = Path(model_dir)
     cfg = model_config(load_json(model_dir))
-    dtype = DTYPES[dtype or cfg.torch_dtype] if not isinstance(dtype, torch.dtype) else dtype
+    if not isinstance(dtype, torch.dtype):
+        name = dtype or cfg.torch_dtype
+        if name not in DTYPES:
+            raise CheckpointError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+        dtype = DTYPES[name]
     with torch.device("meta"):
         model = EngramMHCModel(cfg, dtype, layer_ids)
         full = EngramMHCModel(cfg, dtype) if layer_ids is not None else model

@@ -78,7 +78,11 @@ class ForwardContext:
         if block_tables is None:
             block_tables = [kv.slot_table(s) for s in slots]
         spans = []
-        for p, n, table in zip(start_pos, run_lens, block_tables, strict=True):
+        for b, (p, n, table) in enumerate(zip(start_pos, run_lens, block_tables, strict=True)):
+            if any(not 0 <= blk < kv.num_blocks for blk in table):
+                raise ValueError(
+                    f"request {b}: block table {table} has ids outside [0, {kv.num_blocks})"
+                )
             if p + n > min(kv.max_len, len(table) * kv.block_size):
                 raise ValueError(
                     f"positions up to {p + n} exceed the request's KV capacity "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,6 +51,15 @@ def free_port() -> int:
 
 def launch(cfg: DistConfig, worker: Worker, *args) -> None:
     """Run ``worker(rank, world, *args)`` on every stage."""
+    if cfg.device == "cuda":
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            raise ValueError("--device cuda, but no CUDA device is available")
+        if cfg.resolved_backend == "nccl" and not under_torchrun() and cfg.pp_size > gpus:
+            raise ValueError(
+                f"{cfg.pp_size} NCCL stages need {cfg.pp_size} GPUs, this machine has {gpus} "
+                "(--distributed-backend gloo runs several stages on one GPU)"
+            )
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.pp_size:
@@ -78,7 +88,11 @@ def _spawned(rank: int, cfg: DistConfig, addr: str, port: int, worker: Worker, a
         WORLD_SIZE=str(cfg.pp_size),
         LOCAL_RANK=str(rank),
     )
-    _run(rank, cfg, worker, args)
+    try:
+        _run(rank, cfg, worker, args)
+    except ValueError as exc:  # bad input: one line, not a traceback from every stage
+        print(f"engramrt: error on stage {rank}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def _run(rank: int, cfg: DistConfig, worker: Worker, args) -> None:

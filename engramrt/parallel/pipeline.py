@@ -169,7 +169,7 @@ class Pipeline:
         return result
 
     def _sample(self, logits: torch.Tensor, meta: Meta) -> StepResult:
-        ends = (torch.tensor(meta.run_lens).cumsum(0) - 1).tolist()
+        ends = (torch.tensor(meta.run_lens, dtype=torch.int64).cumsum(0) - 1).tolist()
         live = [i for i, n in enumerate(meta.run_lens) if n > 0]
         rows = meta.rows()
         sampled = sample_rows(logits[[ends[i] for i in live]], [rows[i] for i in live],
@@ -222,13 +222,16 @@ class Pipeline:
         body = meta.encode()
         self._send_header(_STEP, len(body))
         self._send(torch.tensor(body, dtype=torch.int64, device=self._dev()), self.rank + 1)
-        rows = [r.as_floats() for r in meta.rows()]
-        self._send(torch.tensor(rows, dtype=torch.float64, device=self._dev()), self.rank + 1)
+        rows = meta.rows()
+        self._send(torch.tensor([r.ints() for r in rows], dtype=torch.int64), self.rank + 1)
+        self._send(torch.tensor([r.floats() for r in rows], dtype=torch.float64), self.rank + 1)
 
     def _recv_meta(self, n: int) -> Meta:
         meta = Meta.decode(self._recv((n,), torch.int64, self.rank - 1).tolist())
-        rows = self._recv((len(meta.slots), 7), torch.float64, self.rank - 1).tolist()
-        meta.sampling = [SampleRow.from_floats(r) for r in rows]
+        b = len(meta.slots)
+        ints = self._recv((b, 4), torch.int64, self.rank - 1).tolist()
+        floats = self._recv((b, 3), torch.float64, self.rank - 1).tolist()
+        meta.sampling = [SampleRow.from_parts(f, i) for f, i in zip(floats, ints, strict=True)]
         return meta
 
     def _send_carry(self, carry: Carry) -> None:

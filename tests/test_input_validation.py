@@ -1,0 +1,90 @@
+"""Bad input is an error with a message, never silent corruption: block tables, history
+rebuilds, extend runs, sampling parameters, prompts; and the pipeline metadata round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.config import load_json, model_config
+from engramrt.engram import load_hasher
+from engramrt.engram.token_map import load_tokenizer
+from engramrt.generate import prompt_tokens
+from engramrt.parallel.pipeline import Meta, Pipeline
+from engramrt.sampling import MAX_LOGPROBS, SampleRow
+from engramrt.session import Session
+from tests.model_factory import make_model
+
+
+@pytest.fixture(scope="module")
+def session() -> Session:
+    model, _ = make_model(seed=9, num_hidden_layers=2, engram_layer_ids=[0, 1])
+    hasher, tok = load_hasher(DEFAULT_MODEL_DIR, 2)
+    return Session(model, hasher, Session.new_cache(model, 2, max_len=64), tok)
+
+
+@pytest.mark.parametrize("table", [[-2, 0], [0, 10**6]])
+def test_block_ids_outside_the_cache_are_rejected(session: Session, table: list[int]) -> None:
+    with pytest.raises(ValueError, match="block table .* outside"):
+        session.step([7, 8], [0], [2], [0], block_tables=[table])
+
+
+@pytest.mark.parametrize("tokens", [[-1], [10**6]])
+def test_rebuild_validates_tokens(tokens: list[int]) -> None:
+    hasher, _ = load_hasher(DEFAULT_MODEL_DIR, 2)
+    with pytest.raises(ValueError, match="outside the tokenizer"):
+        hasher.rebuild(0, tokens)
+
+
+@pytest.mark.parametrize(
+    ("lens", "slots", "msg"),
+    [([3, 3], [0, 1], "sum to at most"), ([-1, 2], [0, 1], "must be >= 0"),
+     ([1, 2], [1, 1], "share a slot")],
+)  # fmt: skip
+def test_extend_runs_are_checked(lens: list[int], slots: list[int], msg: str) -> None:
+    hasher, _ = load_hasher(DEFAULT_MODEL_DIR, 2)
+    t = torch.tensor([7, 8, 9])
+    with pytest.raises(ValueError, match=msg):
+        hasher.extend(t, torch.tensor(slots), torch.tensor(lens), torch.tensor([0, 0]))
+
+
+def test_zero_request_step(session: Session) -> None:
+    result = Pipeline(session).step([], [], [], [])
+    assert result.tokens == []
+
+
+@pytest.mark.parametrize(
+    "row",
+    [SampleRow(temperature=-1), SampleRow(top_p=0), SampleRow(top_p=1.5), SampleRow(top_k=-1),
+     SampleRow(min_p=2), SampleRow(logprobs=MAX_LOGPROBS + 1), SampleRow(seed=-3)],
+)  # fmt: skip
+def test_sampling_parameters_are_checked(row: SampleRow) -> None:
+    with pytest.raises(ValueError):
+        row.validate()
+
+
+def test_prompt_limits() -> None:
+    cfg = model_config(load_json(DEFAULT_MODEL_DIR))
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    ids = prompt_tokens(tok, cfg, "hello", 1, 100, SampleRow())
+    assert ids[0] == cfg.bos_token_id and len(ids) > 1
+    n = len(ids)
+    assert prompt_tokens(tok, cfg, "hello", 100 - n + 1, 100, SampleRow()) == ids  # fits exactly
+    with pytest.raises(ValueError, match="maximum context length 100"):
+        prompt_tokens(tok, cfg, "hello", 100 - n + 2, 100, SampleRow())
+    with pytest.raises(ValueError, match="no tokens"):
+        prompt_tokens(tok, dataclasses.replace(cfg, bos_token_id=None), "", 4, 100, SampleRow())
+
+
+def test_meta_round_trip_keeps_every_field_exactly() -> None:
+    """What one stage encodes, the next decodes unchanged; seeds stay exact integers."""
+    rows = [SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4), SampleRow(seed=2**63 - 1)]
+    meta = Meta([3, 1], [2, 0], [5, 9], [[4, 7], [2]], True, [11, -1], 2, rows)
+    back = Meta.decode(meta.encode())
+    back.sampling = [
+        SampleRow.from_parts(r.floats(), r.ints()) for r in rows
+    ]  # the float/int split the wire uses
+    assert back == meta
