@@ -1,0 +1,106 @@
+"""Paged KV blocks with reference counts and prefix caching of full blocks.
+
+A full block is keyed by a chained hash of its tokens and every token before it; a new request
+whose prompt starts with cached blocks shares them (compared token for token, so a hash
+collision cannot alias). Freed blocks keep their key until reused, so a finished request's
+prefix can still be hit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engramrt.engine.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        self.num_blocks, self.block_size, self.prefix_caching = (
+            num_blocks,
+            block_size,
+            prefix_caching,
+        )
+        self.ref = [0] * num_blocks
+        self.key: list[int | None] = [None] * num_blocks
+        self.tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.by_key: dict[int, int] = {}
+        self.free: deque[int] = deque(range(num_blocks))
+        self.queries = self.hits = 0  # prefix-cache counters, in tokens
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take(self) -> int:
+        block = self.free.popleft()
+        if self.key[block] is not None:  # reused: its old prefix can no longer be hit
+            self.by_key.pop(self.key[block], None)
+            self.key[block] = self.tokens[block] = None
+        self.ref[block] = 1
+        return block
+
+    def _chain(self, prev: int | None, toks: tuple[int, ...]) -> int:
+        return hash((prev, toks))
+
+    def can_admit(self, req: Request) -> bool:
+        return self.blocks_for(req.num_tokens) <= self.num_free
+
+    def admit(self, req: Request) -> None:
+        """Blocks for every known token; reuse cached full blocks of the prefix. At least the
+        last token is always left to compute, so the request produces logits."""
+        bs, ids = self.block_size, req.all_ids
+        req.blocks, req.num_computed, key = [], 0, None
+        # prompt logprobs must score every prompt token, so such requests compute them all
+        use_cache = self.prefix_caching and req.params.prompt_logprobs is None
+        cacheable = (len(ids) - 1) // bs if use_cache else 0
+        self.queries += len(ids)
+        for i in range(cacheable):
+            toks = tuple(ids[i * bs : (i + 1) * bs])
+            key = self._chain(key, toks)
+            block = self.by_key.get(key)
+            if block is None or self.tokens[block] != toks:
+                break
+            if self.ref[block] == 0:
+                self.free.remove(block)
+            self.ref[block] += 1
+            req.blocks.append(block)
+            req.num_computed += bs
+        req.num_hashed_blocks = len(req.blocks)
+        self.hits += req.num_computed
+        while len(req.blocks) < self.blocks_for(len(ids)):
+            req.blocks.append(self._take())
+
+    def can_grow(self, req: Request, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) - len(req.blocks) <= self.num_free
+
+    def grow(self, req: Request, num_tokens: int) -> None:
+        while len(req.blocks) < self.blocks_for(num_tokens):
+            req.blocks.append(self._take())
+
+    def register(self, req: Request) -> None:
+        """Make the request's newly completed full blocks findable by later prompts."""
+        if not self.prefix_caching:
+            return
+        bs, ids = self.block_size, req.all_ids
+        key = None
+        for i in range(req.num_computed // bs):
+            toks = tuple(ids[i * bs : (i + 1) * bs])
+            key = self._chain(key, toks)
+            if i < req.num_hashed_blocks:
+                continue
+            block = req.blocks[i]
+            if key not in self.by_key:
+                self.by_key[key] = block
+                self.key[block], self.tokens[block] = key, toks
+        req.num_hashed_blocks = max(req.num_hashed_blocks, req.num_computed // bs)
+
+    def release(self, req: Request) -> None:
+        for block in reversed(req.blocks):
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                self.free.append(block)
+        req.blocks = []
+        req.num_hashed_blocks = 0

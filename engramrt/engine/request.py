@@ -1,0 +1,79 @@
+"""A request's parameters and state, from arrival to finish."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engramrt.sampling import SampleRow
+
+
+@dataclass
+class SamplingParams:
+    """The per-request knobs clients send (OpenAI and vLLM names)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # sampled token's logprob plus the top k
+    prompt_logprobs: int | None = None  # score the prompt tokens too (completions echo)
+
+    def row(self, index: int) -> SampleRow:
+        return SampleRow(
+            self.temperature, self.top_p, self.top_k, self.min_p, self.seed, index, self.logprobs
+        )
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        self.row(0).validate()
+        if self.prompt_logprobs is not None:
+            SampleRow(logprobs=self.prompt_logprobs).validate()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob | None] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    slot: int | None = None  # Engram history slot while running
+    blocks: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # prefix-cache bookkeeping: full blocks already registered
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)

@@ -1,0 +1,89 @@
+"""Which requests run in the next step, and for how many tokens.
+
+Running requests go first (decode, or the next chunk of a long prompt), then waiting ones are
+admitted while the token budget, the sequence limit, history slots and KV blocks allow. A
+request that cannot get a block preempts the most recently admitted running request, which
+gives back its blocks and slot and later recomputes its tokens (its Engram history is rebuilt
+from them when it is admitted again).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engramrt.engine.block_manager import BlockManager
+from engramrt.engine.request import Request, Status
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    @property
+    def slots_in_use(self) -> int:
+        return self.max_num_seqs - len(self.free_slots)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> tuple[list[tuple[Request, int]], list[Request]]:
+        """``(request, tokens to compute)`` pairs, and the requests admitted this step (their
+        history rows must be rebuilt from the tokens already in the cache)."""
+        budget, batch, admitted = self.budget, [], []
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:  # preempted by an earlier request this step
+                continue
+            n = min(req.num_tokens - req.num_computed, budget)
+            while not self.blocks.can_grow(req, req.num_computed + n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                continue
+            self.blocks.grow(req, req.num_computed + n)
+            batch.append((req, n))
+            budget -= n
+        while self.waiting and budget > 0 and self.free_slots:
+            req = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs or not self.blocks.can_admit(req):
+                break
+            self.waiting.popleft()
+            self.blocks.admit(req)
+            req.slot, req.status = self.free_slots.pop(), Status.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            n = min(req.num_tokens - req.num_computed, budget)
+            batch.append((req, n))
+            budget -= n
+        return batch, admitted
+
+    def preempt(self, req: Request) -> None:
+        self._release(req)
+        req.status, req.num_computed = Status.WAITING, 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status is Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        elif req.status is Status.RUNNING:
+            self._release(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+
+    def _release(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.release(req)
+        self.free_slots.append(req.slot)
+        req.slot = None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
