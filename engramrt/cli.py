@@ -136,6 +136,44 @@ def check_pp(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def serve(args: argparse.Namespace) -> int:
+    import os
+
+    from engramrt.config import load_json, model_config
+    from engramrt.parallel.partition import resolve_partition
+    from engramrt.serve import ServeOptions, run_serve
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model_dir = resolve_model_dir(args.model_tag or args.model)
+    layers = model_config(load_json(model_dir)).num_layers
+    name = args.served_model_name or [
+        "engramrt-tiny" if (args.model_tag or args.model) is None else str(model_dir)
+    ]
+    opts = ServeOptions(
+        model_dir=model_dir,
+        partition=resolve_partition(layers, args.pipeline_parallel_size, args.pp_layer_partition),
+        served_model_name=name,
+        host=args.host,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        enable_prefix_caching=args.enable_prefix_caching,
+        api_key=args.api_key
+        or os.environ.get("ENGRAMRT_API_KEY")
+        or os.environ.get("VLLM_API_KEY"),
+        device=device,
+        dtype=args.dtype,
+        seed=args.seed,
+        dist=_dist_config(args, device),
+    )
+    run_serve(opts)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engramrt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +212,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--atol", type=float, default=0.0, help="allowed max |dlogit| (default 0)")
     _add_dist_flags(c)
     c.set_defaults(func=check_pp)
+
+    v = sub.add_parser("serve", help="OpenAI-compatible server (vLLM's flag names)")
+    v.add_argument("model_tag", nargs="?", help="model directory (default: the bundled model)")
+    v.add_argument("--model", help="same as the positional MODEL")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", nargs="+", help="names in /v1/models and responses")
+    v.add_argument("--max-model-len", type=int, help="default: the model's maximum")
+    v.add_argument("--max-num-seqs", type=int, default=256)
+    v.add_argument("--max-num-batched-tokens", type=int, default=2048, help="also the chunk size")
+    v.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    v.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks (default: by memory)")
+    v.add_argument("--kv-cache-memory-bytes", type=int, default=256 * 2**20)
+    v.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    v.add_argument("--api-key", help="require this bearer key on /v1/* ($VLLM_API_KEY works)")
+    v.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    v.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the config's")
+    v.add_argument("--seed", type=int, default=0, help="for requests that bring no seed")
+    _add_dist_flags(v)
+    v.set_defaults(func=serve)
     return parser
 
 

@@ -51,12 +51,15 @@ class Session:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
         layer_ids: list[int] | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
     ) -> Session:
         model = load_model(model_dir, dtype, device, layer_ids)
         hasher, tokenizer = None, None
         if model.embed is not None:
             hasher, tokenizer = load_hasher(model_dir, num_slots, device)
-        return cls(model, hasher, cls.new_cache(model, num_slots, max_len), tokenizer)
+        kv = cls.new_cache(model, num_slots, max_len, block_size, num_blocks)
+        return cls(model, hasher, kv, tokenizer)
 
     @staticmethod
     def new_cache(

@@ -77,9 +77,17 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Validate and queue; every problem is a ValueError with the numbers in it."""
-        params.validate()
+        self.validate(prompt_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, list(prompt_ids), params)
+        self.requests[request_id] = req
+        self._detok[request_id] = _Detok(params.stop)
+        self.scheduler.add(req)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The checks of ``add_request`` that need no engine state (safe from any thread)."""
+        params.validate()
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -99,10 +107,6 @@ class Engine:
                 f"{total} tokens need {self.blocks.blocks_for(total)} KV blocks; the cache has "
                 f"{self.cfg.num_blocks}"
             )
-        req = Request(request_id, list(prompt_ids), params)
-        self.requests[request_id] = req
-        self._detok[request_id] = _Detok(params.stop)
-        self.scheduler.add(req)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

@@ -5,6 +5,7 @@ fails takes the others down with it instead of leaving them waiting."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -72,12 +73,28 @@ def launch(cfg: DistConfig, worker: Worker, *args) -> None:
     else:
         addr = cfg.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = cfg.master_port or int(os.environ.get("MASTER_PORT", 0)) or free_port()
-        mp.start_processes(
+        ctx = mp.start_processes(
             _spawned,
             args=(cfg, addr, port, worker, args),
             nprocs=cfg.pp_size,
             start_method="spawn",
+            join=False,
         )
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            while not ctx.join(timeout=1):
+                pass
+        finally:  # stopped or failed: no stage outlives this process
+            signal.signal(signal.SIGTERM, previous)
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            for p in ctx.processes:
+                p.join(timeout=10)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _spawned(rank: int, cfg: DistConfig, addr: str, port: int, worker: Worker, args) -> None:

@@ -1,0 +1,104 @@
+"""The engine loop on a background thread, and an asyncio interface for the server.
+
+Requests and aborts are queued and applied by the loop between steps, so the event loop never
+waits for a step; outputs come back through one asyncio queue per request. If the loop dies,
+every waiting request gets the error and ``error`` is set (``/health`` then reports 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from engramrt.engine.engine import Engine, RequestOutput
+from engramrt.engine.request import SamplingParams
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.error: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._run, name="engramrt-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs until the request finishes; leaving early (a disconnect) aborts it."""
+        if self.error is not None:
+            raise EngineDead(f"the engine has stopped: {self.error}")
+        self.engine.validate(prompt_ids, params)  # raises ValueError -> a 400 upstream
+        rid = request_id or uuid.uuid4().hex
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = (asyncio.get_running_loop(), q)
+        self._inbox.put(("add", rid, prompt_ids, params))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, ValueError):
+                    raise item
+                if isinstance(item, BaseException):
+                    raise EngineDead(f"the engine failed: {item}") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self._inbox.put(("abort", rid))
+                self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _deliver(self, rid: str, item) -> None:
+        target = self._queues.get(rid)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                op, rid, *args = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if op == "abort":
+                self.engine.abort(rid)
+                continue
+            try:
+                self.engine.add_request(rid, *args)
+            except ValueError as exc:
+                self._deliver(rid, exc)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain()
+                if not self.engine.has_work():
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
+            self.error = exc
+            for rid in list(self._queues):
+                self._deliver(rid, exc)
+            raise
