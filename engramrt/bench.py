@@ -354,7 +354,7 @@ async def send_request(
                 if stream.feed(data, time.perf_counter()):
                     break
         stream.finish(time.perf_counter())
-    except Exception as exc:  # noqa: BLE001 - any failure is recorded, not raised
+    except Exception as exc:  # any failure is recorded, not raised
         record.success = False
         record.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
     return record
@@ -502,7 +502,10 @@ async def _bench(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[di
             try:
                 model = await _first_model(client, base_url, headers)
             except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
-                print(f"engramrt bench serve: cannot list models at {base_url}: {exc}", file=sys.stderr)
+                print(
+                    f"engramrt bench serve: cannot list models at {base_url}: {exc}",
+                    file=sys.stderr,
+                )
                 return None
 
         def payload(ids: list[int]) -> dict[str, Any]:
@@ -523,9 +526,7 @@ async def _bench(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[di
         print("Starting initial single prompt test run...")
         test = await send_request(client, url, payload(prompts[0]), headers, len(prompts[0]))
         if not test.success:
-            print(
-                f"engramrt bench serve: initial test run failed: {test.error}", file=sys.stderr
-            )
+            print(f"engramrt bench serve: initial test run failed: {test.error}", file=sys.stderr)
             return None
         print("Initial test run completed. Starting main benchmark run...")
         print(f"Traffic request rate: {args.request_rate}")

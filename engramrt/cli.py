@@ -232,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0, help="for requests that bring no seed")
     _add_dist_flags(v)
     v.set_defaults(func=serve)
+
+    from engramrt.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
