@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -52,6 +52,7 @@ class _Choice:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+    prompt_text: str | None = None  # as the client sent it, for echo
 
 
 class Server:
@@ -74,14 +75,15 @@ class Server:
         bos = [self.cfg.bos_token_id] if self.cfg.bos_token_id is not None else []
         return bos + self.tok.encode(text).ids
 
-    def completion_prompts(self, prompt) -> list[list[int]]:
+    def completion_prompts(self, prompt) -> list[tuple[list[int], str | None]]:
+        """(token ids, the text as sent when it was text)."""
         if isinstance(prompt, str):
-            return [self.encode(prompt)]
+            return [(self.encode(prompt), prompt)]
         if not prompt:
             raise ApiError(400, "prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        return [self.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+            return [(list(prompt), None)]
+        return [(self.encode(p), p) if isinstance(p, str) else (list(p), None) for p in prompt]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if self.template is None:
@@ -95,9 +97,10 @@ class Server:
         )
         return self.tok.encode(text).ids
 
-    def choices(self, prompts: list[list[int]], req, max_tokens, logprobs, echo_k) -> list[_Choice]:
+    def choices(self, prompts, req, max_tokens, logprobs, echo_k) -> list[_Choice]:
+        """``prompts``: (ids, text or None) pairs; ``req.n`` choices for each."""
         out = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, text) in enumerate(prompts):
             limit = self.cfg.max_model_len
             mt = max_tokens if max_tokens is not None else limit - len(prompt)
             if len(prompt) + mt > limit or mt < 1:
@@ -126,7 +129,7 @@ class Server:
                     self.engine.engine.validate(prompt, params)
                 except ValueError as exc:
                     raise ApiError(400, str(exc)) from None
-                out.append(_Choice(i * req.n + j, prompt, params))
+                out.append(_Choice(i * req.n + j, prompt, params, text))
         return out
 
     # --- running them ---------------------------------------------------------------------
@@ -234,17 +237,22 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(x) for x in first.get("loc", []) if x != "body")
-        msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "")
-        return JSONResponse(error_body(400, msg or "invalid request", "BadRequestError", loc), 400)
+        if first.get("type") == "json_invalid":
+            msg = f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            return JSONResponse(error_body(400, msg, "BadRequestError"), 400)
+        parts = [str(x) for x in first.get("loc", []) if x != "body"]
+        loc = ".".join(parts) or None
+        msg = first.get("msg", "invalid request")
+        return JSONResponse(
+            error_body(400, f"{loc}: {msg}" if loc else msg, "BadRequestError", loc), 400
+        )
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if cfg.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {cfg.api_key}":
-                body = error_body(401, "invalid or missing API key", "AuthenticationError")
-                return JSONResponse(body, 401)
-        return await call_next(request)
+    async def _require_key(request: Request) -> None:
+        # a dependency, not an HTTP middleware: those hide client disconnects from handlers
+        if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
+            raise ApiError(401, "invalid or missing API key", "AuthenticationError")
+
+    auth = [Depends(_require_key)]
 
     @app.get("/health")
     async def health():
@@ -258,7 +266,7 @@ def create_app(server: Server) -> FastAPI:
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=auth)
     async def models():
         data = [
             {
@@ -297,10 +305,11 @@ def create_app(server: Server) -> FastAPI:
         except EngineDead as exc:
             raise ApiError(503, str(exc), "ServiceUnavailableError") from None
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=auth)
     async def completions(req: CompletionRequest, raw: Request):
         model = server.check_model(req.model)
         prompts = server.completion_prompts(req.prompt)
+        n_prompt = sum(len(ids) for ids, _ in prompts)
         echo_k = req.logprobs if (req.echo and req.logprobs is not None) else None
         choices = server.choices(prompts, req, req.max_tokens or 16, req.logprobs, echo_k)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -319,24 +328,27 @@ def create_app(server: Server) -> FastAPI:
             return obj
 
         def prompt_part(c: _Choice, out: RequestOutput | None):
-            text = server.tok.decode(c.prompt_ids, skip_special_tokens=False) if req.echo else ""
+            text = ""
+            if req.echo:
+                text = c.prompt_text
+                if text is None:
+                    text = server.tok.decode(c.prompt_ids, skip_special_tokens=False)
             lps = None
             if req.echo and req.logprobs is not None and out is not None:
                 lps = server.completion_logprobs(c.prompt_ids, out.prompt_logprobs, 0)
             return text, lps
 
         async def stream():
-            started, n_out = set(), {}
+            sent, n_out = {}, {}  # characters already streamed per choice (text_offset base)
             async for c, out in server.run(choices):
                 text, lps = "", None
-                if c.index not in started:
-                    started.add(c.index)
+                if c.index not in sent:
                     text, lps = prompt_part(c, out)
+                base = sent.get(c.index, 0) + len(text)
+                sent[c.index] = base + len(out.new_text)
                 gen_lps = None
                 if req.logprobs is not None:
-                    gen_lps = server.completion_logprobs(
-                        out.new_token_ids, out.new_logprobs, len(text)
-                    )
+                    gen_lps = server.completion_logprobs(out.new_token_ids, out.new_logprobs, base)
                     if lps is not None:
                         for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                             lps[key] += gen_lps[key]
@@ -355,9 +367,7 @@ def create_app(server: Server) -> FastAPI:
                     )
                 )
             if usage_on:
-                yield _sse(
-                    {**chunk([]), "usage": _usage(sum(map(len, prompts)), sum(n_out.values()))}
-                )
+                yield _sse({**chunk([]), "usage": _usage(n_prompt, sum(n_out.values()))})
 
         async def build():
             acc = {c.index: [c, "", [], [], None, None] for c in choices}
@@ -386,18 +396,18 @@ def create_app(server: Server) -> FastAPI:
                     }
                 )
                 completion += len(ids)
-            return chunk(result, _usage(sum(map(len, prompts)), completion))
+            return chunk(result, _usage(n_prompt, completion))
 
         return await _respond(raw, stream(), build, req.stream)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(req: ChatCompletionRequest, raw: Request):
         model = server.check_model(req.model)
         prompt = server.chat_prompt(req)
         top = req.top_logprobs or 0
         logprobs = top if req.logprobs else None
         choices = server.choices(
-            [prompt], req, req.max_completion_tokens or req.max_tokens, logprobs, None
+            [(prompt, None)], req, req.max_completion_tokens or req.max_tokens, logprobs, None
         )
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage_on = bool(req.stream_options and req.stream_options.include_usage)

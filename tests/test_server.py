@@ -1,0 +1,895 @@
+"""``engramrt serve`` over HTTP: the official openai client, raw requests for bad input, metrics,
+load, disconnects, PP = 2 and batch invariance (chunked prefill, preemption).
+
+Every expectation comes from another run of the same server (or another server) or from an
+invariant of the API; no generated text is hard-coded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import httpx
+import openai
+import pytest
+
+from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.config import load_json, model_config
+from engramrt.engram.token_map import load_tokenizer
+from tests.server_fixture import running_server, server_fixture
+
+MAX_LEN = 1024
+API_KEY = "sk-engramrt-test"
+TOK = load_tokenizer(DEFAULT_MODEL_DIR)
+BOS = model_config(load_json(DEFAULT_MODEL_DIR)).bos_token_id
+VOCAB = TOK.get_vocab_size(with_added_tokens=True)
+
+server = server_fixture("--max-model-len", str(MAX_LEN))
+keyed_server = server_fixture("--api-key", API_KEY)
+
+PROMPTS = [
+    "The quick brown fox",
+    "Hello",
+    "In a garden by the river, the mountains rose over the quiet town and",
+    "Engram tables hash n-grams of the prompt into rows",
+]
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def ids_of(text: str) -> list[int]:
+    """The prompt ids the server builds for a string prompt: BOS, then the tokenizer's ids."""
+    return [BOS, *TOK.encode(text).ids]
+
+
+def client(base: str, key: str = "EMPTY") -> openai.OpenAI:
+    return openai.OpenAI(api_key=key, base_url=f"{base}/v1", max_retries=0, timeout=120)
+
+
+def model_name(base: str, headers: dict | None = None) -> str:
+    return httpx.get(f"{base}/v1/models", headers=headers).json()["data"][0]["id"]
+
+
+def post(base: str, path: str, body: dict, **kw) -> dict:
+    r = httpx.post(f"{base}{path}", json=body, timeout=120, **kw)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def complete(base: str, **body) -> dict:
+    return post(base, "/v1/completions", body)
+
+
+def greedy(base: str, prompt, max_tokens: int = 12) -> str:
+    out = complete(base, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return out["choices"][0]["text"]
+
+
+def metrics(base: str) -> dict[str, float]:
+    """``name{labels}`` -> value for every sample line of /metrics."""
+    r = httpx.get(f"{base}/metrics", timeout=30)
+    assert r.status_code == 200
+    out = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def metric(m: dict[str, float], name: str) -> float:
+    """The sum over all label sets of one metric name."""
+    hits = [v for k, v in m.items() if k == name or k.startswith(name + "{")]
+    assert hits, f"{name} not in /metrics"
+    return sum(hits)
+
+
+IDLE = (
+    "engramrt:num_requests_running",
+    "engramrt:num_requests_waiting",
+    "engramrt:kv_cache_usage_perc",
+    "engramrt:engram_history_slots_used",
+)
+
+
+def wait_idle(base: str, timeout: float = 5.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits and no KV block or history slot is held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(base)
+        values = {name: metric(m, name) for name in IDLE}
+        if all(v == 0 for v in values.values()):
+            return m
+        if time.monotonic() > deadline:
+            pytest.fail(f"server not idle after {timeout} s: {values}")
+        time.sleep(0.1)
+
+
+def assert_error(r: httpx.Response, status: int, *needles: str) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    assert err["code"] == status, err
+    for needle in needles:
+        assert needle.lower() in err["message"].lower(), (needle, err)
+    return err
+
+
+def sse_events(r: httpx.Response) -> list[str]:
+    return [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def mid_substring(text: str) -> str:
+    """A short ASCII substring whose first occurrence lies strictly inside ``text``."""
+    for size in (3, 2, 1):
+        for k in range(len(text) // 3, len(text) - size):
+            s = text[k : k + size]
+            if s.isascii() and s.isprintable() and s.strip() and 0 < text.find(s) < k + 1:
+                return s
+    pytest.skip(f"no usable stop substring in {text!r}")
+
+
+# --- models, health, metrics -------------------------------------------------------------------
+
+
+def test_models_health_metrics(server: str) -> None:
+    r = httpx.get(f"{server}/v1/models")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list" and len(body["data"]) >= 1
+    for m in body["data"]:
+        assert {"id", "object", "created", "owned_by", "root", "max_model_len"} <= set(m)
+        assert m["object"] == "model" and isinstance(m["id"], str) and m["id"]
+        assert isinstance(m["created"], int) and m["max_model_len"] == MAX_LEN
+    listed = client(server).models.list()
+    assert [m.id for m in listed.data] == [m["id"] for m in body["data"]]
+
+    assert httpx.get(f"{server}/health").status_code == 200
+    greedy(server, PROMPTS[0], 2)  # so the latency histograms have a sample
+    r = httpx.get(f"{server}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    for name in (
+        "engramrt:num_requests_running",
+        "engramrt:num_requests_waiting",
+        "engramrt:kv_cache_usage_perc",
+        "engramrt:engram_history_slots_used",
+        "engramrt:time_to_first_token_seconds",
+        "engramrt:prompt_tokens_total",
+        "engramrt:generation_tokens_total",
+        "engramrt:num_preemptions_total",
+    ):
+        assert name in r.text, name
+    m = metrics(server)
+    assert metric(m, "engramrt:time_to_first_token_seconds_count") >= 1
+    assert metric(m, "engramrt:prompt_tokens_total") >= len(ids_of(PROMPTS[0]))
+
+
+def test_metrics_count_tokens(server: str) -> None:
+    before = metrics(server)
+    out = complete(server, prompt=PROMPTS[2], max_tokens=5, temperature=0)
+    after = metrics(server)
+    usage = out["usage"]
+    for name, key in (
+        ("engramrt:prompt_tokens_total", "prompt_tokens"),
+        ("engramrt:generation_tokens_total", "completion_tokens"),
+    ):
+        assert metric(after, name) - metric(before, name) == usage[key], name
+
+
+# --- the openai client ---------------------------------------------------------------------------
+
+
+def check_usage(usage, completion_tokens: int | None = None) -> None:
+    assert usage.prompt_tokens + usage.completion_tokens == usage.total_tokens
+    if completion_tokens is not None:
+        assert usage.completion_tokens == completion_tokens
+
+
+def test_openai_completion(server: str) -> None:
+    c, model = client(server), model_name(server)
+    prompt = PROMPTS[0]
+    out = c.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, logprobs=0)
+    assert out.object == "text_completion" and out.model == model and out.id.startswith("cmpl-")
+    (choice,) = out.choices
+    assert choice.index == 0 and choice.finish_reason in ("stop", "length")
+    n_tokens = len(choice.logprobs.tokens)
+    check_usage(out.usage, n_tokens)
+    assert out.usage.prompt_tokens == len(ids_of(prompt))
+    if choice.finish_reason == "length":
+        assert n_tokens == 10
+    again = c.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+    assert again.choices[0].text == choice.text  # greedy is deterministic
+    assert again.choices[0].logprobs is None
+
+
+def test_openai_completion_length_usage(server: str) -> None:
+    c = client(server)
+    out = c.completions.create(
+        model=model_name(server),
+        prompt=PROMPTS[1],
+        max_tokens=7,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].finish_reason == "length"
+    check_usage(out.usage, 7)
+
+
+def test_openai_completion_stream(server: str) -> None:
+    c, model = client(server), model_name(server)
+    prompt = PROMPTS[2]
+    full = c.completions.create(model=model, prompt=prompt, max_tokens=9, temperature=0)
+    stream = c.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=9,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    *content, last = chunks
+    assert last.choices == [] and last.usage is not None
+    check_usage(last.usage, full.usage.completion_tokens)
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(len(ch.choices) == 1 and ch.usage is None for ch in content)
+    assert len(content) == full.usage.completion_tokens  # one chunk per generated token
+    assert "".join(ch.choices[0].text for ch in content) == full.choices[0].text
+    assert all(ch.choices[0].finish_reason is None for ch in content[:-1])
+    assert content[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+    plain = list(
+        c.completions.create(model=model, prompt=prompt, max_tokens=9, temperature=0, stream=True)
+    )
+    assert all(ch.usage is None and len(ch.choices) == 1 for ch in plain)
+    assert "".join(ch.choices[0].text for ch in plain) == full.choices[0].text
+
+
+def test_openai_chat(server: str) -> None:
+    c, model = client(server), model_name(server)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three rivers."},
+    ]
+    full = c.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+    assert full.object == "chat.completion" and full.model == model
+    (choice,) = full.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    check_usage(full.usage)
+    if choice.finish_reason == "length":
+        assert full.usage.completion_tokens == 8
+    assert full.usage.completion_tokens <= 8
+
+    via_mct = c.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=8, temperature=0
+    )
+    assert via_mct.choices[0].message.content == choice.message.content
+
+    stream = c.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    *content, last = chunks
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.model_dump() == full.usage.model_dump()
+    assert content[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in content)
+    assert text == choice.message.content
+    assert content[-1].choices[0].finish_reason == choice.finish_reason
+    assert all(ch.choices[0].finish_reason is None for ch in content[:-1])
+
+
+def test_completion_logprobs(server: str) -> None:
+    c = client(server)
+    k, max_tokens = 3, 10
+    out = c.completions.create(
+        model=model_name(server),
+        prompt=PROMPTS[3],
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=k,
+    )
+    (choice,) = out.choices
+    lp = choice.logprobs
+    n = out.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert len(lp.text_offset) == n
+    assert lp.text_offset[0] == 0
+    for i in range(1, n):  # offsets advance by each token's text
+        assert lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
+    for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert isinstance(token_lp, float) and token_lp <= 0
+        # keyed by token text, so two tokens with the same text can share one entry
+        assert 1 <= len(top) <= k
+        assert all(v <= 0 for v in top.values())
+        assert token_lp >= min(top.values()) - 1e-6
+        assert token_lp >= max(top.values()) - 1e-5  # greedy picks the argmax
+
+
+def test_chat_logprobs(server: str) -> None:
+    c = client(server)
+    out = c.chat.completions.create(
+        model=model_name(server),
+        messages=[{"role": "user", "content": "Tell me about gardens."}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    (choice,) = out.choices
+    content = choice.logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert isinstance(entry.token, str) and entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and all(v <= 0 for v in tops)
+        assert entry.logprob >= min(tops) - 1e-6
+        assert abs(entry.logprob - tops[0]) <= 1e-5  # greedy: the sampled token is the top one
+        assert entry.top_logprobs[0].token == entry.token
+
+
+def test_echo_loglikelihood_token_ids(server: str) -> None:
+    """lm-eval's local-completions loglikelihood request."""
+    c, model = client(server), model_name(server)
+    ids = ids_of(PROMPTS[2])
+    out = c.completions.create(
+        model=model, prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0
+    )
+    (choice,) = out.choices
+    lp = choice.logprobs
+    assert choice.text.startswith(TOK.decode(ids, skip_special_tokens=False))
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(isinstance(t, dict) and 1 <= len(t) for t in lp.top_logprobs[1:])
+    assert lp.tokens[: len(ids)] == [TOK.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.text_offset[0] == 0
+    check_usage(out.usage, 1)
+    assert out.usage.prompt_tokens == len(ids)
+
+    # the generated token and its logprob match a plain (non-echo) request
+    plain = c.completions.create(model=model, prompt=ids, max_tokens=1, logprobs=1, temperature=0)
+    assert choice.text.endswith(plain.choices[0].text)
+    assert lp.tokens[-1] == plain.choices[0].logprobs.tokens[0]
+    assert math.isclose(
+        lp.token_logprobs[-1], plain.choices[0].logprobs.token_logprobs[0], abs_tol=1e-4
+    )
+    # a prompt token's score does not depend on what follows it
+    half = len(ids) // 2
+    head = c.completions.create(
+        model=model, prompt=ids[:half], max_tokens=1, logprobs=1, echo=True, temperature=0
+    )
+    for a, b in zip(
+        head.choices[0].logprobs.token_logprobs[1:half], lp.token_logprobs[1:half], strict=True
+    ):
+        assert math.isclose(a, b, abs_tol=1e-4)
+
+
+def test_echo_text_starts_with_prompt_string(server: str) -> None:
+    out = complete(server, prompt=PROMPTS[0], max_tokens=1, logprobs=1, echo=True, temperature=0)
+    assert out["choices"][0]["text"].startswith(PROMPTS[0])
+
+
+def _stream_pieces(base: str, body: dict) -> tuple[str, dict]:
+    """Text and legacy logprobs of a streamed completion, concatenated over its chunks."""
+    text, lps = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    for e in events[:-1]:
+        (choice,) = json.loads(e)["choices"]
+        text += choice["text"]
+        for key in lps:
+            lps[key] += choice["logprobs"][key]
+    return text, lps
+
+
+@pytest.mark.parametrize("echo", [False, True], ids=["plain", "echo"])
+def test_stream_logprobs_match_non_stream(server: str, echo: bool) -> None:
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": echo}
+    full = complete(server, **body)["choices"][0]
+    text, lps = _stream_pieces(server, body)
+    assert text == full["text"]
+    assert lps["tokens"] == full["logprobs"]["tokens"]
+    assert lps["top_logprobs"] == full["logprobs"]["top_logprobs"]
+    assert lps["token_logprobs"] == full["logprobs"]["token_logprobs"]
+
+
+def test_stream_text_offset_is_cumulative(server: str) -> None:
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    full = complete(server, **body)["choices"][0]
+    _, lps = _stream_pieces(server, body)
+    assert lps["text_offset"] == full["logprobs"]["text_offset"]
+
+
+def test_stop_string(server: str) -> None:
+    c, model = client(server), model_name(server)
+    prompt = PROMPTS[2]
+    base = c.completions.create(
+        model=model, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = base.choices[0].text
+    stop = mid_substring(text)
+    expected = text[: text.find(stop)]
+
+    out = c.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens < 24
+    check_usage(out.usage)
+
+    stream = c.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        stop=stop,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert "".join(ch.choices[0].text for ch in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    chat_base = c.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    chat_text = chat_base.choices[0].message.content
+    chat_stop = mid_substring(chat_text)
+    chat = c.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=24,
+        temperature=0,
+        stop=[chat_stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.choices[0].message.content == chat_text[: chat_text.find(chat_stop)]
+    assert chat.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducibility(server: str) -> None:
+    c, model = client(server), model_name(server)
+
+    def sample(seed: int) -> str:
+        out = c.completions.create(
+            model=model, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=seed
+        )
+        return out.choices[0].text
+
+    first = [sample(s) for s in range(5)]
+    assert [sample(s) for s in range(5)] == first
+    assert len(set(first)) > 1, first
+    stream = c.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=3, stream=True
+    )
+    assert "".join(ch.choices[0].text for ch in stream) == first[3]
+
+
+def test_n_choices(server: str) -> None:
+    c, model = client(server), model_name(server)
+    out = c.completions.create(
+        model=model, prompt=PROMPTS[1], max_tokens=6, temperature=1.0, n=3, seed=11, logprobs=0
+    )
+    assert [ch.index for ch in out.choices] == [0, 1, 2]
+    assert out.usage.completion_tokens == sum(len(ch.logprobs.tokens) for ch in out.choices)
+    assert out.usage.prompt_tokens == len(ids_of(PROMPTS[1]))  # the prompt counts once
+    check_usage(out.usage)
+
+    streamed = list(
+        c.completions.create(
+            model=model,
+            prompt=PROMPTS[1],
+            max_tokens=6,
+            temperature=1.0,
+            n=3,
+            seed=11,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *content, last = streamed
+    texts = dict.fromkeys(range(3), "")
+    for ch in content:
+        texts[ch.choices[0].index] += ch.choices[0].text
+    assert [texts[i] for i in range(3)] == [ch.text for ch in out.choices]
+    assert last.choices == [] and last.usage.model_dump() == out.usage.model_dump()
+    assert len(content) == out.usage.completion_tokens
+
+    chat = c.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=1.0,
+        n=3,
+        seed=5,
+    )
+    assert [ch.index for ch in chat.choices] == [0, 1, 2]
+    check_usage(chat.usage)
+
+    # several prompts times n: prompt i owns choices i*n .. i*n+n-1
+    multi = c.completions.create(model=model, prompt=PROMPTS[:2], max_tokens=6, temperature=0, n=2)
+    assert [ch.index for ch in multi.choices] == [0, 1, 2, 3]
+    singles = [greedy(server, p, 6) for p in PROMPTS[:2]]
+    assert [ch.text for ch in multi.choices] == [singles[0]] * 2 + [singles[1]] * 2
+
+
+def test_prompt_token_ids(server: str) -> None:
+    c, model = client(server), model_name(server)
+    text = PROMPTS[3]
+    by_text = c.completions.create(model=model, prompt=text, max_tokens=8, temperature=0)
+    by_ids = c.completions.create(model=model, prompt=ids_of(text), max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage == by_text.usage
+
+    batch = [ids_of(p) for p in PROMPTS[:3]]
+    out = c.completions.create(model=model, prompt=batch, max_tokens=8, temperature=0)
+    assert [ch.index for ch in out.choices] == [0, 1, 2]
+    assert [ch.text for ch in out.choices] == [greedy(server, p, 8) for p in PROMPTS[:3]]
+    assert out.usage.prompt_tokens == sum(map(len, batch))
+    check_usage(out.usage)
+
+    strings = c.completions.create(model=model, prompt=PROMPTS[:3], max_tokens=8, temperature=0)
+    assert [ch.text for ch in strings.choices] == [ch.text for ch in out.choices]
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+OK_BODY = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+
+
+def still_serves(base: str) -> None:
+    out = complete(base, **OK_BODY)
+    assert out["usage"]["completion_tokens"] >= 1
+
+
+BAD_COMPLETIONS = [
+    ("max_tokens_type", {"prompt": "hi", "max_tokens": "x"}, 400, ["max_tokens"]),
+    ("max_tokens_negative", {"prompt": "hi", "max_tokens": -1}, 400, ["max_tokens"]),
+    ("max_tokens_zero", {"prompt": "hi", "max_tokens": 0}, 400, ["max_tokens"]),
+    ("temperature_type", {"prompt": "hi", "temperature": "hot"}, 400, ["temperature"]),
+    ("temperature_negative", {"prompt": "hi", "temperature": -0.5}, 400, ["temperature"]),
+    ("top_p_zero", {"prompt": "hi", "top_p": 0}, 400, ["top_p"]),
+    ("top_p_above_one", {"prompt": "hi", "top_p": 1.5}, 400, ["top_p"]),
+    ("n_zero", {"prompt": "hi", "n": 0}, 400, ["n"]),
+    ("logprobs_too_many", {"prompt": "hi", "logprobs": 21}, 400, ["logprobs"]),
+    ("prompt_missing", {"max_tokens": 2}, 400, ["prompt"]),
+    ("prompt_empty_list", {"prompt": [], "max_tokens": 2}, 400, ["prompt", "empty"]),
+    ("prompt_empty_ids", {"prompt": [[]], "max_tokens": 2}, 400, ["empty"]),
+    ("prompt_wrong_type", {"prompt": 5, "max_tokens": 2}, 400, ["prompt"]),
+    ("id_above_vocab", {"prompt": [BOS, 10**6], "max_tokens": 2}, 400, [str(10**6), "vocab"]),
+    ("id_negative", {"prompt": [BOS, -1], "max_tokens": 2}, 400, ["-1", "vocab"]),
+    ("id_in_batch", {"prompt": [[BOS, 7], [BOS, VOCAB]], "max_tokens": 2}, 400, [str(VOCAB)]),
+    (
+        "max_tokens_over_context",
+        {"prompt": "hi", "max_tokens": 4 * MAX_LEN},
+        400,
+        ["maximum context length", str(MAX_LEN), str(4 * MAX_LEN)],
+    ),
+    (
+        "prompt_over_context",
+        {"prompt": [BOS] + [7] * MAX_LEN, "max_tokens": 1},
+        400,
+        ["maximum context length", str(MAX_LEN), str(MAX_LEN + 1)],
+    ),
+    ("unknown_model", {"prompt": "hi", "model": "no-such-model"}, 404, ["no-such-model"]),
+]
+
+
+@pytest.mark.parametrize(
+    "body,status,needles", [c[1:] for c in BAD_COMPLETIONS], ids=[c[0] for c in BAD_COMPLETIONS]
+)
+def test_bad_completion_request(server: str, body: dict, status: int, needles: list[str]) -> None:
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+    assert_error(r, status, *needles)
+    still_serves(server)
+
+
+BAD_CHAT = [
+    ("messages_empty", {"messages": []}, 400, ["messages"]),
+    ("messages_missing", {"max_tokens": 2}, 400, ["messages"]),
+    ("role_unknown", {"messages": [{"role": "robot", "content": "hi"}]}, 400, ["role"]),
+    (
+        "max_tokens_over_context",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2 * MAX_LEN},
+        400,
+        ["maximum context length", str(MAX_LEN)],
+    ),
+    (
+        "top_logprobs_too_many",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 99},
+        400,
+        ["top_logprobs"],
+    ),
+    (
+        "unknown_model",
+        {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"},
+        404,
+        ["gpt-4"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "body,status,needles", [c[1:] for c in BAD_CHAT], ids=[c[0] for c in BAD_CHAT]
+)
+def test_bad_chat_request(server: str, body: dict, status: int, needles: list[str]) -> None:
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+    assert_error(r, status, *needles)
+    still_serves(server)
+
+
+def test_malformed_json_param_is_null(server: str) -> None:
+    r = httpx.post(
+        f"{server}/v1/completions",
+        content=b'{"prompt": "hi", "max_tokens": ',
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert assert_error(r, 400, "json")["param"] is None
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_malformed_json(server: str, path: str) -> None:
+    r = httpx.post(
+        f"{server}{path}",
+        content=b'{"prompt": "hi", "max_tokens": ',
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert_error(r, 400, "json")
+    still_serves(server)
+
+
+def test_bad_stream_request_is_plain_error(server: str) -> None:
+    """A request that fails validation is an HTTP error even when it asked for a stream."""
+    r = httpx.post(
+        f"{server}/v1/completions",
+        json={"prompt": "hi", "max_tokens": 4 * MAX_LEN, "stream": True},
+        timeout=30,
+    )
+    assert_error(r, 400, "maximum context length")
+    with pytest.raises(openai.BadRequestError):
+        client(server).completions.create(
+            model=model_name(server), prompt=[BOS, VOCAB + 5], max_tokens=2, stream=True
+        )
+    still_serves(server)
+
+
+def test_empty_string_prompt(server: str) -> None:
+    """An empty string still has the BOS token: it is served like the prompt ``[BOS]``."""
+    by_text = complete(server, prompt="", max_tokens=4, temperature=0)
+    by_ids = complete(server, prompt=[BOS], max_tokens=4, temperature=0)
+    assert by_text["usage"] == by_ids["usage"]
+    assert by_text["usage"]["prompt_tokens"] == len(ids_of(""))
+    assert by_text["choices"][0]["text"] == by_ids["choices"][0]["text"]
+
+
+def test_unknown_fields_are_ignored(server: str) -> None:
+    base = complete(server, **OK_BODY)
+    extra = complete(server, **OK_BODY, frequency_penalty_v9=3, some_vendor_flag={"a": 1})
+    assert extra["choices"][0]["text"] == base["choices"][0]["text"]
+
+
+def test_errors_leave_server_idle(server: str) -> None:
+    wait_idle(server)
+
+
+# --- API key -------------------------------------------------------------------------------------
+
+
+def test_api_key(keyed_server: str) -> None:
+    base = keyed_server
+    good = {"Authorization": f"Bearer {API_KEY}"}
+    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        assert_error(httpx.get(f"{base}/v1/models", headers=headers), 401)
+        r = httpx.post(f"{base}/v1/completions", json=OK_BODY, headers=headers, timeout=30)
+        assert_error(r, 401)
+        r = httpx.post(
+            f"{base}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            headers=headers,
+            timeout=30,
+        )
+        assert_error(r, 401)
+    assert httpx.get(f"{base}/health").status_code == 200
+    assert httpx.get(f"{base}/metrics").status_code == 200
+    assert httpx.get(f"{base}/v1/models", headers=good).status_code == 200
+
+    model = model_name(base, good)
+    out = client(base, API_KEY).completions.create(model=model, prompt="Hello", max_tokens=3)
+    check_usage(out.usage)
+    with pytest.raises(openai.AuthenticationError):
+        client(base, "EMPTY").completions.create(model=model, prompt="Hello", max_tokens=3)
+    with pytest.raises(openai.AuthenticationError):
+        client(base, "EMPTY").models.list()
+
+
+# --- load and disconnects ------------------------------------------------------------------------
+
+
+async def _stream_completion(ac: httpx.AsyncClient, body: dict) -> list[str]:
+    async with ac.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+
+
+def test_concurrent_streams(server: str) -> None:
+    num, max_tokens = 128, 8
+
+    async def main() -> list[list[str]]:
+        limits = httpx.Limits(max_connections=num + 8, max_keepalive_connections=num + 8)
+        async with httpx.AsyncClient(base_url=server, timeout=180, limits=limits) as ac:
+            bodies = [
+                {
+                    "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}",
+                    "max_tokens": max_tokens,
+                    "temperature": 0 if i % 2 else 1.0,
+                    "seed": i,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                for i in range(num)
+            ]
+            return await asyncio.gather(*(_stream_completion(ac, b) for b in bodies))
+
+    before = metrics(server)
+    results = asyncio.run(main())
+    assert len(results) == num
+    for events in results:
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        *content, usage_chunk = chunks
+        assert len(content) == max_tokens
+        assert all(len(ch["choices"]) == 1 for ch in content)
+        assert [ch["choices"][0]["finish_reason"] for ch in content] == [None] * (
+            max_tokens - 1
+        ) + ["length"]
+        assert usage_chunk["choices"] == []
+        assert usage_chunk["usage"]["completion_tokens"] == max_tokens
+        assert len({ch["id"] for ch in chunks}) == 1
+    after = wait_idle(server)
+    generated = metric(after, "engramrt:generation_tokens_total")
+    assert generated - metric(before, "engramrt:generation_tokens_total") == num * max_tokens
+
+
+def test_stream_disconnect_aborts(server: str) -> None:
+    num, max_tokens = 4, MAX_LEN - 64
+    before = metrics(server)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=server, timeout=60) as ac:
+
+            async def one(i: int) -> int:
+                body = {
+                    "prompt": f"{PROMPTS[i]}",
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                seen = 0
+                async with ac.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        seen += line.startswith("data: ")
+                        if seen == 2:
+                            break  # leaving the block closes the connection
+                return seen
+
+            assert await asyncio.gather(*(one(i) for i in range(num))) == [2] * num
+
+    asyncio.run(main())
+    after = wait_idle(server, timeout=5.0)
+    generated = metric(after, "engramrt:generation_tokens_total")
+    assert generated - metric(before, "engramrt:generation_tokens_total") < num * max_tokens
+
+
+def test_non_stream_disconnect_aborts() -> None:
+    # its own server: if the request is not aborted it keeps the engine busy for seconds
+    max_tokens = MAX_LEN - 64
+    with running_server("--max-model-len", str(MAX_LEN), stop_timeout=2.0) as base:
+        before = metrics(base)
+        body = {"prompt": PROMPTS[0], "max_tokens": max_tokens, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}/v1/completions", json=body, timeout=0.5)
+        after = wait_idle(base, timeout=3.0)
+        generated = metric(after, "engramrt:generation_tokens_total")
+        assert generated - metric(before, "engramrt:generation_tokens_total") < max_tokens
+
+
+# --- pipeline parallelism ------------------------------------------------------------------------
+
+
+def test_pp2_matches_pp1(server: str) -> None:
+    expected = [greedy(server, p, 12) for p in PROMPTS]
+    flags = ("--pipeline-parallel-size", "2", "--pp-layer-partition", "1,3")
+    with running_server(*flags, "--max-model-len", str(MAX_LEN)) as pp:
+        assert [greedy(pp, p, 12) for p in PROMPTS] == expected
+        both = complete(pp, prompt=PROMPTS, max_tokens=12, temperature=0)
+        assert [ch["text"] for ch in both["choices"]] == expected
+        wait_idle(pp)
+
+
+# --- batch invariance ----------------------------------------------------------------------------
+
+# 16 prompts of 4 .. ~45 tokens (at most 14 blocks of 4 with the 12 generated tokens)
+WORDS = "the river runs past mountains and gardens while engram tables hash every n-gram".split()
+INVARIANCE_PROMPTS = [" ".join((WORDS * 3)[i % 5 : i % 5 + 1 + (5 * i) % 19]) for i in range(16)]
+
+
+def _concurrent_greedy(base: str, prompts: list[str], max_tokens: int) -> list[str]:
+    async def main() -> list[str]:
+        async with httpx.AsyncClient(base_url=base, timeout=180) as ac:
+
+            async def one(p: str) -> str:
+                body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0}
+                r = await ac.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def invariance_reference(server: str) -> list[str]:
+    """The default server's greedy texts, one request at a time."""
+    return [greedy(server, p, 12) for p in INVARIANCE_PROMPTS]
+
+
+def test_prompt_lengths_vary() -> None:
+    lengths = sorted(len(ids_of(p)) for p in INVARIANCE_PROMPTS)
+    assert lengths[0] <= 4 and 40 <= lengths[-1] <= 48 and len(set(lengths)) >= 12
+
+
+def test_batch_invariance_default(server: str, invariance_reference: list[str]) -> None:
+    assert _concurrent_greedy(server, INVARIANCE_PROMPTS, 12) == invariance_reference
+    wait_idle(server)
+
+
+def test_batch_invariance_chunked_prefill(invariance_reference: list[str]) -> None:
+    with running_server("--max-num-batched-tokens", "8") as base:
+        assert _concurrent_greedy(base, INVARIANCE_PROMPTS, 12) == invariance_reference
+        assert [greedy(base, p, 12) for p in INVARIANCE_PROMPTS[::3]] == (invariance_reference[::3])
+        wait_idle(base)
+
+
+def test_batch_invariance_preemption(invariance_reference: list[str]) -> None:
+    flags = ("--num-gpu-blocks-override", "24", "--block-size", "4", "--max-num-seqs", "8")
+    with running_server(*flags) as base:
+        assert _concurrent_greedy(base, INVARIANCE_PROMPTS, 12) == invariance_reference
+        m = wait_idle(base)
+        assert metric(m, "engramrt:num_preemptions_total") > 0
+        assert [greedy(base, p, 12) for p in INVARIANCE_PROMPTS[::5]] == (invariance_reference[::5])
