@@ -4,7 +4,6 @@ stages serving rank 0's steps."""
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,14 +111,13 @@ def _serve_http(opts: ServeOptions, session: Session, pipe: Pipeline, max_len: i
             model_cfg.bos_token_id,
         ),
     )  # fmt: skip
-    print(
+    ready = (
         f"engramrt: serving {opts.served_model_name[0]} ({opts.model_dir}) at "
         f"http://{opts.host}:{opts.port}/v1 | {len(opts.partition)} stage(s) {opts.partition}, "
-        f"{blocks} KV blocks of {opts.block_size} tokens, max_model_len {max_len}",
-        file=sys.stderr,
-        flush=True,
+        f"{blocks} KV blocks of {opts.block_size} tokens, max_model_len {max_len}"
     )
     try:
-        uvicorn.run(create_app(server), host=opts.host, port=opts.port, log_level="warning")
+        app = create_app(server, ready)
+        uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning")
     finally:
         server.engine.shutdown()

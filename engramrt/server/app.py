@@ -5,7 +5,9 @@ aborts its requests."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -226,8 +228,16 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="engramrt", version=engramrt.__version__)
+def create_app(server: Server, ready_message: str | None = None) -> FastAPI:
+    """``ready_message`` is printed once the app accepts requests."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if ready_message:
+            print(ready_message, file=sys.stderr, flush=True)
+        yield
+
+    app = FastAPI(title="engramrt", version=engramrt.__version__, lifespan=lifespan)
     cfg = server.cfg
 
     @app.exception_handler(ApiError)
