@@ -224,6 +224,22 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+def _envelope(req, rid: str, model: str):
+    """The response/chunk wrapper of one request: ids and timestamps fixed, ``usage`` present
+    when given, and ``null`` in every stream chunk when the client asked for usage."""
+    created = int(time.time())
+    usage_on = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+    def wrap(obj_type: str, choices: list, usage: dict | None = None) -> dict:
+        obj = {"id": rid, "object": obj_type, "created": created, "model": model}
+        obj["choices"] = choices
+        if usage_on or usage is not None:
+            obj["usage"] = usage
+        return obj
+
+    return wrap
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -322,20 +338,11 @@ def create_app(server: Server, ready_message: str | None = None) -> FastAPI:
         n_prompt = sum(len(ids) for ids, _ in prompts)
         echo_k = req.logprobs if (req.echo and req.logprobs is not None) else None
         choices = server.choices(prompts, req, req.max_tokens or 16, req.logprobs, echo_k)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         usage_on = bool(req.stream_options and req.stream_options.include_usage)
+        envelope = _envelope(req, f"cmpl-{uuid.uuid4().hex}", model)
 
         def chunk(choices_, usage=None):
-            obj = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": choices_,
-            }
-            if req.stream and usage_on or usage is not None:
-                obj["usage"] = usage
-            return obj
+            return envelope("text_completion", choices_, usage)
 
         def prompt_part(c: _Choice, out: RequestOutput | None):
             text = ""
@@ -419,20 +426,8 @@ def create_app(server: Server, ready_message: str | None = None) -> FastAPI:
         choices = server.choices(
             [(prompt, None)], req, req.max_completion_tokens or req.max_tokens, logprobs, None
         )
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage_on = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(obj_type: str, choices_, usage=None):
-            obj = {
-                "id": rid,
-                "object": obj_type,
-                "created": created,
-                "model": model,
-                "choices": choices_,
-            }
-            if req.stream and usage_on or usage is not None:
-                obj["usage"] = usage
-            return obj
+        chunk = _envelope(req, f"chatcmpl-{uuid.uuid4().hex}", model)
 
         async def stream():
             started, n_out = set(), {}
