@@ -19,6 +19,7 @@ from engramrt.config import EngramConfig
 from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.layout import EngramLayout, search_primes
 from tests.hash_oracle import oracle_history, oracle_ids, oracle_pad_ids, oracle_position_ids
+from tests.kernel_env import triton_runs
 
 V = 300  # tokenizer size = len(token_map)
 K = 240  # compressed vocab; smaller than V so compressed ids collide
@@ -55,6 +56,7 @@ def make_config(n: int, heads: int, **overrides) -> EngramConfig:
 class Setup:
     layout: EngramLayout
     token_map: torch.Tensor
+    kernels: bool = False  # the Triton kernels (under TRITON_INTERPRET=1 on a CPU)
     tmap: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -65,7 +67,10 @@ class Setup:
         return self.layout.config.max_ngram_size
 
     def hasher(self, num_slots: int = NUM_SLOTS, mm_pad_start: int | None = None) -> EngramHasher:
-        return EngramHasher(self.layout, self.token_map, num_slots, mm_pad_start=mm_pad_start)
+        return EngramHasher(
+            self.layout, self.token_map, num_slots, mm_pad_start=mm_pad_start,
+            kernels=self.kernels,
+        )  # fmt: skip
 
     def expect(
         self, seq: list[int], positions: Iterable[int], mm_pad_start: int | None = None
@@ -81,15 +86,22 @@ class Setup:
         return oracle_pad_ids(self.layout, self.tmap)
 
 
-@pytest.fixture(scope="module", params=[(4, 8), (3, 2)], ids=["N4H8", "N3H2"])
+KERNEL_CASES = [(4, 8, True), (3, 2, True)] if triton_runs() else []
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(4, 8, False), (3, 2, False), *KERNEL_CASES],
+    ids=["N4H8", "N3H2", *(f"triton-N{n}H{h}" for n, h, _ in KERNEL_CASES)],
+)
 def setup(request) -> Setup:
-    n, heads = request.param
+    n, heads, kernels = request.param
     layout = EngramLayout.from_config(make_config(n, heads))
     gen = torch.Generator().manual_seed(1234 + n)
     token_map = torch.randint(0, K, (V,), generator=gen, dtype=torch.int64)
     # pad_c must differ from 0, from the raw pad id and from token_map[0] (see test_pad_value)
     token_map[PAD] = next(c for c in range(3, K) if c != token_map[0])
-    return Setup(layout, token_map)
+    return Setup(layout, token_map, kernels)
 
 
 def t64(xs) -> torch.Tensor:

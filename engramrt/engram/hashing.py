@@ -11,6 +11,9 @@ import torch
 
 from engramrt.engram.history import NgramHistory
 from engramrt.engram.layout import EngramLayout
+from engramrt.kernels import use_triton
+
+DECODE, EXTEND, VERIFY = 0, 1, 2  # kernel modes (engramrt.kernels.engram_hash)
 
 Count = int | torch.Tensor
 
@@ -29,7 +32,9 @@ class EngramHasher:
         num_slots: int,
         device: torch.device | str = "cpu",
         mm_pad_start: int | None = None,
+        kernels: bool | None = None,
     ):
+        """``kernels``: use the Triton kernels (default: on CUDA, see ``engramrt.kernels``)."""
         cfg = layout.config
         self.layout = layout
         self.n = cfg.max_ngram_size
@@ -48,6 +53,11 @@ class EngramHasher:
         self.mults = layout.multipliers_tensor.to(device)
         self.history = NgramHistory(num_slots, self.n, device)
         self.device = torch.device(device)
+        self.ops = None
+        if use_triton(device) if kernels is None else kernels:
+            from engramrt.kernels.engram_hash import TritonHashOps
+
+            self.ops = TritonHashOps(self)
 
     # --- modes -------------------------------------------------------------------------------
 
@@ -78,6 +88,11 @@ class EngramHasher:
         if check:
             self._check(tokens, real, slots)
             self._check_runs(tokens.numel(), slots, lens)
+        if self.ops is not None:
+            s, p = slots.long(), start_pos.long()
+            ids = self.ops.hash(EXTEND, tokens, s, p, lens=lens, ends=ends)
+            self.ops.commit(tokens, s, ends - lens, lens, p)  # after every program has read
+            return ids
         src = self._sources(tokens, slot, off)
         ids = self._hash(src, pos, real)
         if tokens.numel() == 0:  # nothing hashed, so nothing to commit
@@ -101,6 +116,8 @@ class EngramHasher:
         slot = torch.where(real, slots.long(), self.history.pad_row)
         if check:
             self._check(tokens, real, slots[real])
+        if self.ops is not None:
+            return self.ops.hash(DECODE, tokens, slots.long(), positions.long(), num_real=num_real)
         src = self._sources(tokens, slot, torch.zeros_like(tokens))
         pos = positions.long()
         ids = self._hash(src, pos, real)
@@ -130,6 +147,11 @@ class EngramHasher:
         slot = torch.where(real, slots.long()[req], self.history.pad_row)
         if check:
             self._check(tokens, real, slots[real_req])
+        if self.ops is not None:
+            return self.ops.hash(
+                VERIFY, tokens, slots.long(), positions.long(), num_real=num_real,
+                verify_block=block,
+            )  # fmt: skip
         pos = positions.long()[req] + off
         return self._hash(self._sources(tokens, slot, off), pos, real)
 
@@ -141,7 +163,15 @@ class EngramHasher:
         num_real: Count | None = None,
     ) -> None:
         """After acceptance: commit each block's anchor plus its ``num_accepted`` drafts."""
-        self.history.commit_verify(tokens.view(slots.numel(), -1), slots, num_accepted, num_real)
+        blocks = tokens.view(slots.numel(), -1)
+        if self.ops is None:
+            self.history.commit_verify(blocks, slots, num_accepted, num_real)
+            return
+        n_acc = self.history.check_verify(blocks, slots, num_accepted, num_real)
+        bsz, block = blocks.shape
+        starts = torch.arange(bsz, device=tokens.device) * block
+        no_zeroing = torch.full((bsz,), self.n, device=tokens.device)  # rows are canonical
+        self.ops.commit(tokens.long(), slots.long(), starts, 1 + n_acc, no_zeroing, num_real)
 
     def rebuild(self, slot: int, tokens_before: torch.Tensor | list[int]) -> None:
         tail = torch.as_tensor(tokens_before, dtype=torch.int64).flatten()[-(self.n - 1) :]

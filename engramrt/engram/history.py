@@ -45,6 +45,22 @@ class NgramHistory:
         The bonus token sampled after the last accepted draft is not committed: it is the
         anchor of the next block and gets committed with it.
         """
+        bsz = block_tokens.shape[0]
+        n_acc = self.check_verify(block_tokens, slots, num_accepted, num_real)
+        keep = torch.arange(bsz, device=slots.device) < (bsz if num_real is None else num_real)
+        target = torch.where(keep, slots.long(), self.pad_row)
+        window = torch.cat([self.rows(target), block_tokens.long()], dim=1)
+        take = (1 + n_acc)[:, None] + torch.arange(self.width, device=slots.device)
+        self.write(target, window.gather(1, take), keep)
+
+    def check_verify(
+        self,
+        block_tokens: torch.Tensor,
+        slots: torch.Tensor,
+        num_accepted: torch.Tensor,
+        num_real: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Accepted counts of live rows (0 for padding rows), after checking them and the slots."""
         bsz, block = block_tokens.shape
         keep = torch.arange(bsz, device=slots.device) < (bsz if num_real is None else num_real)
         n_acc = torch.where(keep, num_accepted.long(), 0)  # padding rows may hold garbage
@@ -53,10 +69,7 @@ class NgramHistory:
         live = slots.long()[keep]
         if bool(((live < 0) | (live >= self.num_slots)).any()):
             raise ValueError(f"slots must lie in [0, {self.num_slots}), got {live.tolist()}")
-        target = torch.where(keep, slots.long(), self.pad_row)
-        window = torch.cat([self.rows(target), block_tokens.long()], dim=1)
-        take = (1 + n_acc)[:, None] + torch.arange(self.width, device=slots.device)
-        self.write(target, window.gather(1, take), keep)
+        return n_acc
 
     def rebuild(self, slot: int, tokens_before: Sequence[int] | torch.Tensor) -> None:
         """Set a row from the tokens that precede the next forward (prefix hit, resume, chunk)."""
