@@ -11,6 +11,7 @@ from torch import nn
 
 from engramrt.config import EngramConfig
 from engramrt.engram.table import SCALE_BLOCK, EngramTable
+from engramrt.kernels import use_triton
 
 GATE_CLAMP = 1e-6  # |dot| floor before the sqrt; keeps the gate away from exactly 0.5
 
@@ -44,8 +45,13 @@ def engram_gate(
 ) -> torch.Tensor:
     """``x [T, hc, D]``, ``kv [T, (hc+1)*D]`` -> x + gate * value per copy, rounded once.
 
-    Rows where ``dead`` (image tokens) are returned unchanged, bit for bit.
+    Rows where ``dead`` (image tokens) are returned unchanged, bit for bit. On CUDA the fused
+    Triton kernel computes the same (up to fp32 summation order).
     """
+    if use_triton(x.device):
+        from engramrt.kernels.engram_gate import gate
+
+        return gate(x, kv, q_weight, k_weight, eps, dead)
     tokens, hc, dim = x.shape
     h = x.float()
     key = kv[:, : hc * dim].reshape(tokens, hc, dim).float()

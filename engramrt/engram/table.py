@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engramrt.kernels import use_triton
+
 SCALE_BLOCK = 32  # elements per e8m0 scale, hard-coded in DeepSeek-V4.1
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -90,6 +92,10 @@ class EngramTable(nn.Module):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """``[T, cols]`` global row ids -> ``[T, cols * dim]``; unowned rows read as -0.0."""
+        if use_triton(ids.device):
+            from engramrt.kernels.engram_gather import gather
+
+            return gather(ids, self.weight, self.scale, self.row_start)
         if self.num_rows == 0:  # an empty shard (more ranks than rows) owns nothing
             shape = (*ids.shape[:-1], ids.shape[-1] * self.dim)
             return torch.full(shape, -0.0, dtype=self.out_dtype, device=ids.device)

@@ -1,0 +1,180 @@
+"""Triton Engram kernels against the torch reference on one GPU, with launch and byte floors.
+
+    python benchmarks/engram_kernels.py [--out results.json]
+
+Decode hash+commit: the average over 64 calls captured in one CUDA graph (and an empty Triton
+kernel measured the same way: the launch floor), plus eager launch-to-completion time. Extend:
+effective GB/s over the bytes the hash must move. Gather and gate at DeepSeek-V4.1-Flash sizes
+(24 columns x 256, hidden 5120, hc 4): time against their byte floor at the measured copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+
+from engramrt.bundled import FLASH_CONFIG
+from engramrt.config import engram_config
+from engramrt.engram import EngramHasher, EngramLayout
+from engramrt.engram.module import engram_gate
+from engramrt.engram.table import EngramTable
+from engramrt.kernels import FORCE_TORCH_ENV
+from engramrt.kernels.engram_gate import gate
+from engramrt.kernels.engram_gather import gather
+
+VOCAB, GRAPH_CALLS = 128815, 64
+
+
+@triton.jit
+def _empty(x_ptr):
+    pass
+
+
+def events_us(fn, reps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def graph_us(fn) -> float:
+    """Average per call of GRAPH_CALLS calls captured in one graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    return events_us(g.replay, 20) / GRAPH_CALLS
+
+
+def copy_gbs() -> float:
+    src = torch.empty(2**29, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (events_us(lambda: dst.copy_(src), 20) * 1e3)
+
+
+def hashers(slots: int):
+    layout = EngramLayout.from_config(engram_config(json.loads(FLASH_CONFIG.read_text())))
+    tmap = torch.randint(0, 99092, (VOCAB,), generator=torch.Generator().manual_seed(0))
+    return (EngramHasher(layout, tmap, slots, "cuda", kernels=True),
+            EngramHasher(layout, tmap, slots, "cuda", kernels=False))  # fmt: skip
+
+
+@contextlib.contextmanager
+def torch_reference():
+    os.environ[FORCE_TORCH_ENV] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[FORCE_TORCH_ENV]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    bw = copy_gbs()
+    res: dict = {"device": torch.cuda.get_device_name(), "copy_gbs": bw, "rows": []}
+    x = torch.zeros(1, device="cuda")
+    floor_graph = graph_us(lambda: _empty[(1,)](x))
+    floor_eager = events_us(lambda: _empty[(1,)](x))
+    res["empty_kernel_us"] = {"graph": floor_graph, "eager": floor_eager}
+    print(
+        f"copy {bw:.0f} GB/s; empty Triton kernel {floor_graph:.2f} us/graph call, "
+        f"{floor_eager:.2f} us eager"
+    )
+    print(
+        f"{'what':28} {'size':>8} {'triton us':>10} {'torch us':>10} {'floor us':>9} "
+        f"{'GB/s':>7} {'equal':>6}"
+    )
+
+    def row(what, size, tri, ref, nbytes, equal):
+        floor = nbytes / (bw * 1e3)
+        r = {"what": what, "size": size, "triton_us": tri, "torch_us": ref, "floor_us": floor,
+             "gbs": nbytes / (tri * 1e3), "equal": equal}  # fmt: skip
+        res["rows"].append(r)
+        print(
+            f"{what:28} {size:>8} {tri:>10.2f} {ref:>10.2f} {floor:>9.3f} {r['gbs']:>7.0f} "
+            f"{str(equal):>6}"
+        )
+
+    per_tok = 8 + 12 + 4 * 8 + 2 * 24 * 8 + 12  # token, row, map reads, ids, row write
+    for bs in (1, 16, 64, 256, 1024, 4096):
+        tri, ref = hashers(bs)
+        toks = torch.randint(0, VOCAB, (bs,), device="cuda")
+        slots = torch.randperm(bs, device="cuda")
+        pos = torch.randint(3, 4000, (bs,), device="cuda")
+        equal = torch.equal(tri.decode(toks, slots, pos), ref.decode(toks, slots, pos))
+        equal &= torch.equal(tri.history.table[:bs], ref.history.table[:bs])
+        t_g = graph_us(lambda: tri.decode(toks, slots, pos, check=False))
+        r_g = graph_us(lambda: ref.decode(toks, slots, pos, check=False))
+        row("decode hash+commit (graph)", bs, t_g, r_g, bs * per_tok, equal)
+        t_e = events_us(lambda: tri.decode(toks, slots, pos, check=False))
+        r_e = events_us(lambda: ref.decode(toks, slots, pos, check=False))
+        row("decode hash+commit (eager)", bs, t_e, r_e, bs * per_tok, equal)
+    for t_total, nreq in ((8192, 1), (32768, 16), (131072, 64)):
+        tri, ref = hashers(nreq)
+        toks = torch.randint(0, VOCAB, (t_total,), device="cuda")
+        slots = torch.arange(nreq, device="cuda")
+        lens = torch.full((nreq,), t_total // nreq, device="cuda")
+        start = torch.randint(0, 100, (nreq,), device="cuda")
+        equal = torch.equal(
+            tri.extend(toks, slots, lens, start), ref.extend(toks, slots, lens, start)
+        )
+        t_e = events_us(lambda: tri.extend(toks, slots, lens, start, check=False))
+        r_e = events_us(lambda: ref.extend(toks, slots, lens, start, check=False))
+        row(f"extend hash ({nreq} req)", t_total, t_e, r_e, t_total * per_tok, equal)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows_n = 2**22  # a 1 GiB slice of a table: row ids spread beyond L2
+    wb = torch.randint(0, 126, (rows_n, 256), device="cuda", dtype=torch.uint8, generator=g)
+    sb = torch.randint(100, 140, (rows_n, 8), device="cuda", dtype=torch.uint8, generator=g)
+    table = EngramTable(wb.view(torch.float8_e4m3fn), sb.view(torch.float8_e8m0fnu))
+    for t in (1, 64, 256, 4096):
+        ids = torch.randint(0, rows_n, (t, 24), device="cuda", generator=g)
+        got = gather(ids, table.weight, table.scale)
+        with torch_reference():
+            want = table.lookup(ids)
+            r_e = events_us(lambda: table.lookup(ids))
+        equal = torch.equal(got.view(torch.int16), want.view(torch.int16))
+        t_e = events_us(lambda: gather(ids, table.weight, table.scale))
+        nbytes = t * 24 * (8 + 256 + 8 + 256 * 2)  # id, fp8 row, scales, bf16 out
+        row("gather fp8 (Flash)", t, t_e, r_e, nbytes, equal)
+    hc, d = 4, 5120
+    q, k = (torch.randn(hc, d, device="cuda").bfloat16() for _ in range(2))
+    for t in (1, 64, 256, 4096):
+        x = torch.randn(t, hc, d, device="cuda").bfloat16()
+        kv = torch.randn(t, (hc + 1) * d, device="cuda").bfloat16()
+        got = gate(x, kv, q, k, 1e-20)
+        with torch_reference():
+            want = engram_gate(x, kv, q, k, 1e-20)
+            r_e = events_us(lambda: engram_gate(x, kv, q, k, 1e-20))
+        close = bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
+        t_e = events_us(lambda: gate(x, kv, q, k, 1e-20))
+        nbytes = t * (hc * d * 2 + (hc + 1) * d * 2 + hc * d * 2)  # x, kv in; out
+        row("gate (Flash)", t, t_e, r_e, nbytes, close)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Triton gather and gate kernels against the torch reference on random inputs (the hash kernel
+runs the whole oracle suite in tests/test_hashing.py). On a CPU they run in Triton's
+interpreter; on a GPU natively (``pytest -m gpu`` selects only these)."""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import pytest
+import torch
+
+from engramrt.engram.module import engram_gate, gate_from_dot
+from engramrt.engram.table import EngramTable
+from engramrt.kernels import FORCE_TORCH_ENV
+from tests.kernel_env import kernel_device, triton_runs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not triton_runs(), reason="Triton cannot run here"),
+]
+DEV = kernel_device()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _fp8_table(rows: int, dim: int, seed: int) -> EngramTable:
+    g = torch.Generator().manual_seed(seed)
+    wb = torch.randint(0, 256, (rows, dim), generator=g, dtype=torch.uint8)
+    wb[(wb == 0x7F) | (wb == 0xFF)] = 0x80  # no NaN; -0.0 on purpose
+    sb = torch.randint(0, 200, (rows, dim // 32), generator=g, dtype=torch.uint8)
+    sb[0] = 0  # e8m0 byte 0 means 2**-127
+    sb[1] = 1  # subnormal products
+    return EngramTable(wb.view(torch.float8_e4m3fn), sb.view(torch.float8_e8m0fnu))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("kind", ["fp8", "bf16", "fp32"])
+def test_gather_equals_reference_bitwise(kind: str, seed: int) -> None:
+    from engramrt.kernels.engram_gather import gather
+
+    g = torch.Generator().manual_seed(seed)
+    if kind == "fp8":
+        table = _fp8_table(40, 64, seed)
+    else:
+        dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+        table = EngramTable(torch.randn(40, 64, generator=g).to(dtype))
+    ids = torch.randint(0, 40, (9, 5), generator=g)
+    ids[0, :2] = torch.tensor([0, 1])
+    want = table.lookup(ids)  # CPU torch reference
+    scale = None if table.scale is None else table.scale.to(DEV)
+    got = gather(ids.to(DEV), table.weight.to(DEV), scale).cpu()
+    assert torch.equal(_bits(got), _bits(want))
+    for world in (2, 3, 4, 8):  # shards read -0.0 elsewhere; their sum is the full lookup
+        parts = []
+        for r in range(world):
+            sh = table.shard(r, world)
+            s = None if sh.scale is None else sh.scale.to(DEV)
+            parts.append(gather(ids.to(DEV), sh.weight.to(DEV), s, sh.row_start).cpu())
+            assert torch.equal(_bits(parts[-1]), _bits(sh.lookup(ids)))
+        assert torch.equal(_bits(functools.reduce(operator.add, parts)), _bits(want))
+
+
+def test_e8m0_zero_byte_through_the_kernel() -> None:
+    from engramrt.kernels.engram_gather import gather
+
+    w = torch.full((1, 32), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)  # 1.0
+    s = torch.zeros(1, 1, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    got = gather(torch.zeros(1, 1, dtype=torch.int64, device=DEV), w.to(DEV), s.to(DEV)).cpu()
+    assert torch.equal(got.float(), torch.full((1, 32), 2.0**-127))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_matches_reference(dtype: torch.dtype) -> None:
+    from engramrt.kernels.engram_gate import gate
+
+    g = torch.Generator().manual_seed(3)
+    t, hc, d = 6, 4, 96
+    x = torch.randn(t, hc, d, generator=g).to(dtype)
+    x[1] = -0.0  # zero stream: dot = +-0 -> the gate's copysign branch
+    kv = torch.randn(t, (hc + 1) * d, generator=g).to(dtype)
+    q, k = (torch.randn(hc, d, generator=g).to(dtype) for _ in range(2))
+    dead = torch.tensor([False, False, True, False, False, True])
+    want = engram_gate(x, kv, q, k, 1e-20, dead)
+    got = gate(x.to(DEV), kv.to(DEV), q.to(DEV), k.to(DEV), 1e-20, dead.to(DEV)).cpu()
+    assert torch.equal(_bits(got[dead]), _bits(x[dead]))  # image rows untouched
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    # a zero stream gives dot = +0.0 or -0.0; either way the gate is sigmoid(+-1e-3), not 0.5
+    g0 = gate_from_dot(torch.tensor([0.0, -0.0]))
+    assert not torch.any(g0 == 0.5)
+
+
+def test_dispatch_can_be_forced_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engramrt.kernels import use_triton
+
+    monkeypatch.setenv(FORCE_TORCH_ENV, "1")
+    assert not use_triton("cuda")
+    monkeypatch.delenv(FORCE_TORCH_ENV)
+    assert use_triton("cuda") and not use_triton("cpu")
