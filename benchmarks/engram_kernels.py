@@ -18,7 +18,6 @@ import statistics
 
 import torch
 import triton
-import triton.language as tl
 
 from engramrt.bundled import FLASH_CONFIG
 from engramrt.config import engram_config
