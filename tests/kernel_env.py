@@ -15,5 +15,11 @@ def triton_runs() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def interpreter_on() -> bool:
+    return importlib.util.find_spec("triton") is not None and (
+        os.environ.get("TRITON_INTERPRET") == "1"
+    )
+
+
 def kernel_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"

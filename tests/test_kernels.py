@@ -100,3 +100,66 @@ def test_dispatch_can_be_forced_to_torch(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not use_triton("cuda")
     monkeypatch.delenv(FORCE_TORCH_ENV)
     assert use_triton("cuda") and not use_triton("cpu")
+
+
+@pytest.mark.parametrize(("n", "heads"), [(4, 8), (3, 2)])
+def test_hash_kernel_matches_reference_over_random_steps(n: int, heads: int) -> None:
+    """Kernels on the kernel device against the torch reference on the CPU, through random
+    extends (many requests, runs longer than a program's block, empty runs, padding tokens),
+    decodes with padding rows aliasing live slots (num_real as int and as a device tensor) and
+    verify blocks committed with every accepted count."""
+    import random
+
+    from engramrt.engram import EngramHasher, EngramLayout
+    from tests.test_hashing import IMAGE, K, V, make_config
+
+    layout = EngramLayout.from_config(make_config(n, heads))
+    tmap = torch.randint(0, K, (V,), generator=torch.Generator().manual_seed(n))
+    slots_n = 12
+    ker = EngramHasher(layout, tmap, slots_n, DEV, kernels=True)
+    ref = EngramHasher(layout, tmap, slots_n, "cpu", kernels=False)
+    rng = random.Random(n)
+    lengths = [0] * slots_n
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> None:
+        assert torch.equal(a.cpu(), b)
+        assert torch.equal(ker.history.table[:slots_n].cpu(), ref.history.table[:slots_n])
+
+    def both(method: str, *args, **kw) -> None:
+        same(getattr(ker, method)(*(a.to(DEV) for a in args), **kw),
+             getattr(ref, method)(*args, **kw))  # fmt: skip
+
+    def toks(count: int) -> torch.Tensor:
+        return torch.tensor([IMAGE if rng.random() < 0.05 else rng.randrange(V)
+                             for _ in range(count)])  # fmt: skip
+
+    for _ in range(4):
+        req = rng.sample(range(slots_n), 6)
+        runs = [rng.choice([0, 1, 5, 40, 70]) for _ in req]
+        starts = [lengths[s] for s in req]
+        both("extend", toks(sum(runs) + 3), torch.tensor(req), torch.tensor(runs),
+             torch.tensor(starts))  # fmt: skip
+        for s, r in zip(req, runs, strict=True):
+            lengths[s] += r
+        live = rng.sample(range(slots_n), 5)
+        rows = [*live, live[0], live[1]]  # two padding rows aliasing live slots
+        pos = torch.tensor([lengths[s] for s in rows])
+        for num_real in (5, torch.tensor(5)):
+            nr = num_real.to(DEV) if isinstance(num_real, torch.Tensor) else num_real
+            t = toks(7)
+            same(ker.decode(t.to(DEV), torch.tensor(rows).to(DEV), pos.to(DEV), num_real=nr),
+                 ref.decode(t, torch.tensor(rows), pos, num_real=num_real))  # fmt: skip
+            for s in live:
+                lengths[s] += 1
+            pos = torch.tensor([lengths[s] for s in rows])
+        block = 4
+        vreq = rng.sample(range(slots_n), 4)
+        vpos = torch.tensor([lengths[s] for s in vreq])
+        vt = toks(4 * block)
+        both("verify", vt, torch.tensor(vreq), vpos)
+        acc = torch.tensor([rng.randrange(block) for _ in vreq])
+        ker.commit_verify(vt.to(DEV), torch.tensor(vreq).to(DEV), acc.to(DEV))
+        ref.commit_verify(vt, torch.tensor(vreq), acc)
+        assert torch.equal(ker.history.table[:slots_n].cpu(), ref.history.table[:slots_n])
+        for s, a in zip(vreq, acc.tolist(), strict=True):
+            lengths[s] += 1 + a

@@ -25,8 +25,9 @@ BLOCK_T = 32
 def _engram_hash_kernel(
     tokens_ptr, slots_ptr, pos_ptr, lens_ptr, ends_ptr, num_real_ptr,
     history_ptr, token_map_ptr, mult_ptr, primes_ptr, offsets_ptr, out_ptr,
-    num_tokens, num_req, pad_row, pad_id, image_id, mm_start, verify_block,
-    MODE: tl.constexpr, N: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr,
+    num_tokens, num_req, pad_row, pad_id, image_id, mm_start, verify_block, num_real_int,
+    REAL_PTR: tl.constexpr, MODE: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
+    H_PAD: tl.constexpr,
     L: tl.constexpr, L_PAD: tl.constexpr, W_PAD: tl.constexpr, REQ_PAD: tl.constexpr,
     BLOCK: tl.constexpr, HAS_IMAGE: tl.constexpr, HAS_MM: tl.constexpr,
 ):  # fmt: skip
@@ -40,7 +41,8 @@ def _engram_hash_kernel(
         real = in_range & (req < num_req)
     else:
         req = t.to(tl.int64) if MODE == 0 else (t // verify_block).to(tl.int64)
-        real = in_range & (req < tl.load(num_real_ptr))
+        num_real = tl.load(num_real_ptr) if REAL_PTR else num_real_int
+        real = in_range & (req < num_real)
     req = tl.where(real, req, 0)
     base = tl.load(pos_ptr + req, mask=real, other=0)
     if MODE == 0:
@@ -114,7 +116,7 @@ def _engram_hash_kernel(
 @triton.jit
 def _commit_rows_kernel(
     history_ptr, tokens_ptr, slots_ptr, starts_ptr, lens_ptr, pos_ptr, num_real_ptr, num_req,
-    N: tl.constexpr, W_PAD: tl.constexpr,
+    num_real_int, N: tl.constexpr, W_PAD: tl.constexpr, REAL_PTR: tl.constexpr,
 ):  # fmt: skip
     """One program per request: its new row is the ``N-1`` ids that end at token
     ``starts + lens - 1`` of the window (old row ++ batch tokens from ``starts``); ``lens == 0``
@@ -123,7 +125,8 @@ def _commit_rows_kernel(
     w = tl.arange(0, W_PAD)
     lane = w < N - 1
     bb = b + tl.zeros((W_PAD,), dtype=tl.int64)  # vectors throughout: masks must be tensors
-    live = lane & (bb < tl.load(num_real_ptr)) & (bb < num_req)
+    num_real = tl.load(num_real_ptr) if REAL_PTR else num_real_int
+    live = lane & (bb < num_real) & (bb < num_req)
     n = tl.load(lens_ptr + bb, mask=live, other=0)
     live = live & (n > 0)
     slot = tl.load(slots_ptr + bb, mask=live, other=0).to(tl.int64)
@@ -164,16 +167,16 @@ class TritonHashOps:
         if t == 0:
             return out
         nreq = slots.numel()
-        if not isinstance(num_real, torch.Tensor):
-            num_real = torch.tensor(nreq if num_real is None else num_real, device=dev)
+        real_ptr = isinstance(num_real, torch.Tensor)  # a device tensor keeps graphs replayable
         dummy = slots
         _engram_hash_kernel[(triton.cdiv(t, BLOCK_T),)](
             tokens, slots, positions, lens if lens is not None else dummy,
-            ends if ends is not None else dummy, num_real.reshape(()),
+            ends if ends is not None else dummy, num_real if real_ptr else dummy,
             h.history.table, h.token_map, self.mults, self.primes, self.offsets, out,
             t, nreq, h.history.pad_row, h.layout.config.pad_token_id, self.image, self.mm,
-            verify_block,
-            MODE=mode, N=self.n, H=self.heads, H_PAD=_pow2(self.heads), L=self.layers,
+            verify_block, nreq if num_real is None or real_ptr else int(num_real),
+            REAL_PTR=real_ptr, MODE=mode, N=self.n, H=self.heads, H_PAD=_pow2(self.heads),
+            L=self.layers,
             L_PAD=_pow2(self.layers), W_PAD=_pow2(self.n - 1),
             REQ_PAD=_pow2(nreq) if mode == EXTEND else 1,
             BLOCK=BLOCK_T, HAS_IMAGE=self.image >= 0, HAS_MM=self.mm >= 0,
@@ -184,9 +187,10 @@ class TritonHashOps:
         nreq = slots.numel()
         if nreq == 0:
             return
-        if not isinstance(num_real, torch.Tensor):
-            num_real = torch.tensor(nreq if num_real is None else num_real, device=slots.device)
+        real_ptr = isinstance(num_real, torch.Tensor)
         _commit_rows_kernel[(nreq,)](
-            self.h.history.table, tokens, slots, starts, lens, first_pos, num_real.reshape(()),
-            nreq, N=self.n, W_PAD=_pow2(self.n - 1),
+            self.h.history.table, tokens, slots, starts, lens, first_pos,
+            num_real if real_ptr else slots, nreq,
+            nreq if num_real is None or real_ptr else int(num_real),
+            N=self.n, W_PAD=_pow2(self.n - 1), REAL_PTR=real_ptr,
         )  # fmt: skip
