@@ -79,20 +79,20 @@ class EngramHasher:
         lens = run_lens.long()
         ends = torch.cumsum(lens, 0)
         t = torch.arange(tokens.numel(), device=tokens.device)
-        req = torch.searchsorted(ends, t, right=True)
-        real = req < bsz
-        req = req.clamp(max=bsz - 1)
-        off = t - (ends - lens)[req]
-        pos = start_pos.long()[req] + off
-        slot = torch.where(real, slots.long()[req], self.history.pad_row)
         if check:
-            self._check(tokens, real, slots)
+            self._check(tokens, t < ends[-1], slots)
             self._check_runs(tokens.numel(), slots, lens)
         if self.ops is not None:
             s, p = slots.long(), start_pos.long()
             ids = self.ops.hash(EXTEND, tokens, s, p, lens=lens, ends=ends)
             self.ops.commit(tokens, s, ends - lens, lens, p)  # after every program has read
             return ids
+        req = torch.searchsorted(ends, t, right=True)
+        real = req < bsz
+        req = req.clamp(max=bsz - 1)
+        off = t - (ends - lens)[req]
+        pos = start_pos.long()[req] + off
+        slot = torch.where(real, slots.long()[req], self.history.pad_row)
         src = self._sources(tokens, slot, off)
         ids = self._hash(src, pos, real)
         if tokens.numel() == 0:  # nothing hashed, so nothing to commit
@@ -112,12 +112,13 @@ class EngramHasher:
         """One token per request; hashes from the old row and commits in the same call.
         Rows at or past ``num_real`` are padding: all-pad ids, and they never commit."""
         tokens = tokens.long()
+        if check:
+            live = self._real_rows(tokens.numel(), num_real, tokens.device)
+            self._check(tokens, live, slots[live])
+        if self.ops is not None:  # one launch: nothing else runs on this path
+            return self.ops.hash(DECODE, tokens, slots.long(), positions.long(), num_real=num_real)
         real = self._real_rows(tokens.numel(), num_real, tokens.device)
         slot = torch.where(real, slots.long(), self.history.pad_row)
-        if check:
-            self._check(tokens, real, slots[real])
-        if self.ops is not None:
-            return self.ops.hash(DECODE, tokens, slots.long(), positions.long(), num_real=num_real)
         src = self._sources(tokens, slot, torch.zeros_like(tokens))
         pos = positions.long()
         ids = self._hash(src, pos, real)
