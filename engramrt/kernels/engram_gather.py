@@ -1,7 +1,8 @@
 """Engram table gather: ``[T, C]`` row ids -> ``[T, C * D]``, fp8 e4m3 rows with one e8m0 scale
 per 32 elements dequantised exactly (both formats decoded with integer bit operations, the product
 formed in fp32 and rounded once to bf16, as the torch reference does), or bf16/fp32 rows copied.
-Rows outside ``[row_start, row_start + num_rows)`` belong to another shard and read as -0.0."""
+Rows outside ``[row_start, row_start + num_rows)`` belong to another shard and read as -0.0,
+written as its bit pattern."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def _pow2_f32(exponent):
 @triton.jit
 def _gather_kernel(
     ids_ptr, weight_ptr, scale_ptr, out_ptr, num_pairs, num_rows, row_start,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, NEG_ZERO: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)  # one (token, column) pair per program
     d = tl.arange(0, BLOCK_D)
@@ -40,11 +41,11 @@ def _gather_kernel(
             e == 0, tl.full((BLOCK_D,), 0x00400000, tl.int32).to(tl.float32, bitcast=True), scale
         )
         scale = tl.where(e == 255, float("nan"), scale)
-        out = tl.where(owned, value * scale, -0.0)
-        tl.store(out_ptr + pp * D + d, _bf16_bits(out), mask=dm)  # out_ptr: int16 view
-    else:
-        out = tl.load(weight_ptr + row * D + d, mask=owned, other=0)
-        tl.store(out_ptr + pp * D + d, tl.where(owned, out, -0.0).to(out.dtype), mask=dm)
+        bits = tl.where(owned, _bf16_bits(value * scale), NEG_ZERO)
+        tl.store(out_ptr + pp * D + d, bits, mask=dm)  # out_ptr: an int16 view of bf16
+    else:  # plain tables are copied as integers (compilers may fold a -0.0 literal to +0.0)
+        bits = tl.load(weight_ptr + row * D + d, mask=owned, other=0)
+        tl.store(out_ptr + pp * D + d, tl.where(owned, bits, NEG_ZERO).to(bits.dtype), mask=dm)
 
 
 @triton.jit
@@ -55,6 +56,9 @@ def _bf16_bits(x):
     r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     r = tl.where(x != x, (u >> 16) | 0x40, r)
     return r.to(tl.int32).to(tl.int16)
+
+
+_INT_VIEW = {2: torch.int16, 4: torch.int32}
 
 
 def gather(
@@ -71,10 +75,12 @@ def gather(
     out = torch.empty(t, cols * dim, dtype=out_dtype, device=ids.device)
     if t * cols == 0:
         return out
-    w = weight.view(torch.uint8) if fp8 else weight
-    s = scale.view(torch.uint8) if fp8 else weight
+    as_int = _INT_VIEW[out.element_size()]
+    w = weight.view(torch.uint8) if fp8 else weight.view(as_int)
+    s = scale.view(torch.uint8) if fp8 else w
     _gather_kernel[(t * cols,)](
-        ids.contiguous(), w, s, out.view(torch.int16) if fp8 else out, t * cols, rows, row_start,
+        ids.contiguous(), w, s, out.view(as_int), t * cols, rows, row_start,
         D=dim, BLOCK_D=triton.next_power_of_2(dim), FP8=fp8,
+        NEG_ZERO=-(2 ** (8 * out.element_size() - 1)),  # the sign bit alone: -0.0
     )  # fmt: skip
     return out
