@@ -33,15 +33,16 @@ def _gather_kernel(
         sign, ex, man = (b >> 7) & 1, (b >> 3) & 15, b & 7
         normal = (8 + man).to(tl.float32) * _pow2_f32(ex - 10)
         value = tl.where(ex == 0, man.to(tl.float32) * 0.001953125, normal)  # 2**-9
-        value = tl.where((ex == 15) & (man == 7), float("nan"), value)
-        value = tl.where(sign == 1, -value, value)
+        value = tl.where((ex == 15) & (man == 7), float("nan"), value)  # magnitude only
         e = tl.load(scale_ptr + row * (D // 32) + d // 32, mask=owned, other=127).to(tl.int32)
         scale = (e << 23).to(tl.float32, bitcast=True)
         scale = tl.where(
             e == 0, tl.full((BLOCK_D,), 0x00400000, tl.int32).to(tl.float32, bitcast=True), scale
         )
         scale = tl.where(e == 255, float("nan"), scale)
-        bits = tl.where(owned, _bf16_bits(value * scale), NEG_ZERO)
+        # the sign goes in as a bit: -x can compile to 0 - x, which turns -0.0 into +0.0
+        bits = _bf16_bits(value * scale) | (sign << 15).to(tl.int16)
+        bits = tl.where(owned, bits, NEG_ZERO)
         tl.store(out_ptr + pp * D + d, bits, mask=dm)  # out_ptr: an int16 view of bf16
     else:  # plain tables are copied as integers (compilers may fold a -0.0 literal to +0.0)
         bits = tl.load(weight_ptr + row * D + d, mask=owned, other=0)
