@@ -22,9 +22,21 @@ BLOCK_T = 32
 
 
 @triton.jit
+def _mod(r, p, inv_p):
+    """r mod p for 0 <= r < 2**63, 2 <= p < 2**31, without a 64-bit division (which GPUs emulate
+    in software). A float64 quotient is off by at most q * 2**-51, i.e. a few units when p is
+    small; the remainder it leaves is then small enough that a second float64 quotient is off by
+    at most one, and one correction each way makes the result exact."""
+    rem = r - (r.to(tl.float64) * inv_p).to(tl.int64) * p
+    rem = rem - tl.floor(rem.to(tl.float64) * inv_p).to(tl.int64) * p
+    rem = tl.where(rem < 0, rem + p, rem)
+    return tl.where(rem >= p, rem - p, rem)
+
+
+@triton.jit
 def _engram_hash_kernel(
     tokens_ptr, slots_ptr, pos_ptr, lens_ptr, ends_ptr, num_real_ptr,
-    history_ptr, token_map_ptr, mult_ptr, primes_ptr, offsets_ptr, out_ptr,
+    history_ptr, token_map_ptr, mult_ptr, primes_ptr, inv_ptr, offsets_ptr, out_ptr,
     num_tokens, num_req, pad_row, pad_id, image_id, mm_start, verify_block, num_real_int,
     REAL_PTR: tl.constexpr, MODE: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
     H_PAD: tl.constexpr,
@@ -94,7 +106,12 @@ def _engram_hash_kernel(
                 mask=lay_ok[:, None] & (hh < H)[None, :],
                 other=0,
             )
-            ids = acc[:, :, None] % p[None, :, :] + o[None, :, :]
+            inv = tl.load(
+                inv_ptr + lay[:, None] * cols + g[None, :],
+                mask=lay_ok[:, None] & (hh < H)[None, :],
+                other=1.0,
+            )
+            ids = _mod(acc[:, :, None], p[None, :, :], inv[None, :, :]) + o[None, :, :]
             dst = (
                 out_ptr
                 + t[:, None, None] * (L * cols)
@@ -154,6 +171,7 @@ class TritonHashOps:
         self.n, self.layers, self.heads = n, layers, heads
         self.mults = hasher.mults.contiguous()
         self.primes = hasher.primes.reshape(layers, -1).contiguous()
+        self.inv_primes = 1.0 / self.primes.double()
         self.offsets = hasher.offsets.reshape(layers, -1).contiguous()
         cfg = hasher.layout.config
         self.image = -1 if cfg.image_token_id is None else cfg.image_token_id
@@ -172,7 +190,8 @@ class TritonHashOps:
         _engram_hash_kernel[(triton.cdiv(t, BLOCK_T),)](
             tokens, slots, positions, lens if lens is not None else dummy,
             ends if ends is not None else dummy, num_real if real_ptr else dummy,
-            h.history.table, h.token_map, self.mults, self.primes, self.offsets, out,
+            h.history.table, h.token_map, self.mults, self.primes, self.inv_primes, self.offsets,
+            out,
             t, nreq, h.history.pad_row, h.layout.config.pad_token_id, self.image, self.mm,
             verify_block, nreq if num_real is None or real_ptr else int(num_real),
             REAL_PTR=real_ptr, MODE=mode, N=self.n, H=self.heads, H_PAD=_pow2(self.heads),
