@@ -141,7 +141,10 @@ def main() -> None:
         )
         t_e = events_us(lambda: tri.extend(toks, slots, lens, start, check=False))
         r_e = events_us(lambda: ref.extend(toks, slots, lens, start, check=False))
-        row(f"extend hash ({nreq} req)", t_total, t_e, r_e, t_total * per_tok, equal)
+        row(f"extend hash ({nreq} req, eager)", t_total, t_e, r_e, t_total * per_tok, equal)
+        t_g = graph_us(lambda: tri.extend(toks, slots, lens, start, check=False))
+        r_g = graph_us(lambda: ref.extend(toks, slots, lens, start, check=False))
+        row(f"extend hash ({nreq} req, graph)", t_total, t_g, r_g, t_total * per_tok, equal)
     g = torch.Generator(device="cuda").manual_seed(0)
     rows_n = 2**22  # a 1 GiB slice of a table: row ids spread beyond L2
     wb = torch.randint(0, 126, (rows_n, 256), device="cuda", dtype=torch.uint8, generator=g)
