@@ -21,12 +21,14 @@ def _pow2_f32(exponent):
 def _gather_kernel(
     ids_ptr, weight_ptr, scale_ptr, out_ptr, num_pairs, num_rows, row_start,
     D: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, NEG_ZERO: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):  # fmt: skip
-    pair = tl.program_id(0)  # one (token, column) pair per program
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    pp = pair + tl.zeros((BLOCK_D,), dtype=tl.int64)
-    row = tl.load(ids_ptr + pp, mask=dm, other=0) - row_start
+    # PAIRS consecutive (token, column) pairs per program: their output rows are contiguous,
+    # and several random table rows are in flight at once
+    pp = tl.program_id(0).to(tl.int64) * PAIRS + tl.arange(0, PAIRS)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    dm = (d < D) & (pp < num_pairs)
+    row = tl.load(ids_ptr + pp, mask=pp < num_pairs, other=0) - row_start
     owned = dm & (row >= 0) & (row < num_rows)
     if FP8:
         b = tl.load(weight_ptr + row * D + d, mask=owned, other=0).to(tl.int32)
@@ -36,9 +38,8 @@ def _gather_kernel(
         value = tl.where((ex == 15) & (man == 7), float("nan"), value)  # magnitude only
         e = tl.load(scale_ptr + row * (D // 32) + d // 32, mask=owned, other=127).to(tl.int32)
         scale = (e << 23).to(tl.float32, bitcast=True)
-        scale = tl.where(
-            e == 0, tl.full((BLOCK_D,), 0x00400000, tl.int32).to(tl.float32, bitcast=True), scale
-        )
+        tiny = tl.full((1, BLOCK_D), 0x00400000, tl.int32).to(tl.float32, bitcast=True)
+        scale = tl.where(e == 0, tiny, scale)  # e8m0 byte 0 is 2**-127
         scale = tl.where(e == 255, float("nan"), scale)
         # the sign goes in as a bit: -x can compile to 0 - x, which turns -0.0 into +0.0
         bits = _bf16_bits(value * scale) | (sign << 15).to(tl.int16)
@@ -60,6 +61,7 @@ def _bf16_bits(x):
 
 
 _INT_VIEW = {2: torch.int16, 4: torch.int32}
+PAIRS = 8
 
 
 def gather(
@@ -79,9 +81,10 @@ def gather(
     as_int = _INT_VIEW[out.element_size()]
     w = weight.view(torch.uint8) if fp8 else weight.view(as_int)
     s = scale.view(torch.uint8) if fp8 else w
-    _gather_kernel[(t * cols,)](
+    _gather_kernel[(triton.cdiv(t * cols, PAIRS),)](
         ids.contiguous(), w, s, out.view(as_int), t * cols, rows, row_start,
         D=dim, BLOCK_D=triton.next_power_of_2(dim), FP8=fp8,
         NEG_ZERO=-(2 ** (8 * out.element_size() - 1)),  # the sign bit alone: -0.0
+        PAIRS=PAIRS,
     )  # fmt: skip
     return out
