@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engramrt.config import ModelConfig, load_json, model_config
+from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
@@ -67,7 +68,10 @@ def run_serve(opts: ServeOptions) -> None:
     launch(opts.dist, _worker, opts)
 
 
-def _worker(rank: int, world: int, opts: ServeOptions) -> None:
+def build_stage(
+    opts: ServeOptions, rank: int = 0, world: int = 1
+) -> tuple[Pipeline, Engine | None]:
+    """This rank's stage, and on rank 0 the engine that drives the pipeline."""
     cfg, max_len = check(opts)
     blocks = num_kv_blocks(cfg, opts, max_len)
     session = Session.load(
@@ -76,29 +80,36 @@ def _worker(rank: int, world: int, opts: ServeOptions) -> None:
     )  # fmt: skip
     pipe = Pipeline(session, rank, world, opts.seed)
     if rank != 0:
+        return pipe, None
+    config = EngineConfig(
+        max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, blocks,
+        opts.enable_prefix_caching,
+    )  # fmt: skip
+    return pipe, Engine(pipe, session.tokenizer, config)
+
+
+def _worker(rank: int, world: int, opts: ServeOptions) -> None:
+    pipe, engine = build_stage(opts, rank, world)
+    if engine is None:
         pipe.serve()
         return
     try:
-        _serve_http(opts, session, pipe, max_len, blocks)
+        _serve_http(opts, engine)
     finally:
         pipe.stop()
 
 
-def _serve_http(opts: ServeOptions, session: Session, pipe: Pipeline, max_len: int, blocks: int):
+def _serve_http(opts: ServeOptions, engine: Engine):
     import uvicorn
 
     from engramrt.engine.async_engine import AsyncEngine
-    from engramrt.engine.engine import Engine, EngineConfig
     from engramrt.server.app import Server, ServerConfig, create_app
 
-    engine = Engine(
-        pipe,
-        session.tokenizer,
-        EngineConfig(
-            max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, blocks,
-            opts.enable_prefix_caching,
-        ),
-    )  # fmt: skip
+    session, max_len, blocks = (
+        engine.pipeline.session,
+        engine.cfg.max_model_len,
+        engine.cfg.num_blocks,
+    )
     tok_cfg_path = opts.model_dir / "tokenizer_config.json"
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
     model_cfg = session.model.cfg

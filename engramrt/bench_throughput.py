@@ -1,0 +1,125 @@
+"""``engramrt bench throughput``: the engine in-process, no HTTP.
+
+Throughput mode follows nano-vllm's protocol (256 requests, input and output lengths uniform in
+100-1024, random token ids, EOS ignored) and prints tokens/s. Latency mode (``--batch-size``)
+runs one batch of equal requests and reports decode tokens/s and the memory traffic a decode step
+must cause (every weight once, the batch's KV cache, the Engram rows it gathers) as achieved GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+from engramrt.engine.engine import Engine
+from engramrt.engine.request import SamplingParams
+
+
+def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model directory (default: the bundled model)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"])
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--min-input-len", type=int, default=100)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--min-output-len", type=int, default=100)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, help="latency mode: one batch of this many requests")
+    p.add_argument("--input-len", type=int, default=128, help="latency mode")
+    p.add_argument("--output-len", type=int, default=128, help="latency mode")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks-override", type=int)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=2**30)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine(args: argparse.Namespace, max_len: int) -> Engine:
+    import torch
+
+    from engramrt.bundled import resolve_model_dir
+    from engramrt.config import load_json
+    from engramrt.parallel.partition import resolve_partition
+    from engramrt.serve import ServeOptions, build_stage, model_config
+
+    model_dir = resolve_model_dir(args.model)
+    layers = model_config(load_json(model_dir)).num_layers
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    opts = ServeOptions(
+        model_dir=model_dir, partition=resolve_partition(layers, 1, None), served_model_name=["x"],
+        max_model_len=max_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=False,
+        device=device, dtype=args.dtype, seed=args.seed,
+    )  # fmt: skip
+    opts.dist.device = device
+    return build_stage(opts)[1]
+
+
+def _run(engine: Engine, prompts: list[list[int]], outputs: list[int]) -> tuple[float, float]:
+    """Seconds until every request has its first token, and until all are done."""
+    for i, (p, n) in enumerate(zip(prompts, outputs, strict=True)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    start, first, started = time.perf_counter(), None, set()
+    while engine.has_work():
+        for out in engine.step():
+            started.add(out.request_id)
+        if first is None and len(started) == len(prompts):
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return (first or end) - start, end - start
+
+
+def _decode_bytes(engine: Engine, batch: int, context: int) -> int:
+    """What one decode step must read: every weight but the Engram tables, the batch's K/V up to
+    ``context`` tokens, and the Engram rows of the batch's tokens."""
+    model = engine.pipeline.session.model
+    cfg = model.cfg
+    weights = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
+                  if ".engram.embed." not in n)  # fmt: skip
+    kv_item = next(iter(engine.pipeline.session.kv.k.values())).element_size()
+    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_item
+    e = cfg.engram
+    table = next(iter(model.layers[str(e.layer_ids[0])].engram.embed.buffers()))
+    row = e.head_dim * table.element_size() + (e.head_dim // 32 if table.element_size() == 1 else 0)
+    return weights + kv + batch * e.num_layers * e.n_hash_cols * row
+
+
+def run_bench_throughput(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    if args.batch_size:
+        prompts_n, in_lens = args.batch_size, [args.input_len] * args.batch_size
+        out_lens = [args.output_len] * args.batch_size
+    else:
+        prompts_n = args.num_prompts
+        in_lens = [rng.randint(args.min_input_len, args.max_input_len) for _ in range(prompts_n)]
+        out_lens = [rng.randint(args.min_output_len, args.max_output_len) for _ in range(prompts_n)]
+    if min(in_lens + out_lens, default=0) < 1:
+        raise ValueError("input and output lengths must be >= 1")
+    max_len = max(i + o for i, o in zip(in_lens, out_lens, strict=True))
+    engine = _engine(args, max_len)
+    special = 6  # the bundled tokenizer's special tokens come first
+    prompts = [[rng.randrange(special, engine.vocab_size) for _ in range(n)] for n in in_lens]
+    _run(engine, prompts[:1], [2])  # warm-up (kernel compilation, allocator)
+    prefill_s, total_s = _run(engine, prompts, out_lens)
+    total_in, total_out = sum(in_lens), sum(out_lens)
+    print(f"engramrt bench throughput ({Path(str(engine.pipeline.session.device))}): "
+          f"{prompts_n} requests, {total_in} prompt + {total_out} generated tokens")  # fmt: skip
+    print(f"Total time (s): {total_s:.2f}")
+    print(f"Throughput (requests/s): {prompts_n / total_s:.2f}")
+    print(f"Output token throughput (tok/s): {total_out / total_s:.2f}")
+    print(f"Total token throughput (tok/s): {(total_in + total_out) / total_s:.2f}")
+    if args.batch_size:
+        decode_s = total_s - prefill_s
+        steps = max(args.output_len - 1, 1)
+        step_bytes = _decode_bytes(engine, args.batch_size, args.input_len + args.output_len // 2)
+        print(f"Prefill time (s): {prefill_s:.3f}")
+        print(f"Decode tokens/s: {args.batch_size * steps / decode_s:.2f}")
+        print(f"Decode step (ms): {1e3 * decode_s / steps:.3f}")
+        print(f"Bytes per decode step (MB): {step_bytes / 1e6:.2f}")
+        print(f"Achieved bandwidth (GB/s): {step_bytes * steps / decode_s / 1e9:.2f}")
+    return 0

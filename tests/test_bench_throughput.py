@@ -1,0 +1,74 @@
+"""`engramrt bench throughput`: both modes run and report, and the decode byte count equals an
+independent count from the config."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engramrt.bench_throughput import _decode_bytes, _engine, add_throughput_args
+from engramrt.cli import main
+
+
+def test_throughput_mode(capsys: pytest.CaptureFixture) -> None:
+    argv = [
+        "bench",
+        "throughput",
+        "--device",
+        "cpu",
+        "--num-prompts",
+        "6",
+        "--min-input-len",
+        "4",
+        "--max-input-len",
+        "30",
+        "--min-output-len",
+        "2",
+        "--max-output-len",
+        "9",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "6 requests" in out and "Output token throughput (tok/s):" in out
+
+
+def test_latency_mode_reports_bandwidth(capsys: pytest.CaptureFixture) -> None:
+    argv = [
+        "bench",
+        "throughput",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "3",
+        "--input-len",
+        "8",
+        "--output-len",
+        "5",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for key in ("Decode tokens/s:", "Bytes per decode step (MB):", "Achieved bandwidth (GB/s):"):
+        assert key in out
+    assert "3 requests, 24 prompt + 15 generated tokens" in out
+
+
+def test_decode_bytes_match_a_count_from_the_config() -> None:
+    p = argparse.ArgumentParser()
+    add_throughput_args(p)
+    engine = _engine(p.parse_args(["--device", "cpu", "--num-gpu-blocks-override", "64"]), 64)
+    c = engine.pipeline.session.model.cfg
+    d, e, hc = c.hidden_size, c.engram, c.hc_mult
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    mix = (2 + hc) * hc
+    bf16 = 2 * (
+        2 * c.vocab_size * d
+        + d
+        + c.num_layers * (2 * d * q + 2 * d * kv + 2 * d + 3 * d * c.intermediate_size)
+        + e.num_layers * ((hc + 1) * d * e.n_hash_cols * e.head_dim + 2 * hc * d)
+    )
+    fp32 = 4 * c.num_layers * 2 * (mix * hc * d + mix + 3)
+    batch, context = 5, 40
+    kv_bytes = batch * context * c.num_layers * 2 * kv * 2
+    rows = batch * e.num_layers * e.n_hash_cols * (e.head_dim + e.head_dim // 32)  # fp8 + e8m0
+    assert _decode_bytes(engine, batch, context) == bf16 + fp32 + kv_bytes + rows
