@@ -14,6 +14,7 @@ import torch
 
 _SEED_STRIDE = 1_000_003
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -82,7 +83,7 @@ def sample_rows(
     """``logits [B, V]`` -> one token per row (argmax of probs / Exp(1) noise when sampling)."""
     tokens = []
     for i, row in enumerate(rows):
-        if row.temperature == 0:
+        if row.temperature < GREEDY_BELOW:  # a vanishing temperature is argmax, not NaN
             tokens.append(int(logits[i].argmax()))
             continue
         probs = _filtered_probs(logits[i], row)

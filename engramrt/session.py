@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from engramrt.engram import load_hasher
+from engramrt.engram import load_hasher, load_tokenizer
 from engramrt.engram.hashing import EngramHasher
 from engramrt.model.checkpoint import load_model
 from engramrt.model.context import ForwardContext, KVCache
@@ -55,7 +55,7 @@ class Session:
         num_blocks: int | None = None,
     ) -> Session:
         model = load_model(model_dir, dtype, device, layer_ids)
-        hasher, tokenizer = None, None
+        hasher, tokenizer = None, load_tokenizer(model_dir)  # the last stage needs its size
         if model.embed is not None:
             hasher, tokenizer = load_hasher(model_dir, num_slots, device)
         kv = cls.new_cache(model, num_slots, max_len, block_size, num_blocks)

@@ -88,3 +88,46 @@ def test_meta_round_trip_keeps_every_field_exactly() -> None:
         SampleRow.from_parts(r.floats(), r.ints()) for r in rows
     ]  # the float/int split the wire uses
     assert back == meta
+
+
+def test_sampler_never_returns_ids_past_the_tokenizer(session: Session) -> None:
+    """A head wider than the tokenizer (DeepSeek pads its vocab) must not sample the padding
+    rows: the next step would reject the token and stop the engine."""
+    from engramrt.sampling import SampleRow
+
+    pipe = Pipeline(session)
+    limit = session.tokenizer.get_vocab_size(with_added_tokens=True)
+    logits = torch.zeros(1, limit + 50)
+    logits[0, limit + 7] = 100.0  # the model's favourite is a padding id
+    from engramrt.parallel.pipeline import Meta as _Meta
+
+    meta = _Meta([0], [1], [0], sampling=[SampleRow(temperature=1.0, seed=3, logprobs=2)])
+    result = pipe._sample(logits, meta)
+    assert 0 <= result.tokens[0] < limit
+    assert all(i < limit for i in result.top_ids[0])
+
+
+def test_vanishing_temperature_is_greedy() -> None:
+    from engramrt.sampling import SampleRow, sample_rows
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    got = sample_rows(logits, [SampleRow(temperature=1e-45)] * 3, None).tokens
+    assert got == logits.argmax(-1).tolist()
+
+
+def test_stop_string_split_across_a_multibyte_character_does_not_leak() -> None:
+    from engramrt.engine.engine import _Detok
+
+    d = _Detok(["a€"])
+    first, _ = d.update("za\ufffd", False)  # "€" not complete yet
+    second, hit = d.update("za€", False)
+    assert hit and first + second == "z"
+
+
+def test_empty_stop_strings_are_ignored() -> None:
+    from engramrt.server.protocol import CompletionRequest
+
+    assert CompletionRequest(prompt="x", stop="").stops() == []
+    assert CompletionRequest(prompt="x", stop=["", "b"]).stops() == ["b"]
+    req = CompletionRequest(prompt="x", temperature=None, stream=None, top_p=None)
+    assert req.temperature == 1.0 and req.stream is False and req.top_p == 1.0

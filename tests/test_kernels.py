@@ -163,3 +163,24 @@ def test_hash_kernel_matches_reference_over_random_steps(n: int, heads: int) -> 
         assert torch.equal(ker.history.table[:slots_n].cpu(), ref.history.table[:slots_n])
         for s, a in zip(vreq, acc.tolist(), strict=True):
             lengths[s] += 1 + a
+
+
+def test_kernels_take_strided_and_int32_inputs() -> None:
+    """Views and int32 ids give the reference's answer (the kernels make them contiguous/int64)."""
+    from engramrt.engram import EngramHasher, EngramLayout
+    from engramrt.kernels.engram_gather import gather
+    from tests.test_hashing import K, V, make_config
+
+    layout = EngramLayout.from_config(make_config(4, 8))
+    tmap = torch.randint(0, K, (V,), generator=torch.Generator().manual_seed(0))
+    ker = EngramHasher(layout, tmap, 4, DEV, kernels=True)
+    ref = EngramHasher(layout, tmap, 4, "cpu", kernels=False)
+    wide = torch.randint(0, V - 10, (12, 2), generator=torch.Generator().manual_seed(1))
+    toks = wide[:, 0]  # a strided view
+    args = (torch.tensor([0, 2]), torch.tensor([5, 7]), torch.tensor([0, 3]))
+    got = ker.extend(wide.to(DEV)[:, 0], *(a.to(DEV) for a in args))
+    assert torch.equal(got.cpu(), ref.extend(toks, *args))
+    table = _fp8_table(40, 64, 2)
+    ids = torch.randint(0, 40, (6, 3), generator=torch.Generator().manual_seed(2))
+    got = gather(ids.int().to(DEV), table.weight.to(DEV), table.scale.to(DEV)).cpu()
+    assert torch.equal(_bits(got), _bits(table.lookup(ids)))

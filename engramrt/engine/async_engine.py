@@ -42,6 +42,9 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), q)
+        if self.error is not None:  # died between the check above and registering the queue
+            self._queues.pop(rid, None)
+            raise EngineDead(f"the engine has stopped: {self.error}")
         self._inbox.put(("add", rid, prompt_ids, params))
         self._wake.set()
         finished = False

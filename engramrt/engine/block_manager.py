@@ -1,13 +1,14 @@
 """Paged KV blocks with reference counts and prefix caching of full blocks.
 
-A full block is keyed by a chained hash of its tokens and every token before it; a new request
-whose prompt starts with cached blocks shares them (compared token for token, so a hash
-collision cannot alias). Freed blocks keep their key until reused, so a finished request's
-prefix can still be hit.
+A full block is keyed by a SHA-256 chain over its tokens and every token before it; a new
+request whose prompt starts with cached blocks shares them (its own tokens compared too). Freed
+blocks keep their key until reused, so a finished request's prefix can still be hit.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import deque
 
 from engramrt.engine.request import Request
@@ -21,9 +22,9 @@ class BlockManager:
             prefix_caching,
         )
         self.ref = [0] * num_blocks
-        self.key: list[int | None] = [None] * num_blocks
+        self.key: list[bytes | None] = [None] * num_blocks
         self.tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.by_key: dict[int, int] = {}
+        self.by_key: dict[bytes, int] = {}
         self.free: deque[int] = deque(range(num_blocks))
         self.queries = self.hits = 0  # prefix-cache counters, in tokens
 
@@ -42,8 +43,12 @@ class BlockManager:
         self.ref[block] = 1
         return block
 
-    def _chain(self, prev: int | None, toks: tuple[int, ...]) -> int:
-        return hash((prev, toks))
+    def _chain(self, prev: bytes | None, toks: tuple[int, ...]) -> bytes:
+        """SHA-256 over the previous key and this block's tokens: a prefix's identity, with no
+        practical collisions (Python's ``hash`` would let two prefixes share cached K/V)."""
+        h = hashlib.sha256(prev or b"")
+        h.update(array("q", toks).tobytes())
+        return h.digest()
 
     def can_admit(self, req: Request) -> bool:
         return self.blocks_for(req.num_tokens) <= self.num_free

@@ -52,10 +52,9 @@ class _Detok:
         hit = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
         if hit >= 0:
             text, finished = text[:hit], True
-        end = len(text) if finished else len(text) - self.hold
-        if not finished:
-            while end > self.sent and text[end - 1] == "\ufffd":
-                end -= 1
+        # an unfinished UTF-8 character (U+FFFD) is held back, and the stop-string margin
+        # counts from before it
+        end = len(text) if finished else len(text.rstrip("\ufffd")) - self.hold
         new = text[self.sent : max(end, self.sent)]
         self.sent = max(end, self.sent)
         return new, hit >= 0

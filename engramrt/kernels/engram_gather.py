@@ -82,7 +82,7 @@ def gather(
     w = weight.view(torch.uint8) if fp8 else weight.view(as_int)
     s = scale.view(torch.uint8) if fp8 else w
     _gather_kernel[(triton.cdiv(t * cols, PAIRS),)](
-        ids.contiguous(), w, s, out.view(as_int), t * cols, rows, row_start,
+        ids.long().contiguous(), w, s, out.view(as_int), t * cols, rows, row_start,
         D=dim, BLOCK_D=triton.next_power_of_2(dim), FP8=fp8,
         NEG_ZERO=-(2 ** (8 * out.element_size() - 1)),  # the sign bit alone: -0.0
         PAIRS=PAIRS,

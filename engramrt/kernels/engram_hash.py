@@ -180,6 +180,9 @@ class TritonHashOps:
     def hash(self, mode: int, tokens, slots, positions, lens=None, ends=None, num_real=None,
              verify_block: int = 1) -> torch.Tensor:  # fmt: skip
         h, dev = self.h, tokens.device
+        tokens, slots, positions = (x.contiguous() for x in (tokens, slots, positions))
+        lens = None if lens is None else lens.contiguous()
+        ends = None if ends is None else ends.contiguous()
         t = tokens.numel()
         out = torch.empty(t, self.layers, (self.n - 1) * self.heads, dtype=torch.int64, device=dev)
         if t == 0:
@@ -206,6 +209,9 @@ class TritonHashOps:
         nreq = slots.numel()
         if nreq == 0:
             return
+        tokens, slots, starts, lens, first_pos = (
+            x.contiguous() for x in (tokens, slots, starts, lens, first_pos)
+        )
         real_ptr = isinstance(num_real, torch.Tensor)
         _commit_rows_kernel[(nreq,)](
             self.h.history.table, tokens, slots, starts, lens, first_pos,

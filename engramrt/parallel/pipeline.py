@@ -169,6 +169,11 @@ class Pipeline:
         return result
 
     def _sample(self, logits: torch.Tensor, meta: Meta) -> StepResult:
+        tok = self.session.tokenizer
+        limit = tok.get_vocab_size(with_added_tokens=True) if tok is not None else None
+        if limit is not None and limit < logits.shape[-1]:  # head rows with no token: never
+            logits = logits.clone()
+            logits[:, limit:] = float("-inf")
         ends = (torch.tensor(meta.run_lens, dtype=torch.int64).cumsum(0) - 1).tolist()
         live = [i for i, n in enumerate(meta.run_lens) if n > 0]
         rows = meta.rows()
