@@ -14,11 +14,11 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 
 import torch
 import triton
 
+from benchmarks.hash_bench import copy_bandwidth_gbs, median_us
 from engramrt.bundled import FLASH_CONFIG
 from engramrt.config import engram_config
 from engramrt.engram import EngramHasher, EngramLayout
@@ -37,17 +37,7 @@ def _empty(x_ptr):
 
 
 def events_us(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return median_us(fn, "cuda", reps)
 
 
 def graph_us(fn) -> float:
@@ -63,12 +53,6 @@ def graph_us(fn) -> float:
         for _ in range(GRAPH_CALLS):
             fn()
     return events_us(g.replay, 20) / GRAPH_CALLS
-
-
-def copy_gbs() -> float:
-    src = torch.empty(2**29, dtype=torch.float32, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / (events_us(lambda: dst.copy_(src), 20) * 1e3)
 
 
 def hashers(slots: int):
@@ -91,7 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     args = ap.parse_args()
-    bw = copy_gbs()
+    bw = copy_bandwidth_gbs("cuda")
     res: dict = {"device": torch.cuda.get_device_name(), "copy_gbs": bw, "rows": []}
     x = torch.zeros(1, device="cuda")
     floor_graph = graph_us(lambda: _empty[(1,)](x))

@@ -55,9 +55,10 @@ class Session:
         num_blocks: int | None = None,
     ) -> Session:
         model = load_model(model_dir, dtype, device, layer_ids)
-        hasher, tokenizer = None, load_tokenizer(model_dir)  # the last stage needs its size
-        if model.embed is not None:
+        if model.embed is not None:  # the first stage hashes; the others need the vocab size
             hasher, tokenizer = load_hasher(model_dir, num_slots, device)
+        else:
+            hasher, tokenizer = None, load_tokenizer(model_dir)
         kv = cls.new_cache(model, num_slots, max_len, block_size, num_blocks)
         return cls(model, hasher, kv, tokenizer)
 

@@ -103,6 +103,8 @@ class Pipeline:
         cfg = session.model.cfg
         self.vocab, self.hc, self.dim = cfg.vocab_size, cfg.hc_mult, cfg.hidden_size
         self.hash_shape = (cfg.engram.num_layers, cfg.engram.n_hash_cols)
+        tok = session.tokenizer
+        self.token_limit = tok.get_vocab_size(with_added_tokens=True) if tok else None
 
     @property
     def is_last(self) -> bool:
@@ -169,8 +171,7 @@ class Pipeline:
         return result
 
     def _sample(self, logits: torch.Tensor, meta: Meta) -> StepResult:
-        tok = self.session.tokenizer
-        limit = tok.get_vocab_size(with_added_tokens=True) if tok is not None else None
+        limit = self.token_limit
         if limit is not None and limit < logits.shape[-1]:  # head rows with no token: never
             logits = logits.clone()
             logits[:, limit:] = float("-inf")
