@@ -1,6 +1,7 @@
 """Random-weight models with DeepSeek-V4.1's Engram and mHC shapes, scaled down, for measuring
 the GPU path: about 1B and 4B parameters (hc 4, Engram at two layers, 24 hash columns of 256,
-Engram tables of a few GB in fp8 + e8m0), on the bundled tokenizer.
+Engram tables of a few GB in fp8 + e8m0), on the bundled tokenizer; and a small 8-layer one for
+checking every pipeline partition.
 
     python benchmarks/make_models.py --preset 1b --out /tmp/m1b [--device cuda]
 
@@ -27,6 +28,7 @@ from engramrt.model.decoder import EngramMHCModel
 
 PRESETS = {  # hidden, layers, heads, kv heads, ffn, engram layers, prime search start
     "tiny": (64, 3, 4, 2, 128, [0, 2], 128),
+    "pp8": (512, 8, 8, 2, 1408, [1, 5], 40_000),  # small, for checking every 2-stage partition
     "1b": (2048, 16, 16, 4, 5632, [1, 8], 320_000),
     "4b": (3072, 36, 24, 8, 8192, [1, 14], 600_000),
 }

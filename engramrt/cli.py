@@ -133,6 +133,9 @@ def check_pp(args: argparse.Namespace) -> int:
     if report is None:
         return 0
     print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 0 if report["ok"] else 1
 
 
@@ -210,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     c.add_argument("--atol", type=float, default=0.0, help="allowed max |dlogit| (default 0)")
+    c.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     _add_dist_flags(c)
     c.set_defaults(func=check_pp)
 

@@ -172,12 +172,17 @@ def test_engram_at_first_and_last_layer_with_one_layer_stages(tmp_path: Path) ->
 # --- the check-pp command, and proof that it can fail ----------------------------------------
 
 
-def test_check_pp_on_default_model_passes_and_catches_a_skipped_engram() -> None:
+def test_check_pp_on_default_model_passes_and_catches_a_skipped_engram(tmp_path) -> None:
     good = _cli("check-pp")
     assert good.returncode == 0, good.stderr
     assert "all match PP = 1" in good.stdout and "1,3" in good.stdout
-    bad = _cli("check-pp", env={FAULT_ENV: "skip-entry-engram"})
+    bad = _cli("check-pp", "--json", str(tmp_path / "r.json"), env={FAULT_ENV: "skip-entry-engram"})
     assert bad.returncode == 1, bad.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert not report["ok"] and [r["partition"] for r in report["partitions"]] == [
+        [1, 3], [2, 2], [3, 1]
+    ]  # fmt: skip
+    assert [r["ok"] for r in report["partitions"]] == [False, False, True]
     rows = {line.split()[0]: line for line in bad.stdout.splitlines()[1:-1]}
     assert "MISMATCH" in rows["1,3"] and "MISMATCH" in rows["2,2"]  # stage 1 starts on Engram
     assert rows["3,1"].endswith(" ok")  # no Engram at that stage's entry: nothing skipped
