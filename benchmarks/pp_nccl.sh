@@ -11,7 +11,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 model=${MODEL_DIR:-/tmp/pp8}
 dev=${DEVICE:-cuda}  # DEVICE=cpu runs the same over gloo, to try the script
+parts=${PARTS:-check trace serve}  # which sections to run
 log() { echo "== $*" | tee -a "$out/summary.txt"; }
+want() { [[ " $parts " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt"
 nvidia-smi topo -m > "$out/topo.txt" 2>&1
@@ -20,26 +22,25 @@ python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count(), to
 [ -d "$model" ] || python3 benchmarks/make_models.py --preset pp8 --out "$model" --device "$dev" \
   | tee -a "$out/summary.txt"
 
-for dtype in float32 bfloat16; do
+want check && for dtype in float32 bfloat16; do
   log "check-pp --dtype $dtype (NCCL, 2 GPUs)"
   python3 -m engramrt check-pp --model "$model" --device "$dev" --stages 2 --dtype $dtype \
     --decode-steps 16 --json "$out/check-pp-$dtype.json" 2>"$out/check-pp-$dtype.err" \
     | tee -a "$out/summary.txt"
   echo "rc=$?" | tee -a "$out/summary.txt"
 done
-log "check-pp with the stage-entry Engram skipped (must fail)"
+want check && log "check-pp with the stage-entry Engram skipped (must fail)" &&
 ENGRAMRT_CHECK_PP_FAULT=skip-entry-engram python3 -m engramrt check-pp --model "$model" \
   --device "$dev" --stages 2 --max-partitions 2 2>"$out/fault.err" | tee -a "$out/summary.txt"
 echo "rc=$?" | tee -a "$out/summary.txt"
 
 prompt="A pipeline stage may begin on an Engram layer."
-for pp in 1 2; do
+want trace && for pp in 1 2; do
   python3 -m engramrt generate --model "$model" --device "$dev" -pp $pp --pp-layer-partition \
     "$([ $pp = 2 ] && echo 5,3 || echo 8)" --prompt "$prompt" --max-tokens 8 \
     --engram-trace "$out/trace-pp$pp.jsonl" > "$out/generate-pp$pp.txt" 2>&1
 done
-log "Engram trace, PP=2 5,3 vs PP=1"
-python3 - "$out" <<'EOF' | tee -a "$out/summary.txt"
+want trace && log "Engram trace, PP=2 5,3 vs PP=1" && python3 - "$out" <<'EOF' | tee -a "$out/summary.txt"
 import json, sys
 out = sys.argv[1]
 runs = {pp: [json.loads(l) for l in open(f"{out}/trace-pp{pp}.jsonl")] for pp in (1, 2)}
@@ -57,10 +58,10 @@ same = idx[1].keys() == idx[2].keys() and all(
 )
 print("every checksum both runs recorded is identical:", same)
 EOF
-tail -n 3 "$out/generate-pp1.txt" "$out/generate-pp2.txt" | tee -a "$out/summary.txt"
+want trace && tail -n 3 "$out/generate-pp1.txt" "$out/generate-pp2.txt" | tee -a "$out/summary.txt"
 
 port=8500
-for pp in 2 1; do
+want serve && for pp in 2 1; do
   part=$([ $pp = 2 ] && echo 5,3 || echo 8)
   python3 -m engramrt serve "$model" --port $port --device "$dev" -pp $pp --pp-layer-partition $part \
     --max-num-seqs 64 --max-model-len 2048 > "$out/serve-pp$pp.log" 2>&1 &
@@ -71,7 +72,7 @@ for pp in 2 1; do
     sleep 1
   done
   python3 benchmarks/greedy_outputs.py get --port $port --out "$out/greedy-pp$pp.json"
-  for conc in 1 16; do
+  for conc in ${CONCS:-1 16}; do
     log "bench serve PP=$pp ($part), max concurrency $conc"
     python3 -m engramrt bench serve --port $port --num-prompts $((conc > 1 ? ${NUM_PROMPTS:-128} : ${NUM_PROMPTS:-128} / 4)) \
       --random-input-len 256 --random-output-len 64 --ignore-eos --max-concurrency $conc \
@@ -81,6 +82,5 @@ for pp in 2 1; do
   kill $pid; wait $pid 2>/dev/null
   port=$((port + 1))
 done
-log "greedy outputs, PP=1 vs PP=2 (5,3)"
-python3 benchmarks/greedy_outputs.py compare "$out/greedy-pp1.json" "$out/greedy-pp2.json" \
+want serve && log "greedy outputs, PP=1 vs PP=2 (5,3)" && python3 benchmarks/greedy_outputs.py compare "$out/greedy-pp1.json" "$out/greedy-pp2.json" \
   | tee -a "$out/summary.txt"
