@@ -63,40 +63,58 @@ class Sampled:
     top_logprobs: list[list[float]] | None = None
 
 
-def _filtered_probs(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-    probs = torch.softmax(logits.float() / row.temperature, dim=-1)
-    if row.top_k and row.top_k < probs.numel():
-        kth = probs.topk(row.top_k).values[-1]
-        probs = probs.masked_fill(probs < kth, 0.0)
-    if row.min_p > 0:
-        probs = probs.masked_fill(probs < row.min_p * probs.max(), 0.0)
-    if row.top_p < 1:
-        sorted_p, order = probs.sort(descending=True)
-        outside = sorted_p.cumsum(0) - sorted_p >= row.top_p * sorted_p.sum()  # top one stays
-        probs = probs.scatter(0, order, sorted_p.masked_fill(outside, 0.0))
+def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Temperature, then top-k, min-p and top-p truncation, each row with its own values."""
+    dev, vocab = logits.device, logits.shape[-1]
+
+    def col(values, dtype=torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=dev)[:, None]
+
+    probs = torch.softmax(logits.float() / col([r.temperature for r in rows]), dim=-1)
+    ks = [r.top_k if r.top_k < vocab else 0 for r in rows]
+    if any(ks):
+        k = col(ks, torch.int64)
+        kth = probs.topk(max(ks), dim=-1).values.gather(1, (k - 1).clamp(min=0))
+        probs = probs.masked_fill((k > 0) & (probs < kth), 0.0)
+    if any(r.min_p > 0 for r in rows):
+        floor = col([r.min_p for r in rows]) * probs.max(-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    if any(r.top_p < 1 for r in rows):
+        top_p = col([r.top_p for r in rows])
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_p.cumsum(-1) - sorted_p >= top_p * sorted_p.sum(-1, keepdim=True)
+        outside &= top_p < 1  # the top one always stays; rows without top-p keep everything
+        probs = probs.scatter(1, order, sorted_p.masked_fill(outside, 0.0))
     return probs
 
 
 def sample_rows(
     logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None
 ) -> Sampled:
-    """``logits [B, V]`` -> one token per row (argmax of probs / Exp(1) noise when sampling)."""
-    tokens = []
-    for i, row in enumerate(rows):
-        if row.temperature < GREEDY_BELOW:  # a vanishing temperature is argmax, not NaN
-            tokens.append(int(logits[i].argmax()))
-            continue
-        probs = _filtered_probs(logits[i], row)
-        gen = generator
-        if row.seed is not None:
-            gen = torch.Generator(device=logits.device)
-            gen.manual_seed((row.seed * _SEED_STRIDE + row.index) % 2**63)
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        tokens.append(int((probs / noise).argmax()))
+    """``logits [B, V]`` -> one token per row: argmax for greedy rows, else argmax of
+    probs / Exp(1) noise. Batched on the logits' device; reading the tokens is the one sync."""
+    if not rows:
+        return Sampled([])
+    tokens = logits.argmax(-1)
+    hot = [i for i, r in enumerate(rows) if r.temperature >= GREEDY_BELOW]  # vanishing: argmax
+    if hot:
+        probs = _filtered_probs(logits[hot], [rows[i] for i in hot])
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(hot) if rows[i].seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_(generator=generator)
+        for j, i in enumerate(hot):
+            row = rows[i]
+            if row.seed is not None:
+                gen = torch.Generator(device=logits.device)
+                gen.manual_seed((row.seed * _SEED_STRIDE + row.index) % 2**63)
+                noise[j].exponential_(generator=gen)
+        tokens[hot] = (probs / noise).argmax(-1)
+    picked = tokens.tolist()
     want = [r.logprobs for r in rows if r.logprobs is not None]
     if not want:
-        return Sampled(tokens)
-    return Sampled(tokens, *token_logprobs(logits, tokens, max(want)))
+        return Sampled(picked)
+    return Sampled(picked, *token_logprobs(logits, picked, max(want)))
 
 
 def token_logprobs(

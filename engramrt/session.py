@@ -4,13 +4,14 @@ Engram hasher. ``step`` runs one forward over a flat batch.
 The first stage hashes once where the token ids are (DESIGN §3) and embeds; every other stage
 starts from what the previous one handed over (``Carry``) and refuses to run without it
 (DESIGN §2). Which stage a process is changes where the stream comes from and where it goes,
-never what a layer does (DESIGN §1).
+never what a layer does (DESIGN §1). Eager steps and CUDA-graph replays run the same ``forward``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer
@@ -21,6 +22,9 @@ from engramrt.model.checkpoint import load_model
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.model.trace import Tracer
+
+if TYPE_CHECKING:
+    from engramrt.model.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -41,6 +45,7 @@ class Session:
     kv: KVCache
     tokenizer: Tokenizer | None = None
     engram_ran: list[int] = field(default_factory=list)  # every Engram layer run, in order
+    graphs: DecodeGraphs | None = None
 
     @classmethod
     def load(
@@ -96,22 +101,15 @@ class Session:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def embed(
-        self, tokens: list[int], slots: list[int], run_lens: list[int], start_pos: list[int]
-    ) -> Carry:
-        """First stage only: hash ids (decode mode when every run is one token) and the stream."""
-        if self.hasher is None:
-            raise RuntimeError("only the first stage holds the embedding and the Engram hasher")
-        dev = self.device
-        t = torch.tensor(tokens, dtype=torch.int64, device=dev)
-        s = torch.tensor(slots, dtype=torch.int64, device=dev)
-        if all(n == 1 for n in run_lens):
-            ids = self.hasher.decode(t, s, torch.tensor(start_pos, device=dev))
-        else:
-            lens, pos = (torch.tensor(v, device=dev) for v in (run_lens, start_pos))
-            ids = self.hasher.extend(t, s, lens, pos)
-        x, pre = self.model.embed_tokens(t)
-        return Carry(x, pre, ids, self.hasher.is_dead(t))
+    def capture_graphs(self, max_batch: int) -> None:
+        """Capture the decode step for padded batch sizes up to ``max_batch`` (CUDA only). The
+        reference MoE routes with data-dependent shapes, so MoE models stay eager."""
+        from engramrt.model.cuda_graphs import DecodeGraphs
+
+        if self.model.cfg.ffn_type == "moe":
+            print("engramrt: MoE routing is not graph-capturable yet; decoding eagerly", flush=True)
+            return
+        self.graphs = DecodeGraphs(self, max_batch)
 
     @torch.inference_mode()
     def step(
@@ -125,29 +123,49 @@ class Session:
         block_tables: list[list[int]] | None = None,
     ) -> torch.Tensor | Carry:
         """Logits ``[T, V]`` on the last stage, else the ``Carry`` for the next stage. Without
-        ``block_tables`` each slot uses its own fixed blocks."""
+        ``block_tables`` each slot uses its own fixed blocks. A decode step replays a captured
+        graph when there is one; its outputs are then valid until the next step."""
         if carry is None:
-            if self.model.embed is None:
+            if self.hasher is None:
                 first = self.model.layer_ids[0]
                 raise RuntimeError(
                     f"the stage starting at layer {first} needs the stream, lagged pre-mix and "
                     "hash ids of the previous stage and received none"
                 )
-            carry = self.embed(tokens, slots, run_lens, start_pos)
+            if tokens is None or len(tokens) != sum(run_lens):
+                raise ValueError(f"the runs need {sum(run_lens)} tokens")
+            self.hasher.validate(tokens, slots, run_lens)
+        graphs = self.graphs
+        if graphs is not None and not graphs.covers(run_lens, tracer):
+            graphs = None
         ctx = ForwardContext.for_runs(
-            slots,
-            run_lens,
-            start_pos,
-            self.kv,
-            self.device,
-            block_tables,
-            hash_ids=carry.hash_ids,
-            dead=carry.dead,
-            tracer=tracer,
-        )
+            slots, run_lens, start_pos, self.kv, "cpu" if graphs else self.device, block_tables,
+            tokens, width=graphs.width if graphs else None,
+            pad_to=graphs.padded_size(len(slots)) if graphs else None, tracer=tracer,
+        )  # fmt: skip
+        if graphs is not None:
+            out, ran = graphs.replay(ctx, carry)
+        else:
+            out = self.forward(ctx, carry)
+            ran = ctx.engram_ran
+        self.engram_ran.extend(ran)
+        return out
+
+    def forward(self, ctx: ForwardContext, carry: Carry | None) -> torch.Tensor | Carry:
+        """The step on device tensors only: what a CUDA graph captures. The first stage hashes
+        once where the token ids are (DESIGN §3) and embeds."""
+        if carry is None:
+            t = ctx.tokens
+            if ctx.decode:
+                ids = self.hasher.decode(t, ctx.slot_ids, ctx.positions, ctx.num_real, check=False)
+            else:
+                lens = ctx.query_start.diff()
+                ids = self.hasher.extend(t, ctx.slot_ids, lens, ctx.start_pos_t, check=False)
+            x, pre = self.model.embed_tokens(t)
+            carry = Carry(x, pre, ids, self.hasher.is_dead(t))
+        ctx.hash_ids, ctx.dead = carry.hash_ids, carry.dead
         ctx.trace("stage_entry", self.model.layer_ids[0], carry.x)
         x, pre = self.model.forward_layers(carry.x, carry.pre, ctx)
-        self.engram_ran.extend(ctx.engram_ran)
         ctx.trace("stage_exit", self.model.layer_ids[-1], x)
         if self.model.head is not None:
             return self.model.logits(x, pre)

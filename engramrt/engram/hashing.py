@@ -226,6 +226,12 @@ class EngramHasher:
         idx = torch.arange(rows, device=device)
         return idx < (rows if num_real is None else num_real)
 
+    def validate(self, tokens: list[int], slots: list[int], run_lens: list[int]) -> None:
+        """The checks of ``check=True`` on host lists, so a device step never synchronises."""
+        t = torch.tensor(tokens, dtype=torch.int64)
+        self._check(t, torch.ones_like(t, dtype=torch.bool), torch.tensor(slots, dtype=torch.int64))
+        self._check_runs(len(tokens), torch.tensor(slots), torch.tensor(run_lens))
+
     def _check_runs(self, num_tokens: int, slots: torch.Tensor, lens: torch.Tensor) -> None:
         if bool((lens < 0).any()) or int(lens.sum()) > num_tokens:
             raise ValueError(

@@ -1,8 +1,9 @@
-"""Grouped-query attention with RoPE over a contiguous per-slot KV cache.
+"""Grouped-query attention with RoPE over the paged KV cache.
 
 Tokens arrive as runs, one per request; each run writes its K/V at its positions (through its
-block table) and attends causally over its cached positions. Prefill, chunked prefill and decode
-are the same code.
+block table) and attends causally over its cached positions. On CUDA the Triton kernels do both
+(decode and prefill kernels, no host sync, so a decode step can be a CUDA graph); elsewhere the
+torch reference below, which the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engramrt.config import ModelConfig
+from engramrt.kernels import use_triton
 from engramrt.model.context import ForwardContext
 from engramrt.model.layers import apply_rope
 
@@ -33,25 +35,47 @@ class Attention(nn.Module):
         q = apply_rope(self.wq(x).view(t, self.heads, self.head_dim), ctx.positions, self.theta)
         k = apply_rope(self.wk(x).view(t, self.kv_heads, self.head_dim), ctx.positions, self.theta)
         v = self.wv(x).view(t, self.kv_heads, self.head_dim)
-        kv = ctx.kv
-        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
-        out = torch.zeros_like(q)
-        start = 0
-        for n, p0, table in zip(ctx.run_lens, ctx.start_pos, ctx.block_tables, strict=True):
-            if n == 0:
-                continue
-            end = p0 + n
-            rows = kv.token_slots(table, 0, end, x.device)
-            k_cache[rows[p0:]] = k[start : start + n]
-            v_cache[rows[p0:]] = v[start : start + n]
-            causal = torch.arange(end, device=x.device) <= rows.new_tensor(range(p0, end))[:, None]
-            o = F.scaled_dot_product_attention(
-                q[start : start + n].transpose(0, 1),
-                k_cache[rows].transpose(0, 1),
-                v_cache[rows].transpose(0, 1),
-                attn_mask=causal,
-                enable_gqa=True,
-            )
-            out[start : start + n] = o.transpose(0, 1)
-            start += n
+        k_cache, v_cache = ctx.kv.k[self.layer_id], ctx.kv.v[self.layer_id]
+        if use_triton(x.device):
+            out = _triton_attention(q, k, v, k_cache, v_cache, ctx)
+        else:
+            out = _torch_attention(q, k, v, k_cache, v_cache, ctx)
         return self.wo(out.flatten(1))
+
+
+def _triton_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
+    from engramrt.kernels import paged_attention as pa
+
+    pa.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    bs = ctx.kv.block_size
+    if ctx.decode:
+        return pa.paged_decode_attention(q, k_cache, v_cache, ctx.block_table, ctx.context_lens, bs)
+    return pa.paged_prefill_attention(
+        q, k_cache, v_cache, ctx.block_table, ctx.query_start, ctx.start_pos_t, *ctx.tiles, bs
+    )
+
+
+def _torch_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
+    """The reference: write, then per request causal SDPA over its cached positions."""
+    real = ctx.slot_mapping >= 0
+    k_cache[ctx.slot_mapping[real]] = k[real]
+    v_cache[ctx.slot_mapping[real]] = v[real]
+    out = torch.zeros_like(q)
+    bs, start = ctx.kv.block_size, 0
+    for b, (n, p0) in enumerate(zip(ctx.run_lens, ctx.start_pos, strict=True)):
+        if n == 0:
+            continue
+        end = p0 + n
+        pos = torch.arange(end, device=q.device)
+        rows = ctx.block_table[b, pos // bs] * bs + pos % bs
+        causal = pos <= pos[p0:, None]
+        o = F.scaled_dot_product_attention(
+            q[start : start + n].transpose(0, 1),
+            k_cache[rows].transpose(0, 1),
+            v_cache[rows].transpose(0, 1),
+            attn_mask=causal,
+            enable_gqa=True,
+        )
+        out[start : start + n] = o.transpose(0, 1)
+        start += n
+    return out

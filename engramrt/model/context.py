@@ -48,21 +48,50 @@ class KVCache:
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
+PREFILL_TILE = 32  # queries per program of the paged prefill kernel
+
+
+def prefill_tiles(run_lens: list[int]) -> tuple[list[int], list[int]]:
+    """(request, first query) of every ``PREFILL_TILE``-query tile of every non-empty run."""
+    req, m0 = [], []
+    for b, n in enumerate(run_lens):
+        starts = range(0, n, PREFILL_TILE)
+        req += [b] * len(starts)
+        m0 += starts
+    return req, m0
+
+
 @dataclass
 class ForwardContext:
     """Request ``b`` owns the next ``run_lens[b]`` tokens of the flat batch, at absolute positions
-    from ``start_pos[b]``, in KV/history slot ``slots[b]``."""
+    from ``start_pos[b]``, in KV/history slot ``slots[b]``. The host lists drive validation and
+    the torch path; the tensors, views of one buffer ``flat`` on the model's device (one copy per
+    step), drive the kernels and are what a captured CUDA graph reads."""
 
     slots: list[int]
     run_lens: list[int]
     start_pos: list[int]
-    positions: torch.Tensor
     kv: KVCache
-    block_tables: list[list[int]] = field(default_factory=list)
+    flat: torch.Tensor  # every tensor below, int64, back to back
+    tokens: torch.Tensor  # [T] (zeros on later pipeline stages)
+    slot_ids: torch.Tensor  # [B] history slots
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] cache row of each token; -1: a padded row, written nowhere
+    block_table: torch.Tensor  # [B, W] block ids, zero-padded
+    context_lens: torch.Tensor  # [B] start_pos + run_len; 0 for a padded row
+    query_start: torch.Tensor  # [B + 1] where each run begins in the flat batch
+    start_pos_t: torch.Tensor  # [B]
+    num_real: torch.Tensor  # [1] rows at or past it are CUDA-graph padding
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill kernel tiles (req, m0)
     hash_ids: torch.Tensor | None = None  # [T, L, (N-1)*H]
     dead: torch.Tensor | None = None  # [T] image tokens
     tracer: Tracer | None = None
     engram_ran: list[int] = field(default_factory=list)
+
+    @property
+    def decode(self) -> bool:
+        """One token per request: the decode kernels and the hasher's decode mode."""
+        return all(n == 1 for n in self.run_lens)
 
     @classmethod
     def for_runs(
@@ -73,24 +102,68 @@ class ForwardContext:
         kv: KVCache,
         device: torch.device | str,
         block_tables: list[list[int]] | None = None,
+        tokens: list[int] | None = None,
+        width: int | None = None,
+        pad_to: int | None = None,
         **kw,
     ) -> ForwardContext:
+        """Validate on the host, build every tensor there and move them in one copy. ``width``
+        fixes the block-table columns; ``pad_to`` appends one-token padding rows (a decode
+        batch for a captured graph of that size)."""
         if block_tables is None:
             block_tables = [kv.slot_table(s) for s in slots]
-        spans = []
-        for b, (p, n, table) in enumerate(zip(start_pos, run_lens, block_tables, strict=True)):
-            if any(not 0 <= blk < kv.num_blocks for blk in table):
+        bsz = len(slots)
+        if not (len(run_lens) == len(start_pos) == len(block_tables) == bsz):
+            raise ValueError("slots, run_lens, start_pos and block_tables differ in length")
+        width = max([1, *map(len, block_tables)]) if width is None else width
+        table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+        table = table.view(bsz, width)
+        lens = torch.tensor(run_lens, dtype=torch.int64)
+        pos0 = torch.tensor(start_pos, dtype=torch.int64)
+        sizes = torch.tensor([len(t) for t in block_tables], dtype=torch.int64)
+        bad_id = ((table < 0) | (table >= kv.num_blocks)).any(1)
+        over = pos0 + lens > (sizes * kv.block_size).clamp(max=kv.max_len)
+        for b in torch.nonzero(bad_id | over | (lens < 0) | (pos0 < 0)).flatten().tolist():
+            if bad_id[b]:
                 raise ValueError(
-                    f"request {b}: block table {table} has ids outside [0, {kv.num_blocks})"
+                    f"request {b}: block table {block_tables[b]} has ids outside "
+                    f"[0, {kv.num_blocks})"
                 )
-            if p + n > min(kv.max_len, len(table) * kv.block_size):
-                raise ValueError(
-                    f"positions up to {p + n} exceed the request's KV capacity "
-                    f"({min(kv.max_len, len(table) * kv.block_size)} tokens)"
-                )
-            spans.append(torch.arange(p, p + n, dtype=torch.int64))
-        positions = torch.cat([*spans, torch.zeros(0, dtype=torch.int64)]).to(device)
-        return cls(list(slots), list(run_lens), list(start_pos), positions, kv, block_tables, **kw)
+            if lens[b] < 0 or pos0[b] < 0:
+                raise ValueError(f"request {b}: negative run length or start position")
+            cap = min(kv.max_len, len(block_tables[b]) * kv.block_size)
+            raise ValueError(
+                f"positions up to {start_pos[b] + run_lens[b]} exceed the request's KV capacity "
+                f"({cap} tokens)"
+            )
+        req = torch.repeat_interleave(torch.arange(bsz), lens)
+        qstart = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        positions = pos0[req] + torch.arange(len(req)) - qstart[req]
+        rows = table[req, positions // kv.block_size] * kv.block_size + positions % kv.block_size
+        toks = torch.tensor(tokens if tokens is not None else [0] * len(req), dtype=torch.int64)
+        ids, ctx_lens = torch.tensor(slots, dtype=torch.int64), pos0 + lens
+        real = [bsz]
+        if pad_to is not None:  # decode padding: one token each, no KV, no history, no keys
+            pad = pad_to - bsz
+            if pad < 0 or any(n != 1 for n in run_lens):
+                raise ValueError(f"padding a batch of {bsz} to {pad_to} needs one-token runs")
+
+            def grow(t: torch.Tensor, value: int) -> torch.Tensor:
+                return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)])
+
+            toks, ids, positions, pos0 = (grow(t, 0) for t in (toks, ids, positions, pos0))
+            rows, table, ctx_lens = grow(rows, -1), grow(table, 0), grow(ctx_lens, 0)
+            qstart, bsz = torch.arange(pad_to + 1), pad_to
+        parts = [toks, ids, positions, rows, table.flatten(), ctx_lens, qstart, pos0,
+                 torch.tensor(real)]  # fmt: skip
+        decode = all(n == 1 for n in run_lens)
+        if not decode:
+            parts += [torch.tensor(v, dtype=torch.int64) for v in prefill_tiles(run_lens)]
+        flat = torch.cat(parts).to(device)
+        views = list(flat.split([len(p) for p in parts]))
+        views[4] = views[4].view(bsz, width)
+        tiles = None if decode else (views[9], views[10])
+        return cls(list(slots), list(run_lens), list(start_pos), kv, flat, *views[:9], tiles, **kw)
 
     def engram_inputs(self, layer_id: int, index: int) -> torch.Tensor:
         if self.hash_ids is None:

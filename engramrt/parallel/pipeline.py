@@ -171,15 +171,19 @@ class Pipeline:
         return result
 
     def _sample(self, logits: torch.Tensor, meta: Meta) -> StepResult:
-        limit = self.token_limit
-        if limit is not None and limit < logits.shape[-1]:  # head rows with no token: never
-            logits = logits.clone()
-            logits[:, limit:] = float("-inf")
+        """Sample on the device; the one host sync is reading the tokens. ``logits`` may be a
+        CUDA graph's output, so anything kept past this step is a copy."""
         ends = (torch.tensor(meta.run_lens, dtype=torch.int64).cumsum(0) - 1).tolist()
         live = [i for i, n in enumerate(meta.run_lens) if n > 0]
-        rows = meta.rows()
-        sampled = sample_rows(logits[[ends[i] for i in live]], [rows[i] for i in live],
-                              self.generator)  # fmt: skip
+        rows, limit = meta.rows(), self.token_limit
+        if meta.return_logits or meta.targets is not None or meta.logprobs_k is not None:
+            logits = logits.clone()  # kept or scored whole: mask every row
+            if limit is not None:  # head rows with no token: never
+                logits[:, limit:] = float("-inf")
+        last = logits[[ends[i] for i in live]]  # a copy
+        if limit is not None:
+            last[:, limit:] = float("-inf")
+        sampled = sample_rows(last, [rows[i] for i in live], self.generator)
         tokens = [-1] * len(rows)
         for i, tok in zip(live, sampled.tokens, strict=True):
             tokens[i] = tok

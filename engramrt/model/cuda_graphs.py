@@ -1,0 +1,110 @@
+"""CUDA graphs of the decode step, one per padded batch size (as in vLLM and nano-vllm).
+
+Each graph captures ``Session.forward`` itself, Engram hash and history commit included, over a
+static ``ForwardContext``: a replay copies the step's host-built buffer (one H2D copy) and, on a
+later pipeline stage, the incoming carry into the static inputs. A batch of ``n`` requests runs
+in the smallest captured size ``b >= n``; rows ``n..b`` are padding: no history commit (the hash
+kernel reads ``num_real``), no K/V write (cache slot -1) and no keys (context length 0).
+
+The Python that runs only at capture time (the fail-closed Engram bookkeeping) is recorded then
+and reported on every replay, since a replay runs exactly the captured kernels.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engramrt.model.context import ForwardContext
+
+if TYPE_CHECKING:
+    from engramrt.session import Carry, Session
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16, up to and including ``max_batch``."""
+    sizes = [b for b in (1, 2, 4, 8, *range(16, max_batch + 1, 16)) if b <= max_batch]
+    return sizes if sizes[-1] == max_batch else [*sizes, max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, session: Session, max_batch: int):
+        if session.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device (--enforce-eager runs without)")
+        if max_batch < 1:
+            raise ValueError(f"the largest graph batch must be >= 1, got {max_batch}")
+        self.session = session
+        self.sizes = batch_sizes(min(max_batch, session.kv.num_blocks))
+        self.width = session.kv.blocks_per_seq
+        self.first = session.hasher is not None
+        self.graphs: dict[int, tuple] = {}  # size -> (graph, static ctx, outputs, static carry)
+        self.ran: list[int] = []
+        pool = None
+        for b in reversed(self.sizes):  # largest first: the smaller ones reuse its memory pool
+            graph, ctx, out, carry = self._capture(b, pool)
+            pool = graph.pool()
+            self.graphs[b] = (graph, ctx, out, carry)
+
+    def covers(self, run_lens: list[int], tracer) -> bool:
+        """A decode step of a captured size, with no tracer (a trace needs eager tensors)."""
+        return (
+            tracer is None and 0 < len(run_lens) <= self.sizes[-1] and all(n == 1 for n in run_lens)
+        )
+
+    def padded_size(self, n: int) -> int:
+        return next(b for b in self.sizes if b >= n)
+
+    def _static_carry(self, b: int) -> Carry | None:
+        if self.first:
+            return None
+        from engramrt.session import Carry
+
+        s, cfg = self.session, self.session.model.cfg
+        dev, e = s.device, cfg.engram
+        return Carry(
+            torch.zeros(b, cfg.hc_mult, cfg.hidden_size, dtype=s.model.dtype, device=dev),
+            torch.zeros(b, cfg.hc_mult, dtype=torch.float32, device=dev),
+            torch.zeros(b, e.num_layers, e.n_hash_cols, dtype=torch.int64, device=dev),
+            torch.zeros(b, dtype=torch.bool, device=dev),
+        )
+
+    def _capture(self, b: int, pool):
+        s = self.session
+        # all rows padding: the warm-up run (Triton JIT, cuBLAS handles) commits and writes nothing
+        ctx = ForwardContext.for_runs([], [], [], s.kv, s.device, [], [], self.width, pad_to=b)
+        carry = self._static_carry(b)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            s.forward(ctx, carry)
+        torch.cuda.current_stream().wait_stream(stream)
+        ctx.engram_ran.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = s.forward(ctx, carry)
+        self.ran = list(ctx.engram_ran)
+        ctx.engram_ran.clear()
+        return graph, ctx, out, carry
+
+    def replay(self, host: ForwardContext, carry: Carry | None):
+        """Run a step built on the host with ``pad_to=padded_size(n)``: (outputs of the real
+        rows, the Engram layers that ran)."""
+        n, b = len(host.slots), host.positions.numel()
+        graph, ctx, out, static_carry = self.graphs[b]
+        ctx.flat.copy_(host.flat, non_blocking=True)
+        if static_carry is not None:
+            if carry is None:
+                raise RuntimeError("a later pipeline stage needs the carry of the stage before")
+            for dst, src in zip(
+                (static_carry.x, static_carry.pre, static_carry.hash_ids, static_carry.dead),
+                (carry.x, carry.pre, carry.hash_ids, carry.dead),
+                strict=True,
+            ):
+                dst[:n].copy_(src)
+        graph.replay()
+        if isinstance(out, torch.Tensor):
+            return out[:n], self.ran
+        from engramrt.session import Carry
+
+        return Carry(out.x[:n], out.pre[:n], out.hash_ids[:n], out.dead[:n]), self.ran
