@@ -18,6 +18,8 @@ from engramrt.engine.request import SamplingParams
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    from engramrt.cli import add_memory_flags
+
     p.add_argument("--model", help="model directory (default: the bundled model)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     p.add_argument("--dtype", choices=["float32", "bfloat16"])
@@ -33,7 +35,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks-override", type=int)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=2**30)
+    add_memory_flags(p)
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -54,6 +56,7 @@ def _engine(args: argparse.Namespace, max_len: int) -> Engine:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=False,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         device=device, dtype=args.dtype, seed=args.seed,
     )  # fmt: skip
     opts.dist.device = device
@@ -89,6 +92,32 @@ def _decode_bytes(engine: Engine, batch: int, context: int) -> int:
     return weights + kv + batch * e.num_layers * e.n_hash_cols * row
 
 
+def random_prompts(rng: random.Random, lens: list[int], vocab: int) -> list[list[int]]:
+    special = 6  # the bundled tokenizer's special tokens come first
+    return [[rng.randrange(special, vocab) for _ in range(n)] for n in lens]
+
+
+def measure(engine: Engine, prompts: list[list[int]], out_lens: list[int]) -> dict[str, float]:
+    """One timed run (after a two-token warm-up): throughput, and the decode rate of a batch of
+    equal requests (``decode_*``: the steps after every request's first token)."""
+    _run(engine, prompts[:1], [2])  # warm-up (kernel compilation, allocator)
+    prefill_s, total_s = _run(engine, prompts, out_lens)
+    total_in, total_out = sum(map(len, prompts)), sum(out_lens)
+    res = {
+        "requests": len(prompts), "prompt_tokens": total_in, "output_tokens": total_out,
+        "total_s": total_s, "prefill_s": prefill_s,
+        "output_tok_s": total_out / total_s, "total_tok_s": (total_in + total_out) / total_s,
+    }  # fmt: skip
+    steps = max(out_lens[0] - 1, 1)
+    step_bytes = _decode_bytes(engine, len(prompts), len(prompts[0]) + out_lens[0] // 2)
+    decode_s = max(total_s - prefill_s, 1e-9)
+    res.update(
+        decode_tok_s=len(prompts) * steps / decode_s, decode_step_ms=1e3 * decode_s / steps,
+        step_bytes=step_bytes, achieved_gb_s=step_bytes * steps / decode_s / 1e9,
+    )  # fmt: skip
+    return res
+
+
 def run_bench_throughput(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     if args.batch_size:
@@ -100,26 +129,19 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         out_lens = [rng.randint(args.min_output_len, args.max_output_len) for _ in range(prompts_n)]
     if min(in_lens + out_lens, default=0) < 1:
         raise ValueError("input and output lengths must be >= 1")
-    max_len = max(i + o for i, o in zip(in_lens, out_lens, strict=True))
-    engine = _engine(args, max_len)
-    special = 6  # the bundled tokenizer's special tokens come first
-    prompts = [[rng.randrange(special, engine.vocab_size) for _ in range(n)] for n in in_lens]
-    _run(engine, prompts[:1], [2])  # warm-up (kernel compilation, allocator)
-    prefill_s, total_s = _run(engine, prompts, out_lens)
-    total_in, total_out = sum(in_lens), sum(out_lens)
+    engine = _engine(args, max(i + o for i, o in zip(in_lens, out_lens, strict=True)))
+    r = measure(engine, random_prompts(rng, in_lens, engine.vocab_size), out_lens)
     print(f"engramrt bench throughput ({Path(str(engine.pipeline.session.device))}): "
-          f"{prompts_n} requests, {total_in} prompt + {total_out} generated tokens")  # fmt: skip
-    print(f"Total time (s): {total_s:.2f}")
-    print(f"Throughput (requests/s): {prompts_n / total_s:.2f}")
-    print(f"Output token throughput (tok/s): {total_out / total_s:.2f}")
-    print(f"Total token throughput (tok/s): {(total_in + total_out) / total_s:.2f}")
+          f"{prompts_n} requests, {r['prompt_tokens']} prompt + {r['output_tokens']} generated "
+          "tokens")  # fmt: skip
+    print(f"Total time (s): {r['total_s']:.2f}")
+    print(f"Throughput (requests/s): {prompts_n / r['total_s']:.2f}")
+    print(f"Output token throughput (tok/s): {r['output_tok_s']:.2f}")
+    print(f"Total token throughput (tok/s): {r['total_tok_s']:.2f}")
     if args.batch_size:
-        decode_s = total_s - prefill_s
-        steps = max(args.output_len - 1, 1)
-        step_bytes = _decode_bytes(engine, args.batch_size, args.input_len + args.output_len // 2)
-        print(f"Prefill time (s): {prefill_s:.3f}")
-        print(f"Decode tokens/s: {args.batch_size * steps / decode_s:.2f}")
-        print(f"Decode step (ms): {1e3 * decode_s / steps:.3f}")
-        print(f"Bytes per decode step (MB): {step_bytes / 1e6:.2f}")
-        print(f"Achieved bandwidth (GB/s): {step_bytes * steps / decode_s / 1e9:.2f}")
+        print(f"Prefill time (s): {r['prefill_s']:.3f}")
+        print(f"Decode tokens/s: {r['decode_tok_s']:.2f}")
+        print(f"Decode step (ms): {r['decode_step_ms']:.3f}")
+        print(f"Bytes per decode step (MB): {r['step_bytes'] / 1e6:.2f}")
+        print(f"Achieved bandwidth (GB/s): {r['achieved_gb_s']:.2f}")
     return 0

@@ -58,6 +58,7 @@ class CheckOptions:
     decode_steps: int = 8
     dtype: str = "float32"
     atol: float = 0.0
+    enforce_eager: bool = False  # on CUDA, decode steps replay CUDA graphs unless this is set
     dist: DistConfig = field(default_factory=DistConfig)
 
 
@@ -108,10 +109,13 @@ def _scenario(pipe: Pipeline, prompts: list[list[int]], steps: int, forced: list
 
 
 def _session(opts: CheckOptions, layers: list[int], num_slots: int) -> Session:
-    return Session.load(
+    session = Session.load(
         opts.model_dir, num_slots, device=stage_device(opts.dist), dtype=opts.dtype,
         layer_ids=layers,
     )  # fmt: skip
+    if session.device.type == "cuda" and not opts.enforce_eager:
+        session.capture_graphs(num_slots)
+    return session
 
 
 def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str) -> None:

@@ -83,6 +83,19 @@ def _add_dist_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-timeout", type=float, default=600.0, help="seconds")
 
 
+def add_memory_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-cache-memory-bytes", type=int,
+        help="KV cache budget over all layers (default: by --gpu-memory-utilization on CUDA, "
+        "256 MiB on CPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9,
+        help="share of GPU memory for weights, activations and the KV cache (default 0.9)",
+    )  # fmt: skip
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+
+
 def generate(args: argparse.Namespace) -> int:
     from engramrt.config import load_json, model_config
     from engramrt.generate import GenerateOptions, run_generate
@@ -125,6 +138,7 @@ def check_pp(args: argparse.Namespace) -> int:
         decode_steps=args.decode_steps,
         dtype=args.dtype,
         atol=args.atol,
+        enforce_eager=args.enforce_eager,
         dist=_dist_config(args, device),
     )
     if prompts:
@@ -164,6 +178,8 @@ def serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
         api_key=args.api_key
         or os.environ.get("ENGRAMRT_API_KEY")
@@ -214,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     c.add_argument("--atol", type=float, default=0.0, help="allowed max |dlogit| (default 0)")
     c.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    c.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     _add_dist_flags(c)
     c.set_defaults(func=check_pp)
 
@@ -228,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-num-batched-tokens", type=int, default=2048, help="also the chunk size")
     v.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     v.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks (default: by memory)")
-    v.add_argument("--kv-cache-memory-bytes", type=int, default=256 * 2**20)
+    add_memory_flags(v)
     v.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     v.add_argument("--api-key", help="require this bearer key on /v1/* ($VLLM_API_KEY works)")
     v.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")

@@ -7,6 +7,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.parallel.launch import DistConfig, launch, stage_device
@@ -29,7 +32,9 @@ class ServeOptions:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int = 256 * 2**20
+    kv_cache_memory_bytes: int | None = None  # default: by --gpu-memory-utilization on CUDA
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     enable_prefix_caching: bool = True
     api_key: str | None = None
     device: str = "cpu"
@@ -38,15 +43,62 @@ class ServeOptions:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
+CPU_KV_BYTES = 256 * 2**20  # the KV budget where there is no GPU memory to size it from
+
+
+def kv_block_bytes(cfg: ModelConfig, opts: ServeOptions, layers: int) -> int:
+    itemsize = DTYPE_BYTES[opts.dtype or cfg.torch_dtype]
+    return opts.block_size * cfg.num_kv_heads * cfg.head_dim * 2 * itemsize * layers
+
+
 def num_kv_blocks(cfg: ModelConfig, opts: ServeOptions, max_len: int) -> int:
-    """The same on every stage: the budget over the bytes a block takes in all layers, capped
-    at what ``max_num_seqs`` full-length sequences could use."""
+    """From a fixed byte budget (``--kv-cache-memory-bytes``, or 256 MiB off GPU) for all layers,
+    capped at what ``max_num_seqs`` full-length sequences could use."""
     if opts.num_gpu_blocks_override is not None:
         return opts.num_gpu_blocks_override
-    itemsize = DTYPE_BYTES[opts.dtype or cfg.torch_dtype]
-    per_block = opts.block_size * cfg.num_kv_heads * cfg.head_dim * 2 * itemsize * cfg.num_layers
+    budget = opts.kv_cache_memory_bytes or CPU_KV_BYTES
     cap = opts.max_num_seqs * -(-max_len // opts.block_size)
-    return max(1, min(cap, opts.kv_cache_memory_bytes // per_block))
+    return max(1, min(cap, budget // kv_block_bytes(cfg, opts, cfg.num_layers)))
+
+
+def profile_kv_blocks(session: Session, opts: ServeOptions, max_len: int) -> int:
+    """vLLM's sizing: run the largest batch the scheduler can form (``max_num_batched_tokens``
+    prefill tokens) on this stage, then give the KV cache what ``--gpu-memory-utilization`` of
+    the GPU leaves above that peak."""
+    from engramrt.session import Carry
+
+    cfg, dev = session.model.cfg, session.device
+    tokens = max(1, min(opts.max_num_batched_tokens, max_len * opts.max_num_seqs))
+    runs = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
+    slots = list(range(len(runs)))
+    tables = [list(range(i * -(-n // opts.block_size), (i + 1) * -(-n // opts.block_size)))
+              for i, n in enumerate(runs)]  # fmt: skip
+    per_seq = -(-max_len // opts.block_size)
+    session.kv = Session.new_cache(session.model, len(runs), max_len, opts.block_size,
+                                   len(runs) * per_seq)  # fmt: skip
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    carry = None if session.hasher else Carry.zeros(session.model, tokens)  # a later stage
+    fake = None if carry is not None else [cfg.bos_token_id or 0] * tokens
+    session.step(fake, slots, runs, [0] * len(runs), carry=carry, block_tables=tables)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    cache_bytes = sum(t.numel() * t.element_size() for t in (*session.kv.k.values(),
+                                                          *session.kv.v.values()))  # fmt: skip
+    session.kv = None
+    if session.hasher is not None:
+        session.hasher.history.table.zero_()  # the profile's history rows mean nothing
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(dev).total_memory
+    budget = int(total * opts.gpu_memory_utilization) - (peak - cache_bytes)
+    per_block = kv_block_bytes(cfg, opts, len(session.model.layer_ids))
+    if budget < per_block:
+        raise ValueError(
+            f"--gpu-memory-utilization {opts.gpu_memory_utilization} leaves no room for the KV "
+            f"cache: the weights and a {tokens}-token forward peak at {peak / 2**30:.2f} GiB of "
+            f"{total / 2**30:.2f} GiB"
+        )
+    return budget // per_block
 
 
 def check(opts: ServeOptions) -> tuple[ModelConfig, int]:
@@ -73,11 +125,27 @@ def build_stage(
 ) -> tuple[Pipeline, Engine | None]:
     """This rank's stage, and on rank 0 the engine that drives the pipeline."""
     cfg, max_len = check(opts)
-    blocks = num_kv_blocks(cfg, opts, max_len)
+    device = stage_device(opts.dist)
+    profile = (
+        device.type == "cuda"
+        and opts.num_gpu_blocks_override is None
+        and opts.kv_cache_memory_bytes is None
+    )
+    blocks = 1 if profile else num_kv_blocks(cfg, opts, max_len)
     session = Session.load(
-        opts.model_dir, opts.max_num_seqs, max_len, stage_device(opts.dist), opts.dtype,
+        opts.model_dir, opts.max_num_seqs, max_len, device, opts.dtype,
         stage_layers(opts.partition, rank), opts.block_size, blocks,
     )  # fmt: skip
+    if profile:
+        blocks = _agree(profile_kv_blocks(session, opts, max_len), world, device)
+        session.kv = Session.new_cache(session.model, opts.max_num_seqs, max_len,
+                                       opts.block_size, blocks)  # fmt: skip
+        if rank == 0:
+            gib = kv_block_bytes(cfg, opts, len(session.model.layer_ids)) * blocks / 2**30
+            print(f"engramrt: KV cache {blocks} blocks = {blocks * opts.block_size} tokens "
+                  f"({gib:.2f} GiB on stage 0)", flush=True)  # fmt: skip
+    if device.type == "cuda" and not opts.enforce_eager:
+        session.capture_graphs(opts.max_num_seqs)
     pipe = Pipeline(session, rank, world, opts.seed)
     if rank != 0:
         return pipe, None
@@ -86,6 +154,17 @@ def build_stage(
         opts.enable_prefix_caching,
     )  # fmt: skip
     return pipe, Engine(pipe, session.tokenizer, config)
+
+
+def _agree(blocks: int, world: int, device: torch.device) -> int:
+    """Every stage gets the smallest stage's block count: rank 0's block manager hands out ids
+    that all stages' caches must hold."""
+    if world == 1:
+        return blocks
+    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([blocks], dtype=torch.int64, device=where)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def _worker(rank: int, world: int, opts: ServeOptions) -> None:

@@ -37,6 +37,17 @@ class Carry:
     hash_ids: torch.Tensor  # [T, L, (N-1)*H] int64
     dead: torch.Tensor  # [T] bool
 
+    @classmethod
+    def zeros(cls, model: EngramMHCModel, tokens: int) -> Carry:
+        """A carry of the right shapes (graph inputs, memory profiling)."""
+        cfg, e, dev = model.cfg, model.cfg.engram, next(model.parameters()).device
+        return cls(
+            torch.zeros(tokens, cfg.hc_mult, cfg.hidden_size, dtype=model.dtype, device=dev),
+            torch.zeros(tokens, cfg.hc_mult, dtype=torch.float32, device=dev),
+            torch.zeros(tokens, e.num_layers, e.n_hash_cols, dtype=torch.int64, device=dev),
+            torch.zeros(tokens, dtype=torch.bool, device=dev),
+        )
+
 
 @dataclass
 class Session:
@@ -136,12 +147,11 @@ class Session:
                 raise ValueError(f"the runs need {sum(run_lens)} tokens")
             self.hasher.validate(tokens, slots, run_lens)
         graphs = self.graphs
-        if graphs is not None and not graphs.covers(run_lens, tracer):
+        if graphs is not None and not graphs.covers(run_lens, tracer, block_tables):
             graphs = None
         ctx = ForwardContext.for_runs(
             slots, run_lens, start_pos, self.kv, "cpu" if graphs else self.device, block_tables,
-            tokens, width=graphs.width if graphs else None,
-            pad_to=graphs.padded_size(len(slots)) if graphs else None, tracer=tracer,
+            tokens, pad_to=graphs.padded_size(len(slots)) if graphs else None, tracer=tracer,
         )  # fmt: skip
         if graphs is not None:
             out, ran = graphs.replay(ctx, carry)

@@ -20,7 +20,7 @@ from engramrt.model.context import PREFILL_TILE
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale, max_blocks,
+    q_ptr, k_ptr, v_ptr, tables_ptr, width_ptr, lens_ptr, out_ptr, scale,
     H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -32,6 +32,7 @@ def _decode_kernel(
     q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=gm[:, None] & dm[None, :],
                 other=0).to(tl.float32)  # fmt: skip
     n = tl.load(lens_ptr + b)
+    max_blocks = tl.load(width_ptr)  # from memory: a graph replays any table width
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
@@ -141,18 +142,22 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     block_size: int,
+    table_width: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [B, H, D]`` against each request's first ``context_lens[b]`` cached positions;
-    ``block_tables [B, max_blocks]`` (padded), caches ``[blocks * block_size, KVH, D]``."""
+    ``block_tables`` row-major with ``table_width`` (a device scalar; default: its columns)
+    ids per request, caches ``[blocks * block_size, KVH, D]``."""
     bsz, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = _group(heads, kv_heads)
     out = torch.empty_like(q)
     if bsz == 0:
         return out
+    if table_width is None:
+        table_width = torch.tensor([block_tables.shape[1]], device=q.device)
     _decode_kernel[(bsz, kv_heads)](
-        q.contiguous(), k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(),
-        out, dim**-0.5, block_tables.shape[1],
+        q.contiguous(), k_cache, v_cache, block_tables.contiguous(), table_width,
+        context_lens.contiguous(), out, dim**-0.5,
         H=heads, KVH=kv_heads, G=group, BLOCK_G=triton.next_power_of_2(group), D=dim,
         BLOCK_D=triton.next_power_of_2(dim), BS=block_size,
         BLOCK_N=_keys_per_step(triton.next_power_of_2(group) * triton.next_power_of_2(dim)),

@@ -49,7 +49,9 @@ def _triton_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext) -> torch.T
     pa.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     bs = ctx.kv.block_size
     if ctx.decode:
-        return pa.paged_decode_attention(q, k_cache, v_cache, ctx.block_table, ctx.context_lens, bs)
+        return pa.paged_decode_attention(
+            q, k_cache, v_cache, ctx.block_table, ctx.context_lens, bs, ctx.table_width
+        )
     return pa.paged_prefill_attention(
         q, k_cache, v_cache, ctx.block_table, ctx.query_start, ctx.start_pos_t, *ctx.tiles, bs
     )

@@ -82,6 +82,7 @@ class ForwardContext:
     query_start: torch.Tensor  # [B + 1] where each run begins in the flat batch
     start_pos_t: torch.Tensor  # [B]
     num_real: torch.Tensor  # [1] rows at or past it are CUDA-graph padding
+    table_width: torch.Tensor  # [1] W, the block table's row stride
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill kernel tiles (req, m0)
     hash_ids: torch.Tensor | None = None  # [T, L, (N-1)*H]
     dead: torch.Tensor | None = None  # [T] image tokens
@@ -108,8 +109,8 @@ class ForwardContext:
         **kw,
     ) -> ForwardContext:
         """Validate on the host, build every tensor there and move them in one copy. ``width``
-        fixes the block-table columns; ``pad_to`` appends one-token padding rows (a decode
-        batch for a captured graph of that size)."""
+        fixes the block-table columns (default: the widest table); ``pad_to`` appends
+        one-token padding rows (a decode batch for a captured graph of that size)."""
         if block_tables is None:
             block_tables = [kv.slot_table(s) for s in slots]
         bsz = len(slots)
@@ -154,16 +155,21 @@ class ForwardContext:
             toks, ids, positions, pos0 = (grow(t, 0) for t in (toks, ids, positions, pos0))
             rows, table, ctx_lens = grow(rows, -1), grow(table, 0), grow(ctx_lens, 0)
             qstart, bsz = torch.arange(pad_to + 1), pad_to
-        parts = [toks, ids, positions, rows, table.flatten(), ctx_lens, qstart, pos0,
-                 torch.tensor(real)]  # fmt: skip
+        # the block table goes last, so a graph's static buffer (sized for the widest table)
+        # takes any narrower step as a prefix copy; kernels read the width from ``table_width``
+        parts = [toks, ids, positions, rows, ctx_lens, qstart, pos0, torch.tensor(real),
+                 torch.tensor([width])]  # fmt: skip
         decode = all(n == 1 for n in run_lens)
         if not decode:
             parts += [torch.tensor(v, dtype=torch.int64) for v in prefill_tiles(run_lens)]
+        parts.append(table.flatten())
         flat = torch.cat(parts).to(device)
         views = list(flat.split([len(p) for p in parts]))
-        views[4] = views[4].view(bsz, width)
-        tiles = None if decode else (views[9], views[10])
-        return cls(list(slots), list(run_lens), list(start_pos), kv, flat, *views[:9], tiles, **kw)
+        return cls(
+            list(slots), list(run_lens), list(start_pos), kv, flat, *views[:4],
+            views[-1].view(bsz, width), *views[4:9], None if decode else (views[9], views[10]),
+            **kw,
+        )  # fmt: skip
 
     def engram_inputs(self, layer_id: int, index: int) -> torch.Tensor:
         if self.hash_ids is None:

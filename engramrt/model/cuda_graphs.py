@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from engramrt.model.context import ForwardContext
+from engramrt.session import Carry
 
 if TYPE_CHECKING:
-    from engramrt.session import Carry, Session
+    from engramrt.session import Session
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -55,25 +56,11 @@ class DecodeGraphs:
     def padded_size(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-    def _static_carry(self, b: int) -> Carry | None:
-        if self.first:
-            return None
-        from engramrt.session import Carry
-
-        s, cfg = self.session, self.session.model.cfg
-        dev, e = s.device, cfg.engram
-        return Carry(
-            torch.zeros(b, cfg.hc_mult, cfg.hidden_size, dtype=s.model.dtype, device=dev),
-            torch.zeros(b, cfg.hc_mult, dtype=torch.float32, device=dev),
-            torch.zeros(b, e.num_layers, e.n_hash_cols, dtype=torch.int64, device=dev),
-            torch.zeros(b, dtype=torch.bool, device=dev),
-        )
-
     def _capture(self, b: int, pool):
         s = self.session
         # all rows padding: the warm-up run (Triton JIT, cuBLAS handles) commits and writes nothing
         ctx = ForwardContext.for_runs([], [], [], s.kv, s.device, [], [], self.width, pad_to=b)
-        carry = self._static_carry(b)
+        carry = None if self.first else Carry.zeros(s.model, b)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -92,7 +79,7 @@ class DecodeGraphs:
         rows, the Engram layers that ran)."""
         n, b = len(host.slots), host.positions.numel()
         graph, ctx, out, static_carry = self.graphs[b]
-        ctx.flat.copy_(host.flat, non_blocking=True)
+        ctx.flat[: host.flat.numel()].copy_(host.flat)  # the table, last, may be narrower
         if static_carry is not None:
             if carry is None:
                 raise RuntimeError("a later pipeline stage needs the carry of the stage before")
@@ -105,6 +92,4 @@ class DecodeGraphs:
         graph.replay()
         if isinstance(out, torch.Tensor):
             return out[:n], self.ran
-        from engramrt.session import Carry
-
         return Carry(out.x[:n], out.pre[:n], out.hash_ids[:n], out.dead[:n]), self.ran

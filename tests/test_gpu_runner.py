@@ -1,0 +1,214 @@
+"""The GPU runner's pieces against their references: a padded decode step (what a CUDA graph
+replays) against the unpadded one, the Triton attention path against the torch path through a
+real ForwardContext (Triton's interpreter on a CPU), batched sampling against one row at a time,
+and on a GPU (``-m gpu``) graph replay against eager for every captured size."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.engram import load_hasher
+from engramrt.model.attention import _torch_attention
+from engramrt.model.context import ForwardContext, KVCache
+from engramrt.sampling import SampleRow, sample_rows
+from engramrt.session import Session
+from tests.kernel_env import kernel_device, triton_runs
+from tests.model_factory import make_model
+
+
+def new_session(model, slots: int) -> Session:
+    hasher, tok = load_hasher(DEFAULT_MODEL_DIR, slots, next(model.parameters()).device)
+    return Session(model, hasher, Session.new_cache(model, slots, 64), tok)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(seed=3, num_hidden_layers=3, engram_layer_ids=[0, 2])[0]
+
+
+def _prefill(sessions: list[Session], rng: random.Random, slots: list[int]) -> list[list[int]]:
+    prompts = [[rng.randrange(6, 1024) for _ in range(rng.randint(1, 9))] for _ in slots]
+    for s in sessions:
+        s.step([t for p in prompts for t in p], slots, [len(p) for p in prompts], [0] * len(slots))
+    return prompts
+
+
+@pytest.mark.parametrize("pad_to", [3, 4, 8])
+def test_padded_decode_equals_unpadded(model, pad_to: int) -> None:
+    """Padding rows (history slot 0, which no request owns) change no logit of a real row,
+    commit no history and write no K/V. Matmuls of another row count may round differently,
+    so floats agree to fp32 rounding; history and the padding's own blocks exactly."""
+    rng = random.Random(pad_to)
+    plain, padded = new_session(model, 4), new_session(model, 4)
+    slots = [3, 1, 2]
+    seqs = _prefill([plain, padded], rng, slots)
+    for _ in range(3):
+        nxt = [rng.randrange(6, 1024) for _ in slots]
+        pos = [len(q) for q in seqs]
+        want = plain.step(nxt, slots, [1] * 3, pos)
+        ctx = ForwardContext.for_runs(
+            slots, [1] * 3, pos, padded.kv, "cpu", None, nxt,
+            width=padded.kv.blocks_per_seq, pad_to=pad_to,
+        )  # fmt: skip
+        got = padded.forward(ctx, None)
+        assert got.shape[0] == pad_to and ctx.engram_ran == [0, 2]
+        torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[:3].argmax(-1), want.argmax(-1))
+        for q, t in zip(seqs, nxt, strict=True):
+            q.append(t)
+    assert torch.equal(padded.hasher.history.table, plain.hasher.history.table)
+    assert not padded.hasher.history.table[0].any()  # slot 0: only ever padding
+    slot0 = padded.kv.token_slots(padded.kv.slot_table(0), 0, 64, "cpu")
+    for i in model.layer_ids:
+        torch.testing.assert_close(padded.kv.k[i], plain.kv.k[i], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(padded.kv.v[i], plain.kv.v[i], rtol=1e-5, atol=1e-5)
+        assert not padded.kv.k[i][slot0].any() and not padded.kv.v[i][slot0].any()
+
+
+def test_padding_rejects_prefill_runs(model) -> None:
+    s = new_session(model, 2)
+    with pytest.raises(ValueError, match="one-token runs"):
+        ForwardContext.for_runs([0], [2], [0], s.kv, "cpu", None, [7, 8], pad_to=4)
+
+
+# --- Triton attention against torch, through the model's own context ----------------------
+
+
+def _attention_case(seed: int, run_lens: list[int], start_pos: list[int], heads=4, kv_heads=2,
+                    dim=16, bs=4, pad_to=None):  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    n = len(run_lens)
+    kv = KVCache([0], 64, bs, kv_heads, dim, torch.float32, "cpu", 48)
+    kv.k[0].normal_(generator=g)  # earlier positions (a prefix-cache hit) are already there
+    kv.v[0].normal_(generator=g)
+    perm = torch.randperm(64, generator=g).tolist()
+    tables = [perm[i * 12 : (i + 1) * 12] for i in range(n)]
+    toks = [7] * sum(run_lens)
+    ctx = ForwardContext.for_runs(list(range(n)), run_lens, start_pos, kv, "cpu", tables, toks,
+                                  width=12 if pad_to else None, pad_to=pad_to)  # fmt: skip
+    t = ctx.positions.numel()
+    q = torch.randn(t, heads, dim, generator=g)
+    k = torch.randn(t, kv_heads, dim, generator=g)
+    v = torch.randn(t, kv_heads, dim, generator=g)
+    return ctx, q, k, v
+
+
+def _both_paths(ctx, q, k, v):
+    from engramrt.model.attention import _triton_attention
+
+    dev = kernel_device()
+    kc, vc = ctx.kv.k[0].clone(), ctx.kv.v[0].clone()
+    want = _torch_attention(q, k, v, kc, vc, ctx)
+    tctx = ForwardContext(**{f: getattr(ctx, f) for f in ctx.__dataclass_fields__})
+    for f in ("flat", "tokens", "slot_ids", "positions", "slot_mapping", "block_table",
+              "context_lens", "query_start", "start_pos_t", "num_real"):  # fmt: skip
+        setattr(tctx, f, getattr(ctx, f).to(dev))
+    if ctx.tiles is not None:
+        tctx.tiles = tuple(x.to(dev) for x in ctx.tiles)
+    kd, vd = ctx.kv.k[0].to(dev), ctx.kv.v[0].to(dev)
+    got = _triton_attention(q.to(dev), k.to(dev), v.to(dev), kd, vd, tctx).cpu()
+    return got, want, (kd.cpu(), vd.cpu()), (kc, vc)
+
+
+triton_only = pytest.mark.skipif(not triton_runs(), reason="Triton cannot run here")
+
+
+@triton_only
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("run_lens", "start_pos"),
+    [([5, 0, 33, 1], [0, 3, 7, 20]), ([1, 1, 1], [0, 9, 40]), ([40], [0]), ([3, 2], [13, 0])],
+)
+def test_triton_attention_matches_torch(run_lens, start_pos) -> None:
+    """Prefill (chunks starting after cached positions, an empty run, a run past one tile) and
+    decode: the same outputs and the same cache as the torch path."""
+    ctx, q, k, v = _attention_case(sum(run_lens), run_lens, start_pos)
+    got, want, (kd, vd), (kc, vc) = _both_paths(ctx, q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kd, kc) and torch.equal(vd, vc)
+
+
+@triton_only
+@pytest.mark.gpu
+def test_triton_decode_padding_writes_and_reads_nothing() -> None:
+    ctx, q, k, v = _attention_case(5, [1, 1], [4, 17], pad_to=4)
+    got, want, (kd, vd), (kc, vc) = _both_paths(ctx, q, k, v)
+    torch.testing.assert_close(got[:2], want[:2], rtol=1e-5, atol=1e-5)
+    assert not got[2:].any()
+    assert torch.equal(kd, kc) and torch.equal(vd, vc)
+    untouched = ctx.kv.k[0].clone()
+    untouched[ctx.slot_mapping[:2]] = k[:2]
+    assert torch.equal(kd, untouched)
+
+
+# --- sampling ------------------------------------------------------------------------------
+
+
+def test_batched_sampling_equals_each_row_alone() -> None:
+    """Greedy and seeded rows with every truncation give in a batch what each gives alone."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 300, generator=g) * 3
+    rows = [
+        SampleRow(),
+        SampleRow(temperature=0.7, seed=5, index=2),
+        SampleRow(temperature=1.3, top_k=17, seed=6),
+        SampleRow(temperature=1.0, top_p=0.8, seed=7, index=9),
+        SampleRow(temperature=0.9, min_p=0.05, top_k=40, top_p=0.95, seed=8),
+        SampleRow(temperature=1e-7),
+    ]
+    batch = sample_rows(logits, rows, None).tokens
+    alone = [sample_rows(logits[i : i + 1], [r], None).tokens[0] for i, r in enumerate(rows)]
+    assert batch == alone
+    assert batch[0] == int(logits[0].argmax()) and batch[5] == int(logits[5].argmax())
+
+
+def test_truncation_keeps_only_allowed_tokens() -> None:
+    """Over many seeds, sampled tokens stay inside the top-k / top-p sets computed directly."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 50, generator=g) * 2
+    order = logits[0].argsort(descending=True).tolist()
+    probs = torch.softmax(logits[0], -1)[order]
+    nucleus = order[: int((probs.cumsum(0) - probs < 0.6).sum())]
+    for seed in range(200):
+        row_k = SampleRow(temperature=1.0, top_k=5, seed=seed)
+        row_p = SampleRow(temperature=1.0, top_p=0.6, seed=seed)
+        toks = sample_rows(logits.repeat(2, 1), [row_k, row_p], None).tokens
+        assert toks[0] in order[:5] and toks[1] in nucleus
+
+
+# --- CUDA graphs (GPU) ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replay_equals_eager_for_every_size() -> None:
+    """fp32: for every captured size, and one under it (padding), graph decode steps give the
+    eager steps' logits and tokens, history and KV."""
+    from engramrt.model.cuda_graphs import batch_sizes
+
+    model = make_model(seed=4, num_hidden_layers=3, engram_layer_ids=[0, 2])[0].cuda()
+    max_batch = 18
+    eager, graphed = new_session(model, max_batch + 1), new_session(model, max_batch + 1)
+    graphed.capture_graphs(max_batch)
+    assert graphed.graphs.sizes == batch_sizes(max_batch) == [1, 2, 4, 8, 16, 18]
+    rng = random.Random(0)
+    for n in sorted({m for b in graphed.graphs.sizes for m in (b, max(1, b - 1))}):
+        slots = rng.sample(range(max_batch + 1), n)
+        for s in (eager, graphed):
+            s.hasher.history.table.zero_()
+        seqs = _prefill([eager, graphed], rng, slots)
+        for _ in range(3):
+            nxt = [rng.randrange(6, 1024) for _ in slots]
+            pos = [len(q) for q in seqs]
+            want = eager.step(nxt, slots, [1] * n, pos)
+            got = graphed.step(nxt, slots, [1] * n, pos)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))  # padded matmuls may round
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # differently
+            for q, t in zip(seqs, nxt, strict=True):
+                q.append(t)
+        assert torch.equal(graphed.hasher.history.table, eager.hasher.history.table)
+    assert graphed.engram_ran == eager.engram_ran
