@@ -104,9 +104,9 @@ def _both_paths(ctx, q, k, v):
     kc, vc = ctx.kv.k[0].clone(), ctx.kv.v[0].clone()
     want = _torch_attention(q, k, v, kc, vc, ctx)
     tctx = ForwardContext(**{f: getattr(ctx, f) for f in ctx.__dataclass_fields__})
-    for f in ("flat", "tokens", "slot_ids", "positions", "slot_mapping", "block_table",
-              "context_lens", "query_start", "start_pos_t", "num_real"):  # fmt: skip
-        setattr(tctx, f, getattr(ctx, f).to(dev))
+    for f in ctx.__dataclass_fields__:
+        if isinstance(getattr(ctx, f), torch.Tensor):
+            setattr(tctx, f, getattr(ctx, f).to(dev))
     if ctx.tiles is not None:
         tctx.tiles = tuple(x.to(dev) for x in ctx.tiles)
     kd, vd = ctx.kv.k[0].to(dev), ctx.kv.v[0].to(dev)

@@ -47,10 +47,14 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[b] = (graph, ctx, out, carry)
 
-    def covers(self, run_lens: list[int], tracer) -> bool:
-        """A decode step of a captured size, with no tracer (a trace needs eager tensors)."""
+    def covers(self, run_lens: list[int], tracer, tables: list[list[int]] | None) -> bool:
+        """A decode step of a captured size whose tables fit the static buffer, with no tracer
+        (a trace needs eager tensors)."""
         return (
-            tracer is None and 0 < len(run_lens) <= self.sizes[-1] and all(n == 1 for n in run_lens)
+            tracer is None
+            and 0 < len(run_lens) <= self.sizes[-1]
+            and all(n == 1 for n in run_lens)
+            and (tables is None or max(map(len, tables)) <= self.width)
         )
 
     def padded_size(self, n: int) -> int:
