@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from engramrt.kernels import use_triton
+
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [T, hc, D]``, ``fn [(2+hc)*hc, hc*D]`` -> ``[T, (2+hc)*hc]``; one rsqrt per token
@@ -26,7 +28,12 @@ def hc_split_sinkhorn(
 
     comb is a softmax (+eps) followed by one column normalisation and ``iters - 1`` row/column
     pairs, so its last step makes columns sum to one: comb[j][k] sends copy j into copy k.
+    On CUDA one Triton launch does all of it (``engramrt.kernels.mhc_sinkhorn``).
     """
+    if use_triton(mixes.device) and hc & (hc - 1) == 0:
+        from engramrt.kernels.mhc_sinkhorn import split_sinkhorn
+
+        return split_sinkhorn(mixes, scale, base, hc, iters, eps)
     z = mixes.float()
     pre = torch.sigmoid(z[:, :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(z[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])

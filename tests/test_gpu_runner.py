@@ -212,3 +212,26 @@ def test_graph_replay_equals_eager_for_every_size() -> None:
                 q.append(t)
         assert torch.equal(graphed.hasher.history.table, eager.hasher.history.table)
     assert graphed.engram_ran == eager.engram_ran
+
+
+# --- the fused mHC Sinkhorn ----------------------------------------------------------------
+
+
+@triton_only
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tokens", "hc", "iters"), [(1, 4, 20), (37, 4, 20), (5, 2, 3), (3, 8, 1)])
+def test_fused_sinkhorn_matches_torch(tokens: int, hc: int, iters: int) -> None:
+    """Random mixes, scales and biases: the kernel's pre/post/comb equal the torch reference to
+    fp32 rounding, and comb's columns sum to one as the last step makes them."""
+    from engramrt.kernels.mhc_sinkhorn import split_sinkhorn
+    from engramrt.mhc import hc_split_sinkhorn
+
+    g = torch.Generator().manual_seed(tokens * hc + iters)
+    mixes = torch.randn(tokens, (2 + hc) * hc, generator=g) * 3
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + hc) * hc, generator=g)
+    want = hc_split_sinkhorn(mixes, scale, base, hc, iters, 1e-6)
+    dev = kernel_device()
+    got = split_sinkhorn(mixes.to(dev), scale.to(dev), base.to(dev), hc, iters, 1e-6)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.cpu(), b, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(got[2].sum(1).cpu(), torch.ones(tokens, hc), rtol=0, atol=1e-5)
