@@ -182,6 +182,12 @@ def prefill_flops(engine: Engine, tokens: int) -> float:
     return 2 * matmul * tokens + attn
 
 
+def save(path: str, res: dict) -> None:
+    """After every measurement: a run cut short keeps what it measured."""
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -200,14 +206,17 @@ def main() -> None:
     engine = engine_for(args.model, args.max_len, dev)
     res["load_s"] = time.perf_counter() - t0
     res["kv_blocks"] = engine.cfg.num_blocks
+    save(args.out, res)
     inp, out = (64, 16) if args.quick else (512, 128)
     res["bs1_graph"] = latency(engine, 1, inp, out)
     with eager(engine):
         res["bs1_eager"] = latency(engine, 1, inp, out)
     res["bs1_split"] = profile_split(engine, 1, inp)
+    save(args.out, res)
     for bs in (16, 64) if args.quick else (16, 64, 256):
         res[f"bs{bs}_graph"] = latency(engine, bs, inp, out)
         res[f"bs{bs}_split"] = profile_split(engine, bs, inp)
+        save(args.out, res)
     rng = random.Random(0)
     n = 16 if args.quick else 256
     ins = [rng.randint(100, 1024) for _ in range(n)]
@@ -216,15 +225,16 @@ def main() -> None:
         ins, outs = [i // 8 for i in ins], [o // 8 for o in outs]
     prompts = random_prompts(rng, ins, engine.vocab_size)
     res["offline"] = measure(engine, prompts, outs)
+    save(args.out, res)
     long = args.max_len - 2  # the warm-up asks two tokens of the same prompt
     prompt = random_prompts(random.Random(1), [long], engine.vocab_size)
     s = measure(engine, prompt, [1])["prefill_s"]
     tflops = prefill_flops(engine, long) / s / 1e12
     res["prefill_long"] = {"tokens": long, "s": s, "tok_s": long / s, "tflops": tflops}
+    save(args.out, res)
     zero_engram(engine)
     res["offline_zero_engram"] = measure(engine, prompts, outs)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    save(args.out, res)
     print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)}))
     for k, v in res.items():
         if isinstance(v, dict):
