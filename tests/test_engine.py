@@ -438,3 +438,26 @@ def test_context_boundary(make_engine, encode) -> None:
     assert res.finish_reason == "length" and len(res.ids) == 7
     res = run_alone(make_engine, [0] * (MAX_LEN - 3), greedy(3, ignore_eos=True))
     assert res.finish_reason == "length" and len(res.ids) == 3
+
+
+def test_incremental_text_equals_a_full_decode_at_every_step() -> None:
+    """Random ids, many of them bytes that split UTF-8 characters, plus special tokens: after
+    every appended token the incremental text is the full decode of the ids so far."""
+    import random
+
+    from engramrt.engine.engine import IncrementalText
+    from engramrt.engram import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_dir(None))
+    byte_ids = [tok.token_to_id(c) for c in ("\u00e2", "\u0124", "\u00ac", "\u00e4", "\u00bd")]
+    assert None not in byte_ids
+    rng, partial = random.Random(0), 0
+    for trial in range(30):
+        text, ids = IncrementalText(tok), []
+        for _ in range(rng.randint(1, 60)):
+            pick = rng.random()
+            ids.append(rng.choice(byte_ids) if pick < 0.3 else rng.randrange(0, 1024))
+            want = tok.decode(ids, skip_special_tokens=True)
+            partial += want.endswith("\ufffd")
+            assert text(ids) == want, (trial, ids)
+    assert partial > 20  # the oracle did see unfinished characters

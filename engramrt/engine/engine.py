@@ -60,6 +60,31 @@ class _Detok:
         return new, hit >= 0
 
 
+class IncrementalText:
+    """``decode(ids)`` of a growing output, decoding only the tokens since the last point where
+    the text ended on a whole character (the earlier text is kept), so a long output costs
+    O(1) per token instead of O(length). The window starts one chunk back, so tokenizers whose
+    decoders strip a leading space see the same context as a full decode."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok, self.done, self.prefix, self.read = tokenizer, "", 0, 0
+
+    def __call__(self, ids: list[int]) -> str:
+        def dec(a: int, b: int | None = None) -> str:
+            return self.tok.decode(ids[a:b], skip_special_tokens=True)
+
+        head = dec(self.prefix, self.read) if self.read > self.prefix else ""
+        full = dec(self.prefix)
+        if not full.startswith(head):  # a decoder that rewrites earlier text: decode it all
+            return dec(0)
+        tail = full[len(head) :]
+        if tail and not tail.endswith("\ufffd"):  # ends on a whole character: commit
+            self.done += tail
+            self.prefix, self.read = self.read, len(ids)
+            return self.done
+        return self.done + tail
+
+
 class Engine:
     def __init__(self, pipeline: Pipeline, tokenizer: Tokenizer, cfg: EngineConfig):
         self.pipeline, self.tokenizer, self.cfg = pipeline, tokenizer, cfg
@@ -69,7 +94,7 @@ class Engine:
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
-        self._detok: dict[str, _Detok] = {}
+        self._detok: dict[str, tuple[IncrementalText, _Detok]] = {}
         self.prompt_tokens_total = self.generation_tokens_total = 0
 
     # --- requests ------------------------------------------------------------------------
@@ -81,7 +106,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_ids), params)
         self.requests[request_id] = req
-        self._detok[request_id] = _Detok(params.stop)
+        self._detok[request_id] = (IncrementalText(self.tokenizer), _Detok(params.stop))
         self.scheduler.add(req)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -195,8 +220,8 @@ class Engine:
             reason = "stop"
         elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
             reason = "length"
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        new_text, hit_stop = self._detok[req.id].update(text, reason is not None)
+        text, stops = self._detok[req.id]
+        new_text, hit_stop = stops.update(text(req.output_ids), reason is not None)
         if hit_stop:
             reason = "stop"
         out = RequestOutput(
