@@ -112,6 +112,10 @@ def check(opts: ServeOptions) -> tuple[ModelConfig, int]:
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         if getattr(opts, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < opts.gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"--gpu-memory-utilization must lie in (0, 1], got {opts.gpu_memory_utilization}"
+        )
     return cfg, max_len
 
 

@@ -131,3 +131,18 @@ def test_empty_stop_strings_are_ignored() -> None:
     assert CompletionRequest(prompt="x", stop=["", "b"]).stops() == ["b"]
     req = CompletionRequest(prompt="x", temperature=None, stream=None, top_p=None)
     assert req.temperature == 1.0 and req.stream is False and req.top_p == 1.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must lie in"),
+        (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must lie in"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    ],
+)
+def test_serve_rejects_bad_engine_flags(flags, message, capsys) -> None:
+    from engramrt.cli import main
+
+    assert main(["serve", "--device", "cpu", *flags]) == 2
+    assert message in capsys.readouterr().err
