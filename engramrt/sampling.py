@@ -92,7 +92,8 @@ def sample_rows(
     logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None
 ) -> Sampled:
     """``logits [B, V]`` -> one token per row: argmax for greedy rows, else argmax of
-    probs / Exp(1) noise. Batched on the logits' device; reading the tokens is the one sync."""
+    probs / Exp(1) noise. Batched on the logits' device: greedy rows move nothing but the tokens
+    read back at the end; sampled rows add a few small parameter copies."""
     if not rows:
         return Sampled([])
     tokens = logits.argmax(-1)

@@ -4,6 +4,7 @@ stages serving rank 0's steps."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
+from engramrt.sampling import SampleRow, sample_rows
 from engramrt.session import Session
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -63,8 +65,10 @@ def num_kv_blocks(cfg: ModelConfig, opts: ServeOptions, max_len: int) -> int:
 
 def profile_kv_blocks(session: Session, opts: ServeOptions, max_len: int) -> int:
     """vLLM's sizing: run the largest batch the scheduler can form (``max_num_batched_tokens``
-    prefill tokens) on this stage, then give the KV cache what ``--gpu-memory-utilization`` of
-    the GPU leaves above that peak."""
+    prefill tokens, then the sampler at ``max_num_seqs`` rows) on this stage, then give the KV
+    cache what ``--gpu-memory-utilization`` of the GPU leaves after the weights, that peak's
+    activations, an estimate of the decode graphs' pool and memory outside torch (CUDA context,
+    NCCL). Stages spawned onto one GPU split it."""
     from engramrt.session import Carry
 
     cfg, dev = session.model.cfg, session.device
@@ -80,7 +84,11 @@ def profile_kv_blocks(session: Session, opts: ServeOptions, max_len: int) -> int
     torch.cuda.reset_peak_memory_stats(dev)
     carry = None if session.hasher else Carry.zeros(session.model, tokens)  # a later stage
     fake = None if carry is not None else [cfg.bos_token_id or 0] * tokens
-    session.step(fake, slots, runs, [0] * len(runs), carry=carry, block_tables=tables)
+    logits = session.step(fake, slots, runs, [0] * len(runs), carry=carry, block_tables=tables)
+    if session.model.head is not None:  # the sampler's temporaries at the largest batch
+        n = min(tokens, opts.max_num_seqs)
+        sample_rows(logits[:n], [SampleRow(temperature=1.0, top_p=0.9)] * n, None)
+    del logits
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev)
     cache_bytes = sum(t.numel() * t.element_size() for t in (*session.kv.k.values(),
@@ -89,14 +97,21 @@ def profile_kv_blocks(session: Session, opts: ServeOptions, max_len: int) -> int
     if session.hasher is not None:
         session.hasher.history.table.zero_()  # the profile's history rows mean nothing
     torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(dev).total_memory
-    budget = int(total * opts.gpu_memory_utilization) - (peak - cache_bytes)
+    free, total = torch.cuda.mem_get_info(dev)
+    outside_torch = total - free - torch.cuda.memory_reserved(dev)  # CUDA context, NCCL, ...
+    weights = torch.cuda.memory_allocated(dev)
+    activations = peak - cache_bytes - weights
+    # decode graphs keep a pool about as large as a forward of max_num_seqs tokens
+    graphs = 0 if opts.enforce_eager else activations * min(1.0, opts.max_num_seqs / tokens)
+    share = -(-int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // torch.cuda.device_count())
+    budget = int(total * opts.gpu_memory_utilization / share - outside_torch - weights
+                 - activations - graphs)  # fmt: skip
     per_block = kv_block_bytes(cfg, opts, len(session.model.layer_ids))
     if budget < per_block:
         raise ValueError(
             f"--gpu-memory-utilization {opts.gpu_memory_utilization} leaves no room for the KV "
             f"cache: the weights and a {tokens}-token forward peak at {peak / 2**30:.2f} GiB of "
-            f"{total / 2**30:.2f} GiB"
+            f"{total / 2**30:.2f} GiB (stages sharing this GPU: {share})"
         )
     return budget // per_block
 

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from engramrt.engram import load_hasher, load_tokenizer
 from engramrt.engram.hashing import EngramHasher
+from engramrt.kernels import use_triton
 from engramrt.model.checkpoint import load_model
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
@@ -119,6 +120,9 @@ class Session:
 
         if self.model.cfg.ffn_type == "moe":
             print("engramrt: MoE routing is not graph-capturable yet; decoding eagerly", flush=True)
+            return
+        if not use_triton(self.device):  # the torch reference attention is not capturable
+            print("engramrt: CUDA graphs need the Triton kernels; decoding eagerly", flush=True)
             return
         self.graphs = DecodeGraphs(self, max_batch)
 

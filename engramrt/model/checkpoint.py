@@ -117,7 +117,7 @@ def load_model(
     leftover = [n for n, t in model.state_dict().items() if t.is_meta]
     if leftover:
         raise CheckpointError(f"tensor {leftover[0]} was not loaded")
-    return model.to(device).eval()
+    return model.to(device).eval().requires_grad_(False)  # inference only: no autograd state
 
 
 def _read(where: dict[str, Path], names: list[str], model_dir: Path) -> dict[str, torch.Tensor]:

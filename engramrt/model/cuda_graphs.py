@@ -60,6 +60,7 @@ class DecodeGraphs:
     def padded_size(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
+    @torch.inference_mode()  # no autograd state kept alive by the captured outputs
     def _capture(self, b: int, pool):
         s = self.session
         # all rows padding: the warm-up run (Triton JIT, cuBLAS handles) commits and writes nothing

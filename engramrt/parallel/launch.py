@@ -104,6 +104,7 @@ def _spawned(rank: int, cfg: DistConfig, addr: str, port: int, worker: Worker, a
         RANK=str(rank),
         WORLD_SIZE=str(cfg.pp_size),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(cfg.pp_size),
     )
     try:
         _run(rank, cfg, worker, args)

@@ -170,9 +170,11 @@ class Pipeline:
             return None
         return result
 
+    @torch.inference_mode()
     def _sample(self, logits: torch.Tensor, meta: Meta) -> StepResult:
-        """Sample on the device; the one host sync is reading the tokens. ``logits`` may be a
-        CUDA graph's output, so anything kept past this step is a copy."""
+        """Sample on the device, reading the tokens back at the end (for a greedy decode batch
+        nothing else waits on the GPU). ``logits`` may be a CUDA graph's output, so anything
+        kept past this step is a copy."""
         ends = (torch.tensor(meta.run_lens, dtype=torch.int64).cumsum(0) - 1).tolist()
         live = [i for i, n in enumerate(meta.run_lens) if n > 0]
         rows, limit = meta.rows(), self.token_limit
@@ -180,7 +182,11 @@ class Pipeline:
             logits = logits.clone()  # kept or scored whole: mask every row
             if limit is not None:  # head rows with no token: never
                 logits[:, limit:] = float("-inf")
-        last = logits[[ends[i] for i in live]]  # a copy
+        rows_at = [ends[i] for i in live]
+        if rows_at == list(range(len(rows_at))):  # decode: no index to copy to the device
+            last = logits[: len(rows_at)].clone()
+        else:
+            last = logits[rows_at]  # a copy
         if limit is not None:
             last[:, limit:] = float("-inf")
         sampled = sample_rows(last, [rows[i] for i in live], self.generator)
