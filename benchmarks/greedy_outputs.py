@@ -58,10 +58,8 @@ def compare(args: argparse.Namespace) -> int:
     for mode in ("batched", "alone"):
         for i, (x, y) in enumerate(zip(runs[0][mode], runs[1][mode], strict=True)):
             same = x["tokens"] == y["tokens"]
-            dlp = max(
-                (abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=False)),
-                default=0.0,
-            )
+            gaps = [abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=False)]
+            dlp = math.nan if any(map(math.isnan, gaps)) else max(gaps, default=0.0)
             bad += not same or math.isnan(dlp) or (args.atol is not None and dlp > args.atol)
             print(f"{mode:<8} prompt {i}: tokens {'identical' if same else 'DIFFER'}, "
                   f"max |dlogprob| {dlp:.3g}")  # fmt: skip

@@ -48,9 +48,9 @@ class ServeOptions:
 CPU_KV_BYTES = 256 * 2**20  # the KV budget where there is no GPU memory to size it from
 
 
-def kv_block_bytes(cfg: ModelConfig, opts: ServeOptions, layers: int) -> int:
-    itemsize = DTYPE_BYTES[opts.dtype or cfg.torch_dtype]
-    return opts.block_size * cfg.num_kv_heads * cfg.head_dim * 2 * itemsize * layers
+def kv_block_bytes(cfg: ModelConfig, block_size: int, itemsize: int, layers: int) -> int:
+    """K and V of one block in ``layers`` layers."""
+    return block_size * cfg.num_kv_heads * cfg.head_dim * 2 * itemsize * layers
 
 
 def num_kv_blocks(cfg: ModelConfig, opts: ServeOptions, max_len: int) -> int:
@@ -60,7 +60,16 @@ def num_kv_blocks(cfg: ModelConfig, opts: ServeOptions, max_len: int) -> int:
         return opts.num_gpu_blocks_override
     budget = opts.kv_cache_memory_bytes or CPU_KV_BYTES
     cap = opts.max_num_seqs * -(-max_len // opts.block_size)
-    return max(1, min(cap, budget // kv_block_bytes(cfg, opts, cfg.num_layers)))
+    return max(
+        1,
+        min(
+            cap,
+            budget
+            // kv_block_bytes(
+                cfg, opts.block_size, DTYPE_BYTES[opts.dtype or cfg.torch_dtype], cfg.num_layers
+            ),
+        ),
+    )
 
 
 def profile_kv_blocks(session: Session, opts: ServeOptions, max_len: int) -> int:
@@ -106,7 +115,8 @@ def profile_kv_blocks(session: Session, opts: ServeOptions, max_len: int) -> int
     share = -(-int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // torch.cuda.device_count())
     budget = int(total * opts.gpu_memory_utilization / share - outside_torch - weights
                  - activations - graphs)  # fmt: skip
-    per_block = kv_block_bytes(cfg, opts, len(session.model.layer_ids))
+    model = session.model  # the cache's own dtype, as loaded
+    per_block = kv_block_bytes(cfg, opts.block_size, model.dtype.itemsize, len(model.layer_ids))
     if budget < per_block:
         raise ValueError(
             f"--gpu-memory-utilization {opts.gpu_memory_utilization} leaves no room for the KV "
@@ -160,7 +170,12 @@ def build_stage(
         session.kv = Session.new_cache(session.model, opts.max_num_seqs, max_len,
                                        opts.block_size, blocks)  # fmt: skip
         if rank == 0:
-            gib = kv_block_bytes(cfg, opts, len(session.model.layer_ids)) * blocks / 2**30
+            model = session.model
+            gib = (
+                blocks
+                * kv_block_bytes(cfg, opts.block_size, model.dtype.itemsize, len(model.layer_ids))
+                / 2**30
+            )
             print(f"engramrt: KV cache {blocks} blocks = {blocks * opts.block_size} tokens "
                   f"({gib:.2f} GiB on stage 0)", flush=True)  # fmt: skip
     if device.type == "cuda" and not opts.enforce_eager:

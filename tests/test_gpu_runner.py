@@ -235,3 +235,58 @@ def test_fused_sinkhorn_matches_torch(tokens: int, hc: int, iters: int) -> None:
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.cpu(), b, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(got[2].sum(1).cpu(), torch.ones(tokens, hc), rtol=0, atol=1e-5)
+
+
+# --- what serving sets up around the runner ------------------------------------------------
+
+
+def test_loaded_models_carry_no_autograd_state() -> None:
+    """A captured graph would otherwise keep saved tensors alive in its pool."""
+    from engramrt.bundled import resolve_model_dir
+
+    s = Session.load(resolve_model_dir(None))
+    assert not any(p.requires_grad for p in s.model.parameters())
+    out = s.step([7, 8, 9], [0], [3], [0])
+    assert not out.requires_grad
+
+
+def test_graphs_need_the_triton_kernels(model, capsys) -> None:
+    """Without the kernels (here: a CPU session) decode stays eager instead of failing."""
+    s = new_session(model, 2)
+    s.capture_graphs(2)
+    assert s.graphs is None and "decoding eagerly" in capsys.readouterr().out
+
+
+def test_kv_budget_from_a_profiled_forward(model, monkeypatch) -> None:
+    """The profile's arithmetic against a restatement with fake GPU memory figures: total x
+    utilisation / stages per GPU, minus memory outside torch, weights, activations and the
+    graph-pool estimate; the profile leaves no cache and no history behind."""
+    import engramrt.serve as serve
+
+    gib = 2**30
+    fake = {"total": 80 * gib, "free": 70 * gib, "reserved": 6 * gib, "allocated": 5 * gib,
+            "peak": 9 * gib}  # fmt: skip
+    cuda = torch.cuda
+    for name, value in [
+        ("empty_cache", lambda: None), ("reset_peak_memory_stats", lambda d=None: None),
+        ("synchronize", lambda d=None: None), ("device_count", lambda: 2),
+        ("max_memory_allocated", lambda d=None: fake["peak"]),
+        ("mem_get_info", lambda d=None: (fake["free"], fake["total"])),
+        ("memory_reserved", lambda d=None: fake["reserved"]),
+        ("memory_allocated", lambda d=None: fake["allocated"]),
+    ]:  # fmt: skip
+        monkeypatch.setattr(cuda, name, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # 3 stages on 2 GPUs: 2 share one
+    s = new_session(model, 4)
+    opts = serve.ServeOptions(DEFAULT_MODEL_DIR, [3], ["m"], max_num_seqs=4,
+                              max_num_batched_tokens=40, block_size=8)  # fmt: skip
+    blocks = serve.profile_kv_blocks(s, opts, 16)
+    cache = 40 // 16 + 1  # runs of 16, 16, 8 tokens, each with its own 2 blocks
+    per_layer_block = 8 * model.cfg.num_kv_heads * model.cfg.head_dim * 4  # fp32
+    cache_bytes = cache * 2 * per_layer_block * 2 * len(model.layer_ids)
+    activations = fake["peak"] - cache_bytes - fake["allocated"]
+    outside = fake["total"] - fake["free"] - fake["reserved"]
+    budget = int(fake["total"] * 0.9 / 2 - outside - fake["allocated"] - activations
+                 - activations * 4 / 40)  # fmt: skip
+    assert blocks == budget // (per_layer_block * 2 * len(model.layer_ids))
+    assert s.kv is None and not s.hasher.history.table.any()
