@@ -1,0 +1,91 @@
+"""Host work of one engine step, with the model replaced by a stub: what the scheduler, the block
+manager, request bookkeeping, sampling rows and detokenisation cost per decode step, alone.
+
+256 requests are admitted with prompts of the given context length and prefilled (untimed); then
+decode steps are timed. The stub "samples" a fixed non-EOS token, so every request keeps
+decoding. Prefix caching on and off, at 512 and 2048 tokens of context.
+
+    python benchmarks/host_step.py [--requests 256] [--contexts 512,2048] [--steps 32] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from types import SimpleNamespace
+
+from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.engine.engine import Engine, EngineConfig
+from engramrt.engine.request import SamplingParams
+from engramrt.engram import load_tokenizer
+from engramrt.parallel.pipeline import StepResult
+
+TOKEN = 300  # what the stub samples: an ordinary token of the bundled tokenizer
+
+
+class StubPipeline:
+    """Stands where the pipeline stands; runs no model."""
+
+    def __init__(self, eos: int):
+        model = SimpleNamespace(cfg=SimpleNamespace(eos_token_id=eos))
+        hasher = SimpleNamespace(rebuild=lambda slot, tokens: None)
+        self.session = SimpleNamespace(model=model, hasher=hasher)
+
+    def step(self, tokens, slots, run_lens, start_pos, **kw) -> StepResult:
+        return StepResult([TOKEN] * len(slots))
+
+
+def measure(requests: int, context: int, steps: int, prefix_caching: bool) -> float:
+    """Milliseconds per decode step."""
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    block = 16
+    max_len = context + 1024  # the prefill phase decodes the early requests for a while
+    cfg = EngineConfig(
+        max_model_len=max_len, max_num_seqs=requests, max_num_batched_tokens=16384,
+        block_size=block, num_blocks=requests * -(-max_len // block),
+        enable_prefix_caching=prefix_caching,
+    )  # fmt: skip
+    engine = Engine(StubPipeline(eos=1), tok, cfg)
+    rng = random.Random(0)
+    vocab = tok.get_vocab_size()
+    for i in range(requests):
+        prompt = [rng.randrange(6, vocab) for _ in range(context)]
+        params = SamplingParams(max_tokens=max_len - context, temperature=0, ignore_eos=True)
+        engine.add_request(str(i), prompt, params)
+    started: set[str] = set()
+    while len(started) < requests:  # prefill, untimed
+        started.update(out.request_id for out in engine.step())
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        outs = engine.step()
+        assert len(outs) == requests, "every request decodes every step"
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--contexts", default="512,2048")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    args = p.parse_args()
+    rows = []
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        for caching in (True, False):
+            ms = measure(args.requests, ctx, args.steps, caching)
+            rows.append({"requests": args.requests, "context": ctx, "prefix_caching": caching,
+                         "ms_per_step": round(ms, 3)})  # fmt: skip
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print("| requests | context | prefix caching | ms / decode step |")
+    print("|---:|---:|---|---:|")
+    for r in rows:
+        on = "on" if r["prefix_caching"] else "off"
+        print(f"| {r['requests']} | {r['context']} | {on} | {r['ms_per_step']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
