@@ -1,5 +1,5 @@
 """Host cost of detokenising a growing output: the full re-decode every step (what the engine
-did before) against ``IncrementalText``, per token, at several output lengths.
+did before) against ``IncrementalDecoder``, per token, at several output lengths.
 
     python benchmarks/detok_bench.py
 """
@@ -10,7 +10,7 @@ import random
 import time
 
 from engramrt.bundled import resolve_model_dir
-from engramrt.engine.engine import IncrementalText
+from engramrt.engine.detokenize import IncrementalDecoder
 from engramrt.engram import load_tokenizer
 
 
@@ -28,7 +28,7 @@ def main() -> None:
         full = (time.perf_counter() - t0) / (32 * n) * 1e6
         t0 = time.perf_counter()
         for ids in seqs:
-            text = IncrementalText(tok)
+            text = IncrementalDecoder(tok)
             for i in range(1, n + 1):
                 text(ids[:i])
         inc = (time.perf_counter() - t0) / (32 * n) * 1e6

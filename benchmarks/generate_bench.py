@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 
 import torch
+from engramrt.session import Session
 
 from engramrt.bundled import resolve_model_dir
 from engramrt.generate import generate
-from engramrt.session import Session
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and the Engram"
 

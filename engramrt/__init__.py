@@ -3,6 +3,6 @@
 __version__ = "0.1.0"
 
 from engramrt.model.checkpoint import CheckpointError, load_model, save_checkpoint
-from engramrt.session import Session
+from engramrt.runner.stage import StageRunner
 
-__all__ = ["__version__", "CheckpointError", "Session", "load_model", "save_checkpoint"]
+__all__ = ["__version__", "CheckpointError", "StageRunner", "load_model", "save_checkpoint"]

@@ -10,17 +10,18 @@ from engramrt.bundled import resolve_model_dir
 from engramrt.parallel.launch import DistConfig, launch
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
-from engramrt.session import Session
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.stage import StageRunner
 
 
 def worker(rank: int, world: int) -> None:
-    session = Session.load(resolve_model_dir(None), layer_ids=stage_layers([2, 2], rank))
+    session = StageRunner.load(resolve_model_dir(None), layer_ids=stage_layers([2, 2], rank))
     pipe = Pipeline(session, rank, world)
     if rank == 1:
         pipe._stage(pipe._recv_meta(pipe._recv_header()[1]))
         os._exit(3)
-    pipe.step([0, 7, 8, 9], [0], [4], [0])
-    pipe.step([10], [0], [1], [4])  # rank 1 is gone by now: this must fail, not hang
+    pipe.step(StepBatch([0, 7, 8, 9], [0], [4], [0]))
+    pipe.step(StepBatch([10], [0], [1], [4]))  # rank 1 is gone by now: this must fail, not hang
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ from engramrt.engram.layout import EngramLayout
 from engramrt.model.checkpoint import INDEX, CheckpointError, load_model
 from engramrt.model.context import ForwardContext
 from engramrt.model.decoder import EngramMHCModel
-from engramrt.session import Session
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.stage import StageRunner, new_kv_cache
 from tests.fp8_oracle import e4m3_value
 from tests.model_factory import make_model, make_raw_config, save_model
 
@@ -55,8 +56,8 @@ def _hasher(model_dir: Path) -> EngramHasher:
 
 
 def _logits(model: EngramMHCModel, model_dir: Path, tokens: list[int] = TOKENS) -> torch.Tensor:
-    session = Session(model, _hasher(model_dir), Session.new_cache(model, 1))
-    return session.step(tokens, [0], [len(tokens)], [0])
+    session = StageRunner(model, _hasher(model_dir), new_kv_cache(model, 1))
+    return session.step(StepBatch(tokens, [0], [len(tokens)], [0]))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -486,7 +487,7 @@ def test_stage_loads_only_its_layers(two_layers: Path) -> None:
     ids = hasher.extend(t, torch.tensor([0]), torch.tensor([len(t)]), torch.tensor([0]))
 
     def ctx(m: EngramMHCModel) -> ForwardContext:
-        kv = Session.new_cache(m, 1)
+        kv = new_kv_cache(m, 1)
         return ForwardContext.for_runs(
             [0], [len(t)], [0], kv, "cpu", hash_ids=ids, dead=hasher.is_dead(t)
         )

@@ -18,7 +18,8 @@ from engramrt.config import engram_config
 from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.layout import EngramLayout
 from engramrt.engram.token_map import build_token_map, load_tokenizer
-from engramrt.session import Session
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.stage import StageRunner, new_kv_cache
 from tests.model_factory import make_model
 
 T = 7
@@ -55,8 +56,8 @@ def build(seed: int = 0, **overrides):
 
 
 def engramrt_logits(model, raw, tokens: list[int]) -> torch.Tensor:
-    session = Session(model, new_hasher(raw), Session.new_cache(model, 1))
-    return session.step(tokens, [0], [len(tokens)], [0])
+    session = StageRunner(model, new_hasher(raw), new_kv_cache(model, 1))
+    return session.step(StepBatch(tokens, [0], [len(tokens)], [0]))
 
 
 def reference_hash_ids(raw: dict, tokens: list[int]) -> torch.Tensor:

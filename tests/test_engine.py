@@ -12,21 +12,21 @@ from engramrt.bundled import resolve_model_dir
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.request import Logprob, SamplingParams
 from engramrt.parallel.pipeline import Pipeline
-from engramrt.session import Session
+from engramrt.runner.stage import StageRunner
 
 MAX_LEN = 256
 MAX_SLOTS = 8
 
 
 @pytest.fixture(scope="module")
-def session() -> Session:
+def session() -> StageRunner:
     """One model for the module; each engine gets a fresh KV cache (history rows are rebuilt
     from a request's tokens whenever it is admitted, so the hasher can be shared)."""
-    return Session.load(resolve_model_dir(None), MAX_SLOTS, MAX_LEN, "cpu", "float32")
+    return StageRunner.load(resolve_model_dir(None), MAX_SLOTS, MAX_LEN, "cpu", "float32")
 
 
 @pytest.fixture(scope="module")
-def make_engine(session: Session):
+def make_engine(session: StageRunner):
     def make(
         max_num_seqs: int = 4,
         max_num_batched_tokens: int = 256,
@@ -36,16 +36,17 @@ def make_engine(session: Session):
     ) -> Engine:
         assert max_num_seqs <= MAX_SLOTS
         cfg = EngineConfig(
-            MAX_LEN, max_num_seqs, max_num_batched_tokens, block_size, num_blocks, prefix_caching
+            MAX_LEN, max_num_seqs, max_num_batched_tokens, block_size, num_blocks, prefix_caching,
+            session.model.cfg.eos_token_id,
         )
-        session.kv = Session.new_cache(session.model, MAX_SLOTS, MAX_LEN, block_size, num_blocks)
+        session.allocate_kv(MAX_SLOTS, MAX_LEN, block_size, num_blocks)
         return Engine(Pipeline(session), session.tokenizer, cfg)
 
     return make
 
 
 @pytest.fixture(scope="module")
-def encode(session: Session):
+def encode(session: StageRunner):
     bos = session.model.cfg.bos_token_id
 
     def enc(text: str) -> list[int]:
@@ -108,7 +109,7 @@ def run_alone(make_engine, ids: list[int], params: SamplingParams, **cfg) -> Res
 def assert_idle(engine: Engine) -> None:
     """Nothing queued or running, every KV block and history slot free."""
     assert not engine.has_work()
-    assert engine.requests == {} and engine._detok == {}
+    assert engine.requests == {}
     assert engine.blocks.num_free == engine.cfg.num_blocks
     assert all(r == 0 for r in engine.blocks.ref)
     assert sorted(engine.scheduler.free_slots) == list(range(engine.cfg.max_num_seqs))
@@ -302,7 +303,7 @@ def _boundary_stop(tokenizer, ids: list[int]) -> tuple[str, int] | None:
     return None
 
 
-def test_stop_string_across_tokens(make_engine, encode, session: Session) -> None:
+def test_stop_string_across_tokens(make_engine, encode, session: StageRunner) -> None:
     tok = session.tokenizer
     for text in TEXTS:
         prompt = encode(text)
@@ -407,7 +408,7 @@ def test_bad_sampling_params_rejected(make_engine, encode, name: str) -> None:
     assert_idle(engine)
 
 
-def test_bad_prompts_rejected(make_engine, encode, session: Session) -> None:
+def test_bad_prompts_rejected(make_engine, encode, session: StageRunner) -> None:
     engine = make_engine(num_blocks=16)  # 64 tokens of KV at most
     vocab = session.tokenizer.get_vocab_size(with_added_tokens=True)
     cases = [
@@ -445,7 +446,7 @@ def test_incremental_text_equals_a_full_decode_at_every_step() -> None:
     every appended token the incremental text is the full decode of the ids so far."""
     import random
 
-    from engramrt.engine.engine import IncrementalText
+    from engramrt.engine.detokenize import IncrementalDecoder
     from engramrt.engram import load_tokenizer
 
     tok = load_tokenizer(resolve_model_dir(None))
@@ -453,7 +454,7 @@ def test_incremental_text_equals_a_full_decode_at_every_step() -> None:
     assert None not in byte_ids
     rng, partial = random.Random(0), 0
     for trial in range(30):
-        text, ids = IncrementalText(tok), []
+        text, ids = IncrementalDecoder(tok), []
         for _ in range(rng.randint(1, 60)):
             pick = rng.random()
             ids.append(rng.choice(byte_ids) if pick < 0.3 else rng.randrange(0, 1024))

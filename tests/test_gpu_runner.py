@@ -14,15 +14,16 @@ from engramrt.bundled import DEFAULT_MODEL_DIR
 from engramrt.engram import load_hasher
 from engramrt.model.attention import _torch_attention
 from engramrt.model.context import ForwardContext, KVCache
-from engramrt.sampling import SampleRow, sample_rows
-from engramrt.session import Session
+from engramrt.runner.batch import SampleRow, StepBatch
+from engramrt.runner.sampler import sample_tokens
+from engramrt.runner.stage import StageRunner, new_kv_cache
 from tests.kernel_env import kernel_device, triton_runs
 from tests.model_factory import make_model
 
 
-def new_session(model, slots: int) -> Session:
+def new_session(model, slots: int) -> StageRunner:
     hasher, tok = load_hasher(DEFAULT_MODEL_DIR, slots, next(model.parameters()).device)
-    return Session(model, hasher, Session.new_cache(model, slots, 64), tok)
+    return StageRunner(model, hasher, new_kv_cache(model, slots, 64), tok)
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +31,14 @@ def model():
     return make_model(seed=3, num_hidden_layers=3, engram_layer_ids=[0, 2])[0]
 
 
-def _prefill(sessions: list[Session], rng: random.Random, slots: list[int]) -> list[list[int]]:
+def _prefill(sessions: list[StageRunner], rng: random.Random, slots: list[int]) -> list[list[int]]:
     prompts = [[rng.randrange(6, 1024) for _ in range(rng.randint(1, 9))] for _ in slots]
     for s in sessions:
-        s.step([t for p in prompts for t in p], slots, [len(p) for p in prompts], [0] * len(slots))
+        s.step(
+            StepBatch(
+                [t for p in prompts for t in p], slots, [len(p) for p in prompts], [0] * len(slots)
+            )
+        )
     return prompts
 
 
@@ -49,7 +54,7 @@ def test_padded_decode_equals_unpadded(model, pad_to: int) -> None:
     for _ in range(3):
         nxt = [rng.randrange(6, 1024) for _ in slots]
         pos = [len(q) for q in seqs]
-        want = plain.step(nxt, slots, [1] * 3, pos)
+        want = plain.step(StepBatch(nxt, slots, [1] * 3, pos))
         ctx = ForwardContext.for_runs(
             slots, [1] * 3, pos, padded.kv, "cpu", None, nxt,
             width=padded.kv.blocks_per_seq, pad_to=pad_to,
@@ -160,8 +165,8 @@ def test_batched_sampling_equals_each_row_alone() -> None:
         SampleRow(temperature=0.9, min_p=0.05, top_k=40, top_p=0.95, seed=8),
         SampleRow(temperature=1e-7),
     ]
-    batch = sample_rows(logits, rows, None).tokens
-    alone = [sample_rows(logits[i : i + 1], [r], None).tokens[0] for i, r in enumerate(rows)]
+    batch = sample_tokens(logits, rows, None)
+    alone = [sample_tokens(logits[i : i + 1], [r], None)[0] for i, r in enumerate(rows)]
     assert batch == alone
     assert batch[0] == int(logits[0].argmax()) and batch[5] == int(logits[5].argmax())
 
@@ -176,7 +181,7 @@ def test_truncation_keeps_only_allowed_tokens() -> None:
     for seed in range(200):
         row_k = SampleRow(temperature=1.0, top_k=5, seed=seed)
         row_p = SampleRow(temperature=1.0, top_p=0.6, seed=seed)
-        toks = sample_rows(logits.repeat(2, 1), [row_k, row_p], None).tokens
+        toks = sample_tokens(logits.repeat(2, 1), [row_k, row_p], None)
         assert toks[0] in order[:5] and toks[1] in nucleus
 
 
@@ -188,7 +193,7 @@ def test_truncation_keeps_only_allowed_tokens() -> None:
 def test_graph_replay_equals_eager_for_every_size() -> None:
     """fp32: for every captured size, and one under it (padding), graph decode steps give the
     eager steps' logits and tokens, history and KV."""
-    from engramrt.model.cuda_graphs import batch_sizes
+    from engramrt.runner.graphs import batch_sizes
 
     model = make_model(seed=4, num_hidden_layers=3, engram_layer_ids=[0, 2])[0].cuda()
     max_batch = 18
@@ -204,8 +209,8 @@ def test_graph_replay_equals_eager_for_every_size() -> None:
         for _ in range(3):
             nxt = [rng.randrange(6, 1024) for _ in slots]
             pos = [len(q) for q in seqs]
-            want = eager.step(nxt, slots, [1] * n, pos)
-            got = graphed.step(nxt, slots, [1] * n, pos)
+            want = eager.step(StepBatch(nxt, slots, [1] * n, pos))
+            got = graphed.step(StepBatch(nxt, slots, [1] * n, pos))
             assert torch.equal(got.argmax(-1), want.argmax(-1))  # padded matmuls may round
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # differently
             for q, t in zip(seqs, nxt, strict=True):
@@ -244,9 +249,9 @@ def test_loaded_models_carry_no_autograd_state() -> None:
     """A captured graph would otherwise keep saved tensors alive in its pool."""
     from engramrt.bundled import resolve_model_dir
 
-    s = Session.load(resolve_model_dir(None))
+    s = StageRunner.load(resolve_model_dir(None))
     assert not any(p.requires_grad for p in s.model.parameters())
-    out = s.step([7, 8, 9], [0], [3], [0])
+    out = s.step(StepBatch([7, 8, 9], [0], [3], [0]))
     assert not out.requires_grad
 
 
@@ -261,7 +266,7 @@ def test_kv_budget_from_a_profiled_forward(model, monkeypatch) -> None:
     """The profile's arithmetic against a restatement with fake GPU memory figures: total x
     utilisation / stages per GPU, minus memory outside torch, weights, activations and the
     graph-pool estimate; the profile leaves no cache and no history behind."""
-    import engramrt.serve as serve
+    from engramrt.runner.kv_budget import blocks_from_profile, kv_block_bytes, stages_per_gpu
 
     gib = 2**30
     fake = {"total": 80 * gib, "free": 70 * gib, "reserved": 6 * gib, "allocated": 5 * gib,
@@ -269,18 +274,19 @@ def test_kv_budget_from_a_profiled_forward(model, monkeypatch) -> None:
     cuda = torch.cuda
     for name, value in [
         ("empty_cache", lambda: None), ("reset_peak_memory_stats", lambda d=None: None),
-        ("synchronize", lambda d=None: None), ("device_count", lambda: 2),
+        ("synchronize", lambda d=None: None),
         ("max_memory_allocated", lambda d=None: fake["peak"]),
         ("mem_get_info", lambda d=None: (fake["free"], fake["total"])),
         ("memory_reserved", lambda d=None: fake["reserved"]),
         ("memory_allocated", lambda d=None: fake["allocated"]),
     ]:  # fmt: skip
         monkeypatch.setattr(cuda, name, value)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # 3 stages on 2 GPUs: 2 share one
     s = new_session(model, 4)
-    opts = serve.ServeOptions(DEFAULT_MODEL_DIR, [3], ["m"], max_num_seqs=4,
-                              max_num_batched_tokens=40, block_size=8)  # fmt: skip
-    blocks = serve.profile_kv_blocks(s, opts, 16)
+    profile = s.profile_memory(tokens=40, max_len=16, block_size=8, rows=4)
+    per_block = kv_block_bytes(8, model.cfg.num_kv_heads, model.cfg.head_dim, 4,
+                               len(model.layer_ids))  # fmt: skip
+    share = stages_per_gpu(local_world_size=3, gpus=2)  # 3 stages on 2 GPUs: 2 share one
+    blocks = blocks_from_profile(profile, 0.9, per_block, share, graph_rows=4)
     cache = 40 // 16 + 1  # runs of 16, 16, 8 tokens, each with its own 2 blocks
     per_layer_block = 8 * model.cfg.num_kv_heads * model.cfg.head_dim * 4  # fp32
     cache_bytes = cache * 2 * per_layer_block * 2 * len(model.layer_ids)
@@ -288,5 +294,7 @@ def test_kv_budget_from_a_profiled_forward(model, monkeypatch) -> None:
     outside = fake["total"] - fake["free"] - fake["reserved"]
     budget = int(fake["total"] * 0.9 / 2 - outside - fake["allocated"] - activations
                  - activations * 4 / 40)  # fmt: skip
-    assert blocks == budget // (per_layer_block * 2 * len(model.layer_ids))
+    assert share == 2 and blocks == budget // (per_layer_block * 2 * len(model.layer_ids))
     assert s.kv is None and not s.hasher.history.table.any()
+    with pytest.raises(ValueError, match="leaves no room"):
+        blocks_from_profile(profile, 0.1, per_block, share, graph_rows=4)

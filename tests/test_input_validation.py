@@ -13,23 +13,23 @@ from engramrt.config import load_json, model_config
 from engramrt.engram import load_hasher
 from engramrt.engram.token_map import load_tokenizer
 from engramrt.generate import prompt_tokens
-from engramrt.parallel.pipeline import Meta, Pipeline
-from engramrt.sampling import MAX_LOGPROBS, SampleRow
-from engramrt.session import Session
+from engramrt.parallel.pipeline import Pipeline, decode_batch, encode_batch
+from engramrt.runner.batch import MAX_LOGPROBS, SampleRow, StepBatch
+from engramrt.runner.stage import StageRunner, new_kv_cache
 from tests.model_factory import make_model
 
 
 @pytest.fixture(scope="module")
-def session() -> Session:
+def session() -> StageRunner:
     model, _ = make_model(seed=9, num_hidden_layers=2, engram_layer_ids=[0, 1])
     hasher, tok = load_hasher(DEFAULT_MODEL_DIR, 2)
-    return Session(model, hasher, Session.new_cache(model, 2, max_len=64), tok)
+    return StageRunner(model, hasher, new_kv_cache(model, 2, max_len=64), tok)
 
 
 @pytest.mark.parametrize("table", [[-2, 0], [0, 10**6]])
-def test_block_ids_outside_the_cache_are_rejected(session: Session, table: list[int]) -> None:
+def test_block_ids_outside_the_cache_are_rejected(session: StageRunner, table: list[int]) -> None:
     with pytest.raises(ValueError, match="block table .* outside"):
-        session.step([7, 8], [0], [2], [0], block_tables=[table])
+        session.step(StepBatch([7, 8], [0], [2], [0], block_tables=[table]))
 
 
 @pytest.mark.parametrize("tokens", [[-1], [10**6]])
@@ -51,8 +51,8 @@ def test_extend_runs_are_checked(lens: list[int], slots: list[int], msg: str) ->
         hasher.extend(t, torch.tensor(slots), torch.tensor(lens), torch.tensor([0, 0]))
 
 
-def test_zero_request_step(session: Session) -> None:
-    result = Pipeline(session).step([], [], [], [])
+def test_zero_request_step(session: StageRunner) -> None:
+    result = Pipeline(session).step(StepBatch([], [], [], []))
     assert result.tokens == []
 
 
@@ -79,46 +79,42 @@ def test_prompt_limits() -> None:
         prompt_tokens(tok, dataclasses.replace(cfg, bos_token_id=None), "", 4, 100, SampleRow())
 
 
-def test_meta_round_trip_keeps_every_field_exactly() -> None:
-    """What one stage encodes, the next decodes unchanged; seeds stay exact integers."""
+def test_step_message_round_trip_keeps_every_field_exactly() -> None:
+    """What one stage encodes, the next decodes unchanged; seeds stay exact integers. Tokens
+    and history rebuilds stay on the first stage."""
     rows = [SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4), SampleRow(seed=2**63 - 1)]
-    meta = Meta([3, 1], [2, 0], [5, 9], [[4, 7], [2]], True, [11, -1], 2, rows)
-    back = Meta.decode(meta.encode())
+    batch = StepBatch(None, [3, 1], [2, 0], [5, 9], [[4, 7], [2]], rows, True, [11, -1], 2)
+    back = decode_batch(encode_batch(batch))
     back.sampling = [
         SampleRow.from_parts(r.floats(), r.ints()) for r in rows
     ]  # the float/int split the wire uses
-    assert back == meta
+    assert back == batch
 
 
-def test_sampler_never_returns_ids_past_the_tokenizer(session: Session) -> None:
+def test_sampler_never_returns_ids_past_the_tokenizer(session: StageRunner) -> None:
     """A head wider than the tokenizer (DeepSeek pads its vocab) must not sample the padding
     rows: the next step would reject the token and stop the engine."""
-    from engramrt.sampling import SampleRow
-
-    pipe = Pipeline(session)
     limit = session.tokenizer.get_vocab_size(with_added_tokens=True)
     logits = torch.zeros(1, limit + 50)
     logits[0, limit + 7] = 100.0  # the model's favourite is a padding id
-    from engramrt.parallel.pipeline import Meta as _Meta
-
-    meta = _Meta([0], [1], [0], sampling=[SampleRow(temperature=1.0, seed=3, logprobs=2)])
-    result = pipe._sample(logits, meta)
+    batch = StepBatch([5], [0], [1], [0], sampling=[SampleRow(temperature=1.0, seed=3, logprobs=2)])
+    result = session.sampler(logits, batch)
     assert 0 <= result.tokens[0] < limit
     assert all(i < limit for i in result.top_ids[0])
 
 
 def test_vanishing_temperature_is_greedy() -> None:
-    from engramrt.sampling import SampleRow, sample_rows
+    from engramrt.runner.sampler import sample_tokens
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
-    got = sample_rows(logits, [SampleRow(temperature=1e-45)] * 3, None).tokens
+    got = sample_tokens(logits, [SampleRow(temperature=1e-45)] * 3, None)
     assert got == logits.argmax(-1).tolist()
 
 
 def test_stop_string_split_across_a_multibyte_character_does_not_leak() -> None:
-    from engramrt.engine.engine import _Detok
+    from engramrt.engine.detokenize import StopStringHoldback
 
-    d = _Detok(["a€"])
+    d = StopStringHoldback(["a€"])
     first, _ = d.update("za\ufffd", False)  # "€" not complete yet
     second, hit = d.update("za€", False)
     assert hit and first + second == "z"

@@ -11,15 +11,16 @@ import pytest
 
 from benchmarks.make_models import preset_config
 from engramrt.config import model_config
-from engramrt.session import Session
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.stage import StageRunner
 
 
 def test_tiny_preset_loads_and_runs(tmp_path: Path) -> None:
     script = Path(__file__).parents[1] / "benchmarks" / "make_models.py"
     subprocess.run([sys.executable, str(script), "--preset", "tiny", "--out", str(tmp_path),
                     "--device", "cpu"], check=True)  # fmt: skip
-    s = Session.load(tmp_path, dtype="float32")
-    logits = s.step([0, 40, 41, 42], [0], [4], [0])
+    s = StageRunner.load(tmp_path, dtype="float32")
+    logits = s.step(StepBatch([0, 40, 41, 42], [0], [4], [0]))
     assert logits.shape == (4, s.model.cfg.vocab_size) and bool(logits.isfinite().all())
     assert s.model.layers["0"].engram.embed.scale is not None  # fp8 tables
 

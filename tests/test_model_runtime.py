@@ -13,13 +13,14 @@ from engramrt.cli import main
 from engramrt.engram import load_hasher
 from engramrt.model.context import ForwardContext
 from engramrt.model.trace import EngramUpdateStats
-from engramrt.session import Session
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.stage import StageRunner, new_kv_cache
 from tests.model_factory import make_model
 
 
-def new_session(model, slots: int = 4) -> Session:
+def new_session(model, slots: int = 4) -> StageRunner:
     hasher, tok = load_hasher(DEFAULT_MODEL_DIR, slots)
-    return Session(model, hasher, Session.new_cache(model, slots), tok)
+    return StageRunner(model, hasher, new_kv_cache(model, slots), tok)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,10 @@ def test_incremental_decode_equals_full_recompute(model, prompt_len: int) -> Non
     cuts = sorted(rng.sample(range(1, prompt_len), min(prompt_len - 1, 2)))
     bounds = [0, *cuts, prompt_len]
     for a, b in zip(bounds, bounds[1:], strict=False):
-        got = s.step(tokens[a:b], [1], [b - a], [a])
+        got = s.step(StepBatch(tokens[a:b], [1], [b - a], [a]))
         torch.testing.assert_close(got, full_logits(model, tokens[:b])[a:b], rtol=1e-4, atol=1e-4)
     for p in range(prompt_len, len(tokens)):
-        got = s.step([tokens[p]], [1], [1], [p])
+        got = s.step(StepBatch([tokens[p]], [1], [1], [p]))
         torch.testing.assert_close(
             got, full_logits(model, tokens[: p + 1])[-1:], rtol=1e-4, atol=1e-4
         )
@@ -58,7 +59,7 @@ def test_batched_requests_equal_alone(model) -> None:
     s = new_session(model, 4)
     slots = [3, 0, 2]
     flat = [t for p in prompts for t in p]
-    got = s.step(flat, slots, [len(p) for p in prompts], [0, 0, 0])
+    got = s.step(StepBatch(flat, slots, [len(p) for p in prompts], [0, 0, 0]))
     start = 0
     for p in prompts:
         want = full_logits(model, p)
@@ -67,7 +68,7 @@ def test_batched_requests_equal_alone(model) -> None:
     seqs = [list(p) for p in prompts]
     for _ in range(3):
         nxt = [rng.randrange(6, 1024) for _ in seqs]
-        got = s.step(nxt, slots, [1, 1, 1], [len(q) for q in seqs])
+        got = s.step(StepBatch(nxt, slots, [1, 1, 1], [len(q) for q in seqs]))
         for i, q in enumerate(seqs):
             q.append(nxt[i])
             torch.testing.assert_close(
@@ -118,10 +119,11 @@ def test_engram_update_is_visible_on_default_model() -> None:
     most stream elements (bf16, as shipped)."""
     from engramrt.bundled import resolve_model_dir
 
-    s = Session.load(resolve_model_dir(None))
+    s = StageRunner.load(resolve_model_dir(None))
     stats = EngramUpdateStats()
     ids = s.tokenizer.encode("The Engram hashes every token of this prompt.").ids
-    s.step(ids, [0], [len(ids)], [0], stats)
+    s.tracer = stats
+    s.step(StepBatch(ids, [0], [len(ids)], [0]))
     summary = stats.summary()
     assert sorted(summary) == list(s.model.cfg.engram.layer_ids)
     for row in summary.values():

@@ -22,7 +22,9 @@ from engramrt.parallel.partition import (
     default_partition,
     resolve_partition,
 )
-from engramrt.session import Carry, Session
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.carry import Carry
+from engramrt.runner.stage import StageRunner, new_kv_cache
 from tests.model_factory import make_model, save_model
 
 PROMPTS = ["The Engram hashes every token of this prompt, twice over.", "Hi there", "x"]
@@ -98,9 +100,9 @@ def test_later_stage_without_carry_raises() -> None:
     """DESIGN §2: a later stage handed no stream / lagged pre / hash ids refuses to run."""
     model, _ = make_model(num_hidden_layers=3, engram_layer_ids=[0, 2])
     stage = _stage_of(model, [1, 2])
-    session = Session(stage, None, Session.new_cache(stage, 1))
+    session = StageRunner(stage, None, new_kv_cache(stage, 1))
     with pytest.raises(RuntimeError, match="stage starting at layer 1 needs the stream"):
-        session.step(None, [0], [2], [0])
+        session.step(StepBatch(None, [0], [2], [0]))
 
 
 def _stage_of(model, layers: list[int]):
@@ -123,17 +125,17 @@ def test_stage_carry_hand_off_is_exact_in_process() -> None:
 
     model, _ = make_model(seed=4, num_hidden_layers=4, engram_layer_ids=[1, 2])
     hasher, _ = load_hasher(DEFAULT_MODEL_DIR, 1)
-    whole = Session(model, hasher, Session.new_cache(model, 1))
+    whole = StageRunner(model, hasher, new_kv_cache(model, 1))
     tokens = [0, 55, 66, 77, 88]
-    want = whole.step(tokens, [0], [5], [0])
+    want = whole.step(StepBatch(tokens, [0], [5], [0]))
     hasher2, _ = load_hasher(DEFAULT_MODEL_DIR, 1)
-    first = Session(_stage_of(model, [0]), hasher2, None)
-    second = Session(_stage_of(model, [1, 2, 3]), None, None)
+    first = StageRunner(_stage_of(model, [0]), hasher2, None)
+    second = StageRunner(_stage_of(model, [1, 2, 3]), None, None)
     for s in (first, second):
-        s.kv = Session.new_cache(s.model, 1)
-    carry = first.step(tokens, [0], [5], [0])
+        s.allocate_kv(1, None, 16, None)
+    carry = first.step(StepBatch(tokens, [0], [5], [0]))
     assert isinstance(carry, Carry) and carry.pre.dtype.is_floating_point
-    got = second.step(None, [0], [5], [0], carry=carry)
+    got = second.step(StepBatch(None, [0], [5], [0]), carry)
     assert got.equal(want) and second.engram_ran == [1, 2]
 
 

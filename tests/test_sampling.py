@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engramrt.sampling import sample
+from engramrt.runner.sampler import sample
 
 
 def test_greedy_is_argmax() -> None:

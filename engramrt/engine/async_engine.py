@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import uuid
 from collections.abc import AsyncIterator
 
 from engramrt.engine.engine import Engine, RequestOutput
-from engramrt.engine.request import SamplingParams
+from engramrt.engine.request import Request
 
 
 class EngineDead(RuntimeError):
@@ -32,20 +31,18 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engramrt-engine", daemon=True)
         self._thread.start()
 
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Outputs until the request finishes; leaving early (a disconnect) aborts it."""
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Outputs until the request (built, and so validated, by ``Engine.new_request``)
+        finishes; leaving early (a disconnect) aborts it."""
         if self.error is not None:
             raise EngineDead(f"the engine has stopped: {self.error}")
-        self.engine.validate(prompt_ids, params)  # raises ValueError -> a 400 upstream
-        rid = request_id or uuid.uuid4().hex
+        rid = request.id
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), q)
         if self.error is not None:  # died between the check above and registering the queue
             self._queues.pop(rid, None)
             raise EngineDead(f"the engine has stopped: {self.error}")
-        self._inbox.put(("add", rid, prompt_ids, params))
+        self._inbox.put(("add", request))
         self._wake.set()
         finished = False
         try:
@@ -79,16 +76,16 @@ class AsyncEngine:
     def _drain(self) -> None:
         while True:
             try:
-                op, rid, *args = self._inbox.get_nowait()
+                op, arg = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if op == "abort":
-                self.engine.abort(rid)
+                self.engine.abort(arg)
                 continue
             try:
-                self.engine.add_request(rid, *args)
-            except ValueError as exc:
-                self._deliver(rid, exc)
+                self.engine.add(arg)
+            except ValueError as exc:  # a request id already in use
+                self._deliver(arg.id, exc)
 
     def _run(self) -> None:
         try:

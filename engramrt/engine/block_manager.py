@@ -2,30 +2,31 @@
 
 A full block is keyed by a SHA-256 chain over its tokens and every token before it; a new
 request whose prompt starts with cached blocks shares them (its own tokens compared too). Freed
-blocks keep their key until reused, so a finished request's prefix can still be hit.
+blocks keep their key until reused, so a finished request's prefix can still be hit. A request
+remembers the key of its last registered block, so registering extends the chain by the new
+blocks only: the work per step does not grow with the context.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import deque
+from collections import OrderedDict
 
 from engramrt.engine.request import Request
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
-        self.num_blocks, self.block_size, self.prefix_caching = (
-            num_blocks,
-            block_size,
-            prefix_caching,
-        )
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.prefix_caching = prefix_caching
         self.ref = [0] * num_blocks
         self.key: list[bytes | None] = [None] * num_blocks
         self.tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.by_key: dict[bytes, int] = {}
-        self.free: deque[int] = deque(range(num_blocks))
+        # free blocks, least recently freed first; an OrderedDict so a cached block can be
+        # revived from the middle in O(1)
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.queries = self.hits = 0  # prefix-cache counters, in tokens
 
     @property
@@ -36,19 +37,23 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _take(self) -> int:
-        block = self.free.popleft()
+        block, _ = self.free.popitem(last=False)
         if self.key[block] is not None:  # reused: its old prefix can no longer be hit
             self.by_key.pop(self.key[block], None)
             self.key[block] = self.tokens[block] = None
         self.ref[block] = 1
         return block
 
-    def _chain(self, prev: bytes | None, toks: tuple[int, ...]) -> bytes:
+    @staticmethod
+    def _chain(prev: bytes | None, toks: tuple[int, ...]) -> bytes:
         """SHA-256 over the previous key and this block's tokens: a prefix's identity, with no
         practical collisions (Python's ``hash`` would let two prefixes share cached K/V)."""
         h = hashlib.sha256(prev or b"")
         h.update(array("q", toks).tobytes())
         return h.digest()
+
+    def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
+        return tuple(req.token_ids[i * self.block_size : (i + 1) * self.block_size])
 
     def can_admit(self, req: Request) -> bool:
         return self.blocks_for(req.num_tokens) <= self.num_free
@@ -56,26 +61,26 @@ class BlockManager:
     def admit(self, req: Request) -> None:
         """Blocks for every known token; reuse cached full blocks of the prefix. At least the
         last token is always left to compute, so the request produces logits."""
-        bs, ids = self.block_size, req.all_ids
-        req.blocks, req.num_computed, key = [], 0, None
+        req.blocks, req.num_computed, req.prefix_key = [], 0, None
         # prompt logprobs must score every prompt token, so such requests compute them all
         use_cache = self.prefix_caching and req.params.prompt_logprobs is None
-        cacheable = (len(ids) - 1) // bs if use_cache else 0
-        self.queries += len(ids)
+        cacheable = (req.num_tokens - 1) // self.block_size if use_cache else 0
+        self.queries += req.num_tokens
         for i in range(cacheable):
-            toks = tuple(ids[i * bs : (i + 1) * bs])
-            key = self._chain(key, toks)
+            toks = self._block_tokens(req, i)
+            key = self._chain(req.prefix_key, toks)
             block = self.by_key.get(key)
-            if block is None or self.tokens[block] != toks:
+            if block is None or self.tokens[block] != toks:  # a miss, or a collision
                 break
             if self.ref[block] == 0:
-                self.free.remove(block)
+                del self.free[block]
             self.ref[block] += 1
             req.blocks.append(block)
-            req.num_computed += bs
+            req.num_computed += self.block_size
+            req.prefix_key = key
         req.num_hashed_blocks = len(req.blocks)
         self.hits += req.num_computed
-        while len(req.blocks) < self.blocks_for(len(ids)):
+        while len(req.blocks) < self.blocks_for(req.num_tokens):
             req.blocks.append(self._take())
 
     def can_grow(self, req: Request, num_tokens: int) -> bool:
@@ -89,23 +94,18 @@ class BlockManager:
         """Make the request's newly completed full blocks findable by later prompts."""
         if not self.prefix_caching:
             return
-        bs, ids = self.block_size, req.all_ids
-        key = None
-        for i in range(req.num_computed // bs):
-            toks = tuple(ids[i * bs : (i + 1) * bs])
-            key = self._chain(key, toks)
-            if i < req.num_hashed_blocks:
-                continue
+        for i in range(req.num_hashed_blocks, req.num_computed // self.block_size):
+            toks = self._block_tokens(req, i)
+            req.prefix_key = key = self._chain(req.prefix_key, toks)
             block = req.blocks[i]
             if key not in self.by_key:
                 self.by_key[key] = block
                 self.key[block], self.tokens[block] = key, toks
-        req.num_hashed_blocks = max(req.num_hashed_blocks, req.num_computed // bs)
+            req.num_hashed_blocks = i + 1
 
     def release(self, req: Request) -> None:
         for block in reversed(req.blocks):
             self.ref[block] -= 1
             if self.ref[block] == 0:
-                self.free.append(block)
-        req.blocks = []
-        req.num_hashed_blocks = 0
+                self.free[block] = None
+        req.blocks, req.num_hashed_blocks, req.prefix_key = [], 0, None

@@ -6,7 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engramrt.sampling import SampleRow
+from engramrt.engine.detokenize import OutputText
+from engramrt.runner.batch import SampleRow
 
 
 @dataclass
@@ -53,11 +54,14 @@ class Logprob:
 
 @dataclass
 class Request:
+    """``token_ids`` is the prompt and then every output token, one list that grows in place, so
+    no step rebuilds a request's tokens. Built by ``Engine.new_request``, which validates it."""
+
     id: str
-    prompt_ids: list[int]
+    token_ids: list[int]
     params: SamplingParams
+    num_prompt_tokens: int = -1  # default: all of token_ids
     arrival: float = field(default_factory=time.monotonic)
-    output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprob] = field(default_factory=list)
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -66,14 +70,31 @@ class Request:
     slot: int | None = None  # Engram history slot while running
     blocks: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # prefix-cache bookkeeping: full blocks already registered
+    prefix_key: bytes | None = None  # the chain key of the last registered block
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    text: OutputText | None = None  # the engine's detokenisation state
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """A copy; the engine's per-step paths index ``token_ids`` instead."""
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        """A copy; the engine's per-step paths index ``token_ids`` instead."""
+        return self.token_ids[self.num_prompt_tokens :]

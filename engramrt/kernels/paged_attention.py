@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt.model.context import PREFILL_TILE
+from engramrt.kernels.tiles import PREFILL_TILE
 
 
 @triton.jit
@@ -178,7 +178,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """``q [T, H, D]``: request b's queries are rows ``query_start[b]:query_start[b + 1]`` at
     absolute positions from ``start_pos[b]``; each attends causally over its cached positions
-    (its K/V already written). Tiles: ``engramrt.model.context.prefill_tiles``."""
+    (its K/V already written). Tiles: ``engramrt.kernels.tiles.prefill_tiles``."""
     tokens, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     _group(heads, kv_heads)

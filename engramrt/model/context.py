@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engramrt.kernels.tiles import prefill_tiles
 from engramrt.model.trace import Tracer
 
 
@@ -46,19 +47,6 @@ class KVCache:
         pos = torch.arange(start, end, device=device)
         blocks = torch.tensor(table, dtype=torch.int64, device=device)
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-
-
-PREFILL_TILE = 32  # queries per program of the paged prefill kernel
-
-
-def prefill_tiles(run_lens: list[int]) -> tuple[list[int], list[int]]:
-    """(request, first query) of every ``PREFILL_TILE``-query tile of every non-empty run."""
-    req, m0 = [], []
-    for b, n in enumerate(run_lens):
-        starts = range(0, n, PREFILL_TILE)
-        req += [b] * len(starts)
-        m0 += starts
-    return req, m0
 
 
 @dataclass

@@ -68,7 +68,7 @@ class EngramUpdateStats:
 class EngramTrace:
     """``--engram-trace``: one JSON line per (rank, step, layer) with SHA-256 checksums of the
     tensors seen at each event and the Engram update statistics. Lines from several processes
-    go to one file; each is a single append."""
+    go to one file; each step's are a single append, made at the stage's exit."""
 
     def __init__(self, path: str | Path, rank: int = 0):
         self.path, self.rank, self.step = Path(path), rank, 0
@@ -84,8 +84,10 @@ class EngramTrace:
             stats = engram_update(self._engram_in, tensor)
             row["engram_update_rms"] = stats["update_rms"]
             row["engram_changed_frac"] = stats["changed_frac"]
+        elif event == "stage_exit":  # a stage's last event of a step
+            self._flush()
 
-    def end_step(self) -> None:
+    def _flush(self) -> None:
         lines = "".join(json.dumps(self._rows[k]) + "\n" for k in sorted(self._rows))
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

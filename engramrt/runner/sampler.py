@@ -3,64 +3,17 @@
 Each row carries its own temperature, top-k, top-p, min-p and optional seed. A seeded row draws
 its noise from a generator keyed by (seed, token index), so a request's samples do not depend on
 its batch neighbours or on how its steps were scheduled. Logprobs are of the raw model
-distribution (before temperature and truncation), as vLLM reports them.
+distribution (before temperature and truncation), as vLLM reports them, and are computed once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from engramrt.runner.batch import SampleRow, StepBatch, StepResult
+
 _SEED_STRIDE = 1_000_003
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 GREEDY_BELOW = 1e-5
-
-
-@dataclass
-class SampleRow:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0
-    seed: int | None = None
-    index: int = 0  # which output token of the request this is (keys the seeded noise)
-    logprobs: int | None = None  # None: none; k >= 0: the sampled token's plus the top k
-
-    def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must lie in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must lie in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must lie in [0, 2**63), got {self.seed}")
-
-    def floats(self) -> list[float]:
-        return [self.temperature, self.top_p, self.min_p]
-
-    def ints(self) -> list[int]:
-        seed = -1 if self.seed is None else self.seed
-        k = -1 if self.logprobs is None else self.logprobs
-        return [self.top_k, seed, self.index, k]
-
-    @classmethod
-    def from_parts(cls, f: list[float], i: list[int]) -> SampleRow:
-        (t, p, m), (k, seed, index, lp) = f, i
-        return cls(t, p, k, m, None if seed < 0 else seed, index, None if lp < 0 else lp)
-
-
-@dataclass
-class Sampled:
-    tokens: list[int]
-    logprobs: list[float] | None = None  # of each sampled token
-    top_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -88,14 +41,14 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return probs
 
 
-def sample_rows(
+def sample_tokens(
     logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None
-) -> Sampled:
+) -> list[int]:
     """``logits [B, V]`` -> one token per row: argmax for greedy rows, else argmax of
     probs / Exp(1) noise. Batched on the logits' device: greedy rows move nothing but the tokens
     read back at the end; sampled rows add a few small parameter copies."""
     if not rows:
-        return Sampled([])
+        return []
     tokens = logits.argmax(-1)
     hot = [i for i, r in enumerate(rows) if r.temperature >= GREEDY_BELOW]  # vanishing: argmax
     if hot:
@@ -111,11 +64,7 @@ def sample_rows(
                 gen.manual_seed((row.seed * _SEED_STRIDE + row.index) % 2**63)
                 noise[j].exponential_(generator=gen)
         tokens[hot] = (probs / noise).argmax(-1)
-    picked = tokens.tolist()
-    want = [r.logprobs for r in rows if r.logprobs is not None]
-    if not want:
-        return Sampled(picked)
-    return Sampled(picked, *token_logprobs(logits, picked, max(want)))
+    return tokens.tolist()
 
 
 def token_logprobs(
@@ -136,4 +85,54 @@ def sample(
     """One set of parameters for every row of ``logits [B, V]``."""
     row = SampleRow(temperature, top_p)
     row.validate()
-    return torch.tensor(sample_rows(logits, [row] * logits.shape[0], generator).tokens)
+    return torch.tensor(sample_tokens(logits, [row] * logits.shape[0], generator))
+
+
+class Sampler:
+    """The last stage's sampler: one token per request from the logits of its last token this
+    step, the logprobs the batch asked for, and the prompt-token scores of ``targets``.
+    ``token_limit`` masks head rows past the tokenizer (DeepSeek pads its vocab), so a padding
+    id is never sampled or reported. ``seed`` drives the rows that carry no seed of their own."""
+
+    def __init__(self, device: torch.device, seed: int = 0, token_limit: int | None = None):
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.token_limit = token_limit
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, batch: StepBatch) -> StepResult:
+        """Sample on the device, reading the tokens back at the end (for a greedy decode batch
+        nothing else waits on the GPU). ``logits`` may be a CUDA graph's output, so anything
+        kept past this step is a copy."""
+        ends = (torch.tensor(batch.run_lens, dtype=torch.int64).cumsum(0) - 1).tolist()
+        live = [i for i, n in enumerate(batch.run_lens) if n > 0]
+        rows, limit, k = batch.rows(), self.token_limit, batch.logprobs_k
+        if batch.return_logits or batch.targets is not None or k is not None:
+            logits = logits.clone()  # kept or scored whole: mask every row
+            if limit is not None:
+                logits[:, limit:] = float("-inf")
+        rows_at = [ends[i] for i in live]
+        if rows_at == list(range(len(rows_at))):  # decode: no index to copy to the device
+            last = logits[: len(rows_at)].clone()
+        else:
+            last = logits[rows_at]  # a copy
+        if limit is not None:
+            last[:, limit:] = float("-inf")
+        tokens = [-1] * len(rows)
+        for i, tok in zip(live, sample_tokens(last, [rows[i] for i in live], self.generator),
+                          strict=True):  # fmt: skip
+            tokens[i] = tok
+        result = StepResult(tokens, logits if batch.return_logits else None)
+        if k is not None:  # rows of empty runs are scored on row 0 and ignored by the engine
+            picked = [ends[i] if batch.run_lens[i] else 0 for i in range(len(rows))]
+            result.logprobs, result.top_ids, result.top_logprobs = token_logprobs(
+                logits[picked], [max(t, 0) for t in tokens], k
+            )
+        if batch.targets is not None:
+            lp, ids, tops = token_logprobs(
+                logits, [max(t, 0) for t in batch.targets], batch.target_k
+            )
+            result.target_logprobs = [
+                x if t >= 0 else float("nan") for x, t in zip(lp, batch.targets, strict=True)
+            ]
+            result.target_top_ids, result.target_top_logprobs = ids, tops
+        return result

@@ -1,8 +1,9 @@
 """CUDA graphs of the decode step, one per padded batch size (as in vLLM and nano-vllm).
 
-Each graph captures ``Session.forward`` itself, Engram hash and history commit included, over a
-static ``ForwardContext``: a replay copies the step's host-built buffer (one H2D copy) and, on a
-later pipeline stage, the incoming carry into the static inputs. A batch of ``n`` requests runs
+Each graph captures the stage's ``forward`` itself (handed in, so this module needs no runner),
+Engram hash and history commit included, over a static ``ForwardContext``: a replay copies the
+step's host-built buffer (one H2D copy) and, on a later pipeline stage, the incoming carry into
+the static inputs. A batch of ``n`` requests runs
 in the smallest captured size ``b >= n``; rows ``n..b`` are padding: no history commit (the hash
 kernel reads ``num_real``), no K/V write (cache slot -1) and no keys (context length 0).
 
@@ -12,15 +13,14 @@ and reported on every replay, since a replay runs exactly the captured kernels.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from engramrt.model.context import ForwardContext
-from engramrt.session import Carry
+from engramrt.model.context import ForwardContext, KVCache
+from engramrt.runner.carry import Carry
 
-if TYPE_CHECKING:
-    from engramrt.session import Session
+Forward = Callable[[ForwardContext, Carry | None], "torch.Tensor | Carry"]
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -30,15 +30,23 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, session: Session, max_batch: int):
-        if session.device.type != "cuda":
+    def __init__(
+        self,
+        forward: Forward,
+        kv: KVCache,
+        device: torch.device,
+        max_batch: int,
+        carry_for: Callable[[int], Carry] | None = None,
+    ):
+        """``carry_for(b)``: static carry inputs of ``b`` rows on a later pipeline stage (None
+        on the first stage, which makes its own)."""
+        if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device (--enforce-eager runs without)")
         if max_batch < 1:
             raise ValueError(f"the largest graph batch must be >= 1, got {max_batch}")
-        self.session = session
-        self.sizes = batch_sizes(min(max_batch, session.kv.num_blocks))
-        self.width = session.kv.blocks_per_seq
-        self.first = session.hasher is not None
+        self.forward, self.kv, self.device, self.carry_for = forward, kv, device, carry_for
+        self.sizes = batch_sizes(min(max_batch, kv.num_blocks))
+        self.width = kv.blocks_per_seq
         self.graphs: dict[int, tuple] = {}  # size -> (graph, static ctx, outputs, static carry)
         self.ran: list[int] = []
         pool = None
@@ -62,19 +70,19 @@ class DecodeGraphs:
 
     @torch.inference_mode()  # no autograd state kept alive by the captured outputs
     def _capture(self, b: int, pool):
-        s = self.session
         # all rows padding: the warm-up run (Triton JIT, cuBLAS handles) commits and writes nothing
-        ctx = ForwardContext.for_runs([], [], [], s.kv, s.device, [], [], self.width, pad_to=b)
-        carry = None if self.first else Carry.zeros(s.model, b)
+        ctx = ForwardContext.for_runs([], [], [], self.kv, self.device, [], [], self.width,
+                                      pad_to=b)  # fmt: skip
+        carry = None if self.carry_for is None else self.carry_for(b)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            s.forward(ctx, carry)
+            self.forward(ctx, carry)
         torch.cuda.current_stream().wait_stream(stream)
         ctx.engram_ran.clear()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out = s.forward(ctx, carry)
+            out = self.forward(ctx, carry)
         self.ran = list(ctx.engram_ran)
         ctx.engram_ran.clear()
         return graph, ctx, out, carry
@@ -88,13 +96,9 @@ class DecodeGraphs:
         if static_carry is not None:
             if carry is None:
                 raise RuntimeError("a later pipeline stage needs the carry of the stage before")
-            for dst, src in zip(
-                (static_carry.x, static_carry.pre, static_carry.hash_ids, static_carry.dead),
-                (carry.x, carry.pre, carry.hash_ids, carry.dead),
-                strict=True,
-            ):
+            for dst, src in zip(static_carry.tensors(), carry.tensors(), strict=True):
                 dst[:n].copy_(src)
         graph.replay()
         if isinstance(out, torch.Tensor):
             return out[:n], self.ran
-        return Carry(out.x[:n], out.pre[:n], out.hash_ids[:n], out.dead[:n]), self.ran
+        return out.head(n), self.ran

@@ -1,0 +1,70 @@
+"""From output token ids to the text a client sees, a step at a time.
+
+``IncrementalDecoder`` turns a growing list of ids into text, decoding only the tokens since the
+last whole character. ``StopStringHoldback`` decides how much of that text may be sent: text that
+could still turn out to start a stop string, or an unfinished UTF-8 character, is held back until
+it cannot; a stop string ends the request and is not sent.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+
+class IncrementalDecoder:
+    """``decode(ids[start:])`` of a growing ``ids``, at O(1) per token instead of O(length):
+    only the tokens since the last point where the text ended on a whole character are decoded
+    (the earlier text is kept). The window starts one chunk back, so tokenizers whose decoders
+    strip a leading space see the same context as a full decode."""
+
+    def __init__(self, tokenizer: Tokenizer, start: int = 0):
+        self.tok, self.start, self.done = tokenizer, start, ""
+        self.prefix = self.read = start
+
+    def __call__(self, ids: list[int]) -> str:
+        def dec(a: int, b: int | None = None) -> str:
+            return self.tok.decode(ids[a:b], skip_special_tokens=True)
+
+        head = dec(self.prefix, self.read) if self.read > self.prefix else ""
+        full = dec(self.prefix)
+        if not full.startswith(head):  # a decoder that rewrites earlier text: decode it all
+            return dec(self.start)
+        tail = full[len(head) :]
+        if tail and not tail.endswith("\ufffd"):  # ends on a whole character: commit
+            self.done += tail
+            self.prefix, self.read = self.read, len(ids)
+            return self.done
+        return self.done + tail
+
+
+class StopStringHoldback:
+    def __init__(self, stops: list[str]):
+        self.stops, self.sent = stops, 0
+        self.longest = max((len(s) for s in stops), default=0)
+        self.hold = max(self.longest, 1) - 1
+
+    def update(self, text: str, finished: bool) -> tuple[str, bool]:
+        """The new text to send of the whole output ``text`` so far, and whether a stop string
+        ended the request. Only the unsent end (and a stop string's length before it) is
+        searched: everything sent earlier was searched when it arrived."""
+        since = max(0, self.sent - self.longest)
+        hit = min((i for i in (text.find(s, since) for s in self.stops) if i >= 0), default=-1)
+        if hit >= 0:
+            text, finished = text[:hit], True
+        # an unfinished UTF-8 character (U+FFFD) is held back, and the stop-string margin
+        # counts from before it
+        end = len(text) if finished else len(text.rstrip("\ufffd")) - self.hold
+        new = text[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return new, hit >= 0
+
+
+class OutputText:
+    """One request's text state: decoder and hold-back together."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], start: int):
+        self.decoder = IncrementalDecoder(tokenizer, start)
+        self.holdback = StopStringHoldback(stops)
+
+    def update(self, ids: list[int], finished: bool) -> tuple[str, bool]:
+        return self.holdback.update(self.decoder(ids), finished)

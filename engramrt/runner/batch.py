@@ -1,0 +1,95 @@
+"""What one step asks of the stages (``StepBatch``, with each request's ``SampleRow``) and what
+the last stage answers (``StepResult``). The engine builds a batch; the pipeline carries it to
+every stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+@dataclass
+class SampleRow:
+    """One request's sampling parameters for one step."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    index: int = 0  # which output token of the request this is (keys the seeded noise)
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's plus the top k
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must lie in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must lie in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must lie in [0, 2**63), got {self.seed}")
+
+    def floats(self) -> list[float]:
+        return [self.temperature, self.top_p, self.min_p]
+
+    def ints(self) -> list[int]:
+        seed = -1 if self.seed is None else self.seed
+        k = -1 if self.logprobs is None else self.logprobs
+        return [self.top_k, seed, self.index, k]
+
+    @classmethod
+    def from_parts(cls, f: list[float], i: list[int]) -> SampleRow:
+        (t, p, m), (k, seed, index, lp) = f, i
+        return cls(t, p, k, m, None if seed < 0 else seed, index, None if lp < 0 else lp)
+
+
+@dataclass
+class StepBatch:
+    """Request ``b`` computes ``run_lens[b]`` tokens from position ``start_pos[b]`` in history
+    (and, without ``block_tables``, KV) slot ``slots[b]``. ``tokens`` are needed on the first
+    stage only. ``rebuilds`` are (slot, the tokens before this step's run) of requests whose
+    history row must be set from their tokens before hashing (a fresh request, a prefix-cache
+    hit, a resumed preempted request): the first stage, the history's one owner, applies them."""
+
+    tokens: list[int] | None
+    slots: list[int]
+    run_lens: list[int]
+    start_pos: list[int]
+    block_tables: list[list[int]] | None = None  # None: each slot's fixed blocks
+    sampling: list[SampleRow] | None = None  # per request; None: greedy
+    return_logits: bool = False
+    targets: list[int] | None = None  # per token: the next-token id to score (-1: none)
+    target_k: int = 0  # top-k alternatives reported with each scored target
+    rebuilds: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def rows(self) -> list[SampleRow]:
+        return self.sampling if self.sampling is not None else [SampleRow()] * len(self.slots)
+
+    @property
+    def logprobs_k(self) -> int | None:
+        ks = [r.logprobs for r in self.rows() if r.logprobs is not None]
+        return max(ks) if ks else None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.run_lens)
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # sampled after each request's last token this step (-1: empty run)
+    logits: torch.Tensor | None = None  # [T, V] fp32 when asked for
+    logprobs: list[float] | None = None  # of each sampled token, when any row asked
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    target_logprobs: list[float] | None = None  # per token, of its target (NaN: none)
+    target_top_ids: list[list[int]] | None = None
+    target_top_logprobs: list[list[float]] | None = None

@@ -1,0 +1,223 @@
+"""One process's stage of the model: its layers, their KV cache, on the first stage the Engram
+hasher (which owns the n-gram history), on the last the sampler. ``run`` executes one step.
+
+The first stage hashes once where the token ids are and embeds; every other stage starts from
+what the previous one handed over (``Carry``) and refuses to run without it. Which stage a
+process is changes where the stream comes from and where it goes, never what a layer does
+(ARCHITECTURE.md, "one layer-entry path"). Eager steps and CUDA-graph replays run the same
+``forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from engramrt.engram import load_hasher, load_tokenizer
+from engramrt.engram.hashing import EngramHasher
+from engramrt.kernels import use_triton
+from engramrt.model.checkpoint import load_model
+from engramrt.model.context import ForwardContext, KVCache
+from engramrt.model.decoder import EngramMHCModel
+from engramrt.model.trace import Tracer
+from engramrt.runner.batch import SampleRow, StepBatch, StepResult
+from engramrt.runner.carry import Carry
+from engramrt.runner.graphs import DecodeGraphs
+from engramrt.runner.kv_budget import MemoryProfile
+from engramrt.runner.sampler import Sampler, sample_tokens
+
+
+def new_kv_cache(
+    model: EngramMHCModel,
+    num_slots: int,
+    max_len: int | None = None,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+) -> KVCache:
+    """Enough blocks for ``num_slots`` sequences of ``max_len`` unless ``num_blocks`` says."""
+    cfg = model.cfg
+    max_len = max_len or cfg.max_position_embeddings
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"{max_len} tokens exceed the model's max_position_embeddings "
+            f"({cfg.max_position_embeddings})"
+        )
+    if num_blocks is None:
+        num_blocks = num_slots * -(-max_len // block_size)
+    device = next(model.parameters()).device
+    return KVCache(model.layer_ids, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                   model.dtype, device, max_len)  # fmt: skip
+
+
+@dataclass
+class StageRunner:
+    model: EngramMHCModel
+    hasher: EngramHasher | None  # the first stage's: hashing and the history table
+    kv: KVCache | None
+    tokenizer: Tokenizer | None = None
+    seed: int = 0  # drives the sampled rows that carry no seed of their own
+    tracer: Tracer | None = None
+    engram_ran: list[int] = field(default_factory=list)  # every Engram layer run, in order
+    graphs: DecodeGraphs | None = None
+    sampler: Sampler | None = field(init=False, default=None)  # the last stage's
+
+    def __post_init__(self) -> None:
+        if self.model.head is not None:
+            tok = self.tokenizer
+            limit = tok.get_vocab_size(with_added_tokens=True) if tok is not None else None
+            self.sampler = Sampler(self.device, self.seed, limit)
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        num_slots: int = 1,
+        max_len: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        layer_ids: list[int] | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        seed: int = 0,
+    ) -> StageRunner:
+        """``num_blocks=0`` loads without a KV cache (``allocate_kv`` gives it one later)."""
+        model = load_model(model_dir, dtype, device, layer_ids)
+        if model.embed is not None:  # the first stage hashes; the others need the vocab size
+            hasher, tokenizer = load_hasher(model_dir, num_slots, device)
+        else:
+            hasher, tokenizer = None, load_tokenizer(model_dir)
+        runner = cls(model, hasher, None, tokenizer, seed)
+        if num_blocks != 0:
+            runner.allocate_kv(num_slots, max_len, block_size, num_blocks)
+        return runner
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def is_first(self) -> bool:
+        return self.hasher is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.sampler is not None
+
+    def allocate_kv(
+        self, num_slots: int, max_len: int | None, block_size: int, num_blocks: int | None
+    ) -> None:
+        self.kv = None  # the old cache goes before the new one is allocated
+        self.kv = new_kv_cache(self.model, num_slots, max_len, block_size, num_blocks)
+
+    def capture_graphs(self, max_batch: int) -> None:
+        """Capture the decode step for padded batch sizes up to ``max_batch`` (CUDA only). The
+        reference MoE routes with data-dependent shapes, so MoE models stay eager."""
+        if self.model.cfg.ffn_type == "moe":
+            print("engramrt: MoE routing is not graph-capturable yet; decoding eagerly", flush=True)
+            return
+        if not use_triton(self.device):  # the torch reference attention is not capturable
+            print("engramrt: CUDA graphs need the Triton kernels; decoding eagerly", flush=True)
+            return
+        carry_for = None if self.is_first else (lambda n: Carry.empty(self.model, n, torch.zeros))
+        self.graphs = DecodeGraphs(self.forward, self.kv, self.device, max_batch, carry_for)
+
+    @torch.inference_mode()
+    def profile_memory(self, tokens: int, max_len: int, block_size: int, rows: int):
+        """vLLM's sizing run: the largest batch the scheduler can form (``tokens`` prefill
+        tokens in runs of at most ``max_len``, then the sampler at ``rows`` rows), on a cache
+        just big enough; the memory figures it leaves (CUDA only). Leaves no cache and no
+        history behind."""
+        dev = self.device
+        runs = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
+        per_seq = -(-max_len // block_size)
+        tables = [list(range(i * per_seq, i * per_seq + -(-n // block_size)))
+                  for i, n in enumerate(runs)]  # fmt: skip
+        self.allocate_kv(len(runs), max_len, block_size, len(runs) * per_seq)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        carry = None if self.is_first else Carry.empty(self.model, tokens, torch.zeros)
+        fake = [self.model.cfg.bos_token_id or 0] * tokens if self.is_first else None
+        batch = StepBatch(fake, list(range(len(runs))), runs, [0] * len(runs), tables)
+        logits = self.step(batch, carry)
+        if self.is_last:  # the sampler's temporaries at the largest batch
+            n = min(tokens, rows)
+            sample_tokens(logits[:n], [SampleRow(temperature=1.0, top_p=0.9)] * n, None)
+        del logits
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        cache_bytes = sum(t.numel() * t.element_size() for t in (*self.kv.k.values(),
+                                                              *self.kv.v.values()))  # fmt: skip
+        self.kv = None
+        if self.hasher is not None:
+            self.hasher.history.table.zero_()  # the profile's history rows mean nothing
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        return MemoryProfile(total=total, free=free, reserved=torch.cuda.memory_reserved(dev),
+                             weights=torch.cuda.memory_allocated(dev), peak=peak,
+                             profile_cache=cache_bytes, tokens=tokens)  # fmt: skip
+
+    def run(self, batch: StepBatch, carry: Carry | None = None) -> Carry | StepResult:
+        """One step on this stage: the ``Carry`` for the next stage, or on the last stage what
+        it sampled."""
+        out = self.step(batch, carry)
+        return self.sampler(out, batch) if self.is_last else out
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch, carry: Carry | None = None) -> torch.Tensor | Carry:
+        """Logits ``[T, V]`` on the last stage, else the ``Carry`` for the next stage. A decode
+        step replays a captured graph when there is one; its outputs are then valid until the
+        next step."""
+        if self.kv is None:
+            raise RuntimeError("this stage has no KV cache (allocate_kv first)")
+        if carry is None:
+            if self.hasher is None:
+                first = self.model.layer_ids[0]
+                raise RuntimeError(
+                    f"the stage starting at layer {first} needs the stream, lagged pre-mix and "
+                    "hash ids of the previous stage and received none"
+                )
+            tokens = batch.tokens
+            if tokens is None or len(tokens) != batch.num_tokens:
+                raise ValueError(f"the runs need {batch.num_tokens} tokens")
+            self.hasher.validate(tokens, batch.slots, batch.run_lens)
+            for slot, before in batch.rebuilds:
+                self.hasher.rebuild(slot, before)
+        graphs = self.graphs
+        if graphs is not None and not graphs.covers(batch.run_lens, self.tracer,
+                                                    batch.block_tables):  # fmt: skip
+            graphs = None
+        ctx = ForwardContext.for_runs(
+            batch.slots, batch.run_lens, batch.start_pos, self.kv,
+            "cpu" if graphs else self.device, batch.block_tables, batch.tokens,
+            pad_to=graphs.padded_size(len(batch.slots)) if graphs else None, tracer=self.tracer,
+        )  # fmt: skip
+        if graphs is not None:
+            out, ran = graphs.replay(ctx, carry)
+        else:
+            out = self.forward(ctx, carry)
+            ran = ctx.engram_ran
+        self.engram_ran.extend(ran)
+        return out
+
+    def forward(self, ctx: ForwardContext, carry: Carry | None) -> torch.Tensor | Carry:
+        """The step on device tensors only: what a CUDA graph captures. The first stage hashes
+        once where the token ids are and embeds."""
+        if carry is None:
+            t = ctx.tokens
+            if ctx.decode:
+                ids = self.hasher.decode(t, ctx.slot_ids, ctx.positions, ctx.num_real, check=False)
+            else:
+                lens = ctx.query_start.diff()
+                ids = self.hasher.extend(t, ctx.slot_ids, lens, ctx.start_pos_t, check=False)
+            x, pre = self.model.embed_tokens(t)
+            carry = Carry(x, pre, ids, self.hasher.is_dead(t))
+        ctx.hash_ids, ctx.dead = carry.hash_ids, carry.dead
+        ctx.trace("stage_entry", self.model.layer_ids[0], carry.x)
+        x, pre = self.model.forward_layers(carry.x, carry.pre, ctx)
+        ctx.trace("stage_exit", self.model.layer_ids[-1], x)
+        if self.model.head is not None:
+            return self.model.logits(x, pre)
+        return Carry(x, pre, carry.hash_ids, carry.dead)
