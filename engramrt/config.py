@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class EngramConfig:
-    """The Engram fields of a model config (SPEC §1)."""
+    """The Engram fields of a model config."""
 
     layer_ids: tuple[int, ...]
     num_embeddings: tuple[int, ...]

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (SPEC §7): hc parallel residual copies, mixed around
+"""Manifold-constrained hyper-connections: hc parallel residual copies, mixed around
 every sublayer by a Sinkhorn-normalised matrix. All mixing math runs in fp32."""
 
 from __future__ import annotations

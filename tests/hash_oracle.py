@@ -1,7 +1,7 @@
-"""Brute-force Engram hash oracle (SPEC §3-4) on plain Python integers.
+"""Brute-force Engram hash oracle on plain Python integers.
 
 Written independently of ``engramrt.engram.hashing`` and ``engramrt.engram.history``: it takes a
-request's full token history as a list and applies the per-token definition of SPEC §3 literally,
+request's full token history as a list and applies the per-token definition of DeepSeek's reference literally,
 one position at a time. Only the layout's primes, offsets and multipliers are borrowed.
 """
 

@@ -1,4 +1,4 @@
-"""HF-style checkpoints (SPEC §9): bitwise save/load round trips, tensor names and dtypes, fp8
+"""HF-style checkpoints: bitwise save/load round trips, tensor names and dtypes, fp8
 block-scaled wkv, malformed checkpoints and configs, pipeline-stage loading, and the cache of the
 bundled seeded model.
 
@@ -157,7 +157,7 @@ def test_sharded_round_trip(tmp_path: Path, fp8_ckpt: tuple) -> None:
 
 
 def test_state_names_follow_spec(fp8_ckpt: tuple) -> None:
-    """The saved names and shapes are SPEC §9's (no hc_head_*), with nothing else besides the
+    """The saved names and shapes are DeepSeek-V4.1's (no hc_head_*), with nothing else besides the
     attention and FFN projections."""
     model, raw, out = fp8_ckpt
     text = raw["text_config"]

@@ -34,7 +34,7 @@ def test_engram_hash_text_matches_oracle(capsys: pytest.CaptureFixture) -> None:
     out = _run_json(capsys, "--text", text)
     tokens = [row["token_id"] for row in out["tokens"]]
     assert tokens == load_tokenizer(DEFAULT_MODEL_DIR).encode(text).ids
-    assert 5 in tokens  # the image token blocks like SPEC §3 says; the oracle covers it
+    assert 5 in tokens  # the image token blocks its n-grams; the oracle covers it
     expected = _oracle(tokens)
     for p, row in enumerate(out["tokens"]):
         assert row["position"] == p

@@ -1,4 +1,4 @@
-"""The whole decoder (SPEC §6-8) against an independent float64 reference written here.
+"""The whole decoder against an independent float64 reference written here.
 
 The reference reads only parameters (the state dict) and hash ids; it re-implements embedding
 expansion, Engram lookup + gate, hc mixes / Sinkhorn split / collapse / expand, RMSNorm, GQA
@@ -95,7 +95,7 @@ def mixes(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def split(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps):
-    """SPEC §7 split: pre = sigmoid+eps, post = 2 sigmoid, comb = softmax+eps then Sinkhorn
+    """The split: pre = sigmoid+eps, post = 2 sigmoid, comb = softmax+eps then Sinkhorn
     (one column pass, then iters-1 row/column pairs)."""
     tokens = m.shape[0]
     pre = torch.zeros(tokens, hc, dtype=F64)
@@ -141,7 +141,7 @@ def expand(y, x, post, comb, transposed: bool = False) -> torch.Tensor:
 
 
 def engram(x: torch.Tensor, ids: torch.Tensor, p: dict, prefix: str, eps: float) -> torch.Tensor:
-    """SPEC §6: rows by Python indexing, wkv, per-(token, copy) gate, value added to each copy."""
+    """The Engram: rows by Python indexing, wkv, per-(token, copy) gate, value added to each copy."""
     tokens, hc, dim = x.shape
     table = p[f"{prefix}engram.embed.weight"]
     e = torch.stack([torch.cat([table[int(i)] for i in ids[t]]) for t in range(tokens)])
@@ -207,7 +207,7 @@ def moe(x: torch.Tensor, p: dict, prefix: str, cfg) -> torch.Tensor:
 def reference_logits(
     model, hash_ids: torch.Tensor, tokens: list[int], lagged: bool = True, transposed=False
 ) -> torch.Tensor:
-    """SPEC §8 single-pass lagged mHC. ``lagged=False`` (each sublayer collapses with its own
+    """Single-pass lagged mHC. ``lagged=False`` (each sublayer collapses with its own
     pre) and ``transposed=True`` (comb read as [dst][src]) are deliberately wrong variants."""
     cfg = model.cfg
     p = {k: v.to(F64) for k, v in model.state_dict().items()}

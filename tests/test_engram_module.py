@@ -1,6 +1,6 @@
-"""Engram gate and module (SPEC §6, §10 items 1, 14, 15, 18, 23-24) against float64 oracles.
+"""Engram gate and module against float64 oracles.
 
-The gate oracle is SPEC §6 steps 4-5 written out with numpy in float64, one (token, copy) at a
+The gate oracle is the reference's gate written out with numpy in float64, one (token, copy) at a
 time; the fp8 oracle decodes e4m3 / e8m0 bytes bit by bit. Neither calls the code under test.
 """
 
@@ -17,7 +17,7 @@ from engramrt.engram.module import Engram, engram_gate, gate_from_dot
 from engramrt.engram.table import EngramTable
 from tests.fp8_oracle import e4m3_value
 
-CLAMP = 1e-6  # SPEC §1: hard-coded gate clamp
+CLAMP = 1e-6  # hard-coded gate clamp
 
 
 # ----------------------------------------------------------------------------- oracles
@@ -37,7 +37,7 @@ def f64(t: torch.Tensor) -> np.ndarray:
 
 
 def oracle_gate(x, kv, q_weight, k_weight, eps, dead=None) -> np.ndarray:
-    """SPEC §6 steps 4-5 in float64: out[t, j] = h + g(t, j) * value[t]; dead rows return x."""
+    """The gate in float64: out[t, j] = h + g(t, j) * value[t]; dead rows return x."""
     x, kv, q, k = f64(x), f64(kv), f64(q_weight), f64(k_weight)
     tokens, hc, dim = x.shape
     out = np.empty_like(x)
@@ -88,7 +88,7 @@ def random_gate_inputs(seed: int, dtype: torch.dtype, tokens=5, hc=4, dim=64, sc
 
 
 def test_gate_matches_float64_oracle_fp32():
-    """engram_gate on fp32 inputs == the SPEC §6 float64 oracle within fp32 rounding."""
+    """engram_gate on fp32 inputs == the float64 oracle within fp32 rounding."""
     x, kv, q, k = random_gate_inputs(0, torch.float32)
     got = engram_gate(x, kv, q, k, eps=1e-20)
     assert got.dtype == torch.float32 and got.shape == x.shape
@@ -111,7 +111,7 @@ def test_gate_matches_float64_oracle_bf16(seed):
 
 @pytest.mark.parametrize("scale", [1e-12, 1e-9])
 def test_gate_uses_given_eps_on_tiny_norm_inputs(scale):
-    """SPEC §10.1: with eps=1e-20 tiny streams/keys match the eps=1e-20 oracle, not the 1e-6 one."""
+    """With eps=1e-20, tiny streams/keys match the eps=1e-20 oracle, not the 1e-6 one."""
     x, kv, q, k = random_gate_inputs(4, torch.float32, scale=scale)
     got = f64(engram_gate(x, kv, q, k, eps=1e-20))
     right = oracle_gate(x, kv, q, k, 1e-20)
@@ -125,7 +125,7 @@ def test_gate_uses_given_eps_on_tiny_norm_inputs(scale):
 
 
 def test_gate_from_dot_signed_zero():
-    """SPEC §10.14: copysign semantics, -0.0 -> sigmoid(-1e-3) and +0.0 -> sigmoid(+1e-3)."""
+    """Copysign semantics, -0.0 -> sigmoid(-1e-3) and +0.0 -> sigmoid(+1e-3)."""
     neg = gate_from_dot(torch.tensor([-0.0]))
     pos = gate_from_dot(torch.tensor([0.0]))
     assert_bitwise(neg, torch.sigmoid(torch.tensor([-1e-3])))
@@ -134,7 +134,7 @@ def test_gate_from_dot_signed_zero():
 
 
 def test_gate_from_dot_never_half_for_tiny_dots():
-    """SPEC §10.15: |dot| < 1e-6 (zeros, subnormals) clamps to sigmoid(+-1e-3), never 0.5."""
+    """|dot| < 1e-6 (zeros, subnormals) clamps to sigmoid(+-1e-3), never 0.5."""
     g = torch.Generator().manual_seed(5)
     mags = torch.cat(
         [
@@ -168,7 +168,7 @@ def test_gate_from_dot_large_values():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gate_dead_rows_pass_through_bitwise(dtype):
-    """SPEC §10.18: dead (image) rows come back bit for bit; other rows equal the unmasked gate."""
+    """Dead (image) rows come back bit for bit; other rows equal the unmasked gate."""
     x, kv, q, k = random_gate_inputs(7, dtype, tokens=6)
     x[1, 2, :5] = -0.0  # a stray +0.0 write would show in the bits
     x[3, 0, :3] = -0.0

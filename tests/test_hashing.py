@@ -1,6 +1,6 @@
 """EngramHasher (extend / decode / verify) and its n-gram history vs a brute-force oracle.
 
-Every expected value comes from ``tests/hash_oracle.py`` (SPEC §3-4 on Python integers) or from
+Every expected value comes from ``tests/hash_oracle.py`` (on Python integers) or from
 a stated invariant (chunking, batching, rebuild); nothing is hard-coded.
 """
 

@@ -1,4 +1,4 @@
-"""Layout values of the released DeepSeek-V4.1-Flash config (SPEC §3) and config validation."""
+"""Layout values of the released DeepSeek-V4.1-Flash config and config validation."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from engramrt.engram.layout import EngramLayout, is_prime
 
 FLASH = json.loads(FLASH_CONFIG.read_text())
 
-# SPEC §3, recomputed independently of engramrt there.
+# The released config's values, recomputed independently of engramrt.
 FLASH_PRIMES = [
     [16000057, 16000079, 16000081, 16000097, 16000121, 16000129, 16000133, 16000183,
      16000189, 16000207, 16000211, 16000253, 16000277, 16000289, 16000307, 16000321,

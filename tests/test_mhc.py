@@ -1,4 +1,4 @@
-"""mHC primitives (SPEC §7) against literal re-statements written here with explicit loops.
+"""mHC primitives against literal re-statements written here with explicit loops.
 
 hc_split_sinkhorn is re-stated twice, in float64 (Python floats) and in float32 (numpy float32
 scalars, same op order as the SPEC), and the mixes/collapse/expand against plain loops.
@@ -18,7 +18,7 @@ EPS = 1e-6  # hc_eps
 
 
 def restated_sinkhorn(mixes, scale, base, hc: int, iters: int, eps: float, f32: bool):
-    """SPEC §7 hc_split_sinkhorn for ONE token, loops over j and k; float32 or float64."""
+    """hc_split_sinkhorn for ONE token, loops over j and k; float32 or float64."""
     if f32:
         num = np.float32
 
@@ -91,7 +91,7 @@ SPLIT_CASES = [(seed, hc, iters) for seed in range(3) for hc in (4, 2) for iters
 
 @pytest.mark.parametrize(("seed", "hc", "iters"), SPLIT_CASES)
 def test_split_sinkhorn_matches_restatement(seed: int, hc: int, iters: int) -> None:
-    """Guards the op order of SPEC §7 (eps placement, first column pass, iters-1 row/col pairs,
+    """Guards the reference's op order (eps placement, first column pass, iters-1 row/col pairs,
     pre +eps, post x2): tight vs the float32 re-statement, loose vs float64."""
     mixes, scale, base = random_split_inputs(seed, hc)
     pre, post, comb = hc_split_sinkhorn(mixes, scale, base, hc, iters, EPS)
@@ -153,7 +153,7 @@ def test_split_sinkhorn_pre_eps_and_post_scale() -> None:
 
 
 def restated_mixes(x: torch.Tensor, fn: torch.Tensor, eps: float) -> np.ndarray:
-    """SPEC §7 mixes in float64: copy-major flatten, one rsqrt per token over all hc*D."""
+    """The mixes in float64: copy-major flatten, one rsqrt per token over all hc*D."""
     xs = x.double().numpy()
     f = fn.double().numpy()
     tokens, hc, dim = xs.shape

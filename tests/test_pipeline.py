@@ -97,7 +97,7 @@ def test_partition_enumeration_and_selection() -> None:
 
 
 def test_later_stage_without_carry_raises() -> None:
-    """DESIGN §2: a later stage handed no stream / lagged pre / hash ids refuses to run."""
+    """A later stage handed no stream / lagged pre / hash ids refuses to run."""
     model, _ = make_model(num_hidden_layers=3, engram_layer_ids=[0, 2])
     stage = _stage_of(model, [1, 2])
     session = StageRunner(stage, None, new_kv_cache(stage, 1))

@@ -1,4 +1,4 @@
-"""Engram embedding table (SPEC §5, §10 items 16-17) against a pure-Python fp8/e8m0 oracle.
+"""Engram embedding table against a pure-Python fp8/e8m0 oracle.
 
 The oracle decodes float8_e4m3fn and e8m0 bytes bit by bit in float64 (``math.ldexp``) and rounds
 once to bf16; nothing in it calls the code under test.
@@ -133,7 +133,7 @@ def test_table_dequantize_all_weight_bytes_under_edge_scales():
 
 
 def test_table_e8m0_zero_byte_is_two_to_minus_127():
-    """SPEC §10.16: scale byte 0 is 2**-127, so weight 1.0 dequantizes to a nonzero 2**-127."""
+    """Scale byte 0 is 2**-127, so weight 1.0 dequantizes to a nonzero 2**-127."""
     w = np.full((1, BLOCK), 0x38, dtype=np.uint8)  # 1.0
     s = np.zeros((1, 1), dtype=np.uint8)
     got = dequantize_rows(as_fp8(w), as_e8m0(s))
@@ -258,7 +258,7 @@ SHARD_CASES = [
 @pytest.mark.parametrize("case", SHARD_CASES, ids=[c[0] for c in SHARD_CASES])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_table_shard_sum_equals_full_lookup_bitwise(kind, case, world):
-    """SPEC §10.17: shards partition the rows and the sum of partial lookups is the full one."""
+    """shards partition the rows and the sum of partial lookups is the full one."""
     name, bounds, rows = case
     table = make_table(kind, rows, seed=world * 31 + len(name))
     shards = [table.shard(r, world, bounds) for r in range(world)]

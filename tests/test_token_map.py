@@ -1,4 +1,4 @@
-"""Compressed token map (SPEC §2) on a hand-built vocabulary and on the bundled tokenizer."""
+"""Compressed token map on a hand-built vocabulary and on the bundled tokenizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from engramrt.bundled import DEFAULT_MODEL_DIR
 from engramrt.config import ConfigError, engram_config, load_json
 from engramrt.engram.token_map import build_token_map, load_tokenizer, token_map_keys
 
-# Each token with the key SPEC §2's rules give it, worked out by hand.
+# Each token with the key the token-map rules give it, worked out by hand.
 VOCAB = [
     ("<pad>", "<pad>"),
     ("The", "the"),

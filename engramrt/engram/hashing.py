@@ -1,4 +1,4 @@
-"""Vectorised Engram hashing over one flat batch of many requests (SPEC §3-4).
+"""Vectorised Engram hashing over one flat batch of many requests.
 
 Every mode reduces to one core: for each token, its in-run offset, absolute position and history
 slot. Shifts up to the offset read earlier tokens of the batch, older shifts read the request's

@@ -1,4 +1,4 @@
-"""Per-request n-gram history: the N-1 raw token ids before each request's next token (SPEC §4).
+"""Per-request n-gram history: the N-1 raw token ids before each request's next token.
 
 Rows are oldest first and addressed by request slot; the extra last row is a sink that padding
 writes into, so a padded batch row can never disturb a live request even when it aliases its slot.

@@ -1,4 +1,4 @@
-"""Hash layout: primes, column offsets and multipliers as DeepSeek-V4.1 builds them (SPEC §3)."""
+"""Hash layout: primes, column offsets and multipliers as DeepSeek-V4.1 builds them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Engram module of DeepSeek-V4.1 (SPEC §6): table lookup -> wkv -> per-copy gate.
+"""The Engram module of DeepSeek-V4.1: table lookup -> wkv -> per-copy gate.
 
 One projection yields a key per hc copy and one value shared by all copies; each copy gates the
 value by how well its stream agrees with its key. There is no short conv and no norm weight.

@@ -1,4 +1,4 @@
-"""Compressed token map (SPEC §2): tokens that normalise to the same text share one Engram id."""
+"""Compressed token map: tokens that normalise to the same text share one Engram id."""
 
 from __future__ import annotations
 

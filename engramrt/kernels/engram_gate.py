@@ -1,4 +1,4 @@
-"""The Engram gate (SPEC §6) fused: per (token, copy), one pass of fp32 reductions over the
+"""The Engram gate fused: per (token, copy), one pass of fp32 reductions over the
 stream and its key, the gate, then ``x + g * value`` rounded once. Image (dead) rows are copied
 through unchanged. Not bitwise equal to the torch reference (reduction order), by design."""
 

@@ -1,4 +1,4 @@
-"""One-launch Engram hashing (SPEC §3-4) for decode, extend and verify batches.
+"""One-launch Engram hashing for decode, extend and verify batches.
 
 Each program hashes a block of tokens. Per token it finds its request (decode: the row itself;
 verify: ``t // block``; extend: a vectorised search over the run ends), reads its N-1

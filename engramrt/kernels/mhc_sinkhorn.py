@@ -1,4 +1,4 @@
-"""The mHC split and Sinkhorn normalisation in one Triton launch (SPEC §7).
+"""The mHC split and Sinkhorn normalisation in one Triton launch.
 
 In torch, ``hc_split_sinkhorn`` is about 4 small kernels per Sinkhorn iteration, 20 iterations,
 twice per layer: on a GPU that is thousands of launches a decode step, each doing almost nothing.

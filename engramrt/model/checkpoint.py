@@ -1,5 +1,5 @@
 """HF-style checkpoints: ``config.json`` + ``*.safetensors`` (optionally sharded with an index)
-+ tokenizer files. Tensor names are DeepSeek-V4.1's (SPEC §9); every mismatch names the tensor.
++ tokenizer files. Tensor names are DeepSeek-V4.1's; every mismatch names the tensor.
 
 Names besides the Engram and hc ones: ``layers.{i}.attn.w{q,k,v,o}.weight``,
 ``layers.{i}.{attn,ffn}_norm.weight``, dense FFN ``layers.{i}.ffn.w{1,2,3}.weight`` (gate, down,

@@ -1,6 +1,6 @@
-"""The DeepSeek-V4.1 decoder with lagged mHC (SPEC §8).
+"""The DeepSeek-V4.1 decoder with lagged mHC.
 
-Every block does the same thing whatever fed it (DESIGN §1): its Engram first, if it owns one,
+Every block does the same thing whatever fed it: its Engram first, if it owns one,
 then attention collapsed with the pre-mix of the sublayer before it, then the FFN collapsed with
 the attention's pre-mix. A pipeline stage only changes where ``(x, pre)`` come from and go to.
 """
