@@ -1,8 +1,9 @@
 """Brute-force Engram hash oracle on plain Python integers.
 
 Written independently of ``engramrt.engram.hashing`` and ``engramrt.engram.history``: it takes a
-request's full token history as a list and applies the per-token definition of DeepSeek's reference literally,
-one position at a time. Only the layout's primes, offsets and multipliers are borrowed.
+request's full token history as a list and applies the per-token definition of DeepSeek's
+reference literally, one position at a time. Only the layout's primes, offsets and multipliers
+are borrowed.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def expand(y, x, post, comb, transposed: bool = False) -> torch.Tensor:
 
 
 def engram(x: torch.Tensor, ids: torch.Tensor, p: dict, prefix: str, eps: float) -> torch.Tensor:
-    """The Engram: rows by Python indexing, wkv, per-(token, copy) gate, value added to each copy."""
+    """Rows by Python indexing, wkv, per-(token, copy) gate, value added to each copy."""
     tokens, hc, dim = x.shape
     table = p[f"{prefix}engram.embed.weight"]
     e = torch.stack([torch.cat([table[int(i)] for i in ids[t]]) for t in range(tokens)])
