@@ -1,0 +1,159 @@
+"""What the server sends back, in OpenAI's shapes: error bodies, usage, the response/chunk
+envelope, SSE framing and the two logprob formats. Kept apart from running requests so the wire
+format can be read (and changed) in one place."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from engramrt.engine.request import Logprob
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ApiError(Exception):
+    """An error the client caused (or is told about) with its HTTP status and OpenAI type."""
+
+    def __init__(
+        self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def validation_error_body(errors: Sequence[dict]) -> dict:
+    """A body that fails validation, as a 400 naming the first problem by its field path (less
+    FastAPI's leading ``body``), or the JSON parser's complaint."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        msg = f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
+        return error_body(400, msg, "BadRequestError")
+    parts = [str(x) for x in first.get("loc", []) if x != "body"]
+    loc = ".".join(parts) or None
+    msg = first.get("msg", "invalid request")
+    return error_body(400, f"{loc}: {msg}" if loc else msg, "BadRequestError", loc)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class Envelope:
+    """The response/chunk wrapper of one request: every chunk of a stream carries the same id
+    and timestamp, and ``usage`` (``null`` until the last chunk) when the client asked for it."""
+
+    id: str
+    model: str
+    usage_on: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def wrap(self, obj_type: str, choices: list[dict], usage: dict | None = None) -> dict:
+        obj = {"id": self.id, "object": obj_type, "created": self.created, "model": self.model}
+        obj["choices"] = choices
+        if self.usage_on or usage is not None:
+            obj["usage"] = usage
+        return obj
+
+
+def completion_choice(
+    index: int, text: str, logprobs: dict | None, finish_reason: str | None
+) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": content},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_chunk_choice(
+    index: int, delta: dict, logprobs: dict | None, finish_reason: str | None
+) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def model_card(name: str, created: int, max_model_len: int) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "engramrt",
+        "root": name,
+        "max_model_len": max_model_len,
+    }
+
+
+# --- logprobs in OpenAI's two formats ---------------------------------------------------------
+
+
+def token_text(tok: Tokenizer, token_id: int) -> str:
+    """One token on its own, special tokens included, so a logprob always names its token."""
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(
+    tok: Tokenizer, ids: list[int], lps: list[Logprob | None], offset: int
+) -> dict:
+    """The legacy format; ``offset`` is where the first token starts in the choice's text, so
+    ``text_offset`` counts from the start of the whole text, also across stream chunks."""
+    tokens = [token_text(tok, t) for t in ids]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+        "top_logprobs": [
+            None
+            if lp is None
+            else {token_text(tok, i): v for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+            for lp in lps
+        ],
+        "text_offset": offsets,
+    }
+
+
+def join_completion_logprobs(first: dict, then: dict) -> dict:
+    """The echoed prompt's logprobs followed by the generated tokens' ones."""
+    return {k: first[k] + then[k] for k in then}
+
+
+def chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[Logprob]) -> dict:
+    def entry(t: int, lp: float) -> dict:
+        s = token_text(tok, t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return {
+        "content": [
+            {
+                **entry(t, lp.logprob),
+                "top_logprobs": [
+                    entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+                ],
+            }
+            for t, lp in zip(ids, lps, strict=True)
+        ]
+    }

@@ -1,0 +1,375 @@
+"""Serving the API on the engine: requests become validated engine requests (one per choice),
+their outputs are merged as they come, and completions and chat turn them into a stream of SSE
+chunks or into one response. Both share the streaming and collecting loops and differ only in
+how a choice looks, so each behaviour has a single code path."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from engramrt.engine.async_engine import AsyncEngine
+from engramrt.engine.engine import RequestOutput
+from engramrt.engine.request import Logprob, SamplingParams
+from engramrt.server.metrics import Metrics
+from engramrt.server.protocol import ChatCompletionRequest, CompletionRequest
+from engramrt.server.responses import (
+    ApiError,
+    Envelope,
+    chat_choice,
+    chat_chunk_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    join_completion_logprobs,
+    sse,
+    usage,
+)
+
+
+@dataclass
+class ServerConfig:
+    model_names: list[str]
+    max_model_len: int
+    api_key: str | None = None
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+    bos_token_id: int | None = None
+
+
+@dataclass
+class Choice:
+    """One engine request: an API request asks for ``n`` of these per prompt."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None  # as the client sent it, for echo
+
+
+@dataclass
+class ChoiceResult:
+    """All one choice produced, gathered for a response that is not streamed."""
+
+    choice: Choice
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_out: RequestOutput | None = None  # the output that carries the prompt's logprobs
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs
+        self.finish_reason = out.finish_reason
+        if out.prompt_logprobs is not None:
+            self.prompt_out = out
+
+
+@dataclass
+class StreamState:
+    """What a stream has sent of one choice so far."""
+
+    started: bool = False  # the echoed prompt goes with the choice's first chunk only
+    chars_sent: int = 0  # where the next chunk's text starts, for ``text_offset``
+    output_tokens: int = 0  # for the closing usage chunk
+
+
+class Server:
+    """The engine, tokenizer and config behind the app, and the only place that hands requests
+    to the engine (``validate`` while building them, ``generate`` while running them)."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, cfg: ServerConfig):
+        self.engine, self.tok, self.cfg = engine, tokenizer, cfg
+        self.metrics = Metrics(engine.engine, cfg.model_names[0])
+        self.created = int(time.time())
+        self.template = None
+        if cfg.chat_template:
+            self.template = ImmutableSandboxedEnvironment().from_string(cfg.chat_template)
+
+    # --- building requests ----------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model not in self.cfg.model_names:
+            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        return model or self.cfg.model_names[0]
+
+    def encode(self, text: str) -> list[int]:
+        bos = [self.cfg.bos_token_id] if self.cfg.bos_token_id is not None else []
+        return bos + self.tok.encode(text).ids
+
+    def completion_prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> list[tuple[list[int], str | None]]:
+        """(token ids, the text as sent when it was text)."""
+        if isinstance(prompt, str):
+            return [(self.encode(prompt), prompt)]
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [(list(prompt), None)]
+        return [(self.encode(p), p) if isinstance(p, str) else (list(p), None) for p in prompt]
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if self.template is None:
+            raise ApiError(400, "this model has no chat template", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = self.template.render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=self.cfg.bos_token,
+            eos_token=self.cfg.eos_token,
+        )
+        return self.tok.encode(text).ids
+
+    def choices(
+        self,
+        prompts: list[tuple[list[int], str | None]],
+        req: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        echo_k: int | None,
+    ) -> list[Choice]:
+        """``prompts``: (ids, text or None) pairs; ``req.n`` choices for each."""
+        out = []
+        for i, (prompt, text) in enumerate(prompts):
+            limit = self.cfg.max_model_len
+            mt = max_tokens if max_tokens is not None else limit - len(prompt)
+            if len(prompt) + mt > limit or mt < 1:
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {len(prompt) + mt} tokens ({len(prompt)} in the messages, {mt} "
+                    "in the completion). Please reduce the length of the messages or completion.",
+                    param="max_tokens",
+                )
+            for j in range(req.n):
+                params = SamplingParams(
+                    max_tokens=mt,
+                    temperature=req.temperature,
+                    top_p=req.top_p,
+                    top_k=max(req.top_k, 0),
+                    min_p=req.min_p,
+                    seed=None if req.seed is None else req.seed + j,
+                    stop=req.stops(),
+                    stop_token_ids=list(req.stop_token_ids),
+                    ignore_eos=req.ignore_eos,
+                    logprobs=logprobs,
+                    prompt_logprobs=echo_k,
+                )
+                try:
+                    self.engine.engine.validate(prompt, params)
+                except ValueError as exc:
+                    raise ApiError(400, str(exc)) from None
+                out.append(Choice(i * req.n + j, prompt, params, text))
+        return out
+
+    # --- running them ---------------------------------------------------------------------
+
+    async def _pump(self, choice: Choice, sink: asyncio.Queue) -> None:
+        """One request's outputs into the shared queue, with its latency metrics."""
+        start, last, model = time.monotonic(), None, self.metrics.model
+        try:
+            async for out in self.engine.generate(choice.prompt_ids, choice.params):
+                now = time.monotonic()
+                if last is None:
+                    self.metrics.ttft.labels(model).observe(now - start)
+                else:
+                    self.metrics.itl.labels(model).observe(now - last)
+                last = now
+                if out.finished:
+                    self.metrics.e2e.labels(model).observe(now - start)
+                    self.metrics.success.labels(model, out.finish_reason).inc()
+                await sink.put((choice, out))
+        except Exception as exc:  # noqa: BLE001 - surfaced to the client
+            await sink.put((choice, exc))
+        finally:
+            await sink.put((choice, None))
+
+    async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Outputs of all choices as they come; closing this iterator aborts what is left."""
+        sink: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(c, sink)) for c in choices]
+        try:
+            done = 0
+            while done < len(tasks):
+                choice, item = await sink.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield choice, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, choices: list[Choice]) -> list[ChoiceResult]:
+        """Every choice run to its end, in index order."""
+        results = {c.index: ChoiceResult(c) for c in choices}
+        async for c, out in self.run(choices):
+            results[c.index].add(out)
+        return [results[i] for i in sorted(results)]
+
+
+class Call(ABC):
+    """One completions or chat request, built (and checked) up front and then either streamed as
+    SSE chunks or run into a single response. Subclasses say how a choice looks."""
+
+    object_type: str
+    chunk_type: str
+    id_prefix: str
+
+    def __init__(
+        self,
+        server: Server,
+        req: CompletionRequest | ChatCompletionRequest,
+        model: str,
+        choices: list[Choice],
+        n_prompt: int,
+    ):
+        self.server, self.req, self.choices, self.n_prompt = server, req, choices, n_prompt
+        usage_on = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        self.envelope = Envelope(f"{self.id_prefix}-{uuid.uuid4().hex}", model, usage_on)
+
+    def _opening(self) -> Iterator[dict]:
+        """Chunk choices sent before any output."""
+        return iter(())
+
+    @abstractmethod
+    def _chunk_choice(self, c: Choice, out: RequestOutput, state: StreamState) -> dict:
+        """One output of ``c`` as a stream chunk's choice; ``state`` carries what that depends
+        on from the choice's earlier chunks."""
+
+    @abstractmethod
+    def _result_choice(self, result: ChoiceResult) -> dict:
+        """A finished choice as it appears in the single response."""
+
+    async def stream(self) -> AsyncIterator[str]:
+        states = {c.index: StreamState() for c in self.choices}
+        for choice in self._opening():
+            yield sse(self.envelope.wrap(self.chunk_type, [choice]))
+        async for c, out in self.server.run(self.choices):
+            state = states[c.index]
+            choice = self._chunk_choice(c, out, state)
+            state.output_tokens = out.num_output_tokens
+            yield sse(self.envelope.wrap(self.chunk_type, [choice]))
+        if self.envelope.usage_on:
+            n_out = sum(s.output_tokens for s in states.values())
+            yield sse(self.envelope.wrap(self.chunk_type, [], usage(self.n_prompt, n_out)))
+
+    async def build(self) -> dict:
+        results = await self.server.collect(self.choices)
+        body = [self._result_choice(r) for r in results]
+        n_out = sum(len(r.token_ids) for r in results)
+        return self.envelope.wrap(self.object_type, body, usage(self.n_prompt, n_out))
+
+
+class CompletionCall(Call):
+    object_type = chunk_type = "text_completion"
+    id_prefix = "cmpl"
+    req: CompletionRequest
+
+    def __init__(self, server: Server, req: CompletionRequest):
+        model = server.check_model(req.model)
+        prompts = server.completion_prompts(req.prompt)
+        echo_k = req.logprobs if (req.echo and req.logprobs is not None) else None
+        choices = server.choices(prompts, req, req.max_tokens or 16, req.logprobs, echo_k)
+        super().__init__(server, req, model, choices, sum(len(ids) for ids, _ in prompts))
+
+    def _prompt_part(self, c: Choice, out: RequestOutput | None) -> tuple[str, dict | None]:
+        """The echoed prompt (its text as sent, else decoded) and, when asked, its logprobs."""
+        text = ""
+        if self.req.echo:
+            text = c.prompt_text
+            if text is None:
+                text = self.server.tok.decode(c.prompt_ids, skip_special_tokens=False)
+        lps = None
+        if self.req.echo and self.req.logprobs is not None and out is not None:
+            lps = completion_logprobs(self.server.tok, c.prompt_ids, out.prompt_logprobs, 0)
+        return text, lps
+
+    def _choice(
+        self,
+        c: Choice,
+        prompt: tuple[str, dict | None],
+        text: str,
+        ids: list[int],
+        lps: list[Logprob],
+        finish_reason: str | None,
+        *,
+        offset: int,
+    ) -> dict:
+        """``prompt``: what ``_prompt_part`` gives when the echo goes in this choice, else
+        ``("", None)``; ``offset``: characters of this choice already sent."""
+        prefix, prompt_lps = prompt
+        logprobs = None
+        if self.req.logprobs is not None:
+            logprobs = completion_logprobs(self.server.tok, ids, lps, offset + len(prefix))
+            if prompt_lps is not None:
+                logprobs = join_completion_logprobs(prompt_lps, logprobs)
+        return completion_choice(c.index, prefix + text, logprobs, finish_reason)
+
+    def _chunk_choice(self, c: Choice, out: RequestOutput, state: StreamState) -> dict:
+        prompt = ("", None) if state.started else self._prompt_part(c, out)
+        choice = self._choice(
+            c,
+            prompt,
+            out.new_text,
+            out.new_token_ids,
+            out.new_logprobs,
+            out.finish_reason,
+            offset=state.chars_sent,
+        )
+        state.started = True
+        state.chars_sent += len(choice["text"])
+        return choice
+
+    def _result_choice(self, r: ChoiceResult) -> dict:
+        prompt = self._prompt_part(r.choice, r.prompt_out)
+        return self._choice(
+            r.choice, prompt, r.text, r.token_ids, r.logprobs, r.finish_reason, offset=0
+        )
+
+
+class ChatCall(Call):
+    object_type = "chat.completion"
+    chunk_type = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+    req: ChatCompletionRequest
+
+    def __init__(self, server: Server, req: ChatCompletionRequest):
+        model = server.check_model(req.model)
+        prompt = server.chat_prompt(req)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        choices = server.choices([(prompt, None)], req, max_tokens, logprobs, None)
+        super().__init__(server, req, model, choices, len(prompt))
+
+    def _logprobs(self, ids: list[int], lps: list[Logprob]) -> dict | None:
+        return chat_logprobs(self.server.tok, ids, lps) if self.req.logprobs else None
+
+    def _opening(self) -> Iterator[dict]:
+        """Each choice's role, before its first token."""
+        for c in self.choices:
+            yield chat_chunk_choice(c.index, {"role": "assistant", "content": ""}, None, None)
+
+    def _chunk_choice(self, c: Choice, out: RequestOutput, state: StreamState) -> dict:
+        lps = self._logprobs(out.new_token_ids, out.new_logprobs)
+        # the last chunk may carry no text; it still names the finish reason
+        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+        return chat_chunk_choice(c.index, delta, lps, out.finish_reason)
+
+    def _result_choice(self, r: ChoiceResult) -> dict:
+        lps = self._logprobs(r.token_ids, r.logprobs)
+        return chat_choice(r.choice.index, r.text, lps, r.finish_reason)
