@@ -97,8 +97,8 @@ def add_memory_flags(p: argparse.ArgumentParser) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
+    from engramrt.commands.generate import GenerateOptions, run_generate
     from engramrt.config import load_json, model_config
-    from engramrt.generate import GenerateOptions, run_generate
     from engramrt.parallel.partition import resolve_partition
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,7 +122,7 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def check_pp(args: argparse.Namespace) -> int:
-    from engramrt.check_pp import CheckOptions, check_pp, format_report
+    from engramrt.commands.check_pp import CheckOptions, check_pp, format_report
 
     device = args.device or "cpu"
     prompts = None
@@ -156,9 +156,9 @@ def check_pp(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     import os
 
+    from engramrt.commands.serve import ServeOptions, run_serve
     from engramrt.config import load_json, model_config
     from engramrt.parallel.partition import resolve_partition
-    from engramrt.serve import ServeOptions, run_serve
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = resolve_model_dir(args.model_tag or args.model)
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dist_flags(v)
     v.set_defaults(func=serve)
 
-    from engramrt.bench import add_bench_parser
+    from engramrt.commands.bench_serve import add_bench_parser
 
     add_bench_parser(sub)
     return parser

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from engramrt.bench import (
+from engramrt.commands.bench_serve import (
     CompletionStream,
     RequestRecord,
     SSEDecoder,

@@ -261,7 +261,7 @@ def test_kv_budget_from_a_profiled_forward(model, monkeypatch) -> None:
     """The profile's arithmetic against a restatement with fake GPU memory figures: total x
     utilisation / stages per GPU, minus memory outside torch, weights, activations and the
     graph-pool estimate; the profile leaves no cache and no history behind."""
-    import engramrt.serve as serve
+    from engramrt.commands import serve
 
     gib = 2**30
     fake = {"total": 80 * gib, "free": 70 * gib, "reserved": 6 * gib, "allocated": 5 * gib,

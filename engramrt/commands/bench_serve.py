@@ -445,7 +445,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="streamed /v1/completions load: TTFT, TPOT, ITL")
     add_bench_serve_args(serve)
     serve.set_defaults(func=run_bench_serve)
-    from engramrt.bench_throughput import add_throughput_args, run_bench_throughput
+    from engramrt.commands.bench_throughput import add_throughput_args, run_bench_throughput
 
     offline = sub.add_parser("throughput", help="the engine in-process: tok/s, decode GB/s")
     add_throughput_args(offline)

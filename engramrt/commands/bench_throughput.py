@@ -43,9 +43,9 @@ def _engine(args: argparse.Namespace, max_len: int) -> Engine:
     import torch
 
     from engramrt.bundled import resolve_model_dir
+    from engramrt.commands.serve import ServeOptions, build_stage
     from engramrt.config import load_json, model_config
     from engramrt.parallel.partition import resolve_partition
-    from engramrt.serve import ServeOptions, build_stage
 
     model_dir = resolve_model_dir(args.model)
     layers = model_config(load_json(model_dir)).num_layers

@@ -1,0 +1,1 @@
+"""The ``engramrt`` subcommands, one module each; ``engramrt.cli`` builds the parser from them."""
