@@ -12,7 +12,7 @@ import torch
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
-from engramrt.parallel.launch import DistConfig
+from engramrt.commands.flags import add_dist_flags, add_memory_flags, dist_config
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -59,43 +59,6 @@ def engram_hash(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dist_config(args: argparse.Namespace, device: str) -> DistConfig:
-    return DistConfig(
-        pp_size=args.pipeline_parallel_size,
-        device=device,
-        backend=args.distributed_backend,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        timeout_s=args.distributed_timeout,
-    )
-
-
-def _add_dist_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument(
-        "--pp-layer-partition",
-        help="layers per stage, e.g. 14,26 (also $ENGRAMRT_PP_LAYER_PARTITION); "
-        "default: vLLM's even split",
-    )
-    p.add_argument("--distributed-backend", choices=["gloo", "nccl"], help="default: by device")
-    p.add_argument("--master-addr", help="default: $MASTER_ADDR or 127.0.0.1")
-    p.add_argument("--master-port", type=int, help="default: $MASTER_PORT or a free port")
-    p.add_argument("--distributed-timeout", type=float, default=600.0, help="seconds")
-
-
-def add_memory_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--kv-cache-memory-bytes", type=int,
-        help="KV cache budget over all layers (default: by --gpu-memory-utilization on CUDA, "
-        "256 MiB on CPU)",
-    )  # fmt: skip
-    p.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.9,
-        help="share of GPU memory for weights, activations and the KV cache (default 0.9)",
-    )  # fmt: skip
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
-
-
 def generate(args: argparse.Namespace) -> int:
     from engramrt.commands.generate import GenerateOptions, run_generate
     from engramrt.config import load_json, model_config
@@ -113,7 +76,7 @@ def generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         dtype=args.dtype,
-        dist=_dist_config(args, device),
+        dist=dist_config(args, device),
         trace_path=args.engram_trace,
         engram_stats=args.engram_stats,
     )
@@ -139,7 +102,7 @@ def check_pp(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         atol=args.atol,
         enforce_eager=args.enforce_eager,
-        dist=_dist_config(args, device),
+        dist=dist_config(args, device),
     )
     if prompts:
         opts.prompts = prompts
@@ -187,7 +150,7 @@ def serve(args: argparse.Namespace) -> int:
         device=device,
         dtype=args.dtype,
         seed=args.seed,
-        dist=_dist_config(args, device),
+        dist=dist_config(args, device),
     )
     run_serve(opts)
     return 0
@@ -217,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engram-stats", action="store_true", help="print each Engram's update RMS and reach"
     )
     g.add_argument("--engram-trace", metavar="PATH", help="JSON lines of stage/Engram checksums")
-    _add_dist_flags(g)
+    add_dist_flags(g)
     g.set_defaults(func=generate)
 
     c = sub.add_parser("check-pp", help="every layer partition must reproduce PP = 1 exactly")
@@ -231,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--atol", type=float, default=0.0, help="allowed max |dlogit| (default 0)")
     c.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     c.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
-    _add_dist_flags(c)
+    add_dist_flags(c)
     c.set_defaults(func=check_pp)
 
     v = sub.add_parser("serve", help="OpenAI-compatible server (vLLM's flag names)")
@@ -251,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     v.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the config's")
     v.add_argument("--seed", type=int, default=0, help="for requests that bring no seed")
-    _add_dist_flags(v)
+    add_dist_flags(v)
     v.set_defaults(func=serve)
 
     from engramrt.commands.bench_serve import add_bench_parser

@@ -18,7 +18,7 @@ from engramrt.engine.request import SamplingParams
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
-    from engramrt.cli import add_memory_flags
+    from engramrt.commands.flags import add_memory_flags
 
     p.add_argument("--model", help="model directory (default: the bundled model)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
