@@ -12,11 +12,12 @@ import json
 import numpy as np
 import pytest
 
+from engramrt.cli import add_bench_parser
+from engramrt.commands import bench_serve
 from engramrt.commands.bench_serve import (
     CompletionStream,
     RequestRecord,
     SSEDecoder,
-    add_bench_parser,
     arrival_offsets,
     compute_metrics,
     format_result,
@@ -289,7 +290,7 @@ def test_parser_defaults() -> None:
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "serve"])
-    assert args.bench_command == "serve" and args.func.__name__ == "run_bench_serve"
+    assert args.bench_command == "serve" and args.func is bench_serve.run
     assert (args.backend, args.endpoint, args.host, args.port) == (
         "openai",
         "/v1/completions",

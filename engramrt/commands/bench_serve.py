@@ -395,7 +395,7 @@ def _percentiles(text: str) -> list[float]:
     return values
 
 
-def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """``vllm bench serve``'s flags (the subset that applies here), same names and defaults."""
     p.add_argument("--backend", choices=["openai", "vllm"], default="openai")
     p.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000 (beats --host)")
@@ -436,21 +436,6 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
         "--tokenizer", help="directory with tokenizer.json (default: the bundled model's)"
     )
     p.add_argument("--disable-tqdm", action="store_true")
-
-
-def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``bench`` with its ``serve`` subcommand on the top-level subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmark a running server (vLLM style)")
-    sub = bench.add_subparsers(dest="bench_command", required=True)
-    serve = sub.add_parser("serve", help="streamed /v1/completions load: TTFT, TPOT, ITL")
-    add_bench_serve_args(serve)
-    serve.set_defaults(func=run_bench_serve)
-    from engramrt.commands.bench_throughput import add_throughput_args, run_bench_throughput
-
-    offline = sub.add_parser("throughput", help="the engine in-process: tok/s, decode GB/s")
-    add_throughput_args(offline)
-    offline.set_defaults(func=run_bench_throughput)
-    return bench
 
 
 def _load_tokenizer(path: str | None) -> tuple[Any, str]:
@@ -569,7 +554,7 @@ async def _bench(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[di
     return compute_metrics(records, duration, args.metric_percentiles), model
 
 
-def run_bench_serve(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 when at least one request succeeded and none failed, else 1."""
     tokenizer, tokenizer_id = _load_tokenizer(args.tokenizer)
     prompts = random_prompts(

@@ -4,10 +4,13 @@ text the same wherever they appear."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
+from engramrt.config import load_json, model_config
 from engramrt.parallel.launch import DistConfig
+from engramrt.parallel.partition import resolve_partition
 
 DEVICES = ["cpu", "cuda"]
 DTYPES = ["float32", "bfloat16"]
@@ -44,7 +47,7 @@ def add_dist_flags(p: argparse.ArgumentParser) -> None:
 
 
 def dist_config(args: argparse.Namespace, device: str) -> DistConfig:
-    """The :func:`add_dist_flags` values; ``--pp-layer-partition`` is the caller's to resolve."""
+    """How the stage processes meet, from the :func:`add_dist_flags` values."""
     return DistConfig(
         pp_size=args.pipeline_parallel_size,
         device=device,
@@ -53,6 +56,12 @@ def dist_config(args: argparse.Namespace, device: str) -> DistConfig:
         master_port=args.master_port,
         timeout_s=args.distributed_timeout,
     )
+
+
+def layer_partition(args: argparse.Namespace, model_dir: Path) -> list[int]:
+    """Layers per stage that the :func:`add_dist_flags` values ask for, for this model."""
+    layers = model_config(load_json(model_dir)).num_layers
+    return resolve_partition(layers, args.pipeline_parallel_size, args.pp_layer_partition)
 
 
 def add_memory_flags(p: argparse.ArgumentParser) -> None:
