@@ -14,17 +14,14 @@ import pytest
 
 from engramrt.cli import add_bench_parser
 from engramrt.commands import bench_serve
-from engramrt.commands.bench_serve import (
-    CompletionStream,
+from engramrt.commands.bench_client import CompletionStream, SSEDecoder
+from engramrt.commands.bench_metrics import (
     RequestRecord,
-    SSEDecoder,
-    arrival_offsets,
     compute_metrics,
     format_result,
     peak_output_throughput,
-    random_prompts,
-    sampleable_token_ids,
 )
+from engramrt.commands.bench_serve import arrival_offsets, random_prompts, sampleable_token_ids
 
 
 def _records() -> list[RequestRecord]:

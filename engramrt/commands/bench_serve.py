@@ -1,8 +1,9 @@
 """``engramrt bench serve``: a ``vllm bench serve``-style load generator for /v1/completions.
 
 Flags, the printed block and the saved JSON keys follow vLLM so that existing scripts and habits
-carry over. The metric math lives in the pure :func:`compute_metrics` so it can be tested
-without a server; the streaming client only records timestamps.
+carry over. This module holds the workload (random prompts, Poisson arrivals) and the run;
+:mod:`engramrt.commands.bench_client` streams each request and records timestamps, and
+:mod:`engramrt.commands.bench_metrics` turns the records into the numbers.
 """
 
 from __future__ import annotations
@@ -13,183 +14,19 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
-# (name printed in the rows, section header), exactly as vLLM prints them.
-_METRIC_LABELS = {
-    "ttft": ("TTFT", "Time to First Token"),
-    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
-    "itl": ("ITL", "Inter-token Latency"),
-    "e2el": ("E2EL", "End-to-end Latency"),
-}
-_NO_CONTENT = "Never received a valid chunk to calculate TTFT. This response is marked as failed!"
-
-
-# --------------------------------------------------------------------------- records + metrics
-
-
-@dataclass
-class RequestRecord:
-    """What one request produced; times are ``time.perf_counter()`` seconds."""
-
-    input_tokens: int
-    send_time: float = 0.0
-    # Arrival time of every chunk that carried non-empty text, in order.
-    chunk_times: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    success: bool = False
-    error: str = ""
-    text: str = ""
-
-
-def percentile_key(p: float) -> str:
-    """vLLM's spelling of a percentile in keys and labels: 99 -> '99', 99.9 -> '99.9'."""
-    return str(int(p)) if int(p) == p else str(p)
-
-
-def peak_output_throughput(token_times: Sequence[float], window: float = 1.0) -> float:
-    """Most tokens completed within any ``window``-second span, per second.
-
-    A sliding window over the sorted times, so the peak does not depend on where fixed
-    buckets happen to start.
-    """
-    times = np.sort(np.asarray(token_times, dtype=np.float64))
-    best, lo = 0, 0
-    for hi in range(len(times)):
-        while times[hi] - times[lo] >= window:
-            lo += 1
-        best = max(best, hi - lo + 1)
-    return best / window
-
-
-def _stats(name: str, values: list[float], percentiles: Sequence[float]) -> dict[str, float]:
-    """Mean/median/std/percentiles in ms; an empty sample reads as 0 like vLLM's ``x or 0``."""
-    arr = np.asarray(values if values else [0.0], dtype=np.float64) * 1000.0
-    out = {
-        f"mean_{name}_ms": float(np.mean(arr)),
-        f"median_{name}_ms": float(np.median(arr)),
-        f"std_{name}_ms": float(np.std(arr)),
-    }
-    for p in percentiles:
-        out[f"p{percentile_key(p)}_{name}_ms"] = float(np.percentile(arr, p))
-    return out
-
-
-def compute_metrics(
-    records: Sequence[RequestRecord], duration: float, percentiles: Sequence[float]
-) -> dict[str, Any]:
-    """vLLM's serving metrics from per-request records, keyed like its saved JSON.
-
-    Only successful requests contribute tokens and latencies (vLLM counts failed ones as 0
-    output tokens). TTFT = send -> first content chunk; E2EL = send -> last content chunk;
-    TPOT = (E2EL - TTFT) / (output_tokens - 1) for requests with more than one output token;
-    ITL = every gap between consecutive content chunks. Each content chunk counts as one
-    token for the peak throughput, as in vLLM.
-    """
-    if duration <= 0:
-        raise ValueError(f"benchmark duration must be positive, got {duration}")
-    ttfts: list[float] = []
-    tpots: list[float] = []
-    itls: list[float] = []
-    e2els: list[float] = []
-    token_times: list[float] = []
-    output_lens: list[int] = []
-    per_request_ttft: list[float] = []
-    per_request_itls: list[list[float]] = []
-    completed = total_input = 0
-    for r in records:
-        if not r.success:
-            output_lens.append(0)
-            per_request_ttft.append(0.0)
-            per_request_itls.append([])
-            continue
-        if not r.chunk_times:
-            raise ValueError("a successful request must have at least one content chunk")
-        ttft = r.chunk_times[0] - r.send_time
-        e2el = r.chunk_times[-1] - r.send_time
-        gaps = np.diff(r.chunk_times).tolist()
-        if r.output_tokens > 1:
-            tpots.append((e2el - ttft) / (r.output_tokens - 1))
-        ttfts.append(ttft)
-        e2els.append(e2el)
-        itls.extend(gaps)
-        token_times.extend(r.chunk_times)
-        output_lens.append(r.output_tokens)
-        per_request_ttft.append(ttft)
-        per_request_itls.append(gaps)
-        completed += 1
-        total_input += r.input_tokens
-    total_output = sum(output_lens)
-    result: dict[str, Any] = {
-        "duration": duration,
-        "completed": completed,
-        "failed": len(records) - completed,
-        "total_input_tokens": total_input,
-        "total_output_tokens": total_output,
-        "request_throughput": completed / duration,
-        "output_throughput": total_output / duration,
-        "max_output_tokens_per_s": peak_output_throughput(token_times),
-        "total_token_throughput": (total_input + total_output) / duration,
-    }
-    for name, values in zip(LATENCY_METRICS, (ttfts, tpots, itls, e2els), strict=True):
-        result.update(_stats(name, values, percentiles))
-    result.update(
-        input_lens=[r.input_tokens for r in records],
-        output_lens=output_lens,
-        ttfts=per_request_ttft,
-        itls=per_request_itls,
-        generated_texts=[r.text for r in records],
-        errors=[r.error for r in records],
-    )
-    return result
-
-
-def format_result(
-    m: dict[str, Any],
-    percentiles: Sequence[float],
-    selected: Sequence[str],
-    request_rate: float = float("inf"),
-    max_concurrency: int | None = None,
-) -> str:
-    """The block ``vllm bench serve`` prints, so eyes and greps trained on vLLM still work."""
-    lines = [f"{' Serving Benchmark Result ':=^50}"]
-
-    def row(label: str, value: float, fmt: str = "<10.2f") -> None:
-        lines.append(f"{label:<40} {value:{fmt}}")
-
-    row("Successful requests:", m["completed"], "<10")
-    row("Failed requests:", m["failed"], "<10")
-    if max_concurrency is not None:
-        row("Maximum request concurrency:", max_concurrency, "<10")
-    if request_rate != float("inf"):
-        row("Request rate configured (RPS):", request_rate)
-    row("Benchmark duration (s):", m["duration"])
-    row("Total input tokens:", m["total_input_tokens"], "<10")
-    row("Total generated tokens:", m["total_output_tokens"], "<10")
-    row("Request throughput (req/s):", m["request_throughput"])
-    row("Output token throughput (tok/s):", m["output_throughput"])
-    row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"])
-    row("Total token throughput (tok/s):", m["total_token_throughput"])
-    for name in LATENCY_METRICS:
-        if name not in selected:
-            continue
-        label, header = _METRIC_LABELS[name]
-        lines.append(f"{header:-^50}")
-        row(f"Mean {label} (ms):", m[f"mean_{name}_ms"])
-        row(f"Median {label} (ms):", m[f"median_{name}_ms"])
-        for p in percentiles:
-            key = percentile_key(p)
-            row(f"P{key} {label} (ms):", m[f"p{key}_{name}_ms"])
-    lines.append("=" * 50)
-    return "\n".join(lines)
-
+from engramrt.commands.bench_client import send_request
+from engramrt.commands.bench_metrics import (
+    LATENCY_METRICS,
+    RequestRecord,
+    compute_metrics,
+    format_result,
+)
 
 # --------------------------------------------------------------------------- arrivals + prompts
 
@@ -228,136 +65,6 @@ def random_prompts(
     """Uniform random token-id prompts; sent as ids so every prompt has exactly ``input_len``."""
     rng = np.random.default_rng(seed)
     return rng.choice(allowed_ids, size=(num_prompts, input_len)).tolist()
-
-
-# --------------------------------------------------------------------------- SSE client
-
-
-class SSEDecoder:
-    """Splits an SSE byte stream into ``data:`` payloads, whatever the network chunking.
-
-    Each ``data:`` line is its own payload (OpenAI-style servers send one per event);
-    blank lines, ``:`` keep-alive comments and other fields are skipped. Lines are split on
-    bytes before decoding so a multi-byte character cut by the network stays intact.
-    """
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, data: bytes) -> list[str]:
-        self._buf += data
-        *lines, self._buf = self._buf.split(b"\n")
-        return [p for p in map(self._payload, lines) if p is not None]
-
-    def flush(self) -> list[str]:
-        """A last line that had no newline."""
-        rest, self._buf = self._buf, b""
-        p = self._payload(rest)
-        return [] if p is None else [p]
-
-    @staticmethod
-    def _payload(raw: bytes) -> str | None:
-        line = raw.decode("utf-8").rstrip("\r")
-        if not line.startswith("data:"):
-            return None
-        value = line[5:]
-        return value[1:] if value.startswith(" ") else value
-
-
-def _error_message(err: Any) -> str:
-    if isinstance(err, dict):
-        return str(err.get("message") or json.dumps(err))
-    return str(err)
-
-
-class CompletionStream:
-    """Turns one streamed /v1/completions response body into a :class:`RequestRecord`.
-
-    Pure apart from the timestamps it is handed, so crafted byte streams can test it.
-    """
-
-    def __init__(self, record: RequestRecord) -> None:
-        self.record = record
-        self.decoder = SSEDecoder()
-        self.done = False  # [DONE] seen, or the stream reported an error
-        self._usage_tokens: int | None = None
-
-    def feed(self, data: bytes, now: float) -> bool:
-        """Consume bytes that arrived at ``now``; True once nothing more is expected."""
-        for payload in self.decoder.feed(data):
-            self._payload(payload, now)
-            if self.done:
-                break
-        return self.done
-
-    def _payload(self, payload: str, now: float) -> None:
-        r = self.record
-        if payload.strip() == "[DONE]":
-            self.done = True
-            return
-        try:
-            obj = json.loads(payload)
-        except json.JSONDecodeError:
-            r.error = f"invalid JSON in stream: {payload[:200]!r}"
-            self.done = True
-            return
-        if not isinstance(obj, dict):
-            r.error = f"unexpected stream chunk: {payload[:200]!r}"
-            self.done = True
-            return
-        if "error" in obj or obj.get("object") == "error":
-            r.error = _error_message(obj.get("error", obj))
-            self.done = True
-            return
-        choices = obj.get("choices") or []
-        text = (choices[0].get("text") or "") if choices else ""
-        if text:
-            r.chunk_times.append(now)
-            r.text += text
-        usage = obj.get("usage")
-        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-            self._usage_tokens = int(usage["completion_tokens"])
-
-    def finish(self, now: float) -> RequestRecord:
-        """Settle success, error and the output token count once the body has ended."""
-        r = self.record
-        if not self.done:
-            for payload in self.decoder.flush():
-                self._payload(payload, now)
-                if self.done:
-                    break
-        if not r.error and not self.done:
-            r.error = "the stream ended without data: [DONE]"
-        if not r.error and not r.chunk_times:
-            r.error = _NO_CONTENT
-        r.success = not r.error
-        r.output_tokens = (
-            self._usage_tokens if self._usage_tokens is not None else len(r.chunk_times)
-        )
-        return r
-
-
-async def send_request(
-    client: Any, url: str, payload: dict[str, Any], headers: dict[str, str], input_tokens: int
-) -> RequestRecord:
-    """One streamed completion; never raises, so one bad request cannot sink the run."""
-    record = RequestRecord(input_tokens=input_tokens)
-    stream = CompletionStream(record)
-    record.send_time = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", "replace")
-                record.error = f"HTTP {resp.status_code}: {body[:500]}"
-                return record
-            async for data in resp.aiter_bytes():
-                if stream.feed(data, time.perf_counter()):
-                    break
-        stream.finish(time.perf_counter())
-    except Exception as exc:  # any failure is recorded, not raised
-        record.success = False
-        record.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
-    return record
 
 
 # --------------------------------------------------------------------------- the command
