@@ -12,7 +12,8 @@ import torch
 from engramrt.session import Session
 
 from engramrt.bundled import resolve_model_dir
-from engramrt.generate import generate
+from engramrt.commands.generate import generate
+from engramrt.session import Session
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and the Engram"
 

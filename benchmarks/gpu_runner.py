@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.hash_bench import copy_bandwidth_gbs, median_us
-from engramrt.bench_throughput import _engine, add_throughput_args, measure, random_prompts
+from engramrt.commands.bench_throughput import _engine, add_throughput_args, measure, random_prompts
 from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams
 

@@ -12,18 +12,16 @@ import json
 import numpy as np
 import pytest
 
-from engramrt.bench import (
-    CompletionStream,
+from engramrt.cli import add_bench_parser
+from engramrt.commands import bench_serve
+from engramrt.commands.bench_client import CompletionStream, SSEDecoder
+from engramrt.commands.bench_metrics import (
     RequestRecord,
-    SSEDecoder,
-    add_bench_parser,
-    arrival_offsets,
     compute_metrics,
     format_result,
     peak_output_throughput,
-    random_prompts,
-    sampleable_token_ids,
 )
+from engramrt.commands.bench_serve import arrival_offsets, random_prompts, sampleable_token_ids
 
 
 def _records() -> list[RequestRecord]:
@@ -289,7 +287,7 @@ def test_parser_defaults() -> None:
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "serve"])
-    assert args.bench_command == "serve" and args.func.__name__ == "run_bench_serve"
+    assert args.bench_command == "serve" and args.func is bench_serve.run
     assert (args.backend, args.endpoint, args.host, args.port) == (
         "openai",
         "/v1/completions",

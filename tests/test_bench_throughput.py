@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from engramrt.bench_throughput import _decode_bytes, _engine, add_throughput_args
 from engramrt.cli import main
+from engramrt.commands.bench_throughput import _decode_bytes, _engine, add_throughput_args
 
 
 def test_throughput_mode(capsys: pytest.CaptureFixture) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engramrt.check_pp import FAULT_ENV, CheckOptions, check_pp, choose_partitions
 from engramrt.cli import main
+from engramrt.commands.check_pp import FAULT_ENV, CheckOptions, check_pp, choose_partitions
 from engramrt.parallel.launch import free_port
 from engramrt.parallel.partition import (
     ENV,

@@ -3,6 +3,7 @@ stages serving rank 0's steps."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import dataclass, field
@@ -11,6 +12,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engramrt.bundled import resolve_model_dir
+from engramrt.commands.flags import (
+    add_device_flags,
+    add_dist_flags,
+    add_memory_flags,
+    dist_config,
+    layer_partition,
+    resolve_device,
+)
 from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.parallel.launch import DistConfig, launch, stage_device
@@ -245,3 +255,59 @@ def _serve_http(opts: ServeOptions, engine: Engine):
         uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning")
     finally:
         server.engine.shutdown()
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's flag names, so that ``vllm serve`` command lines carry over."""
+    p.add_argument("model_tag", nargs="?", help="model directory (default: the bundled model)")
+    p.add_argument("--model", help="same as the positional MODEL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", help="names in /v1/models and responses")
+    p.add_argument("--max-model-len", type=int, help="default: the model's maximum")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="also the chunk size")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks (default: by memory)")
+    add_memory_flags(p)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--api-key", help="require this bearer key on /v1/* ($VLLM_API_KEY works)")
+    add_device_flags(p)
+    p.add_argument("--seed", type=int, default=0, help="for requests that bring no seed")
+    add_dist_flags(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    model_dir = resolve_model_dir(args.model_tag or args.model)
+    name = args.served_model_name or [
+        "engramrt-tiny" if (args.model_tag or args.model) is None else str(model_dir)
+    ]
+    opts = ServeOptions(
+        model_dir=model_dir,
+        partition=layer_partition(args, model_dir),
+        served_model_name=name,
+        host=args.host,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
+        api_key=args.api_key
+        or os.environ.get("ENGRAMRT_API_KEY")
+        or os.environ.get("VLLM_API_KEY"),
+        device=device,
+        dtype=args.dtype,
+        seed=args.seed,
+        dist=dist_config(args, device),
+    )
+    run_serve(opts)
+    return 0

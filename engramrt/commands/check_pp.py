@@ -8,6 +8,7 @@ logits of every step are compared like for like.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engramrt.bundled import resolve_model_dir
+from engramrt.commands.flags import DEVICES, DTYPES, add_dist_flags, add_model_flag, dist_config
 from engramrt.config import load_json, model_config
 from engramrt.engram.token_map import load_tokenizer
 from engramrt.parallel.launch import DistConfig, launch, stage_device
@@ -191,3 +194,51 @@ def format_report(report: dict) -> str:
         + ("all match PP = 1" if not bad else f"{bad} MISMATCH")
     )
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_flag(p)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--max-partitions", type=int, help="at most K (entry-on-Engram ones always)")
+    p.add_argument("--prompts", metavar="FILE", help="one prompt per line")
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--device", choices=DEVICES, default="cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--atol", type=float, default=0.0, help="allowed max |dlogit| (default 0)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    add_dist_flags(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit code 1 when any partition differs from PP = 1."""
+    device = args.device or "cpu"
+    prompts = None
+    if args.prompts:
+        with open(args.prompts) as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        if not prompts:
+            raise ValueError(f"{args.prompts} holds no prompts (one per line)")
+    opts = CheckOptions(
+        model_dir=resolve_model_dir(args.model),
+        stages=args.stages,
+        max_partitions=args.max_partitions,
+        decode_steps=args.decode_steps,
+        dtype=args.dtype,
+        atol=args.atol,
+        enforce_eager=args.enforce_eager,
+        dist=dist_config(args, device),
+    )
+    if prompts:
+        opts.prompts = prompts
+    report = check_pp(opts)
+    if report is None:
+        return 0
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if report["ok"] else 1

@@ -18,7 +18,7 @@ from engramrt.engine.request import SamplingParams
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
-    from engramrt.cli import add_memory_flags
+    from engramrt.commands.flags import add_memory_flags
 
     p.add_argument("--model", help="model directory (default: the bundled model)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
@@ -43,9 +43,9 @@ def _engine(args: argparse.Namespace, max_len: int) -> Engine:
     import torch
 
     from engramrt.bundled import resolve_model_dir
+    from engramrt.commands.serve import ServeOptions, build_stage
     from engramrt.config import load_json, model_config
     from engramrt.parallel.partition import resolve_partition
-    from engramrt.serve import ServeOptions, build_stage
 
     model_dir = resolve_model_dir(args.model)
     layers = model_config(load_json(model_dir)).num_layers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -9,6 +10,15 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from engramrt.bundled import resolve_model_dir
+from engramrt.commands.flags import (
+    add_device_flags,
+    add_dist_flags,
+    add_model_flag,
+    dist_config,
+    layer_partition,
+    resolve_device,
+)
 from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engram.token_map import load_tokenizer
 from engramrt.model.trace import EngramTrace, EngramUpdateStats
@@ -141,3 +151,41 @@ def _worker(rank: int, world: int, opts: GenerateOptions) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_flag(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    add_device_flags(p)
+    p.add_argument(
+        "--engram-stats", action="store_true", help="print each Engram's update RMS and reach"
+    )
+    p.add_argument("--engram-trace", metavar="PATH", help="JSON lines of stage/Engram checksums")
+    add_dist_flags(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    model_dir = resolve_model_dir(args.model)
+    opts = GenerateOptions(
+        model_dir=model_dir,
+        prompt=args.prompt,
+        partition=layer_partition(args, model_dir),
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        dtype=args.dtype,
+        dist=dist_config(args, device),
+        trace_path=args.engram_trace,
+        engram_stats=args.engram_stats,
+    )
+    run_generate(opts)
+    return 0

@@ -1,0 +1,78 @@
+"""Flags that several subcommands share: one definition keeps their names, defaults and help
+text the same wherever they appear."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from engramrt.config import load_json, model_config
+from engramrt.parallel.launch import DistConfig
+from engramrt.parallel.partition import resolve_partition
+
+DEVICES = ["cpu", "cuda"]
+DTYPES = ["float32", "bfloat16"]
+
+
+def add_model_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="HF-style model directory (default: the bundled tiny model)")
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype`` left open: see :func:`resolve_device`; no dtype means the
+    model config's."""
+    p.add_argument("--device", choices=DEVICES, help="default: cuda if available")
+    p.add_argument("--dtype", choices=DTYPES, help="default: the config's")
+
+
+def resolve_device(device: str | None) -> str:
+    """What an unset ``--device`` means."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def add_dist_flags(p: argparse.ArgumentParser) -> None:
+    """Pipeline parallelism and how its stage processes meet."""
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument(
+        "--pp-layer-partition",
+        help="layers per stage, e.g. 14,26 (also $ENGRAMRT_PP_LAYER_PARTITION); "
+        "default: vLLM's even split",
+    )
+    p.add_argument("--distributed-backend", choices=["gloo", "nccl"], help="default: by device")
+    p.add_argument("--master-addr", help="default: $MASTER_ADDR or 127.0.0.1")
+    p.add_argument("--master-port", type=int, help="default: $MASTER_PORT or a free port")
+    p.add_argument("--distributed-timeout", type=float, default=600.0, help="seconds")
+
+
+def dist_config(args: argparse.Namespace, device: str) -> DistConfig:
+    """How the stage processes meet, from the :func:`add_dist_flags` values."""
+    return DistConfig(
+        pp_size=args.pipeline_parallel_size,
+        device=device,
+        backend=args.distributed_backend,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        timeout_s=args.distributed_timeout,
+    )
+
+
+def layer_partition(args: argparse.Namespace, model_dir: Path) -> list[int]:
+    """Layers per stage that the :func:`add_dist_flags` values ask for, for this model."""
+    layers = model_config(load_json(model_dir)).num_layers
+    return resolve_partition(layers, args.pipeline_parallel_size, args.pp_layer_partition)
+
+
+def add_memory_flags(p: argparse.ArgumentParser) -> None:
+    """How much memory the engine may take: the KV cache budget and CUDA graphs."""
+    p.add_argument(
+        "--kv-cache-memory-bytes", type=int,
+        help="KV cache budget over all layers (default: by --gpu-memory-utilization on CUDA, "
+        "256 MiB on CPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9,
+        help="share of GPU memory for weights, activations and the KV cache (default 0.9)",
+    )  # fmt: skip
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
