@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from engramrt.session import Session
 
 from engramrt.bundled import resolve_model_dir
 from engramrt.commands.generate import generate
-from engramrt.session import Session
+from engramrt.parallel.pipeline import Pipeline
+from engramrt.runner.stage import StageRunner
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and the Engram"
 
@@ -30,9 +30,10 @@ def main() -> None:
     )
     for device in devices:
         for dtype in ("float32", "bfloat16"):
-            session = Session.load(model_dir, device=device, dtype=dtype)
-            generate(session, PROMPT, 4)  # warm-up
-            out = generate(session, PROMPT, args.max_tokens)
+            runner = StageRunner.load(model_dir, device=device, dtype=dtype)
+            pipe = Pipeline(runner)
+            generate(pipe, runner.tokenizer, PROMPT, 4)  # warm-up
+            out = generate(pipe, runner.tokenizer, PROMPT, args.max_tokens)
             ref = out.token_ids if ref is None else ref
             same = next(
                 (i for i, (a, b) in enumerate(zip(out.token_ids, ref, strict=False)) if a != b),

@@ -53,7 +53,7 @@ def engine_for(model: str, max_len: int, device: str) -> Engine:
 
 @contextlib.contextmanager
 def eager(engine: Engine):
-    session = engine.pipeline.session
+    session = engine.pipeline.runner
     graphs, session.graphs = session.graphs, None
     try:
         yield
@@ -62,7 +62,7 @@ def eager(engine: Engine):
 
 
 def recapture(engine: Engine) -> None:
-    session = engine.pipeline.session
+    session = engine.pipeline.runner
     if session.graphs is None:
         return
     session.graphs = None
@@ -102,7 +102,7 @@ def _hooks(module: torch.nn.Module, label: str) -> list:
 
 def profile_split(engine: Engine, bs: int, inp: int, steps: int = 6) -> dict:
     """ms of GPU kernel time per eager decode step, by component."""
-    session, pipe = engine.pipeline.session, engine.pipeline
+    session = engine.pipeline.runner
     rng = random.Random(bs)
     for i, p in enumerate(random_prompts(rng, [inp] * bs, engine.vocab_size)):
         engine.add_request(f"p{i}", p, SamplingParams(max_tokens=steps + 4, temperature=0,
@@ -117,7 +117,8 @@ def profile_split(engine: Engine, bs: int, inp: int, steps: int = 6) -> dict:
         if block.engram is not None:
             handles += _hooks(block.engram, "engram")
     wrapped = [(session.hasher, "decode", "engram_hash"), (session.model, "logits", "head"),
-               (pipe, "_sample", "sample")]  # fmt: skip
+               (session, "sampler", "sample")]  # fmt: skip
+    saved = [obj.__dict__.get(attr) for obj, attr, _ in wrapped]
     for obj, attr, label in wrapped:
         _wrap(obj, attr, label)
     try:
@@ -132,8 +133,11 @@ def profile_split(engine: Engine, bs: int, inp: int, steps: int = 6) -> dict:
     finally:
         for h in handles:
             h.remove()
-        for obj, attr, _ in wrapped:
-            obj.__dict__.pop(attr, None)
+        for (obj, attr, _), was in zip(wrapped, saved, strict=True):
+            if was is None:  # a method of the class: drop the instance's wrapper
+                obj.__dict__.pop(attr, None)
+            else:  # an attribute of the instance (the sampler): put it back
+                setattr(obj, attr, was)
     while engine.has_work():
         engine.step()
     ms, host = dict.fromkeys(LABELS, 0.0), dict.fromkeys(LABELS, 0.0)
@@ -153,7 +157,7 @@ def profile_split(engine: Engine, bs: int, inp: int, steps: int = 6) -> dict:
 
 def zero_engram(engine: Engine) -> None:
     """Hash ids and gathered rows become zeros (no hashing, no table reads, no history)."""
-    session = engine.pipeline.session
+    session = engine.pipeline.runner
     e = session.model.cfg.engram
 
     def no_ids(tokens, *a, **k):
@@ -174,7 +178,7 @@ def zero_engram(engine: Engine) -> None:
 
 
 def prefill_flops(engine: Engine, tokens: int) -> float:
-    model = engine.pipeline.session.model
+    model = engine.pipeline.runner.model
     cfg = model.cfg
     matmul = sum(p.numel() for n, p in model.named_parameters()
                  if p.dim() == 2 and not n.startswith("embed."))  # fmt: skip

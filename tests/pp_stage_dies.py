@@ -15,10 +15,10 @@ from engramrt.runner.stage import StageRunner
 
 
 def worker(rank: int, world: int) -> None:
-    session = StageRunner.load(resolve_model_dir(None), layer_ids=stage_layers([2, 2], rank))
-    pipe = Pipeline(session, rank, world)
+    runner = StageRunner.load(resolve_model_dir(None), layer_ids=stage_layers([2, 2], rank))
+    pipe = Pipeline(runner, rank, world)
     if rank == 1:
-        pipe._stage(pipe._recv_meta(pipe._recv_header()[1]))
+        pipe._stage(pipe._recv_batch(pipe._recv_header()[1]))
         os._exit(3)
     pipe.step(StepBatch([0, 7, 8, 9], [0], [4], [0]))
     pipe.step(StepBatch([10], [0], [1], [4]))  # rank 1 is gone by now: this must fail, not hang

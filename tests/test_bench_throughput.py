@@ -57,7 +57,7 @@ def test_decode_bytes_match_a_count_from_the_config() -> None:
     p = argparse.ArgumentParser()
     add_throughput_args(p)
     engine = _engine(p.parse_args(["--device", "cpu", "--num-gpu-blocks-override", "64"]), 64)
-    c = engine.pipeline.session.model.cfg
+    c = engine.pipeline.runner.model.cfg
     d, e, hc = c.hidden_size, c.engram, c.hc_mult
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     mix = (2 + hc) * hc

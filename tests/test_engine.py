@@ -35,10 +35,9 @@ def make_engine(session: StageRunner):
         prefix_caching: bool = True,
     ) -> Engine:
         assert max_num_seqs <= MAX_SLOTS
-        cfg = EngineConfig(
-            MAX_LEN, max_num_seqs, max_num_batched_tokens, block_size, num_blocks, prefix_caching,
-            session.model.cfg.eos_token_id,
-        )
+        eos = session.model.cfg.eos_token_id
+        cfg = EngineConfig(MAX_LEN, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
+                           prefix_caching, eos)  # fmt: skip
         session.allocate_kv(MAX_SLOTS, MAX_LEN, block_size, num_blocks)
         return Engine(Pipeline(session), session.tokenizer, cfg)
 

@@ -13,7 +13,6 @@ from engramrt.commands.generate import prompt_tokens
 from engramrt.config import load_json, model_config
 from engramrt.engram import load_hasher
 from engramrt.engram.token_map import load_tokenizer
-from engramrt.commands.generate import prompt_tokens
 from engramrt.parallel.pipeline import Pipeline, decode_batch, encode_batch
 from engramrt.runner.batch import MAX_LOGPROBS, SampleRow, StepBatch
 from engramrt.runner.stage import StageRunner, new_kv_cache

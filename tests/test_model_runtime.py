@@ -29,7 +29,7 @@ def model():
 
 
 def full_logits(model, tokens: list[int]) -> torch.Tensor:
-    return new_session(model, 1).step(tokens, [0], [len(tokens)], [0])
+    return new_session(model, 1).step(StepBatch(tokens, [0], [len(tokens)], [0]))
 
 
 @pytest.mark.parametrize("prompt_len", [1, 2, 5, 11])
@@ -100,7 +100,7 @@ def test_skipped_engram_is_an_error() -> None:
     m, _ = make_model(seed=2, num_hidden_layers=3, engram_layer_ids=[0, 2])
     m.layers["2"].engram = None
     with pytest.raises(RuntimeError, match=r"Engram layers \[2\] did not run"):
-        new_session(m, 1).step([7, 8, 9], [0], [3], [0])
+        new_session(m, 1).step(StepBatch([7, 8, 9], [0], [3], [0]))
 
 
 def test_engram_ablation_changes_logits() -> None:

@@ -80,11 +80,11 @@ def _run(engine: Engine, prompts: list[list[int]], outputs: list[int]) -> tuple[
 def _decode_bytes(engine: Engine, batch: int, context: int) -> int:
     """What one decode step must read: every weight but the Engram tables, the batch's K/V up to
     ``context`` tokens, and the Engram rows of the batch's tokens."""
-    model = engine.pipeline.session.model
+    model = engine.pipeline.runner.model
     cfg = model.cfg
     weights = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
                   if ".engram.embed." not in n)  # fmt: skip
-    kv_item = next(iter(engine.pipeline.session.kv.k.values())).element_size()
+    kv_item = next(iter(engine.pipeline.runner.kv.k.values())).element_size()
     kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_item
     e = cfg.engram
     table = next(iter(model.layers[str(e.layer_ids[0])].engram.embed.buffers()))
@@ -131,7 +131,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         raise ValueError("input and output lengths must be >= 1")
     engine = _engine(args, max(i + o for i, o in zip(in_lens, out_lens, strict=True)))
     r = measure(engine, random_prompts(rng, in_lens, engine.vocab_size), out_lens)
-    print(f"engramrt bench throughput ({Path(str(engine.pipeline.session.device))}): "
+    print(f"engramrt bench throughput ({Path(str(engine.pipeline.runner.device))}): "
           f"{prompts_n} requests, {r['prompt_tokens']} prompt + {r['output_tokens']} generated "
           "tokens")  # fmt: skip
     print(f"Total time (s): {r['total_s']:.2f}")

@@ -25,7 +25,8 @@ from engramrt.engram.token_map import load_tokenizer
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import all_partitions, stage_layers
 from engramrt.parallel.pipeline import Pipeline
-from engramrt.session import Session
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.stage import StageRunner
 
 DEFAULT_PROMPTS = [
     "The Engram hashes every token of this prompt.",
@@ -98,43 +99,43 @@ def check_pp(opts: CheckOptions) -> dict | None:
 def _scenario(pipe: Pipeline, prompts: list[list[int]], steps: int, forced: list | None):
     """Prefill all prompts in one batch, then ``steps`` decode steps; logits of every step."""
     slots = list(range(len(prompts)))
-    res = pipe.step([t for p in prompts for t in p], slots, [len(p) for p in prompts],
-                    [0] * len(prompts), return_logits=True)  # fmt: skip
+    res = pipe.step(StepBatch([t for p in prompts for t in p], slots, [len(p) for p in prompts],
+                              [0] * len(prompts), return_logits=True))  # fmt: skip
     logits, tokens = [res.logits], [res.tokens]
     lengths = [len(p) for p in prompts]
     for k in range(steps):
         feed = forced[k] if forced is not None else tokens[-1]
-        res = pipe.step(feed, slots, [1] * len(prompts), lengths, return_logits=True)
+        res = pipe.step(StepBatch(feed, slots, [1] * len(prompts), lengths, return_logits=True))
         lengths = [n + 1 for n in lengths]
         logits.append(res.logits)
         tokens.append(res.tokens)
     return logits, tokens
 
 
-def _session(opts: CheckOptions, layers: list[int], num_slots: int) -> Session:
-    session = Session.load(
+def _runner(opts: CheckOptions, layers: list[int], num_slots: int) -> StageRunner:
+    runner = StageRunner.load(
         opts.model_dir, num_slots, device=stage_device(opts.dist), dtype=opts.dtype,
         layer_ids=layers,
     )  # fmt: skip
-    if session.device.type == "cuda" and not opts.enforce_eager:
-        session.capture_graphs(num_slots)
-    return session
+    if runner.device.type == "cuda" and not opts.enforce_eager:
+        runner.capture_graphs(num_slots)
+    return runner
 
 
 def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     n = len(prompts)
     if rank == 0:
-        full = _session(opts, list(range(sum(partitions[0]))), n)
+        full = _runner(opts, list(range(sum(partitions[0]))), n)
         ref_logits, ref_tokens = _scenario(Pipeline(full), prompts, opts.decode_steps, None)
     rows = []
     for parts in partitions:
-        session = _session(opts, stage_layers(parts, rank), n)
+        runner = _runner(opts, stage_layers(parts, rank), n)
         if os.environ.get(FAULT_ENV) == "skip-entry-engram" and rank > 0:
-            first = session.model.layers[str(session.model.layer_ids[0])]
+            first = runner.model.layers[str(runner.model.layer_ids[0])]
             if first.engram is not None:
                 first.engram.forward = lambda x, ids, dead=None: x
-        pipe = Pipeline(session, rank, world)
+        pipe = Pipeline(runner, rank, world)
         if rank == 0:
             try:
                 logits, tokens = _scenario(pipe, prompts, opts.decode_steps, ref_tokens)
@@ -142,10 +143,10 @@ def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str)
                 pipe.stop()
         else:
             pipe.serve()
-        per_stage = [session.engram_ran]
+        per_stage = [runner.engram_ran]
         if world > 1:
             per_stage = [None] * world if rank == 0 else None
-            dist.gather_object(session.engram_ran, per_stage, dst=0)
+            dist.gather_object(runner.engram_ran, per_stage, dst=0)
         if rank == 0:
             rows.append(_compare(opts, parts, per_stage, logits, tokens, ref_logits, ref_tokens))
     if rank == 0:

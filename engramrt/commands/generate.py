@@ -21,12 +21,12 @@ from engramrt.commands.flags import (
 )
 from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engram.token_map import load_tokenizer
-from engramrt.model.trace import EngramTrace, EngramUpdateStats
+from engramrt.model.trace import EngramTrace, EngramUpdateStats, fanout
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
-from engramrt.sampling import SampleRow
-from engramrt.session import Session
+from engramrt.runner.batch import SampleRow, StepBatch
+from engramrt.runner.stage import StageRunner
 
 
 @dataclass
@@ -48,15 +48,17 @@ def generate(
     """Greedy (the default) or sampled completion of ``prompt`` in slot 0; the pipeline's last
     stage samples."""
     row = sampling or SampleRow()
-    cfg = pipeline.session.model.cfg
-    prompt_ids = prompt_tokens(tokenizer, cfg, prompt, max_tokens, pipeline.session.kv.max_len, row)
+    runner = pipeline.runner
+    cfg = runner.model.cfg
+    prompt_ids = prompt_tokens(tokenizer, cfg, prompt, max_tokens, runner.kv.max_len, row)
     start = time.perf_counter()
 
     def rows() -> list[SampleRow]:
         return [replace(row, index=len(out))]
 
     out: list[int] = []
-    nxt = pipeline.step(prompt_ids, [0], [len(prompt_ids)], [0], sampling=rows()).tokens[0]
+    first = StepBatch(prompt_ids, [0], [len(prompt_ids)], [0], sampling=rows(), rebuilds=[(0, [])])
+    nxt = pipeline.step(first).tokens[0]
     finish = "length"
     while True:
         if nxt == cfg.eos_token_id:
@@ -66,7 +68,7 @@ def generate(
         if len(out) == max_tokens:
             break
         pos = len(prompt_ids) + len(out) - 1
-        nxt = pipeline.step([nxt], [0], [1], [pos], sampling=rows()).tokens[0]
+        nxt = pipeline.step(StepBatch([nxt], [0], [1], [pos], sampling=rows())).tokens[0]
     seconds = time.perf_counter() - start
     return Generation(prompt_ids, out, tokenizer.decode(out), finish, seconds)
 
@@ -121,16 +123,19 @@ def run_generate(opts: GenerateOptions) -> None:
 def _worker(rank: int, world: int, opts: GenerateOptions) -> None:
     device = stage_device(opts.dist)
     layers = stage_layers(opts.partition, rank)
-    session = Session.load(opts.model_dir, device=device, dtype=opts.dtype, layer_ids=layers)
+    runner = StageRunner.load(
+        opts.model_dir, device=device, dtype=opts.dtype, layer_ids=layers, seed=opts.seed
+    )
     if opts.trace_path and rank == 0:
         Path(opts.trace_path).write_text("")  # before any stage can have written
     trace = EngramTrace(opts.trace_path, rank) if opts.trace_path else None
     stats = EngramUpdateStats() if opts.engram_stats else None
-    pipe = Pipeline(session, rank, world, opts.seed, trace, stats)
+    runner.tracer = fanout(trace, stats)
+    pipe = Pipeline(runner, rank, world)
     if rank == 0:
         row = SampleRow(opts.temperature, opts.top_p, seed=opts.seed)
         try:
-            out = generate(pipe, session.tokenizer, opts.prompt, opts.max_tokens, row)
+            out = generate(pipe, runner.tokenizer, opts.prompt, opts.max_tokens, row)
         finally:
             pipe.stop()
         print(out.text, flush=True)

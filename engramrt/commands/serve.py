@@ -26,10 +26,14 @@ from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
-from engramrt.sampling import SampleRow, sample_rows
-from engramrt.session import Session
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from engramrt.runner.kv_budget import (
+    CPU_KV_BYTES,
+    blocks_from_bytes,
+    blocks_from_profile,
+    kv_block_bytes,
+    stages_per_gpu,
+)
+from engramrt.runner.stage import StageRunner
 
 
 @dataclass
@@ -55,90 +59,35 @@ class ServeOptions:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
-CPU_KV_BYTES = 256 * 2**20  # the KV budget where there is no GPU memory to size it from
-
-
-def kv_block_bytes(cfg: ModelConfig, block_size: int, itemsize: int, layers: int) -> int:
-    """K and V of one block in ``layers`` layers."""
-    return block_size * cfg.num_kv_heads * cfg.head_dim * 2 * itemsize * layers
-
-
-def num_kv_blocks(cfg: ModelConfig, opts: ServeOptions, max_len: int) -> int:
-    """From a fixed byte budget (``--kv-cache-memory-bytes``, or 256 MiB off GPU) for all layers,
-    capped at what ``max_num_seqs`` full-length sequences could use."""
+def kv_blocks(runner: StageRunner, opts: ServeOptions, cfg: ModelConfig, max_len: int) -> int:
+    """``--num-gpu-blocks-override``; else a byte budget (``--kv-cache-memory-bytes``, or a
+    default off GPU) over all the model's layers, capped at what ``max_num_seqs`` full-length
+    sequences could use; else, on CUDA, what ``--gpu-memory-utilization`` leaves after a
+    profiled forward of the largest batch the scheduler can form. Stages spawned onto one GPU
+    split it."""
     if opts.num_gpu_blocks_override is not None:
         return opts.num_gpu_blocks_override
-    budget = opts.kv_cache_memory_bytes or CPU_KV_BYTES
-    cap = opts.max_num_seqs * -(-max_len // opts.block_size)
-    return max(
-        1,
-        min(
-            cap,
-            budget
-            // kv_block_bytes(
-                cfg, opts.block_size, DTYPE_BYTES[opts.dtype or cfg.torch_dtype], cfg.num_layers
-            ),
-        ),
-    )
+    model = runner.model  # the cache's own dtype, as loaded
 
+    def per_block(layers: int) -> int:
+        return kv_block_bytes(opts.block_size, cfg.num_kv_heads, cfg.head_dim,
+                              model.dtype.itemsize, layers)  # fmt: skip
 
-def profile_kv_blocks(session: Session, opts: ServeOptions, max_len: int) -> int:
-    """vLLM's sizing: run the largest batch the scheduler can form (``max_num_batched_tokens``
-    prefill tokens, then the sampler at ``max_num_seqs`` rows) on this stage, then give the KV
-    cache what ``--gpu-memory-utilization`` of the GPU leaves after the weights, that peak's
-    activations, an estimate of the decode graphs' pool and memory outside torch (CUDA context,
-    NCCL). Stages spawned onto one GPU split it."""
-    from engramrt.session import Carry
-
-    cfg, dev = session.model.cfg, session.device
+    if runner.device.type != "cuda" or opts.kv_cache_memory_bytes is not None:
+        cap = opts.max_num_seqs * -(-max_len // opts.block_size)
+        budget = opts.kv_cache_memory_bytes or CPU_KV_BYTES
+        return blocks_from_bytes(budget, per_block(cfg.num_layers), cap)
     tokens = max(1, min(opts.max_num_batched_tokens, max_len * opts.max_num_seqs))
-    runs = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
-    slots = list(range(len(runs)))
-    tables = [list(range(i * -(-n // opts.block_size), (i + 1) * -(-n // opts.block_size)))
-              for i, n in enumerate(runs)]  # fmt: skip
-    per_seq = -(-max_len // opts.block_size)
-    session.kv = Session.new_cache(session.model, len(runs), max_len, opts.block_size,
-                                   len(runs) * per_seq)  # fmt: skip
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(dev)
-    carry = None if session.hasher else Carry.zeros(session.model, tokens)  # a later stage
-    fake = None if carry is not None else [cfg.bos_token_id or 0] * tokens
-    logits = session.step(fake, slots, runs, [0] * len(runs), carry=carry, block_tables=tables)
-    if session.model.head is not None:  # the sampler's temporaries at the largest batch
-        n = min(tokens, opts.max_num_seqs)
-        sample_rows(logits[:n], [SampleRow(temperature=1.0, top_p=0.9)] * n, None)
-    del logits
-    torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev)
-    cache_bytes = sum(t.numel() * t.element_size() for t in (*session.kv.k.values(),
-                                                          *session.kv.v.values()))  # fmt: skip
-    session.kv = None
-    if session.hasher is not None:
-        session.hasher.history.table.zero_()  # the profile's history rows mean nothing
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(dev)
-    outside_torch = total - free - torch.cuda.memory_reserved(dev)  # CUDA context, NCCL, ...
-    weights = torch.cuda.memory_allocated(dev)
-    activations = peak - cache_bytes - weights
-    # decode graphs keep a pool about as large as a forward of max_num_seqs tokens
-    graphs = 0 if opts.enforce_eager else activations * min(1.0, opts.max_num_seqs / tokens)
-    share = -(-int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // torch.cuda.device_count())
-    budget = int(total * opts.gpu_memory_utilization / share - outside_torch - weights
-                 - activations - graphs)  # fmt: skip
-    model = session.model  # the cache's own dtype, as loaded
-    per_block = kv_block_bytes(cfg, opts.block_size, model.dtype.itemsize, len(model.layer_ids))
-    if budget < per_block:
-        raise ValueError(
-            f"--gpu-memory-utilization {opts.gpu_memory_utilization} leaves no room for the KV "
-            f"cache: the weights and a {tokens}-token forward peak at {peak / 2**30:.2f} GiB of "
-            f"{total / 2**30:.2f} GiB (stages sharing this GPU: {share})"
-        )
-    return budget // per_block
+    profile = runner.profile_memory(tokens, max_len, opts.block_size, opts.max_num_seqs)
+    share = stages_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
+    graph_rows = 0 if opts.enforce_eager else opts.max_num_seqs
+    return blocks_from_profile(profile, opts.gpu_memory_utilization,
+                               per_block(len(model.layer_ids)), share, graph_rows)  # fmt: skip
 
 
 def check(opts: ServeOptions) -> tuple[ModelConfig, int]:
     cfg = model_config(load_json(opts.model_dir))
-    max_len = opts.max_model_len or cfg.max_position_embeddings
+    max_len = cfg.max_position_embeddings if opts.max_model_len is None else opts.max_model_len
     if not 1 <= max_len <= cfg.max_position_embeddings:
         raise ValueError(
             f"--max-model-len {max_len} must lie in [1, {cfg.max_position_embeddings}] "
@@ -165,39 +114,27 @@ def build_stage(
     """This rank's stage, and on rank 0 the engine that drives the pipeline."""
     cfg, max_len = check(opts)
     device = stage_device(opts.dist)
-    profile = (
-        device.type == "cuda"
-        and opts.num_gpu_blocks_override is None
-        and opts.kv_cache_memory_bytes is None
-    )
-    blocks = 1 if profile else num_kv_blocks(cfg, opts, max_len)
-    session = Session.load(
+    runner = StageRunner.load(
         opts.model_dir, opts.max_num_seqs, max_len, device, opts.dtype,
-        stage_layers(opts.partition, rank), opts.block_size, blocks,
+        stage_layers(opts.partition, rank), opts.block_size, num_blocks=0, seed=opts.seed,
     )  # fmt: skip
-    if profile:
-        blocks = _agree(profile_kv_blocks(session, opts, max_len), world, device)
-        session.kv = Session.new_cache(session.model, opts.max_num_seqs, max_len,
-                                       opts.block_size, blocks)  # fmt: skip
-        if rank == 0:
-            model = session.model
-            gib = (
-                blocks
-                * kv_block_bytes(cfg, opts.block_size, model.dtype.itemsize, len(model.layer_ids))
-                / 2**30
-            )
-            print(f"engramrt: KV cache {blocks} blocks = {blocks * opts.block_size} tokens "
-                  f"({gib:.2f} GiB on stage 0)", flush=True)  # fmt: skip
+    blocks = _agree(kv_blocks(runner, opts, cfg, max_len), world, device)
+    runner.allocate_kv(opts.max_num_seqs, max_len, opts.block_size, blocks)
+    if rank == 0 and device.type == "cuda":
+        gib = sum(t.numel() * t.element_size() for t in (*runner.kv.k.values(),
+                                                        *runner.kv.v.values())) / 2**30  # fmt: skip
+        print(f"engramrt: KV cache {blocks} blocks = {blocks * opts.block_size} tokens "
+              f"({gib:.2f} GiB on stage 0)", flush=True)  # fmt: skip
     if device.type == "cuda" and not opts.enforce_eager:
-        session.capture_graphs(opts.max_num_seqs)
-    pipe = Pipeline(session, rank, world, opts.seed)
+        runner.capture_graphs(opts.max_num_seqs)
+    pipe = Pipeline(runner, rank, world)
     if rank != 0:
         return pipe, None
     config = EngineConfig(
         max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, blocks,
-        opts.enable_prefix_caching,
+        opts.enable_prefix_caching, cfg.eos_token_id,
     )  # fmt: skip
-    return pipe, Engine(pipe, session.tokenizer, config)
+    return pipe, Engine(pipe, runner.tokenizer, config)
 
 
 def _agree(blocks: int, world: int, device: torch.device) -> int:
@@ -228,17 +165,14 @@ def _serve_http(opts: ServeOptions, engine: Engine):
     from engramrt.engine.async_engine import AsyncEngine
     from engramrt.server.app import Server, ServerConfig, create_app
 
-    session, max_len, blocks = (
-        engine.pipeline.session,
-        engine.cfg.max_model_len,
-        engine.cfg.num_blocks,
-    )
+    runner, max_len = engine.pipeline.runner, engine.cfg.max_model_len
+    blocks = engine.cfg.num_blocks
     tok_cfg_path = opts.model_dir / "tokenizer_config.json"
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
-    model_cfg = session.model.cfg
+    model_cfg = runner.model.cfg
     server = Server(
         AsyncEngine(engine),
-        session.tokenizer,
+        runner.tokenizer,
         ServerConfig(
             opts.served_model_name, max_len, opts.api_key, tok_cfg.get("chat_template"),
             tok_cfg.get("bos_token") or "", tok_cfg.get("eos_token") or "",

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from engramrt.engine.async_engine import AsyncEngine
 from engramrt.engine.engine import RequestOutput
-from engramrt.engine.request import Logprob, SamplingParams
+from engramrt.engine.request import Logprob, Request, SamplingParams
 from engramrt.server.metrics import Metrics
 from engramrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from engramrt.server.responses import (
@@ -50,9 +50,12 @@ class Choice:
     """One engine request: an API request asks for ``n`` of these per prompt."""
 
     index: int
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: Request  # built, and so validated, by the engine
     prompt_text: str | None = None  # as the client sent it, for echo
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
 
 
 @dataclass
@@ -86,7 +89,7 @@ class StreamState:
 
 class Server:
     """The engine, tokenizer and config behind the app, and the only place that hands requests
-    to the engine (``validate`` while building them, ``generate`` while running them)."""
+    to the engine (``new_request`` while building them, ``generate`` while running them)."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, cfg: ServerConfig):
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
@@ -167,10 +170,10 @@ class Server:
                     prompt_logprobs=echo_k,
                 )
                 try:
-                    self.engine.engine.validate(prompt, params)
+                    request = self.engine.engine.new_request(uuid.uuid4().hex, prompt, params)
                 except ValueError as exc:
                     raise ApiError(400, str(exc)) from None
-                out.append(Choice(i * req.n + j, prompt, params, text))
+                out.append(Choice(i * req.n + j, request, text))
         return out
 
     # --- running them ---------------------------------------------------------------------
@@ -179,7 +182,7 @@ class Server:
         """One request's outputs into the shared queue, with its latency metrics."""
         start, last, model = time.monotonic(), None, self.metrics.model
         try:
-            async for out in self.engine.generate(choice.prompt_ids, choice.params):
+            async for out in self.engine.generate(choice.request):
                 now = time.monotonic()
                 if last is None:
                     self.metrics.ttft.labels(model).observe(now - start)
