@@ -3,6 +3,7 @@ modules are imported."""
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -10,4 +11,19 @@ if not torch.cuda.is_available():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line(
+        "markers", "triton: Triton kernels (the interpreter on a CPU, natively on a GPU)"
+    )
+    config.addinivalue_line(
+        "markers", "slow: starts processes (pipeline stages, a server, the CLI); CI runs them"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

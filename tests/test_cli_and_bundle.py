@@ -58,6 +58,7 @@ def test_engram_hash_rejects_out_of_range(bad: list[str], capsys: pytest.Capture
     assert "outside the tokenizer" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_entry_point_text_output() -> None:
     """`python -m engramrt` works and the text output lists every Engram layer per token."""
     run = subprocess.run(

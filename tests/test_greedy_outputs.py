@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "greedy_outputs.py"
 
 
@@ -26,6 +28,7 @@ def _outputs(tokens: list[list[str]], lps: list[list[float]]) -> dict:
     return {"prompts": ["p"] * len(outs), "batched": outs, "alone": outs}
 
 
+@pytest.mark.slow
 def test_compare(tmp_path: Path) -> None:
     base = _outputs([["a", "b"], ["c"]], [[-1.0, -2.0], [-0.5]])
     assert _run(tmp_path, base, base).returncode == 0

@@ -1,6 +1,6 @@
 """Triton gather and gate kernels against the torch reference on random inputs (the hash kernel
 runs the whole oracle suite in tests/test_hashing.py). On a CPU they run in Triton's
-interpreter; on a GPU natively (``pytest -m gpu`` selects only these)."""
+interpreter; on a GPU natively (``pytest -m triton`` selects the kernel tests)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from engramrt.kernels import FORCE_TORCH_ENV
 from tests.kernel_env import kernel_device, triton_runs
 
 pytestmark = [
-    pytest.mark.gpu,
+    pytest.mark.triton,
     pytest.mark.skipif(not triton_runs(), reason="Triton cannot run here"),
 ]
 DEV = kernel_device()

@@ -15,6 +15,7 @@ from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 
 
+@pytest.mark.slow
 def test_tiny_preset_loads_and_runs(tmp_path: Path) -> None:
     script = Path(__file__).parents[1] / "benchmarks" / "make_models.py"
     subprocess.run([sys.executable, str(script), "--preset", "tiny", "--out", str(tmp_path),

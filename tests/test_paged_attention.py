@@ -1,5 +1,5 @@
 """Triton paged decode attention and K/V write against torch on random paged caches (Triton's
-interpreter on a CPU, natively with ``-m gpu``)."""
+interpreter on a CPU, natively on a GPU with ``-m triton``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tests.kernel_env import kernel_device, triton_runs
 
 pytestmark = [
-    pytest.mark.gpu,
+    pytest.mark.triton,
     pytest.mark.skipif(not triton_runs(), reason="Triton cannot run here"),
 ]
 DEV = kernel_device()

@@ -148,6 +148,7 @@ def six_layer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_model(model, raw, tmp_path_factory.mktemp("six"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3])
 def test_every_partition_bitwise_equals_pp1(six_layer_dir: Path, stages: int) -> None:
     """6 layers, Engram at {1, 4}: all 2- and 3-stage partitions, prefill + 8 decode steps of
@@ -162,6 +163,7 @@ def test_every_partition_bitwise_equals_pp1(six_layer_dir: Path, stages: int) ->
     assert report["ok"]
 
 
+@pytest.mark.slow
 def test_engram_at_first_and_last_layer_with_one_layer_stages(tmp_path: Path) -> None:
     model, raw = make_model(seed=6, num_hidden_layers=3, engram_layer_ids=[0, 2])
     model_dir = save_model(model, raw, tmp_path)
@@ -174,6 +176,7 @@ def test_engram_at_first_and_last_layer_with_one_layer_stages(tmp_path: Path) ->
 # --- the check-pp command, and proof that it can fail ----------------------------------------
 
 
+@pytest.mark.slow
 def test_check_pp_on_default_model_passes_and_catches_a_skipped_engram(tmp_path) -> None:
     good = _cli("check-pp")
     assert good.returncode == 0, good.stderr
@@ -193,6 +196,7 @@ def test_check_pp_on_default_model_passes_and_catches_a_skipped_engram(tmp_path)
 # --- trace, generate and torchrun ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_engram_trace_shows_the_stage_entry_engram(tmp_path: Path) -> None:
     """Partition 1,3 on the default model: stage 1 starts on Engram layer 1. Every step, each
     Engram layer runs once on its stage; layer 1's input is exactly the received stream, which
@@ -217,6 +221,7 @@ def test_engram_trace_shows_the_stage_entry_engram(tmp_path: Path) -> None:
         assert entry["engram_update_rms"] > 0.1 and entry["engram_changed_frac"] > 0.5
 
 
+@pytest.mark.slow
 def test_torchrun_runs_the_same_flags() -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     run = subprocess.run(
@@ -231,6 +236,7 @@ def test_torchrun_runs_the_same_flags() -> None:
     assert run.stdout == single.stdout
 
 
+@pytest.mark.slow
 def test_a_dead_stage_ends_the_others_quickly() -> None:
     """Two ranks started as torchrun would (no supervising parent); rank 1 dies after one
     step. Rank 0 must exit with an error within seconds, not wait out its 600 s timeout."""

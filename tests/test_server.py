@@ -20,6 +20,8 @@ from engramrt.config import load_json, model_config
 from engramrt.engram.token_map import load_tokenizer
 from tests.server_fixture import running_server, server_fixture
 
+pytestmark = pytest.mark.slow  # every test talks to a server process
+
 MAX_LEN = 1024
 API_KEY = "sk-engramrt-test"
 TOK = load_tokenizer(DEFAULT_MODEL_DIR)
