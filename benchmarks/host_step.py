@@ -3,7 +3,9 @@ manager, request bookkeeping, sampling rows and detokenisation cost per decode s
 
 256 requests are admitted with prompts of the given context length and prefilled (untimed); then
 decode steps are timed. The stub "samples" a fixed non-EOS token, so every request keeps
-decoding. Prefix caching on and off, at 512 and 2048 tokens of context.
+decoding. Prefix caching on and off, at 512 and 2048 tokens of context. Beside the engine's own
+work it reports building the step's tensors on the host (``ForwardContext.for_runs``, what the
+first stage's runner does before any kernel runs), timed apart.
 
     python benchmarks/host_step.py [--requests 256] [--contexts 512,2048] [--steps 64] [--json]
 """
@@ -16,25 +18,37 @@ import random
 import statistics
 import time
 
+import torch
+
 from engramrt.bundled import DEFAULT_MODEL_DIR
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.request import SamplingParams
 from engramrt.engram import load_tokenizer
+from engramrt.model.context import ForwardContext, KVCache
 from engramrt.runner.batch import StepBatch, StepResult
 
 TOKEN = 300  # what the stub samples: an ordinary token of the bundled tokenizer
 
 
 class StubPipeline:
-    """Stands where the pipeline stands; runs no model."""
+    """Stands where the pipeline stands; runs no model. With ``kv`` it also builds the step's
+    ``ForwardContext`` on the host, as the first stage's runner does before any kernel runs."""
+
+    def __init__(self, kv: KVCache | None = None):
+        self.kv, self.build_ms = kv, 0.0
 
     def step(self, batch: StepBatch) -> StepResult:
+        if self.kv is not None:
+            t0 = time.perf_counter()
+            ForwardContext.for_runs(batch.slots, batch.run_lens, batch.start_pos, self.kv, "cpu",
+                                    batch.block_tables, batch.tokens)  # fmt: skip
+            self.build_ms = (time.perf_counter() - t0) * 1e3
         return StepResult([TOKEN] * len(batch.slots))
 
 
-def measure(requests: int, context: int, steps: int, prefix_caching: bool) -> float:
-    """Milliseconds per decode step (the median: a garbage-collector pass over the prompts'
-    lists lands on a random step)."""
+def measure(requests: int, context: int, steps: int, prefix_caching: bool) -> tuple[float, float]:
+    """Milliseconds per decode step of the engine, and of building the step's tensors on the
+    host (medians: a garbage-collector pass over the prompts' lists lands on a random step)."""
     tok = load_tokenizer(DEFAULT_MODEL_DIR)
     block = 16
     max_len = context + 1024  # the prefill phase decodes the early requests for a while
@@ -43,7 +57,9 @@ def measure(requests: int, context: int, steps: int, prefix_caching: bool) -> fl
         block_size=block, num_blocks=requests * -(-max_len // block),
         enable_prefix_caching=prefix_caching, eos_token_id=1,
     )  # fmt: skip
-    engine = Engine(StubPipeline(), tok, cfg)
+    kv = KVCache([], cfg.num_blocks, block, 1, 1, torch.float32, "cpu", max_len)  # no layers
+    stub = StubPipeline(kv)
+    engine = Engine(stub, tok, cfg)
     rng = random.Random(0)
     vocab = tok.get_vocab_size()
     for i in range(requests):
@@ -53,13 +69,14 @@ def measure(requests: int, context: int, steps: int, prefix_caching: bool) -> fl
     started: set[str] = set()
     while len(started) < requests:  # prefill, untimed
         started.update(out.request_id for out in engine.step())
-    times = []
+    times, builds = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         outs = engine.step()
-        times.append(time.perf_counter() - t0)
+        builds.append(stub.build_ms)
+        times.append((time.perf_counter() - t0) * 1e3 - stub.build_ms)
         assert len(outs) == requests, "every request decodes every step"
-    return statistics.median(times) * 1e3
+    return statistics.median(times), statistics.median(builds)
 
 
 def main() -> None:
@@ -69,20 +86,23 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     args = p.parse_args()
+    torch.set_num_threads(1)  # small host tensors: intra-op threads only add spin and noise
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
         for caching in (True, False):
-            ms = measure(args.requests, ctx, args.steps, caching)
+            ms, build = measure(args.requests, ctx, args.steps, caching)
             rows.append({"requests": args.requests, "context": ctx, "prefix_caching": caching,
-                         "ms_per_step": round(ms, 3)})  # fmt: skip
+                         "ms_per_step": round(ms, 3),
+                         "step_tensors_ms": round(build, 3)})  # fmt: skip
     if args.json:
         print(json.dumps(rows))
         return
-    print("| requests | context | prefix caching | ms / decode step |")
-    print("|---:|---:|---|---:|")
+    print("| requests | context | prefix caching | engine ms / decode step | step tensors ms |")
+    print("|---:|---:|---|---:|---:|")
     for r in rows:
         on = "on" if r["prefix_caching"] else "off"
-        print(f"| {r['requests']} | {r['context']} | {on} | {r['ms_per_step']:.2f} |")
+        print(f"| {r['requests']} | {r['context']} | {on} | {r['ms_per_step']:.2f} "
+              f"| {r['step_tensors_ms']:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
