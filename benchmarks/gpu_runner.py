@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.hash_bench import copy_bandwidth_gbs, median_us
-from engramrt.commands.bench_throughput import _engine, add_throughput_args, measure, random_prompts
+from engramrt.commands.bench_throughput import _engine, add_arguments, measure, random_prompts
 from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams
 
@@ -45,7 +45,7 @@ def matmul_tflops(device: str, n: int = 8192) -> float:
 
 def engine_for(model: str, max_len: int, device: str) -> Engine:
     p = argparse.ArgumentParser()
-    add_throughput_args(p)
+    add_arguments(p)
     args = p.parse_args(["--model", model, "--device", device, "--max-num-seqs", "256",
                          "--max-num-batched-tokens", "8192"])  # fmt: skip
     return _engine(args, max_len)
@@ -53,22 +53,22 @@ def engine_for(model: str, max_len: int, device: str) -> Engine:
 
 @contextlib.contextmanager
 def eager(engine: Engine):
-    session = engine.pipeline.runner
-    graphs, session.graphs = session.graphs, None
+    runner = engine.pipeline.runner
+    graphs, runner.graphs = runner.graphs, None
     try:
         yield
     finally:
-        session.graphs = graphs
+        runner.graphs = graphs
 
 
 def recapture(engine: Engine) -> None:
-    session = engine.pipeline.runner
-    if session.graphs is None:
+    runner = engine.pipeline.runner
+    if runner.graphs is None:
         return
-    session.graphs = None
+    runner.graphs = None
     gc.collect()
     torch.cuda.empty_cache()
-    session.capture_graphs(256)
+    runner.capture_graphs(256)
 
 
 def latency(engine: Engine, bs: int, inp: int, out: int, seed: int = 0) -> dict:
@@ -102,7 +102,7 @@ def _hooks(module: torch.nn.Module, label: str) -> list:
 
 def profile_split(engine: Engine, bs: int, inp: int, steps: int = 6) -> dict:
     """ms of GPU kernel time per eager decode step, by component."""
-    session = engine.pipeline.runner
+    runner = engine.pipeline.runner
     rng = random.Random(bs)
     for i, p in enumerate(random_prompts(rng, [inp] * bs, engine.vocab_size)):
         engine.add_request(f"p{i}", p, SamplingParams(max_tokens=steps + 4, temperature=0,
@@ -111,13 +111,13 @@ def profile_split(engine: Engine, bs: int, inp: int, steps: int = 6) -> dict:
     while len(started) < bs:  # prefill (chunked) until every request has its first token
         started |= {o.request_id for o in engine.step()}
     handles = []
-    for block in session.model.layers.values():
+    for block in runner.model.layers.values():
         handles += _hooks(block, "block") + _hooks(block.attn, "attention")
         handles += _hooks(block.ffn, "ffn")
         if block.engram is not None:
             handles += _hooks(block.engram, "engram")
-    wrapped = [(session.hasher, "decode", "engram_hash"), (session.model, "logits", "head"),
-               (session, "sampler", "sample")]  # fmt: skip
+    wrapped = [(runner.hasher, "decode", "engram_hash"), (runner.model, "logits", "head"),
+               (runner, "sampler", "sample")]  # fmt: skip
     saved = [obj.__dict__.get(attr) for obj, attr, _ in wrapped]
     for obj, attr, label in wrapped:
         _wrap(obj, attr, label)
@@ -157,15 +157,15 @@ def profile_split(engine: Engine, bs: int, inp: int, steps: int = 6) -> dict:
 
 def zero_engram(engine: Engine) -> None:
     """Hash ids and gathered rows become zeros (no hashing, no table reads, no history)."""
-    session = engine.pipeline.runner
-    e = session.model.cfg.engram
+    runner = engine.pipeline.runner
+    e = runner.model.cfg.engram
 
     def no_ids(tokens, *a, **k):
         return torch.zeros(tokens.numel(), e.num_layers, e.n_hash_cols, dtype=torch.int64,
                            device=tokens.device)  # fmt: skip
 
-    session.hasher.decode = session.hasher.extend = no_ids
-    for block in session.model.layers.values():
+    runner.hasher.decode = runner.hasher.extend = no_ids
+    for block in runner.model.layers.values():
         if block.engram is not None:
             table = block.engram.embed
 

@@ -33,8 +33,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_command(sub, "serve", "streamed /v1/completions load: TTFT, TPOT, ITL",
                  bench_serve.add_arguments, bench_serve.run)  # fmt: skip
     _add_command(sub, "throughput", "the engine in-process: tok/s, decode GB/s",
-                 bench_throughput.add_throughput_args,
-                 bench_throughput.run_bench_throughput)  # fmt: skip
+                 bench_throughput.add_arguments, bench_throughput.run)  # fmt: skip
     return bench
 
 

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from engramrt.cli import main
-from engramrt.commands.bench_throughput import _decode_bytes, _engine, add_throughput_args
+from engramrt.commands.bench_throughput import _decode_bytes, _engine, add_arguments
 
 
 def test_throughput_mode(capsys: pytest.CaptureFixture) -> None:
@@ -55,7 +55,7 @@ def test_latency_mode_reports_bandwidth(capsys: pytest.CaptureFixture) -> None:
 
 def test_decode_bytes_match_a_count_from_the_config() -> None:
     p = argparse.ArgumentParser()
-    add_throughput_args(p)
+    add_arguments(p)
     engine = _engine(p.parse_args(["--device", "cpu", "--num-gpu-blocks-override", "64"]), 64)
     c = engine.pipeline.runner.model.cfg
     d, e, hc = c.hidden_size, c.engram, c.hc_mult

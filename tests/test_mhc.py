@@ -1,7 +1,7 @@
 """mHC primitives against literal re-statements written here with explicit loops.
 
 hc_split_sinkhorn is re-stated twice, in float64 (Python floats) and in float32 (numpy float32
-scalars, same op order as the SPEC), and the mixes/collapse/expand against plain loops.
+scalars, same op order as the reference), and the mixes/collapse/expand against plain loops.
 """
 
 from __future__ import annotations

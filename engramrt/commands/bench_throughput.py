@@ -17,7 +17,7 @@ from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams
 
 
-def add_throughput_args(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     from engramrt.commands.flags import add_memory_flags
 
     p.add_argument("--model", help="model directory (default: the bundled model)")
@@ -118,7 +118,7 @@ def measure(engine: Engine, prompts: list[list[int]], out_lens: list[int]) -> di
     return res
 
 
-def run_bench_throughput(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     if args.batch_size:
         prompts_n, in_lens = args.batch_size, [args.input_len] * args.batch_size
