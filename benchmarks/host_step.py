@@ -40,8 +40,9 @@ class StubPipeline:
     def step(self, batch: StepBatch) -> StepResult:
         if self.kv is not None:
             t0 = time.perf_counter()
+            self.kv.set_tables(batch.slots, batch.block_starts, batch.new_blocks)
             ForwardContext.for_runs(batch.slots, batch.run_lens, batch.start_pos, self.kv, "cpu",
-                                    batch.block_tables, batch.tokens)  # fmt: skip
+                                    batch.tokens)  # fmt: skip
             self.build_ms = (time.perf_counter() - t0) * 1e3
         return StepResult([TOKEN] * len(batch.slots))
 
@@ -57,7 +58,7 @@ def measure(requests: int, context: int, steps: int, prefix_caching: bool) -> tu
         block_size=block, num_blocks=requests * -(-max_len // block),
         enable_prefix_caching=prefix_caching, eos_token_id=1,
     )  # fmt: skip
-    kv = KVCache([], cfg.num_blocks, block, 1, 1, torch.float32, "cpu", max_len)  # no layers
+    kv = KVCache([], cfg.num_blocks, block, 1, 1, torch.float32, "cpu", max_len, requests)
     stub = StubPipeline(kv)
     engine = Engine(stub, tok, cfg)
     rng = random.Random(0)

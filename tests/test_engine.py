@@ -82,13 +82,23 @@ def absorb(results: dict[str, Result], outputs) -> None:
             r.finish_reason = out.finish_reason
 
 
+def assert_tables_match(engine: Engine) -> None:
+    """The stage's block tables, sent a step's new blocks at a time, equal the block manager's:
+    every running request's slot holds exactly its blocks."""
+    kv = engine.pipeline.runner.kv
+    for req in engine.scheduler.running:
+        n = int(kv.table_lens[req.slot])
+        assert kv.tables[req.slot, :n].tolist() == req.blocks, req.id
+
+
 def drain(engine: Engine, results: dict[str, Result] | None = None) -> dict[str, Result]:
-    """Step until the engine has no work."""
+    """Step until the engine has no work, checking the block tables after every step."""
     results = {} if results is None else results
     for _ in range(10_000):
         if not engine.has_work():
             return results
         absorb(results, engine.step())
+        assert_tables_match(engine)
     raise AssertionError("the engine did not finish")
 
 

@@ -56,7 +56,7 @@ def test_padded_decode_equals_unpadded(model, pad_to: int) -> None:
         pos = [len(q) for q in seqs]
         want = plain.step(StepBatch(nxt, slots, [1] * 3, pos))
         ctx = ForwardContext.for_runs(
-            slots, [1] * 3, pos, padded.kv, "cpu", None, nxt,
+            slots, [1] * 3, pos, padded.kv, "cpu", nxt,
             width=padded.kv.blocks_per_seq, pad_to=pad_to,
         )  # fmt: skip
         got = padded.forward(ctx, None)
@@ -77,7 +77,7 @@ def test_padded_decode_equals_unpadded(model, pad_to: int) -> None:
 def test_padding_rejects_prefill_runs(model) -> None:
     s = new_session(model, 2)
     with pytest.raises(ValueError, match="one-token runs"):
-        ForwardContext.for_runs([0], [2], [0], s.kv, "cpu", None, [7, 8], pad_to=4)
+        ForwardContext.for_runs([0], [2], [0], s.kv, "cpu", [7, 8], pad_to=4)
 
 
 # --- Triton attention against torch, through the model's own context ----------------------
@@ -87,13 +87,14 @@ def _attention_case(seed: int, run_lens: list[int], start_pos: list[int], heads=
                     dim=16, bs=4, pad_to=None):  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     n = len(run_lens)
-    kv = KVCache([0], 64, bs, kv_heads, dim, torch.float32, "cpu", 48)
+    kv = KVCache([0], 64, bs, kv_heads, dim, torch.float32, "cpu", 48, num_slots=n)
     kv.k[0].normal_(generator=g)  # earlier positions (a prefix-cache hit) are already there
     kv.v[0].normal_(generator=g)
     perm = torch.randperm(64, generator=g).tolist()
     tables = [perm[i * 12 : (i + 1) * 12] for i in range(n)]
     toks = [7] * sum(run_lens)
-    ctx = ForwardContext.for_runs(list(range(n)), run_lens, start_pos, kv, "cpu", tables, toks,
+    kv.set_tables(list(range(n)), None, tables)
+    ctx = ForwardContext.for_runs(list(range(n)), run_lens, start_pos, kv, "cpu", toks,
                                   width=12 if pad_to else None, pad_to=pad_to)  # fmt: skip
     t = ctx.positions.numel()
     q = torch.randn(t, heads, dim, generator=g)

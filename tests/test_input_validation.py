@@ -29,7 +29,28 @@ def session() -> StageRunner:
 @pytest.mark.parametrize("table", [[-2, 0], [0, 10**6]])
 def test_block_ids_outside_the_cache_are_rejected(session: StageRunner, table: list[int]) -> None:
     with pytest.raises(ValueError, match="block table .* outside"):
-        session.step(StepBatch([7, 8], [0], [2], [0], block_tables=[table]))
+        session.step(StepBatch([7, 8], [0], [2], [0], new_blocks=[table]))
+
+
+def test_block_table_updates_are_checked(session: StageRunner) -> None:
+    """A step may extend a slot's table or replace it from any point it already holds; a gap,
+    a table longer than max_len needs, or an unknown slot is an error that changes nothing."""
+    kv = session.kv
+    kv.set_tables([1], None, [[5, 6]])
+    before = (kv.tables.copy(), kv.table_lens.copy())
+    for slots, starts, blocks, msg in [
+        ([1], [3], [[7]], "do not extend"),  # a gap after the 2 blocks held
+        ([1], [0], [[1] * (kv.blocks_per_seq + 1)], "do not extend"),
+        ([9], None, [[1]], "outside the cache"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            kv.set_tables(slots, starts, blocks)
+        assert (kv.tables == before[0]).all() and (kv.table_lens == before[1]).all()
+    kv.set_tables([1], [2], [[7]])  # extend
+    assert kv.tables[1, :3].tolist() == [5, 6, 7] and kv.table_lens[1] == 3
+    kv.set_tables([1], [1], [[3]])  # replace from block 1 on
+    assert kv.tables[1, :2].tolist() == [5, 3] and kv.table_lens[1] == 2
+    kv.set_tables([1], None, [kv.slot_table(1)])  # as the other tests expect it
 
 
 @pytest.mark.parametrize("tokens", [[-1], [10**6]])
@@ -83,7 +104,7 @@ def test_step_message_round_trip_keeps_every_field_exactly() -> None:
     """What one stage encodes, the next decodes unchanged; seeds stay exact integers. Tokens
     and history rebuilds stay on the first stage."""
     rows = [SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4), SampleRow(seed=2**63 - 1)]
-    batch = StepBatch(None, [3, 1], [2, 0], [5, 9], [[4, 7], [2]], rows, True, [11, -1], 2)
+    batch = StepBatch(None, [3, 1], [2, 0], [5, 9], [[4, 7], [2]], [1, 0], rows, True, [11, -1], 2)
     back = decode_batch(encode_batch(batch))
     back.sampling = [
         SampleRow.from_parts(r.floats(), r.ints()) for r in rows

@@ -113,8 +113,13 @@ class Engine:
         batch, admitted = self.scheduler.schedule()
         if not batch:
             return []
-        tokens, targets, target_k = [], [], None
+        for req in admitted:  # a new slot: the stages' table for it is sent whole
+            req.blocks_sent = 0
+        tokens, targets, target_k, starts, new_blocks = [], [], None, [], []
         for req, n in batch:
+            starts.append(req.blocks_sent)
+            new_blocks.append(req.blocks[req.blocks_sent :])  # usually none: O(new blocks)
+            req.blocks_sent = len(req.blocks)
             start = req.num_computed
             tokens += req.token_ids[start : start + n]
             k = req.params.prompt_logprobs
@@ -129,7 +134,8 @@ class Engine:
                 [req.slot for req, _ in batch],
                 [n for _, n in batch],
                 [req.num_computed for req, _ in batch],
-                block_tables=[req.blocks for req, _ in batch],
+                new_blocks=new_blocks,
+                block_starts=starts,
                 sampling=[req.params.row(req.num_output_tokens) for req, _ in batch],
                 targets=targets if target_k is not None else None,
                 target_k=target_k or 0,

@@ -52,7 +52,7 @@ class Logprob:
     top_logprobs: list[float]
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: queues find and remove it by identity
 class Request:
     """``token_ids`` is the prompt and then every output token, one list that grows in place, so
     no step rebuilds a request's tokens. Built by ``Engine.new_request``, which validates it."""
@@ -69,6 +69,7 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the cache
     slot: int | None = None  # Engram history slot while running
     blocks: list[int] = field(default_factory=list)
+    blocks_sent: int = 0  # how many of ``blocks`` the stages' copy of the block table holds
     num_hashed_blocks: int = 0  # prefix-cache bookkeeping: full blocks already registered
     prefix_key: bytes | None = None  # the chain key of the last registered block
     first_token_time: float | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engramrt.kernels.tiles import prefill_tiles
@@ -12,9 +13,10 @@ from engramrt.model.trace import Tracer
 
 
 class KVCache:
-    """Paged K/V for the layers one process owns: ``[num_blocks * block_size, kv, hd]`` per layer.
-    A request's block table maps its positions to blocks; without a block manager, slot ``s``
-    owns blocks ``[s * per_slot, (s + 1) * per_slot)`` (``slot_table``)."""
+    """Paged K/V for the layers one process owns: ``[num_blocks * block_size, kv, hd]`` per layer,
+    and the block table of each slot, kept on the host from step to step so a step sends only
+    the blocks a request gained (``set_tables``). Until told otherwise, slot ``s`` owns blocks
+    ``[s * per_slot, (s + 1) * per_slot)`` (``slot_table``), where the cache has them."""
 
     def __init__(
         self,
@@ -26,11 +28,40 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         max_len: int,
+        num_slots: int | None = None,
     ):
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.num_blocks, self.block_size, self.max_len = num_blocks, block_size, max_len
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        per = self.blocks_per_seq
+        rows = max(1, num_blocks // per if num_slots is None else num_slots)
+        self.tables = np.zeros((rows, per), dtype=np.int64)
+        self.table_lens = np.zeros(rows, dtype=np.int64)
+        fixed = min(rows, num_blocks // per)  # the slots whose fixed blocks exist
+        self.tables[:fixed] = np.arange(fixed * per).reshape(fixed, per)
+        self.table_lens[:fixed] = per
+
+    def set_tables(
+        self, slots: list[int], starts: list[int] | None, blocks: list[list[int]]
+    ) -> None:
+        """Slot ``slots[b]``'s table becomes its first ``starts[b]`` blocks (default 0) followed
+        by ``blocks[b]``. Only the given blocks are checked and copied: O(new blocks)."""
+        for b, (slot, new) in enumerate(zip(slots, blocks, strict=True)):
+            start = 0 if starts is None else starts[b]
+            if not 0 <= slot < len(self.tables):
+                raise ValueError(f"slot {slot} outside the cache's {len(self.tables)} tables")
+            if not 0 <= start <= self.table_lens[slot] or start + len(new) > self.blocks_per_seq:
+                raise ValueError(
+                    f"request {b}: {len(new)} blocks at {start} do not extend its table of "
+                    f"{self.table_lens[slot]} (at most {self.blocks_per_seq})"
+                )
+            if new and not 0 <= min(new) <= max(new) < self.num_blocks:
+                raise ValueError(
+                    f"request {b}: block table {new} has ids outside [0, {self.num_blocks})"
+                )
+            self.tables[slot, start : start + len(new)] = new
+            self.table_lens[slot] = start + len(new)
 
     @property
     def blocks_per_seq(self) -> int:
@@ -90,37 +121,31 @@ class ForwardContext:
         start_pos: list[int],
         kv: KVCache,
         device: torch.device | str,
-        block_tables: list[list[int]] | None = None,
         tokens: list[int] | None = None,
         width: int | None = None,
         pad_to: int | None = None,
         **kw,
     ) -> ForwardContext:
-        """Validate on the host, build every tensor there and move them in one copy. ``width``
-        fixes the block-table columns (default: the widest table); ``pad_to`` appends
-        one-token padding rows (a decode batch for a captured graph of that size)."""
-        if block_tables is None:
-            block_tables = [kv.slot_table(s) for s in slots]
+        """Validate on the host, build every tensor there and move them in one copy. Block
+        tables are the slots' tables in ``kv`` (``KVCache.set_tables``). ``width`` fixes the
+        block-table columns (default: the widest table); ``pad_to`` appends one-token padding
+        rows (a decode batch for a captured graph of that size)."""
         bsz = len(slots)
-        if not (len(run_lens) == len(start_pos) == len(block_tables) == bsz):
-            raise ValueError("slots, run_lens, start_pos and block_tables differ in length")
-        width = max([1, *map(len, block_tables)]) if width is None else width
-        table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
-        table = table.view(bsz, width)
+        if not len(run_lens) == len(start_pos) == bsz:
+            raise ValueError("slots, run_lens and start_pos differ in length")
+        at = np.asarray(slots, dtype=np.int64)
+        if bsz and not 0 <= at.min() <= at.max() < len(kv.tables):
+            raise ValueError(f"slots {slots} lie outside the cache's {len(kv.tables)} tables")
+        sizes = torch.from_numpy(kv.table_lens[at])
+        width = max(1, int(sizes.max()) if bsz else 1) if width is None else width
+        table = torch.from_numpy(kv.tables[at, :width])  # a copy: later steps may change kv's
         lens = torch.tensor(run_lens, dtype=torch.int64)
         pos0 = torch.tensor(start_pos, dtype=torch.int64)
-        sizes = torch.tensor([len(t) for t in block_tables], dtype=torch.int64)
-        bad_id = ((table < 0) | (table >= kv.num_blocks)).any(1)
         over = pos0 + lens > (sizes * kv.block_size).clamp(max=kv.max_len)
-        for b in torch.nonzero(bad_id | over | (lens < 0) | (pos0 < 0)).flatten().tolist():
-            if bad_id[b]:
-                raise ValueError(
-                    f"request {b}: block table {block_tables[b]} has ids outside "
-                    f"[0, {kv.num_blocks})"
-                )
+        for b in torch.nonzero(over | (lens < 0) | (pos0 < 0)).flatten().tolist():
             if lens[b] < 0 or pos0[b] < 0:
                 raise ValueError(f"request {b}: negative run length or start position")
-            cap = min(kv.max_len, len(block_tables[b]) * kv.block_size)
+            cap = min(kv.max_len, int(sizes[b]) * kv.block_size)
             raise ValueError(
                 f"positions up to {start_pos[b] + run_lens[b]} exceed the request's KV capacity "
                 f"({cap} tokens)"

@@ -24,11 +24,12 @@ _STEP, _STOP = 0, 1
 def encode_batch(b: StepBatch) -> list[int]:
     """The integers later stages need (not the tokens, not the rebuilds: those stay on the
     first stage); the sampling rows travel separately."""
-    tables, targets = b.block_tables, b.targets
+    tables, targets = b.new_blocks, b.targets
     head = [int(b.return_logits), len(b.slots), int(tables is not None)]
     head += [int(targets is not None), b.target_k]
     body = [*b.slots, *b.run_lens, *b.start_pos]
     if tables is not None:
+        body += b.block_starts or [0] * len(tables)
         body += [len(t) for t in tables] + [x for t in tables for x in t]
     if targets is not None:
         body += targets
@@ -39,14 +40,14 @@ def decode_batch(v: list[int]) -> StepBatch:
     ret, n, has_tables, has_targets, target_k = v[:5]
     v = v[5:]
     slots, lens, pos, v = v[:n], v[n : 2 * n], v[2 * n : 3 * n], v[3 * n :]
-    tables = None
+    tables = starts = None
     if has_tables:
-        sizes, v, tables = v[:n], v[n:], []
+        starts, sizes, v, tables = v[:n], v[n : 2 * n], v[2 * n :], []
         for size in sizes:
             tables.append(v[:size])
             v = v[size:]
     targets = v[: sum(lens)] if has_targets else None
-    return StepBatch(None, slots, lens, pos, tables, None, bool(ret), targets, target_k)
+    return StepBatch(None, slots, lens, pos, tables, starts, None, bool(ret), targets, target_k)
 
 
 class Pipeline:

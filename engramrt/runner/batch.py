@@ -54,16 +54,22 @@ class SampleRow:
 @dataclass
 class StepBatch:
     """Request ``b`` computes ``run_lens[b]`` tokens from position ``start_pos[b]`` in history
-    (and, without ``block_tables``, KV) slot ``slots[b]``. ``tokens`` are needed on the first
-    stage only. ``rebuilds`` are (slot, the tokens before this step's run) of requests whose
-    history row must be set from their tokens before hashing (a fresh request, a prefix-cache
-    hit, a resumed preempted request): the first stage, the history's one owner, applies them."""
+    and KV slot ``slots[b]``. ``tokens`` are needed on the first stage only.
+
+    Every stage keeps each slot's block table from step to step (``KVCache.set_tables``), so a
+    step carries only what changed: request ``b``'s table becomes its first ``block_starts[b]``
+    blocks (default 0: all of it is given) followed by ``new_blocks[b]``; without
+    ``new_blocks`` the tables stay as they are (by default each slot's fixed blocks).
+    ``rebuilds`` are (slot, the tokens before this step's run) of requests whose history row
+    must be set from their tokens before hashing (a fresh request, a prefix-cache hit, a resumed
+    preempted request): the first stage, the history's one owner, applies them."""
 
     tokens: list[int] | None
     slots: list[int]
     run_lens: list[int]
     start_pos: list[int]
-    block_tables: list[list[int]] | None = None  # None: each slot's fixed blocks
+    new_blocks: list[list[int]] | None = None
+    block_starts: list[int] | None = None
     sampling: list[SampleRow] | None = None  # per request; None: greedy
     return_logits: bool = False
     targets: list[int] | None = None  # per token: the next-token id to score (-1: none)

@@ -55,14 +55,11 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[b] = (graph, ctx, out, carry)
 
-    def covers(self, run_lens: list[int], tracer, tables: list[list[int]] | None) -> bool:
-        """A decode step of a captured size whose tables fit the static buffer, with no tracer
-        (a trace needs eager tensors)."""
+    def covers(self, run_lens: list[int], tracer) -> bool:
+        """A decode step of a captured size, with no tracer (a trace needs eager tensors). Every
+        block table fits the static buffer: the cache's tables are that wide."""
         return (
-            tracer is None
-            and 0 < len(run_lens) <= self.sizes[-1]
-            and all(n == 1 for n in run_lens)
-            and (tables is None or max(map(len, tables)) <= self.width)
+            tracer is None and 0 < len(run_lens) <= self.sizes[-1] and all(n == 1 for n in run_lens)
         )
 
     def padded_size(self, n: int) -> int:
@@ -71,8 +68,7 @@ class DecodeGraphs:
     @torch.inference_mode()  # no autograd state kept alive by the captured outputs
     def _capture(self, b: int, pool):
         # all rows padding: the warm-up run (Triton JIT, cuBLAS handles) commits and writes nothing
-        ctx = ForwardContext.for_runs([], [], [], self.kv, self.device, [], [], self.width,
-                                      pad_to=b)  # fmt: skip
+        ctx = ForwardContext.for_runs([], [], [], self.kv, self.device, [], self.width, pad_to=b)
         carry = None if self.carry_for is None else self.carry_for(b)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -49,7 +49,7 @@ def new_kv_cache(
         num_blocks = num_slots * -(-max_len // block_size)
     device = next(model.parameters()).device
     return KVCache(model.layer_ids, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                   model.dtype, device, max_len)  # fmt: skip
+                   model.dtype, device, max_len, num_slots)  # fmt: skip
 
 
 @dataclass
@@ -140,7 +140,7 @@ class StageRunner:
         torch.cuda.reset_peak_memory_stats(dev)
         carry = None if self.is_first else Carry.empty(self.model, tokens, torch.zeros)
         fake = [self.model.cfg.bos_token_id or 0] * tokens if self.is_first else None
-        batch = StepBatch(fake, list(range(len(runs))), runs, [0] * len(runs), tables)
+        batch = StepBatch(fake, list(range(len(runs))), runs, [0] * len(runs), new_blocks=tables)
         logits = self.step(batch, carry)
         if self.is_last:  # the sampler's temporaries at the largest batch
             n = min(tokens, rows)
@@ -185,13 +185,14 @@ class StageRunner:
             self.hasher.validate(tokens, batch.slots, batch.run_lens)
             for slot, before in batch.rebuilds:
                 self.hasher.rebuild(slot, before)
+        if batch.new_blocks is not None:
+            self.kv.set_tables(batch.slots, batch.block_starts, batch.new_blocks)
         graphs = self.graphs
-        if graphs is not None and not graphs.covers(batch.run_lens, self.tracer,
-                                                    batch.block_tables):  # fmt: skip
+        if graphs is not None and not graphs.covers(batch.run_lens, self.tracer):
             graphs = None
         ctx = ForwardContext.for_runs(
             batch.slots, batch.run_lens, batch.start_pos, self.kv,
-            "cpu" if graphs else self.device, batch.block_tables, batch.tokens,
+            "cpu" if graphs else self.device, batch.tokens,
             pad_to=graphs.padded_size(len(batch.slots)) if graphs else None, tracer=self.tracer,
         )  # fmt: skip
         if graphs is not None:
