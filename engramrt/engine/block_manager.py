@@ -1,10 +1,7 @@
 """Paged KV blocks with reference counts and prefix caching of full blocks.
 
 A full block is keyed by a SHA-256 chain over its tokens and every token before it; a new
-request whose prompt starts with cached blocks shares them. A hit is also checked exactly, key
-collisions or not: the block's own tokens must match, and so must its parent (the cached block
-it was computed after, in the generation that block had then), so by induction the whole prefix
-matches. Freed
+request whose prompt starts with cached blocks shares them (its own tokens compared too). Freed
 blocks keep their key until reused, so a finished request's prefix can still be hit. A request
 remembers the key of its last registered block, so registering extends the chain by the new
 blocks only: the work per step does not grow with the context.
@@ -27,8 +24,6 @@ class BlockManager:
         self.key: list[bytes | None] = [None] * num_blocks
         self.tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.by_key: dict[bytes, int] = {}
-        self.gen = [0] * num_blocks  # bumped each time a block is handed out anew
-        self.parent: list[tuple[int, int] | None] = [None] * num_blocks  # (block, its gen)
         # free blocks, least recently freed first; an OrderedDict so a cached block can be
         # revived from the middle in O(1)
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -43,10 +38,9 @@ class BlockManager:
 
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)
-        self.gen[block] += 1
         if self.key[block] is not None:  # reused: its old prefix can no longer be hit
             self.by_key.pop(self.key[block], None)
-            self.key[block] = self.tokens[block] = self.parent[block] = None
+            self.key[block] = self.tokens[block] = None
         self.ref[block] = 1
         return block
 
@@ -76,9 +70,8 @@ class BlockManager:
             toks = self._block_tokens(req, i)
             key = self._chain(req.prefix_key, toks)
             block = self.by_key.get(key)
-            parent = (req.blocks[-1], self.gen[req.blocks[-1]]) if req.blocks else None
-            if block is None or self.tokens[block] != toks or self.parent[block] != parent:
-                break  # a miss, or a key collision
+            if block is None or self.tokens[block] != toks:  # a miss, or a collision
+                break
             if self.ref[block] == 0:
                 del self.free[block]
             self.ref[block] += 1
@@ -103,14 +96,11 @@ class BlockManager:
             return
         for i in range(req.num_hashed_blocks, req.num_computed // self.block_size):
             toks = self._block_tokens(req, i)
-            # the parent is the block cached under the previous key (admission walks those)
-            prev = self.by_key.get(req.prefix_key) if i else None
             req.prefix_key = key = self._chain(req.prefix_key, toks)
             block = req.blocks[i]
-            if key not in self.by_key and (i == 0 or prev is not None):
+            if key not in self.by_key:
                 self.by_key[key] = block
                 self.key[block], self.tokens[block] = key, toks
-                self.parent[block] = None if prev is None else (prev, self.gen[prev])
             req.num_hashed_blocks = i + 1
 
     def release(self, req: Request) -> None:
