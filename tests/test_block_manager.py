@@ -269,6 +269,29 @@ def test_colliding_block_with_equal_tokens_but_other_prefix_is_not_shared(
     assert b.num_computed == 2
 
 
+def test_a_prefix_computed_twice_stays_hittable_after_its_first_copy_is_reused() -> None:
+    """Two requests with one prefix admitted in one step both compute its first block; only the
+    first copy gets the key. Once that copy is freed and reused, a third request recomputes the
+    block, and a fourth must still hit both blocks of the prefix (the second request's block 1,
+    keyed by the chain, is valid K/V whichever physical block held block 0)."""
+    bm = BlockManager(8, 2)
+    a, b = make_req("a", [1, 1, 9]), make_req("b", [1, 1, 2, 2, 5])
+    bm.admit(a)
+    bm.admit(b)  # the same step: both miss
+    compute(bm, a)
+    compute(bm, b)
+    bm.release(a)
+    c = make_req("c", [7] * 2 * bm.num_free)  # takes every free block, a's among them
+    bm.admit(c)
+    bm.release(c)
+    d = make_req("d", [1, 1, 2, 2, 7])
+    bm.admit(d)
+    compute(bm, d)
+    e = make_req("e", [1, 1, 2, 2, 8])
+    bm.admit(e)
+    assert e.num_computed == 4 and e.blocks[:2] == [d.blocks[0], b.blocks[1]]
+
+
 # --- freed blocks --------------------------------------------------------------------------------
 
 
