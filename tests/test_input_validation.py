@@ -132,6 +132,16 @@ def test_vanishing_temperature_is_greedy() -> None:
     assert got == logits.argmax(-1).tolist()
 
 
+def test_stop_string_search_covers_rewritten_text() -> None:
+    """Text already sent is not searched again, unless the decoder rewrote it: then a stop
+    string that appeared before the unsent end is still found (the whole text is searched)."""
+    from engramrt.engine.detokenize import StopStringHoldback
+
+    d = StopStringHoldback(["xy"])
+    assert d.update("abcdefgh", False) == ("abcdefg", False)  # "h" may start "xy": held
+    assert d.update("abxyefghij", False, rescan=True) == ("", True)
+
+
 def test_stop_string_split_across_a_multibyte_character_does_not_leak() -> None:
     from engramrt.engine.detokenize import StopStringHoldback
 

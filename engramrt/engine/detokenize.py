@@ -20,6 +20,7 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: Tokenizer, start: int = 0):
         self.tok, self.start, self.done = tokenizer, start, ""
         self.prefix = self.read = start
+        self.rewrote = False  # the last call's text changed what came before
 
     def __call__(self, ids: list[int]) -> str:
         def dec(a: int, b: int | None = None) -> str:
@@ -27,7 +28,8 @@ class IncrementalDecoder:
 
         head = dec(self.prefix, self.read) if self.read > self.prefix else ""
         full = dec(self.prefix)
-        if not full.startswith(head):  # a decoder that rewrites earlier text: decode it all
+        self.rewrote = not full.startswith(head)
+        if self.rewrote:  # a decoder that rewrites earlier text: decode it all
             return dec(self.start)
         tail = full[len(head) :]
         if tail and not tail.endswith("\ufffd"):  # ends on a whole character: commit
@@ -43,11 +45,12 @@ class StopStringHoldback:
         self.longest = max((len(s) for s in stops), default=0)
         self.hold = max(self.longest, 1) - 1
 
-    def update(self, text: str, finished: bool) -> tuple[str, bool]:
+    def update(self, text: str, finished: bool, rescan: bool = False) -> tuple[str, bool]:
         """The new text to send of the whole output ``text`` so far, and whether a stop string
         ended the request. Only the unsent end (and a stop string's length before it) is
-        searched: everything sent earlier was searched when it arrived."""
-        since = max(0, self.sent - self.longest)
+        searched: everything sent earlier was searched when it arrived, unless the text before
+        it changed (``rescan``)."""
+        since = 0 if rescan else max(0, self.sent - self.longest)
         hit = min((i for i in (text.find(s, since) for s in self.stops) if i >= 0), default=-1)
         if hit >= 0:
             text, finished = text[:hit], True
@@ -67,4 +70,5 @@ class OutputText:
         self.holdback = StopStringHoldback(stops)
 
     def update(self, ids: list[int], finished: bool) -> tuple[str, bool]:
-        return self.holdback.update(self.decoder(ids), finished)
+        text = self.decoder(ids)
+        return self.holdback.update(text, finished, rescan=self.decoder.rewrote)
