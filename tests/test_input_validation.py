@@ -138,7 +138,7 @@ def test_stop_string_search_covers_rewritten_text() -> None:
     from engramrt.engine.detokenize import StopStringHoldback
 
     d = StopStringHoldback(["xy"])
-    assert d.update("abcdefgh", False) == ("abcdefg", False)  # "h" may start "xy": held
+    assert d.update("abcdefgh", False) == ("abcdefg", False)  # the last character is held
     assert d.update("abxyefghij", False, rescan=True) == ("", True)
 
 

@@ -34,7 +34,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
-    eos_token_id: int | None = None
+    eos_token_id: int | None = None  # the model config's; None: a model without EOS
 
 
 @dataclass
