@@ -129,8 +129,11 @@ def load_json(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path} not found")
-    with path.open() as f:
-        return json.load(f)
+    try:
+        with path.open() as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
 
 
 ATTENTION_TYPES = ("gqa",)

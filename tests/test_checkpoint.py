@@ -381,6 +381,33 @@ def test_index_pointing_at_missing_shard(tmp_path: Path, fp8_ckpt: tuple) -> Non
         load_model(out)
 
 
+@pytest.mark.parametrize("damage", ["truncate-header", "truncate-data", "garbage"])
+def test_corrupt_safetensors_file_is_named(tmp_path: Path, fp8_ckpt: tuple, damage: str) -> None:
+    """A truncated or corrupt shard is a CheckpointError naming the file (not a raw
+    SafetensorError), whether the header or only the tensor data is damaged; the CLI exits 2."""
+    from engramrt.cli import main
+
+    model, raw, _ = fp8_ckpt
+    out = save_model(model, raw, tmp_path / "ckpt")
+    (f,) = out.glob("*.safetensors")
+    data = f.read_bytes()
+    cut = {"truncate-header": 20, "truncate-data": len(data) - 100, "garbage": 0}[damage]
+    f.write_bytes(data[:cut] + (b"not a safetensors file" if damage == "garbage" else b""))
+    with pytest.raises(CheckpointError, match=f.name):
+        load_model(out)
+    assert main(["generate", "--model", str(out), "--prompt", "hi", "--device", "cpu"]) == 2
+
+
+@pytest.mark.parametrize("name", ["config.json", INDEX])
+def test_invalid_json_is_named(tmp_path: Path, fp8_ckpt: tuple, name: str) -> None:
+    """An invalid config.json or index is an error naming the file, a ValueError (exit 2)."""
+    model, raw, _ = fp8_ckpt
+    out = save_model(model, raw, tmp_path / "sharded", max_shard_bytes=100_000)
+    (out / name).write_text('{"hidden_size": 1,')
+    with pytest.raises(ValueError, match=name):
+        load_model(out)
+
+
 def test_index_missing_an_entry(tmp_path: Path, fp8_ckpt: tuple) -> None:
     """A tensor that the index's weight_map leaves out is a CheckpointError naming it, not a
     bare KeyError."""

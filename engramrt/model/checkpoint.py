@@ -9,12 +9,14 @@ up), MoE ``layers.{i}.ffn.gate.weight``, ``.ffn.experts.{e}.w{1,2,3}.weight``,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -32,18 +34,31 @@ class CheckpointError(ValueError):
     """A checkpoint does not match its config; the message names the tensor."""
 
 
+@contextlib.contextmanager
+def _opened(f: Path) -> Iterator:
+    """A safetensors file; a truncated or corrupt one is a ``CheckpointError`` naming it."""
+    try:
+        with safe_open(f, framework="pt") as st:
+            yield st
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"cannot read checkpoint file {f}: {exc}") from None
+
+
 def _files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> file holding it."""
     index = model_dir / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index: {exc!r}") from None
         return {name: model_dir / f for name, f in weight_map.items()}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {model_dir}")
     out = {}
     for f in files:
-        with safe_open(f, framework="pt") as st:
+        with _opened(f) as st:
             out.update(dict.fromkeys(st.keys(), f))
     return out
 
@@ -53,7 +68,7 @@ def _shapes(where: dict[str, Path]) -> dict[str, list[int]]:
     for f in sorted(set(where.values())):
         if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} listed in the index is missing")
-        with safe_open(f, framework="pt") as st:
+        with _opened(f) as st:
             for name in st.keys():
                 shapes[name] = list(st.get_slice(name).get_shape())
     return shapes
@@ -129,7 +144,7 @@ def _read(where: dict[str, Path], names: list[str], model_dir: Path) -> dict[str
         total=len(names), desc=f"loading {model_dir.name}", unit="tensor", disable=None
     ) as bar:
         for f, group in by_file.items():
-            with safe_open(f, framework="pt") as st:
+            with _opened(f) as st:
                 for name in group:
                     state[name] = st.get_tensor(name)
                     bar.update()
