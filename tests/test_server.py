@@ -672,6 +672,33 @@ def test_malformed_json(server: str, path: str) -> None:
     still_serves(server)
 
 
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}'),
+     ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}'),
+     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\ud800"}]}')],
+)  # fmt: skip
+def test_lone_surrogate_is_a_400(server: str, path: str, raw: bytes) -> None:
+    """JSON can spell a lone UTF-16 surrogate, which no tokenizer takes: a 400 naming the
+    field, and the connection and server keep serving."""
+    with httpx.Client(timeout=30) as c:
+        r = c.post(f"{server}{path}", content=raw, headers={"content-type": "application/json"})
+        assert_error(r, 400, "surrogate")
+        assert c.get(f"{server}/health").status_code == 200  # same keep-alive connection
+    still_serves(server)
+
+
+def test_non_api_errors_have_the_openai_shape(server: str) -> None:
+    """A body that is not UTF-8, an unknown route and a wrong method answer in OpenAI's error
+    shape with their own status."""
+    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "\xff\xfe"}',
+                   headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+    assert_error(r, 400)
+    assert_error(httpx.get(f"{server}/v1/nothing-here", timeout=30), 404)
+    assert_error(httpx.get(f"{server}/v1/completions", timeout=30), 405)
+    still_serves(server)
+
+
 def test_bad_stream_request_is_plain_error(server: str) -> None:
     """A request that fails validation is an HTTP error even when it asked for a stream."""
     r = httpx.post(

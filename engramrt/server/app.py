@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import engramrt
 from engramrt.engine.async_engine import EngineDead
@@ -104,6 +105,17 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(validation_error_body(exc.errors()), 400)
 
 
+_KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes, wrong methods and bodies that are not even text, in OpenAI's shape."""
+    kind = _KINDS.get(exc.status_code, "InternalServerError" if exc.status_code >= 500 else
+                      "BadRequestError")  # fmt: skip
+    body = error_body(exc.status_code, str(exc.detail), kind)
+    return JSONResponse(body, exc.status_code, headers=getattr(exc, "headers", None))
+
+
 def create_app(server: Server, ready_message: str | None = None) -> FastAPI:
     """``ready_message`` is printed once the app accepts requests."""
 
@@ -117,6 +129,7 @@ def create_app(server: Server, ready_message: str | None = None) -> FastAPI:
     app.state.server = server
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     cfg = server.cfg
 
     async def require_key(request: Request) -> None:

@@ -17,6 +17,28 @@ class _Base(BaseModel):
         """Clients send ``"temperature": null`` and the like for "use the default"."""
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data):
+        """JSON may spell a lone surrogate (``"\\ud800"``), which is no text: the tokenizer
+        would fail on it, so it is a 400 here, not a 500 later."""
+        _check_text(data)
+        return data
+
+
+def _check_text(value, path: str = "") -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{path or 'a string'} holds a lone UTF-16 surrogate") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{path}[{i}]")
+
 
 class StreamOptions(_Base):
     include_usage: bool = False
