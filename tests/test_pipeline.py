@@ -74,9 +74,23 @@ def test_partition_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "1,5")
     assert resolve_partition(6, 2) == [1, 5]
     assert resolve_partition(6, 2, "4,2") == [4, 2]  # the flag wins
+    assert resolve_partition(6, 1) == [6]  # one stage: the pipeline's partition does not apply
     monkeypatch.setenv(ENV, "2,2")
     with pytest.raises(PartitionError, match=r"\[2, 2\] sums to 4 .* 6 layers"):
         resolve_partition(6, 2)
+    monkeypatch.delenv(ENV)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,4")  # vLLM's name works too
+    assert resolve_partition(6, 2) == [2, 4]
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,x")  # and is validated
+    with pytest.raises(PartitionError, match="comma-separated integers"):
+        resolve_partition(6, 2)
+    monkeypatch.setenv(ENV, "3,3")  # engramrt's own name wins
+    assert resolve_partition(6, 2) == [3, 3]
+
+
+def test_more_stages_than_layers_names_the_rule() -> None:
+    with pytest.raises(PartitionError, match="pipeline_parallel_size 8 exceeds the model's 7"):
+        resolve_partition(7, 8)
 
 
 def test_cli_rejects_bad_partition(capsys: pytest.CaptureFixture) -> None:
@@ -88,9 +102,16 @@ def test_partition_enumeration_and_selection() -> None:
     every = all_partitions(6, 3)
     assert len(every) == 10 and all(sum(p) == 6 and min(p) >= 1 for p in every)
     assert len({tuple(p) for p in every}) == 10
-    picked = choose_partitions(6, 3, [1, 4], 4)
     entry_on_engram = [p for p in every if p[0] in (1, 4) or p[0] + p[1] in (1, 4)]
-    assert all(p in picked for p in entry_on_engram) and len(picked) >= 4
+    for k in range(1, 12):  # never more than K; the stage-entry-on-Engram ones first
+        picked = choose_partitions(6, 3, [1, 4], k)
+        assert len(picked) == min(k, 10) and len({tuple(p) for p in picked}) == len(picked)
+        if k >= len(every):
+            assert picked == every
+            continue
+        m = min(k, len(entry_on_engram))
+        assert all(p in entry_on_engram for p in picked[:m])
+        assert all(p in picked for p in entry_on_engram) or k < len(entry_on_engram)
 
 
 # --- fail closed on every stage --------------------------------------------------------------

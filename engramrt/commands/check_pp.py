@@ -39,8 +39,8 @@ FAULT_ENV = "ENGRAMRT_CHECK_PP_FAULT"
 
 
 def choose_partitions(num_layers: int, stages: int, engram_layers: list[int], limit: int | None):
-    """All partitions, or ``limit`` of them that always include every partition in which a
-    later stage starts on an Engram layer."""
+    """All partitions, or at most ``limit`` of them, those in which a later stage starts on an
+    Engram layer first."""
     every = all_partitions(num_layers, stages)
     if limit is None or limit >= len(every):
         return every
@@ -50,7 +50,7 @@ def choose_partitions(num_layers: int, stages: int, engram_layers: list[int], li
 
     must = [p for p in every if entry_on_engram(p)]
     rest = [p for p in every if not entry_on_engram(p)]
-    return must + rest[: max(0, limit - len(must))]
+    return (must + rest)[:limit]
 
 
 @dataclass
@@ -203,7 +203,7 @@ def format_report(report: dict) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_flag(p)
     p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--max-partitions", type=int, help="at most K (entry-on-Engram ones always)")
+    p.add_argument("--max-partitions", type=int, help="at most K (entry-on-Engram ones first)")
     p.add_argument("--prompts", metavar="FILE", help="one prompt per line")
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--device", choices=DEVICES, default="cpu")

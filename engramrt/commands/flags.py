@@ -37,7 +37,8 @@ def add_dist_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument(
         "--pp-layer-partition",
-        help="layers per stage, e.g. 14,26 (also $ENGRAMRT_PP_LAYER_PARTITION); "
+        help="layers per stage, e.g. 14,26 (also $ENGRAMRT_PP_LAYER_PARTITION or "
+        "$VLLM_PP_LAYER_PARTITION with -pp > 1); "
         "default: vLLM's even split",
     )
     p.add_argument("--distributed-backend", choices=["gloo", "nccl"], help="default: by device")

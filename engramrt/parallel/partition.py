@@ -1,7 +1,9 @@
 """Layer partitions across pipeline stages, with vLLM's rules and default split.
 
-``ENGRAMRT_PP_LAYER_PARTITION`` / ``--pp-layer-partition`` "a,b,...": one entry per stage, summing
-to the layer count; unlike vLLM, an empty (zero) or negative stage is rejected too.
+``--pp-layer-partition`` "a,b,..." (or ``ENGRAMRT_PP_LAYER_PARTITION``, or vLLM's
+``VLLM_PP_LAYER_PARTITION``): one entry per stage, summing to the layer count; unlike vLLM, an
+empty (zero) or negative stage is rejected too. The environment is read only when there are
+several stages, so a partition exported for a pipeline does not break a one-stage run.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import os
 
 ENV = "ENGRAMRT_PP_LAYER_PARTITION"
+VLLM_ENV = "VLLM_PP_LAYER_PARTITION"
 
 
 class PartitionError(ValueError):
@@ -34,10 +37,17 @@ def default_partition(num_layers: int, pp_size: int) -> list[int]:
 
 
 def resolve_partition(num_layers: int, pp_size: int, text: str | None = None) -> list[int]:
-    """The partition from ``text``, else the environment, else the default; validated."""
+    """The partition from ``text``, else (with several stages) the environment, else the
+    default; validated."""
     if pp_size < 1:
         raise PartitionError(f"pipeline_parallel_size must be >= 1, got {pp_size}")
-    text = text if text is not None else os.environ.get(ENV)
+    if text is None and pp_size > 1:
+        text = os.environ.get(ENV) or os.environ.get(VLLM_ENV)
+    if not text and pp_size > num_layers:
+        raise PartitionError(
+            f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers: every "
+            "stage needs at least one layer"
+        )
     parts = parse_partition(text) if text else default_partition(num_layers, pp_size)
     if len(parts) != pp_size:
         raise PartitionError(
