@@ -10,6 +10,7 @@ from typing import Any
 
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
+import engramrt
 from engramrt.commands import bench_serve, bench_throughput, check_pp, engram_hash, generate, serve
 
 
@@ -39,6 +40,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engramrt", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"engramrt {engramrt.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_command(sub, "engram-hash", "print each token's Engram hash ids",
                  engram_hash.add_arguments, engram_hash.run)  # fmt: skip

@@ -29,6 +29,16 @@ def _run_json(capsys: pytest.CaptureFixture, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    """``engramrt --version`` prints the package's version and exits 0, as vLLM's does."""
+    import engramrt
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"engramrt {engramrt.__version__}"
+
+
 def test_engram_hash_text_matches_oracle(capsys: pytest.CaptureFixture) -> None:
     text = "The Engram café hashes THE tokens  of   <｜image｜> a prompt."
     out = _run_json(capsys, "--text", text)

@@ -843,6 +843,12 @@ def test_stream_disconnect_aborts(server: str) -> None:
     generated = metric(after, "engramrt:generation_tokens_total")
     assert generated - metric(before, "engramrt:generation_tokens_total") < num * max_tokens
 
+    def aborted(m: dict[str, float]) -> float:
+        name = "engramrt:request_success_total{"
+        return sum(v for k, v in m.items() if k.startswith(name) and 'reason="abort"' in k)
+
+    assert aborted(after) - aborted(before) == num  # counted as vLLM counts them
+
 
 def test_non_stream_disconnect_aborts() -> None:
     # its own server: if the request is not aborted it keeps the engine busy for seconds

@@ -179,8 +179,10 @@ class Server:
     # --- running them ---------------------------------------------------------------------
 
     async def _pump(self, choice: Choice, sink: asyncio.Queue) -> None:
-        """One request's outputs into the shared queue, with its latency metrics."""
+        """One request's outputs into the shared queue, with its latency metrics; a request that
+        ends without finishing (a disconnect, an error) counts as aborted, as in vLLM."""
         start, last, model = time.monotonic(), None, self.metrics.model
+        finished = False
         try:
             async for out in self.engine.generate(choice.request):
                 now = time.monotonic()
@@ -190,12 +192,15 @@ class Server:
                     self.metrics.itl.labels(model).observe(now - last)
                 last = now
                 if out.finished:
+                    finished = True
                     self.metrics.e2e.labels(model).observe(now - start)
                     self.metrics.success.labels(model, out.finish_reason).inc()
                 await sink.put((choice, out))
         except Exception as exc:  # noqa: BLE001 - surfaced to the client
             await sink.put((choice, exc))
         finally:
+            if not finished:
+                self.metrics.success.labels(model, "abort").inc()
             await sink.put((choice, None))
 
     async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
