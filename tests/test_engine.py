@@ -442,6 +442,27 @@ def test_bad_prompts_rejected(make_engine, encode, session: StageRunner) -> None
     assert_idle(engine)
 
 
+def test_a_tokenizer_larger_than_the_model_cannot_kill_the_engine() -> None:
+    """Ids are checked against the smaller of the tokenizer and the model's vocab_size: an id
+    the tokenizer knows but the embedding has no row for is a ValueError naming both sizes,
+    and the engine keeps serving (it used to die in the embedding lookup)."""
+    from engramrt.engram import load_hasher
+    from tests.model_factory import make_model
+
+    model, _ = make_model(seed=3, vocab_size=600)
+    hasher, tok = load_hasher(resolve_model_dir(None), 2)
+    assert tok.get_vocab_size(with_added_tokens=True) > 600
+    runner = StageRunner(model, hasher, None, tok)
+    runner.allocate_kv(2, 64, 4, 32)
+    cfg = EngineConfig(64, 2, 64, 4, 32, True, model.cfg.eos_token_id, model.cfg.vocab_size)
+    engine = Engine(Pipeline(runner), tok, cfg)
+    with pytest.raises(ValueError, match=r"\[700\].*600.*1024"):
+        engine.add_request("bad", [0, 700], greedy(2))
+    engine.add_request("ok", [0, 599], greedy(2))
+    assert len(drain(engine)["ok"].ids) == 2
+    assert_idle(engine)
+
+
 def test_context_boundary(make_engine, encode) -> None:
     """prompt + max_tokens == max_model_len is accepted and ends with "length"."""
     res = run_alone(make_engine, encode("hi"), greedy(7, ignore_eos=True))

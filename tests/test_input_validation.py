@@ -98,6 +98,9 @@ def test_prompt_limits() -> None:
         prompt_tokens(tok, cfg, "hello", 100 - n + 2, 100, SampleRow())
     with pytest.raises(ValueError, match="no tokens"):
         prompt_tokens(tok, dataclasses.replace(cfg, bos_token_id=None), "", 4, 100, SampleRow())
+    small = dataclasses.replace(cfg, vocab_size=max(ids[1:]))  # a tokenizer larger than the model
+    with pytest.raises(ValueError, match=f"past the model's vocab_size {max(ids[1:])}"):
+        prompt_tokens(tok, small, "hello", 1, 100, SampleRow())
 
 
 def test_step_message_round_trip_keeps_every_field_exactly() -> None:

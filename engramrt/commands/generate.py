@@ -89,6 +89,12 @@ def prompt_tokens(
     ids = bos + tokenizer.encode(prompt).ids
     if not ids:
         raise ValueError("the prompt has no tokens")
+    if max(ids) >= cfg.vocab_size:
+        raise ValueError(
+            f"the prompt's token ids {sorted({t for t in ids if t >= cfg.vocab_size})[:8]} lie "
+            f"past the model's vocab_size {cfg.vocab_size} (the tokenizer has "
+            f"{tokenizer.get_vocab_size(with_added_tokens=True)} tokens)"
+        )
     if len(ids) + max_tokens - 1 > limit:  # the last sampled token is never fed back
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "

@@ -132,7 +132,7 @@ def build_stage(
         return pipe, None
     config = EngineConfig(
         max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, blocks,
-        opts.enable_prefix_caching, cfg.eos_token_id,
+        opts.enable_prefix_caching, cfg.eos_token_id, cfg.vocab_size,
     )  # fmt: skip
     return pipe, Engine(pipe, runner.tokenizer, config)
 

@@ -35,6 +35,7 @@ class EngineConfig:
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
     eos_token_id: int | None = None  # the model config's; None: a model without EOS
+    model_vocab_size: int | None = None  # the embedding's rows; None: the tokenizer's size
 
 
 @dataclass
@@ -53,7 +54,10 @@ class RequestOutput:
 class Engine:
     def __init__(self, pipeline: Runs, tokenizer: Tokenizer, cfg: EngineConfig):
         self.pipeline, self.tokenizer, self.cfg = pipeline, tokenizer, cfg
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # ids must index both the tokenizer (Engram token map) and the embedding: a tokenizer
+        # larger than the model's vocab_size must not let one request crash the engine
+        self.tokenizer_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = min(self.tokenizer_size, cfg.model_vocab_size or self.tokenizer_size)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
@@ -72,7 +76,9 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
-                f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})"
+                f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size}) (the "
+                f"tokenizer has {self.tokenizer_size} tokens, the model's embedding "
+                f"{self.cfg.model_vocab_size or self.tokenizer_size} rows)"
             )
         total = len(prompt_ids) + params.max_tokens
         if total > self.cfg.max_model_len:
