@@ -152,6 +152,12 @@ def test_models_health_metrics(server: str) -> None:
         assert isinstance(m["created"], int) and m["max_model_len"] == MAX_LEN
     listed = client(server).models.list()
     assert [m.id for m in listed.data] == [m["id"] for m in body["data"]]
+    for card in body["data"]:  # one model's card, as client.models.retrieve asks for it
+        assert httpx.get(f"{server}/v1/models/{card['id']}").json() == card
+        assert client(server).models.retrieve(card["id"]).id == card["id"]
+    assert_error(httpx.get(f"{server}/v1/models/no-such-model"), 404, "does not exist")
+    with pytest.raises(openai.NotFoundError):
+        client(server).models.retrieve("no-such-model")
 
     assert httpx.get(f"{server}/health").status_code == 200
     greedy(server, PROMPTS[0], 2)  # so the latency histograms have a sample

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible FastAPI app: /v1/models, /v1/completions, /v1/chat/completions (plain
-and SSE), /health, /metrics, /version. Errors use OpenAI's body shape; a client that goes away
+"""The OpenAI-compatible FastAPI app: /v1/models[/{id}], /v1/completions, /v1/chat/completions
+(plain and SSE), /health, /metrics, /version. Errors use OpenAI's body shape; a client that goes away
 aborts its requests. Only routing lives here: requests are built and run in ``serving`` and
 shaped in ``responses``."""
 
@@ -59,6 +59,13 @@ async def models(request: Request) -> dict:
     server = _server(request)
     data = [model_card(n, server.created, server.cfg.max_model_len) for n in server.cfg.model_names]
     return {"object": "list", "data": data}
+
+
+@api.get("/v1/models/{model_id:path}", response_model=None)
+async def model(model_id: str, request: Request) -> dict:
+    """One model's card (``client.models.retrieve``); names may hold slashes (paths)."""
+    server = _server(request)
+    return model_card(server.check_model(model_id), server.created, server.cfg.max_model_len)
 
 
 @api.post("/v1/completions", response_model=None)
