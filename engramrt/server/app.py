@@ -1,6 +1,6 @@
 """The OpenAI-compatible FastAPI app: /v1/models[/{id}], /v1/completions, /v1/chat/completions
-(plain and SSE), /health, /metrics, /version. Errors use OpenAI's body shape; a client that goes away
-aborts its requests. Only routing lives here: requests are built and run in ``serving`` and
+(plain and SSE), /health, /metrics, /version. Errors use OpenAI's body shape; a client that goes
+away aborts its requests. Only routing lives here: requests are built and run in ``serving`` and
 shaped in ``responses``."""
 
 from __future__ import annotations
