@@ -13,6 +13,7 @@ import torch
 from engramrt.bundled import resolve_model_dir
 from engramrt.commands.generate import generate
 from engramrt.parallel.pipeline import Pipeline
+from engramrt.prompts import PromptEncoder
 from engramrt.runner.stage import StageRunner
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and the Engram"
@@ -32,8 +33,9 @@ def main() -> None:
         for dtype in ("float32", "bfloat16"):
             runner = StageRunner.load(model_dir, device=device, dtype=dtype)
             pipe = Pipeline(runner)
-            generate(pipe, runner.tokenizer, PROMPT, 4)  # warm-up
-            out = generate(pipe, runner.tokenizer, PROMPT, args.max_tokens)
+            prompts = PromptEncoder.load(model_dir, runner.tokenizer)
+            generate(pipe, prompts, PROMPT, 4)  # warm-up
+            out = generate(pipe, prompts, PROMPT, args.max_tokens)
             ref = out.token_ids if ref is None else ref
             same = next(
                 (i for i, (a, b) in enumerate(zip(out.token_ids, ref, strict=False)) if a != b),

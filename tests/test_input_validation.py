@@ -14,6 +14,7 @@ from engramrt.config import load_json, model_config
 from engramrt.engram import load_hasher
 from engramrt.engram.token_map import load_tokenizer
 from engramrt.parallel.pipeline import Pipeline, decode_batch, encode_batch
+from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import MAX_LOGPROBS, SampleRow, StepBatch
 from engramrt.runner.stage import StageRunner, new_kv_cache
 from tests.model_factory import make_model
@@ -89,18 +90,18 @@ def test_sampling_parameters_are_checked(row: SampleRow) -> None:
 
 def test_prompt_limits() -> None:
     cfg = model_config(load_json(DEFAULT_MODEL_DIR))
-    tok = load_tokenizer(DEFAULT_MODEL_DIR)
-    ids = prompt_tokens(tok, cfg, "hello", 1, 100, SampleRow())
-    assert ids[0] == cfg.bos_token_id and len(ids) > 1
+    enc = PromptEncoder.load(DEFAULT_MODEL_DIR)
+    ids = prompt_tokens(enc, cfg, "hello", 1, 100, SampleRow())
+    assert ids == load_tokenizer(DEFAULT_MODEL_DIR).encode("hello").ids  # add_bos_token: false
     n = len(ids)
-    assert prompt_tokens(tok, cfg, "hello", 100 - n + 1, 100, SampleRow()) == ids  # fits exactly
+    assert prompt_tokens(enc, cfg, "hello", 100 - n + 1, 100, SampleRow()) == ids  # fits exactly
     with pytest.raises(ValueError, match="maximum context length 100"):
-        prompt_tokens(tok, cfg, "hello", 100 - n + 2, 100, SampleRow())
+        prompt_tokens(enc, cfg, "hello", 100 - n + 2, 100, SampleRow())
     with pytest.raises(ValueError, match="no tokens"):
-        prompt_tokens(tok, dataclasses.replace(cfg, bos_token_id=None), "", 4, 100, SampleRow())
-    small = dataclasses.replace(cfg, vocab_size=max(ids[1:]))  # a tokenizer larger than the model
-    with pytest.raises(ValueError, match=f"past the model's vocab_size {max(ids[1:])}"):
-        prompt_tokens(tok, small, "hello", 1, 100, SampleRow())
+        prompt_tokens(enc, cfg, "", 4, 100, SampleRow())
+    small = dataclasses.replace(cfg, vocab_size=max(ids))  # a tokenizer larger than the model
+    with pytest.raises(ValueError, match=f"past the model's vocab_size {max(ids)}"):
+        prompt_tokens(enc, small, "hello", 1, 100, SampleRow())
 
 
 def test_step_message_round_trip_keeps_every_field_exactly() -> None:

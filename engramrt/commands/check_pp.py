@@ -21,10 +21,10 @@ import torch.distributed as dist
 from engramrt.bundled import resolve_model_dir
 from engramrt.commands.flags import DEVICES, DTYPES, add_dist_flags, add_model_flag, dist_config
 from engramrt.config import load_json, model_config
-from engramrt.engram.token_map import load_tokenizer
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import all_partitions, stage_layers
 from engramrt.parallel.pipeline import Pipeline
+from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 
@@ -74,9 +74,8 @@ def check_pp(opts: CheckOptions) -> dict | None:
     partitions = choose_partitions(
         cfg.num_layers, opts.stages, list(cfg.engram.layer_ids), opts.max_partitions
     )
-    tok = load_tokenizer(opts.model_dir)
-    bos = [cfg.bos_token_id] if cfg.bos_token_id is not None else []
-    prompts = [bos + tok.encode(p).ids for p in opts.prompts]
+    encoder = PromptEncoder.load(opts.model_dir)
+    prompts = [encoder.text(p) for p in opts.prompts]
     if opts.decode_steps < 0 or not all(prompts):
         raise ValueError("--decode-steps must be >= 0 and every prompt must have tokens")
     longest = max(len(p) for p in prompts) + opts.decode_steps

@@ -8,8 +8,6 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
 from engramrt.bundled import resolve_model_dir
 from engramrt.commands.flags import (
     add_device_flags,
@@ -20,11 +18,11 @@ from engramrt.commands.flags import (
     resolve_device,
 )
 from engramrt.config import ModelConfig, load_json, model_config
-from engramrt.engram.token_map import load_tokenizer
 from engramrt.model.trace import EngramTrace, EngramUpdateStats, fanout
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
+from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import SampleRow, StepBatch
 from engramrt.runner.stage import StageRunner
 
@@ -40,7 +38,7 @@ class Generation:
 
 def generate(
     pipeline: Pipeline,
-    tokenizer: Tokenizer,
+    prompts: PromptEncoder,
     prompt: str,
     max_tokens: int = 32,
     sampling: SampleRow | None = None,
@@ -50,7 +48,7 @@ def generate(
     row = sampling or SampleRow()
     runner = pipeline.runner
     cfg = runner.model.cfg
-    prompt_ids = prompt_tokens(tokenizer, cfg, prompt, max_tokens, runner.kv.max_len, row)
+    prompt_ids = prompt_tokens(prompts, cfg, prompt, max_tokens, runner.kv.max_len, row)
     start = time.perf_counter()
 
     def rows() -> list[SampleRow]:
@@ -70,30 +68,29 @@ def generate(
         pos = len(prompt_ids) + len(out) - 1
         nxt = pipeline.step(StepBatch([nxt], [0], [1], [pos], sampling=rows())).tokens[0]
     seconds = time.perf_counter() - start
-    return Generation(prompt_ids, out, tokenizer.decode(out), finish, seconds)
+    return Generation(prompt_ids, out, prompts.tokenizer.decode(out), finish, seconds)
 
 
 def prompt_tokens(
-    tokenizer: Tokenizer,
+    prompts: PromptEncoder,
     cfg: ModelConfig,
     prompt: str,
     max_tokens: int,
     limit: int,
     row: SampleRow,
 ) -> list[int]:
-    """The prompt's ids (BOS first when the model has one), after checking every parameter."""
+    """The prompt's ids as the tokenizer config says, after checking every parameter."""
     row.validate()
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    bos = [cfg.bos_token_id] if cfg.bos_token_id is not None else []
-    ids = bos + tokenizer.encode(prompt).ids
+    ids = prompts.text(prompt)
     if not ids:
         raise ValueError("the prompt has no tokens")
     if max(ids) >= cfg.vocab_size:
         raise ValueError(
             f"the prompt's token ids {sorted({t for t in ids if t >= cfg.vocab_size})[:8]} lie "
             f"past the model's vocab_size {cfg.vocab_size} (the tokenizer has "
-            f"{tokenizer.get_vocab_size(with_added_tokens=True)} tokens)"
+            f"{prompts.tokenizer.get_vocab_size(with_added_tokens=True)} tokens)"
         )
     if len(ids) + max_tokens - 1 > limit:  # the last sampled token is never fed back
         raise ValueError(
@@ -121,8 +118,14 @@ class GenerateOptions:
 def run_generate(opts: GenerateOptions) -> None:
     cfg = model_config(load_json(opts.model_dir))  # check what can be checked before starting
     row = SampleRow(opts.temperature, opts.top_p, seed=opts.seed)
-    tok = load_tokenizer(opts.model_dir)
-    prompt_tokens(tok, cfg, opts.prompt, opts.max_tokens, cfg.max_position_embeddings, row)
+    prompt_tokens(
+        PromptEncoder.load(opts.model_dir),
+        cfg,
+        opts.prompt,
+        opts.max_tokens,
+        cfg.max_position_embeddings,
+        row,
+    )
     launch(opts.dist, _worker, opts)
 
 
@@ -141,7 +144,8 @@ def _worker(rank: int, world: int, opts: GenerateOptions) -> None:
     if rank == 0:
         row = SampleRow(opts.temperature, opts.top_p, seed=opts.seed)
         try:
-            out = generate(pipe, runner.tokenizer, opts.prompt, opts.max_tokens, row)
+            prompts = PromptEncoder.load(opts.model_dir, runner.tokenizer)
+            out = generate(pipe, prompts, opts.prompt, opts.max_tokens, row)
         finally:
             pipe.stop()
         print(out.text, flush=True)

@@ -4,7 +4,6 @@ stages serving rank 0's steps."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
+from engramrt.prompts import PromptEncoder
 from engramrt.runner.kv_budget import (
     CPU_KV_BYTES,
     blocks_from_bytes,
@@ -167,18 +167,10 @@ def _serve_http(opts: ServeOptions, engine: Engine):
 
     runner, max_len = engine.pipeline.runner, engine.cfg.max_model_len
     blocks = engine.cfg.num_blocks
-    tok_cfg_path = opts.model_dir / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
-    model_cfg = runner.model.cfg
+    prompts = PromptEncoder.load(opts.model_dir, runner.tokenizer)
     server = Server(
-        AsyncEngine(engine),
-        runner.tokenizer,
-        ServerConfig(
-            opts.served_model_name, max_len, opts.api_key, tok_cfg.get("chat_template"),
-            tok_cfg.get("bos_token") or "", tok_cfg.get("eos_token") or "",
-            model_cfg.bos_token_id,
-        ),
-    )  # fmt: skip
+        AsyncEngine(engine), prompts, ServerConfig(opts.served_model_name, max_len, opts.api_key)
+    )
     ready = (
         f"engramrt: serving {opts.served_model_name[0]} ({opts.model_dir}) at "
         f"http://{opts.host}:{opts.port}/v1 | {len(opts.partition)} stage(s) {opts.partition}, "

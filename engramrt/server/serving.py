@@ -12,12 +12,10 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
-
 from engramrt.engine.async_engine import AsyncEngine
 from engramrt.engine.engine import RequestOutput
 from engramrt.engine.request import Logprob, Request, SamplingParams
+from engramrt.prompts import PromptEncoder
 from engramrt.server.metrics import Metrics
 from engramrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from engramrt.server.responses import (
@@ -39,10 +37,6 @@ class ServerConfig:
     model_names: list[str]
     max_model_len: int
     api_key: str | None = None
-    chat_template: str | None = None
-    bos_token: str = ""
-    eos_token: str = ""
-    bos_token_id: int | None = None
 
 
 @dataclass
@@ -91,13 +85,10 @@ class Server:
     """The engine, tokenizer and config behind the app, and the only place that hands requests
     to the engine (``new_request`` while building them, ``generate`` while running them)."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, cfg: ServerConfig):
-        self.engine, self.tok, self.cfg = engine, tokenizer, cfg
+    def __init__(self, engine: AsyncEngine, prompts: PromptEncoder, cfg: ServerConfig):
+        self.engine, self.prompts, self.tok, self.cfg = engine, prompts, prompts.tokenizer, cfg
         self.metrics = Metrics(engine.engine, cfg.model_names[0])
         self.created = int(time.time())
-        self.template = None
-        if cfg.chat_template:
-            self.template = ImmutableSandboxedEnvironment().from_string(cfg.chat_template)
 
     # --- building requests ----------------------------------------------------------------
 
@@ -107,8 +98,7 @@ class Server:
         return model or self.cfg.model_names[0]
 
     def encode(self, text: str) -> list[int]:
-        bos = [self.cfg.bos_token_id] if self.cfg.bos_token_id is not None else []
-        return bos + self.tok.encode(text).ids
+        return self.prompts.text(text)
 
     def completion_prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]]
@@ -123,16 +113,10 @@ class Server:
         return [(self.encode(p), p) if isinstance(p, str) else (list(p), None) for p in prompt]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        if self.template is None:
-            raise ApiError(400, "this model has no chat template", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = self.template.render(
-            messages=messages,
-            add_generation_prompt=True,
-            bos_token=self.cfg.bos_token,
-            eos_token=self.cfg.eos_token,
-        )
-        return self.tok.encode(text).ids
+        try:
+            return self.prompts.chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
 
     def choices(
         self,

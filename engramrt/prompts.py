@@ -1,0 +1,68 @@
+"""Text to token ids exactly as the model's tokenizer files say, for the server and every
+command, so that a client tokenising with the same tokenizer (lm-eval's Hugging Face backend,
+say) gets the same ids: the tokenizer's own post-processor, plus BOS only where
+``tokenizer_config.json`` sets ``add_bos_token``; chat templates write their own special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from engramrt.config import ConfigError
+from engramrt.engram.token_map import load_tokenizer
+
+
+def _token_text(value) -> str:
+    """A special token as tokenizer configs spell it: a string or ``{"content": ...}``."""
+    return value.get("content", "") if isinstance(value, dict) else value or ""
+
+
+@dataclass
+class PromptEncoder:
+    tokenizer: Tokenizer
+    bos_id: int | None = None  # prepended to text prompts (``add_bos_token``)
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+    @classmethod
+    def load(cls, model_dir: str | Path, tokenizer: Tokenizer | None = None) -> PromptEncoder:
+        tok = tokenizer or load_tokenizer(model_dir)
+        path = Path(model_dir) / "tokenizer_config.json"
+        try:
+            cfg = json.loads(path.read_text()) if path.is_file() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+        bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+        bos_id = None
+        if cfg.get("add_bos_token"):
+            bos_id = tok.token_to_id(bos) if bos else None
+            if bos_id is None:
+                raise ConfigError(
+                    f"{path} sets add_bos_token but its bos_token {bos!r} is not a token of "
+                    "tokenizer.json"
+                )
+        return cls(tok, bos_id, cfg.get("chat_template"), bos, eos)
+
+    def text(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text).ids
+        if self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template rendered with the generation prompt, then tokenised without the
+        tokenizer's own special tokens (the template wrote those it wants)."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        env = ImmutableSandboxedEnvironment()
+        text = env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )  # fmt: skip
+        return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,83 @@
+"""Prompt tokenisation follows the tokenizer files: BOS exactly where ``add_bos_token`` says,
+chat templates tokenised without the tokenizer's own special tokens, and config errors that
+name the file. The oracle is the ``tokenizers`` library on the same tokenizer.json, with the
+rule restated here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.config import ConfigError
+from engramrt.engram.token_map import load_tokenizer
+from engramrt.prompts import PromptEncoder
+
+TEXTS = ["hello", "", " The quick brown fox", "a\nb\tc", "<｜begin▁of▁sentence｜>x"]
+
+
+def model_dir_with(tmp_path: Path, **changes) -> Path:
+    """A copy of the bundled tokenizer files with ``tokenizer_config.json`` changed."""
+    out = tmp_path / "m"
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, out / name)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg.update(changes)
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_no_bos_where_the_config_says_so() -> None:
+    tok, enc = load_tokenizer(DEFAULT_MODEL_DIR), PromptEncoder.load(DEFAULT_MODEL_DIR)
+    cfg = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
+    assert cfg["add_bos_token"] is False and enc.bos_id is None
+    for text in TEXTS:
+        assert enc.text(text) == tok.encode(text).ids
+
+
+@pytest.mark.parametrize("spelled", ["plain", "dict"])
+def test_bos_where_the_config_asks_for_it(tmp_path: Path, spelled: str) -> None:
+    """With ``add_bos_token: true`` every text prompt starts with the BOS id exactly once,
+    also when the text itself starts with the BOS token's text."""
+    bos = "<｜begin▁of▁sentence｜>"
+    value = bos if spelled == "plain" else {"content": bos, "special": True}
+    d = model_dir_with(tmp_path, add_bos_token=True, bos_token=value)
+    tok, enc = load_tokenizer(d), PromptEncoder.load(d)
+    bos_id = tok.token_to_id(bos)
+    assert enc.bos_id == bos_id is not None
+    for text in TEXTS:
+        plain = tok.encode(text).ids
+        want = plain if plain[:1] == [bos_id] else [bos_id, *plain]
+        assert enc.text(text) == want
+
+
+def test_chat_template_writes_its_own_bos(tmp_path: Path) -> None:
+    """The bundled template starts with ``{{ bos_token }}``: one BOS, whatever add_bos_token
+    says, and the ids are the rendered text's without the tokenizer's own specials."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    for d in (DEFAULT_MODEL_DIR, model_dir_with(tmp_path, add_bos_token=True)):
+        enc = PromptEncoder.load(d)
+        ids = enc.chat(messages)
+        bos_id = enc.tokenizer.token_to_id(enc.bos_token)
+        assert ids[0] == bos_id and ids.count(bos_id) == 1
+        text = enc.tokenizer.decode(ids, skip_special_tokens=False)
+        assert text.startswith(enc.bos_token) and text.endswith("<｜Assistant｜>")
+        assert "Be brief." in text and "Hi" in text
+
+
+def test_config_errors_name_the_file(tmp_path: Path) -> None:
+    d = model_dir_with(tmp_path, add_bos_token=True, bos_token="<not-a-token>")
+    with pytest.raises(ConfigError, match="tokenizer_config.json.*<not-a-token>"):
+        PromptEncoder.load(d)
+    (d / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="tokenizer_config.json is not valid JSON"):
+        PromptEncoder.load(d)
+    (d / "tokenizer_config.json").unlink()  # no config: the tokenizer's own rules, no template
+    enc = PromptEncoder.load(d)
+    assert enc.bos_id is None and enc.text("hello") == load_tokenizer(d).encode("hello").ids
+    with pytest.raises(ValueError, match="no chat template"):
+        enc.chat([{"role": "user", "content": "Hi"}])
