@@ -397,7 +397,7 @@ def test_seeded_sampling_survives_preemption(make_engine, encode) -> None:
 # --- validation ----------------------------------------------------------------------------------
 
 BAD_PARAMS = {
-    "max_tokens_zero": SamplingParams(max_tokens=0),
+    "max_tokens_negative": SamplingParams(max_tokens=-1),
     "temperature_negative": SamplingParams(temperature=-0.1),
     "top_p_zero": SamplingParams(top_p=0.0),
     "top_p_above_one": SamplingParams(top_p=1.5),

@@ -392,6 +392,21 @@ def test_echo_loglikelihood_token_ids(server: str) -> None:
         head.choices[0].logprobs.token_logprobs[1:half], lp.token_logprobs[1:half], strict=True
     ):
         assert math.isclose(a, b, abs_tol=1e-4)
+    # max_tokens 0 (as vLLM takes it): the same prompt part, and nothing generated
+    bare = c.completions.create(
+        model=model, prompt=ids, max_tokens=0, logprobs=1, echo=True, temperature=0
+    )
+    (only,) = bare.choices
+    assert only.text == TOK.decode(ids, skip_special_tokens=False)
+    assert only.logprobs.tokens == lp.tokens[:-1] and only.finish_reason == "length"
+    assert only.logprobs.token_logprobs[0] is None
+    for a, b in zip(only.logprobs.token_logprobs[1:], lp.token_logprobs[1:-1], strict=True):
+        assert math.isclose(a, b, abs_tol=1e-4)
+    assert bare.usage.completion_tokens == 0 and bare.usage.prompt_tokens == len(ids)
+    stream = list(c.completions.create(model=model, prompt=ids, max_tokens=0, echo=True,
+                                       stream=True))  # fmt: skip
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == only.text
+    wait_idle(server)
 
 
 def test_echo_text_starts_with_prompt_string(server: str) -> None:

@@ -174,6 +174,20 @@ class Engine:
 
     def _append(self, req: Request, result: StepResult, i: int, now: float) -> RequestOutput:
         token, p = result.tokens[i], req.params
+        if p.max_tokens == 0:  # the prompt alone: its logprobs, no token
+            self.prompt_tokens_total += req.num_prompt_tokens
+            self.scheduler.finish(req, "length")
+            self.requests.pop(req.id, None)
+            return RequestOutput(
+                req.id,
+                [],
+                "",
+                [],
+                req.prompt_logprobs if p.prompt_logprobs is not None else None,
+                True,
+                "length",
+                req.num_prompt_tokens,
+            )
         new_lp = []
         if p.logprobs is not None:
             k = p.logprobs

@@ -14,7 +14,7 @@ from engramrt.runner.batch import SampleRow
 class SamplingParams:
     """The per-request knobs clients send (OpenAI and vLLM names)."""
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: compute the prompt (its logprobs) and sample nothing
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -32,8 +32,8 @@ class SamplingParams:
         )
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         self.row(0).validate()
         if self.prompt_logprobs is not None:
             SampleRow(logprobs=self.prompt_logprobs).validate()

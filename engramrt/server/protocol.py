@@ -67,6 +67,7 @@ class _Sampling(_Base):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: the echoed prompt alone, as vLLM
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
 

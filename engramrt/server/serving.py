@@ -125,13 +125,19 @@ class Server:
         max_tokens: int | None,
         logprobs: int | None,
         echo_k: int | None,
+        echo: bool = False,
     ) -> list[Choice]:
-        """``prompts``: (ids, text or None) pairs; ``req.n`` choices for each."""
+        """``prompts``: (ids, text or None) pairs; ``req.n`` choices for each. ``echo``
+        allows ``max_tokens`` 0 (the prompt and its logprobs alone)."""
         out = []
         for i, (prompt, text) in enumerate(prompts):
             limit = self.cfg.max_model_len
             mt = max_tokens if max_tokens is not None else limit - len(prompt)
-            if len(prompt) + mt > limit or mt < 1:
+            if mt == 0 and not echo:
+                raise ApiError(
+                    400, "max_tokens 0 needs echo (the prompt alone)", param="max_tokens"
+                )
+            if len(prompt) + mt > limit or mt < 0:
                 raise ApiError(
                     400,
                     f"This model's maximum context length is {limit} tokens. However, you "
@@ -276,7 +282,8 @@ class CompletionCall(Call):
         model = server.check_model(req.model)
         prompts = server.completion_prompts(req.prompt)
         echo_k = req.logprobs if (req.echo and req.logprobs is not None) else None
-        choices = server.choices(prompts, req, req.max_tokens or 16, req.logprobs, echo_k)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        choices = server.choices(prompts, req, max_tokens, req.logprobs, echo_k, req.echo)
         super().__init__(server, req, model, choices, sum(len(ids) for ids, _ in prompts))
 
     def _prompt_part(self, c: Choice, out: RequestOutput | None) -> tuple[str, dict | None]:
