@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -722,6 +725,37 @@ def test_non_api_errors_have_the_openai_shape(server: str) -> None:
     assert_error(httpx.get(f"{server}/v1/nothing-here", timeout=30), 404)
     assert_error(httpx.get(f"{server}/v1/completions", timeout=30), 405)
     still_serves(server)
+
+
+def test_start_line_after_binding_and_access_log() -> None:
+    """The start line names device and dtype and comes once the port is bound; each request
+    gets an access-log line unless --disable-uvicorn-access-log; a port that cannot be bound
+    ends the server with an error and no start line."""
+    import socket
+
+    from tests.server_fixture import REPO, start_server, stop_server
+
+    for flags, logged in (((), True), (("--disable-uvicorn-access-log",), False)):
+        base, proc = start_server(*flags)
+        try:
+            assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 200
+            time.sleep(0.3)
+            log = Path(proc.log_path).read_text()
+            start = [line for line in log.splitlines() if "engramrt: serving" in line]
+            assert len(start) == 1 and f"at {base}/v1" in start[0], log
+            assert "| cpu, torch." in start[0], start[0]
+            assert ('"GET /v1/models HTTP/1.1" 200' in log) == logged, log
+        finally:
+            stop_server(proc)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-m", "engramrt", "serve", "--port", str(port), "--device", "cpu"],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert run.returncode != 0 and "engramrt: serving" not in run.stdout + run.stderr
 
 
 def test_bad_stream_request_is_plain_error(server: str) -> None:

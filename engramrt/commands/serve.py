@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,7 @@ class ServeOptions:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
+    disable_uvicorn_access_log: bool = False
     api_key: str | None = None
     device: str = "cpu"
     dtype: str | None = None
@@ -173,12 +175,26 @@ def _serve_http(opts: ServeOptions, engine: Engine):
     )
     ready = (
         f"engramrt: serving {opts.served_model_name[0]} ({opts.model_dir}) at "
-        f"http://{opts.host}:{opts.port}/v1 | {len(opts.partition)} stage(s) {opts.partition}, "
-        f"{blocks} KV blocks of {opts.block_size} tokens, max_model_len {max_len}"
+        f"http://{opts.host}:{opts.port}/v1 | {runner.device}, {runner.model.dtype}, "
+        f"{len(opts.partition)} stage(s) {opts.partition}, {blocks} KV blocks of "
+        f"{opts.block_size} tokens, max_model_len {max_len}"
     )
+
+    class ReadyServer(uvicorn.Server):
+        """Says the server is up once its port is bound (a failed bind exits, unannounced)."""
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(ready, file=sys.stderr, flush=True)
+
+    config = uvicorn.Config(
+        create_app(server), host=opts.host, port=opts.port,
+        log_level="warning" if opts.disable_uvicorn_access_log else "info",
+        access_log=not opts.disable_uvicorn_access_log,
+    )  # fmt: skip
     try:
-        app = create_app(server, ready)
-        uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning")
+        ReadyServer(config).run()
     finally:
         server.engine.shutdown()
 
@@ -201,6 +217,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_memory_flags(p)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--api-key", help="require this bearer key on /v1/* ($VLLM_API_KEY works)")
+    p.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
+    )
     add_device_flags(p)
     p.add_argument("--seed", type=int, default=0, help="for requests that bring no seed")
     add_dist_flags(p)
@@ -227,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
+        disable_uvicorn_access_log=args.disable_uvicorn_access_log,
         api_key=args.api_key
         or os.environ.get("ENGRAMRT_API_KEY")
         or os.environ.get("VLLM_API_KEY"),

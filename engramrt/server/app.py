@@ -6,8 +6,6 @@ shaped in ``responses``."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import sys
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -123,16 +121,8 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(body, exc.status_code, headers=getattr(exc, "headers", None))
 
 
-def create_app(server: Server, ready_message: str | None = None) -> FastAPI:
-    """``ready_message`` is printed once the app accepts requests."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if ready_message:
-            print(ready_message, file=sys.stderr, flush=True)
-        yield
-
-    app = FastAPI(title="engramrt", version=engramrt.__version__, lifespan=lifespan)
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="engramrt", version=engramrt.__version__)
     app.state.server = server
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
