@@ -50,7 +50,7 @@ class PromptEncoder:
         return cls(tok, bos_id, cfg.get("chat_template"), bos, eos)
 
     def text(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text).ids
+        ids = self._encode(text, special=True)
         if self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id, *ids]
         return ids
@@ -65,4 +65,9 @@ class PromptEncoder:
             messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
             eos_token=self.eos_token,
         )  # fmt: skip
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self._encode(text, special=False)
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        """``encode_batch`` of one text: the same ids as ``encode``, but it releases the GIL,
+        so a long prompt tokenised on a worker thread leaves the server's other threads free."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids

@@ -758,6 +758,51 @@ def test_start_line_after_binding_and_access_log() -> None:
     assert run.returncode != 0 and "engramrt: serving" not in run.stdout + run.stderr
 
 
+def test_request_body_limit() -> None:
+    """A body over --max-request-bytes is a 413 in OpenAI's shape, whether its length is
+    declared or it arrives chunked; smaller bodies are served, and the server goes on."""
+    with running_server("--max-request-bytes", "2000") as base:
+        assert complete(base, prompt="x" * 500, max_tokens=1)["choices"]
+        big = {"prompt": "x" * 3000, "max_tokens": 1}
+        assert_error(httpx.post(f"{base}/v1/completions", json=big, timeout=30), 413, "2000")
+
+        def chunks():
+            raw = json.dumps(big).encode()
+            yield from (raw[i : i + 500] for i in range(0, len(raw), 500))
+
+        r = httpx.post(f"{base}/v1/completions", content=chunks(), timeout=30,
+                       headers={"content-type": "application/json"})  # fmt: skip
+        assert "content-length" not in r.request.headers  # sent chunked
+        assert_error(r, 413, "2000")
+        still_serves(base)
+
+
+def test_long_prompt_does_not_stall_the_server(server: str) -> None:
+    """A prompt that takes seconds to tokenise (then fails: it is over the context) does not
+    hold up /health, which answers while it is still being tokenised."""
+    huge = "The quick brown fox jumps over the lazy dog. " * 60_000  # ~2.7 MB, ~1 s or more
+
+    async def main() -> tuple[float, float]:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as ac:
+            done = {}
+
+            async def big() -> None:
+                r = await ac.post("/v1/completions", json={"prompt": huge, "max_tokens": 1})
+                assert r.status_code == 400
+                done["big"] = time.monotonic()
+
+            async def health() -> None:
+                await asyncio.sleep(0.3)  # the big body is in, its tokenising under way
+                assert (await ac.get("/health")).status_code == 200
+                done["health"] = time.monotonic()
+
+            await asyncio.gather(big(), health())
+            return done["health"], done["big"]
+
+    health_at, big_at = asyncio.run(main())
+    assert health_at < big_at
+
+
 def test_bad_stream_request_is_plain_error(server: str) -> None:
     """A request that fails validation is an HTTP error even when it asked for a stream."""
     r = httpx.post(

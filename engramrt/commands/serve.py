@@ -54,6 +54,7 @@ class ServeOptions:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     disable_uvicorn_access_log: bool = False
+    max_request_bytes: int = 32 * 2**20
     api_key: str | None = None
     device: str = "cpu"
     dtype: str | None = None
@@ -95,7 +96,7 @@ def check(opts: ServeOptions) -> tuple[ModelConfig, int]:
             f"--max-model-len {max_len} must lie in [1, {cfg.max_position_embeddings}] "
             "(the model's max_position_embeddings)"
         )
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_request_bytes"):
         if getattr(opts, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < opts.gpu_memory_utilization <= 1:
@@ -171,8 +172,9 @@ def _serve_http(opts: ServeOptions, engine: Engine):
     blocks = engine.cfg.num_blocks
     prompts = PromptEncoder.load(opts.model_dir, runner.tokenizer)
     server = Server(
-        AsyncEngine(engine), prompts, ServerConfig(opts.served_model_name, max_len, opts.api_key)
-    )
+        AsyncEngine(engine), prompts,
+        ServerConfig(opts.served_model_name, max_len, opts.api_key, opts.max_request_bytes),
+    )  # fmt: skip
     ready = (
         f"engramrt: serving {opts.served_model_name[0]} ({opts.model_dir}) at "
         f"http://{opts.host}:{opts.port}/v1 | {runner.device}, {runner.model.dtype}, "
@@ -220,6 +222,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
     )
+    p.add_argument(
+        "--max-request-bytes", type=int, default=32 * 2**20,
+        help="larger request bodies are a 413 (default 32 MiB)",
+    )  # fmt: skip
     add_device_flags(p)
     p.add_argument("--seed", type=int, default=0, help="for requests that bring no seed")
     add_dist_flags(p)
@@ -247,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+        max_request_bytes=args.max_request_bytes,
         api_key=args.api_key
         or os.environ.get("ENGRAMRT_API_KEY")
         or os.environ.get("VLLM_API_KEY"),

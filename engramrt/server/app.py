@@ -66,14 +66,18 @@ async def model(model_id: str, request: Request) -> dict:
     return model_card(server.check_model(model_id), server.created, server.cfg.max_model_len)
 
 
+# Calls are built on a worker thread: tokenising a long prompt (which releases the GIL) must not
+# stall every stream and /health on the event loop.
 @api.post("/v1/completions", response_model=None)
 async def completions(req: CompletionRequest, request: Request) -> dict | Response:
-    return await _respond(request, CompletionCall(_server(request), req), req.stream)
+    call = await asyncio.to_thread(CompletionCall, _server(request), req)
+    return await _respond(request, call, req.stream)
 
 
 @api.post("/v1/chat/completions", response_model=None)
 async def chat(req: ChatCompletionRequest, request: Request) -> dict | Response:
-    return await _respond(request, ChatCall(_server(request), req), req.stream)
+    call = await asyncio.to_thread(ChatCall, _server(request), req)
+    return await _respond(request, call, req.stream)
 
 
 async def _respond(request: Request, call: Call, stream: bool) -> dict | Response:
@@ -110,7 +114,8 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(validation_error_body(exc.errors()), 400)
 
 
-_KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}
+_KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+          413: "RequestTooLargeError"}  # fmt: skip
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -121,8 +126,43 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(body, exc.status_code, headers=getattr(exc, "headers", None))
 
 
+class BodyLimit:
+    """A pure ASGI middleware (an HTTP middleware would hide client disconnects): a body over
+    ``limit`` bytes is a 413 in OpenAI's shape, by its Content-Length before any of it is read,
+    or once a chunked body passes the limit."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._too_large(send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"the request body is over --max-request-bytes ({self.limit} bytes)"
+
+    async def _too_large(self, send) -> None:
+        body = JSONResponse(error_body(413, self._message(), "RequestTooLargeError"), 413)
+        await body({"type": "http"}, None, send)
+
+
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="engramrt", version=engramrt.__version__)
+    app.add_middleware(BodyLimit, limit=server.cfg.max_request_bytes)
     app.state.server = server
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)

@@ -37,6 +37,7 @@ class ServerConfig:
     model_names: list[str]
     max_model_len: int
     api_key: str | None = None
+    max_request_bytes: int = 32 * 2**20
 
 
 @dataclass
