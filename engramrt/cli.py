@@ -1,8 +1,10 @@
-"""``engramrt`` command line: one console script with subcommands, vLLM style."""
+"""The ``engramrt`` command line: the parser alone, one console script with subcommands in
+vLLM's style; each command's flags and implementation live in ``engramrt/commands/``."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -13,6 +15,26 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 import engramrt
 from engramrt.commands import bench_serve, bench_throughput, check_pp, engram_hash, generate, serve
 
+DESCRIPTION = (
+    "engramrt: an inference engine for Engram + mHC language models (the DeepSeek-V4.1 family)."
+)
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's default in ``--help``, unless its help already speaks of it (argparse's
+    own ArgumentDefaultsHelpFormatter skips options that have no help text)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            action.option_strings
+            and not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+            and "default" not in text
+        ):
+            action = copy.copy(action)
+            action.help = f"{text} (default: %(default)s)".lstrip()
+        return super()._format_action(action)
+
 
 def _add_command(
     subparsers: Any,
@@ -22,7 +44,7 @@ def _add_command(
     run: Callable[[argparse.Namespace], int],
 ) -> None:
     """``name`` with the flags ``add_arguments`` defines; ``main`` calls ``run`` with them."""
-    p = subparsers.add_parser(name, help=summary)
+    p = subparsers.add_parser(name, help=summary, formatter_class=_DefaultsFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
 
@@ -39,7 +61,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="engramrt", description=__doc__)
+    parser = argparse.ArgumentParser(prog="engramrt", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"engramrt {engramrt.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_command(sub, "engram-hash", "print each token's Engram hash ids",

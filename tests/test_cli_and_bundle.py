@@ -39,6 +39,31 @@ def test_version(capsys: pytest.CaptureFixture) -> None:
     assert capsys.readouterr().out.strip() == f"engramrt {engramrt.__version__}"
 
 
+def test_every_help_shows_the_defaults() -> None:
+    """Each subcommand's --help states the default of every option that has one (in its own
+    words or as "(default: X)"); the top help is plain text."""
+    import argparse
+
+    from engramrt.cli import build_parser
+
+    parser = build_parser()
+    assert "``" not in parser.format_help()
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    parsers = [p for s in subs for p in s.choices.values()]
+    bench = parsers.pop([p.prog for p in parsers].index("engramrt bench"))
+    parsers += [p for a in bench._actions if isinstance(a, argparse._SubParsersAction)
+                for p in a.choices.values()]  # fmt: skip
+    assert len(parsers) == 6
+    for p in parsers:
+        text = " ".join(p.format_help().split())
+        for a in p._actions:
+            unset = any(a.default is v for v in (None, False, argparse.SUPPRESS))
+            if not a.option_strings or unset:
+                continue
+            said = f"(default: {a.default})" in text or "default" in (a.help or "")
+            assert said, (p.prog, a.option_strings)
+
+
 def test_engram_hash_text_matches_oracle(capsys: pytest.CaptureFixture) -> None:
     text = "The Engram café hashes THE tokens  of   <｜image｜> a prompt."
     out = _run_json(capsys, "--text", text)
