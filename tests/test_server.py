@@ -803,6 +803,33 @@ def test_long_prompt_does_not_stall_the_server(server: str) -> None:
     assert health_at < big_at
 
 
+def test_return_tokens_as_token_ids(server: str) -> None:
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:N`` (no two
+    top-logprobs entries can collide), each N the token that the plain request names by its
+    text, with the same logprobs and text offsets."""
+    body = {"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "logprobs": 5, "echo": True}
+    plain = post(server, "/v1/completions", body)["choices"][0]["logprobs"]
+    named = post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": True})
+    lp = named["choices"][0]["logprobs"]
+    ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+    assert all(t.startswith("token_id:") for t in lp["tokens"])
+    assert [TOK.decode([i], skip_special_tokens=False) for i in ids] == plain["tokens"]
+    assert lp["token_logprobs"] == plain["token_logprobs"]
+    assert lp["text_offset"] == plain["text_offset"]
+    for mine, theirs in zip(lp["top_logprobs"][1:], plain["top_logprobs"][1:], strict=True):
+        assert len(mine) == 5 and all(k.startswith("token_id:") for k in mine)
+        texts = {TOK.decode([int(k[9:])], skip_special_tokens=False): v for k, v in mine.items()}
+        assert texts.keys() == theirs.keys()  # fewer keys in the plain one when texts collide
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    a = post(server, "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    b = post(server, "/v1/chat/completions", {**chat, "return_tokens_as_token_ids": True})
+    b = b["choices"][0]["logprobs"]["content"]
+    for x, y in zip(a, b, strict=True):
+        assert TOK.decode([int(y["token"][9:])], skip_special_tokens=False) == x["token"]
+        assert y["bytes"] == x["bytes"] and y["logprob"] == x["logprob"]
+
+
 def test_bad_stream_request_is_plain_error(server: str) -> None:
     """A request that fails validation is an HTTP error even when it asked for a stream."""
     r = httpx.post(

@@ -59,6 +59,7 @@ class _Sampling(_Base):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens ``token_id:N`` (vLLM's)
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []

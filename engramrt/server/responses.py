@@ -113,23 +113,33 @@ def token_text(tok: Tokenizer, token_id: int) -> str:
     return tok.decode([token_id], skip_special_tokens=False)
 
 
+def token_name(tok: Tokenizer, token_id: int, as_ids: bool) -> str:
+    """How a logprob names its token: its text, or vLLM's ``token_id:N`` when the client sent
+    ``return_tokens_as_token_ids`` (two tokens with one text would share a top-logprobs key)."""
+    return f"token_id:{token_id}" if as_ids else token_text(tok, token_id)
+
+
 def completion_logprobs(
-    tok: Tokenizer, ids: list[int], lps: list[Logprob | None], offset: int
+    tok: Tokenizer, ids: list[int], lps: list[Logprob | None], offset: int, as_ids: bool = False
 ) -> dict:
     """The legacy format; ``offset`` is where the first token starts in the choice's text, so
-    ``text_offset`` counts from the start of the whole text, also across stream chunks."""
-    tokens = [token_text(tok, t) for t in ids]
+    ``text_offset`` counts from the start of the whole text, also across stream chunks (by the
+    tokens' texts, whatever names them)."""
+    texts = [token_text(tok, t) for t in ids]
     offsets, pos = [], offset
-    for t in tokens:
+    for t in texts:
         offsets.append(pos)
         pos += len(t)
     return {
-        "tokens": tokens,
+        "tokens": [f"token_id:{t}" for t in ids] if as_ids else texts,
         "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
         "top_logprobs": [
             None
             if lp is None
-            else {token_text(tok, i): v for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+            else {
+                token_name(tok, i, as_ids): v
+                for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+            }
             for lp in lps
         ],
         "text_offset": offsets,
@@ -141,10 +151,10 @@ def join_completion_logprobs(first: dict, then: dict) -> dict:
     return {k: first[k] + then[k] for k in then}
 
 
-def chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[Logprob]) -> dict:
+def chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[Logprob], as_ids: bool = False) -> dict:
     def entry(t: int, lp: float) -> dict:
         s = token_text(tok, t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": token_name(tok, t, as_ids), "logprob": lp, "bytes": list(s.encode())}
 
     return {
         "content": [

@@ -296,7 +296,13 @@ class CompletionCall(Call):
                 text = self.server.tok.decode(c.prompt_ids, skip_special_tokens=False)
         lps = None
         if self.req.echo and self.req.logprobs is not None and out is not None:
-            lps = completion_logprobs(self.server.tok, c.prompt_ids, out.prompt_logprobs, 0)
+            lps = completion_logprobs(
+                self.server.tok,
+                c.prompt_ids,
+                out.prompt_logprobs,
+                0,
+                self.req.return_tokens_as_token_ids,
+            )
         return text, lps
 
     def _choice(
@@ -315,7 +321,8 @@ class CompletionCall(Call):
         prefix, prompt_lps = prompt
         logprobs = None
         if self.req.logprobs is not None:
-            logprobs = completion_logprobs(self.server.tok, ids, lps, offset + len(prefix))
+            logprobs = completion_logprobs(self.server.tok, ids, lps, offset + len(prefix),
+                                           self.req.return_tokens_as_token_ids)  # fmt: skip
             if prompt_lps is not None:
                 logprobs = join_completion_logprobs(prompt_lps, logprobs)
         return completion_choice(c.index, prefix + text, logprobs, finish_reason)
@@ -357,7 +364,9 @@ class ChatCall(Call):
         super().__init__(server, req, model, choices, len(prompt))
 
     def _logprobs(self, ids: list[int], lps: list[Logprob]) -> dict | None:
-        return chat_logprobs(self.server.tok, ids, lps) if self.req.logprobs else None
+        if not self.req.logprobs:
+            return None
+        return chat_logprobs(self.server.tok, ids, lps, self.req.return_tokens_as_token_ids)
 
     def _opening(self) -> Iterator[dict]:
         """Each choice's role, before its first token."""
