@@ -121,19 +121,20 @@ class Engine:
             return []
         for req in admitted:  # a new slot: the stages' table for it is sent whole
             req.blocks_sent = 0
-        tokens, targets, target_k, starts, new_blocks = [], [], None, [], []
+        asked = [r.params.prompt_logprobs for r, _ in batch if r.params.prompt_logprobs is not None]
+        target_k = max(asked) if asked else None  # prompt tokens are scored only when asked
+        tokens, targets, starts, new_blocks = [], [], [], []
         for req, n in batch:
             starts.append(req.blocks_sent)
             new_blocks.append(req.blocks[req.blocks_sent :])  # usually none: O(new blocks)
             req.blocks_sent = len(req.blocks)
             start = req.num_computed
             tokens += req.token_ids[start : start + n]
-            k = req.params.prompt_logprobs
-            if k is not None:
-                target_k = max(target_k or 0, k)
-            for p in range(start + 1, start + n + 1):  # token p - 1 predicts token p
-                targets.append(req.token_ids[p] if k is not None and p < req.num_prompt_tokens
-                               else -1)  # fmt: skip
+            if target_k is not None:
+                scored = req.params.prompt_logprobs is not None
+                for p in range(start + 1, start + n + 1):  # token p - 1 predicts token p
+                    targets.append(req.token_ids[p] if scored and p < req.num_prompt_tokens
+                                   else -1)  # fmt: skip
         result = self.pipeline.step(
             StepBatch(
                 tokens,
