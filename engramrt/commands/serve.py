@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from engramrt.commands.flags import (
 from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.parallel.launch import DistConfig, launch, stage_device
+from engramrt.parallel.liveness import Heartbeat, StageWatch
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.prompts import PromptEncoder
@@ -55,6 +57,8 @@ class ServeOptions:
     enable_prefix_caching: bool = True
     disable_uvicorn_access_log: bool = False
     max_request_bytes: int = 32 * 2**20
+    shutdown_timeout: float = 20.0
+    stage_timeout: float = 10.0
     api_key: str | None = None
     device: str = "cpu"
     dtype: str | None = None
@@ -99,6 +103,8 @@ def check(opts: ServeOptions) -> tuple[ModelConfig, int]:
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_request_bytes"):
         if getattr(opts, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.shutdown_timeout < 0 or opts.stage_timeout <= 0:
+        raise ValueError("--shutdown-timeout must be >= 0 and --stage-timeout > 0")
     if not 0 < opts.gpu_memory_utilization <= 1:
         raise ValueError(
             f"--gpu-memory-utilization must lie in (0, 1], got {opts.gpu_memory_utilization}"
@@ -154,19 +160,46 @@ def _agree(blocks: int, world: int, device: torch.device) -> int:
 def _worker(rank: int, world: int, opts: ServeOptions) -> None:
     pipe, engine = build_stage(opts, rank, world)
     if engine is None:
-        pipe.serve()
+        _serve_stage(pipe, opts)
         return
     try:
-        _serve_http(opts, engine)
-    finally:
+        code = _serve_http(opts, engine, world)
+    except BaseException:
+        pipe.stop()  # a failed start (the port is taken, say): release the other stages
+        raise
+    if code == 0:
         pipe.stop()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if world > 1:
+        os._exit(code)  # a hung stage would hold the stop message and teardown barrier for ever
+    raise SystemExit(code)
 
 
-def _serve_http(opts: ServeOptions, engine: Engine):
+def _serve_stage(pipe: Pipeline, opts: ServeOptions) -> None:
+    """A later stage: rank 0 owns the server's life (it drains, then stops the stages), so
+    signals that reach the whole process group do not take this stage away mid-drain."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    first = sum(opts.partition[: pipe.rank])
+    last = first + opts.partition[pipe.rank] - 1
+    print(f"engramrt: stage {pipe.rank} of {pipe.world} (layers {first}-{last}) ready, "
+          f"pid {os.getpid()}", flush=True)  # fmt: skip
+    beat = Heartbeat()
+    try:
+        pipe.serve()
+    finally:
+        beat.stop()
+
+
+def _serve_http(opts: ServeOptions, engine: Engine, world: int) -> int:
+    """Serve until a signal (exit status 0) or the engine's death (1)."""
     import uvicorn
 
     from engramrt.engine.async_engine import AsyncEngine
     from engramrt.server.app import Server, ServerConfig, create_app
+    from engramrt.server.lifecycle import EngineServer
 
     runner, max_len = engine.pipeline.runner, engine.cfg.max_model_len
     blocks = engine.cfg.num_blocks
@@ -176,29 +209,25 @@ def _serve_http(opts: ServeOptions, engine: Engine):
         ServerConfig(opts.served_model_name, max_len, opts.api_key, opts.max_request_bytes),
     )  # fmt: skip
     ready = (
-        f"engramrt: serving {opts.served_model_name[0]} ({opts.model_dir}) at "
+        f"serving {opts.served_model_name[0]} ({opts.model_dir}) at "
         f"http://{opts.host}:{opts.port}/v1 | {runner.device}, {runner.model.dtype}, "
         f"{len(opts.partition)} stage(s) {opts.partition}, {blocks} KV blocks of "
         f"{opts.block_size} tokens, max_model_len {max_len}"
     )
-
-    class ReadyServer(uvicorn.Server):
-        """Says the server is up once its port is bound (a failed bind exits, unannounced)."""
-
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)
-            if self.started:
-                print(ready, file=sys.stderr, flush=True)
-
     config = uvicorn.Config(
         create_app(server), host=opts.host, port=opts.port,
         log_level="warning" if opts.disable_uvicorn_access_log else "info",
-        access_log=not opts.disable_uvicorn_access_log,
+        access_log=not opts.disable_uvicorn_access_log, timeout_graceful_shutdown=5,
     )  # fmt: skip
+    http = EngineServer(config, server, ready, opts.shutdown_timeout)
+    watch = StageWatch(opts.stage_timeout, server.engine.fail) if world > 1 else None
     try:
-        ReadyServer(config).run()
+        http.run()
     finally:
+        if watch is not None:
+            watch.stop()
         server.engine.shutdown()
+    return http.exit_code
 
 
 # --------------------------------------------------------------------------- the command
@@ -226,9 +255,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-request-bytes", type=int, default=32 * 2**20,
         help="larger request bodies are a 413 (default 32 MiB)",
     )  # fmt: skip
+    p.add_argument(
+        "--shutdown-timeout", type=float, default=20.0,
+        help="on SIGTERM/SIGINT, seconds the running requests may take to finish before they "
+        "are aborted (0: abort at once)",
+    )  # fmt: skip
     add_device_flags(p)
     p.add_argument("--seed", type=int, default=0, help="for requests that bring no seed")
     add_dist_flags(p)
+    p.add_argument(
+        "--stage-timeout", type=float, default=10.0,
+        help="with -pp > 1: seconds of silence after which a stage counts as hung; its "
+        "requests fail and the server exits 1",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -254,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
         max_request_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        stage_timeout=args.stage_timeout,
         api_key=args.api_key
         or os.environ.get("ENGRAMRT_API_KEY")
         or os.environ.get("VLLM_API_KEY"),

@@ -1,8 +1,11 @@
 """The engine loop on a background thread, and an asyncio interface for the server.
 
 Requests and aborts are queued and applied by the loop between steps, so the event loop never
-waits for a step; outputs come back through one asyncio queue per request. If the loop dies,
-every waiting request gets the error and ``error`` is set (``/health`` then reports 503).
+waits for a step; outputs come back through one asyncio queue per request. If the loop dies, or
+someone outside declares it dead (``fail``: a pipeline stage stopped answering), every waiting
+request gets the error and ``error`` is set (``/health`` then reports 503 and the server exits).
+``close`` and ``drain`` are the graceful stop: no new requests, the running ones finish or, at
+the deadline, end with finish reason ``abort``.
 """
 
 from __future__ import annotations
@@ -20,10 +23,15 @@ class EngineDead(RuntimeError):
     pass
 
 
+class EngineClosed(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.error: BaseException | None = None
+        self.closed = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -36,6 +44,8 @@ class AsyncEngine:
         finishes; leaving early (a disconnect) aborts it."""
         if self.error is not None:
             raise EngineDead(f"the engine has stopped: {self.error}")
+        if self.closed:
+            raise EngineClosed("the server is shutting down")
         rid = request.id
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), q)
@@ -62,10 +72,42 @@ class AsyncEngine:
                 self._inbox.put(("abort", rid))
                 self._wake.set()
 
+    @property
+    def num_running(self) -> int:
+        """Requests whose caller is still waiting for outputs."""
+        return len(self._queues)
+
+    def close(self) -> None:
+        self.closed = True
+
+    async def drain(self, timeout: float, force: threading.Event | None = None) -> int:
+        """After ``close``: wait up to ``timeout`` seconds (or until ``force`` is set) for the
+        running requests to finish, then end the rest with finish reason ``abort``; how many
+        were aborted."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._queues and self.error is None and loop.time() < deadline:
+            if force is not None and force.is_set():
+                break
+            await asyncio.sleep(0.05)
+        left = list(self._queues)
+        for rid in left:
+            self._inbox.put(("end", rid))
+        self._wake.set()
+        grace = loop.time() + 5.0  # their last outputs are on the way
+        while self._queues and self.error is None and loop.time() < grace:
+            await asyncio.sleep(0.01)
+        return len(left)
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine dead from outside (its loop may be stuck waiting for a stage)."""
+        self._die(EngineDead(reason))
+
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=10)
+        if self.error is None:  # a dead loop may be stuck waiting for a stage: don't wait
+            self._thread.join(timeout=10)
 
     def _deliver(self, rid: str, item) -> None:
         target = self._queues.get(rid)
@@ -73,7 +115,7 @@ class AsyncEngine:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, item)
 
-    def _drain(self) -> None:
+    def _apply_inbox(self) -> None:
         while True:
             try:
                 op, arg = self._inbox.get_nowait()
@@ -81,6 +123,11 @@ class AsyncEngine:
                 return
             if op == "abort":
                 self.engine.abort(arg)
+                continue
+            if op == "end":  # aborted by a shutdown: the caller still gets a last output
+                self.engine.abort(arg)
+                self._deliver(arg, RequestOutput(arg, [], "", finished=True,
+                                                 finish_reason="abort"))  # fmt: skip
                 continue
             try:
                 self.engine.add(arg)
@@ -90,7 +137,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain()
+                self._apply_inbox()
                 if not self.engine.has_work():
                     self._wake.wait(0.1)
                     self._wake.clear()
@@ -98,7 +145,11 @@ class AsyncEngine:
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
+            self._die(exc)
+            raise
+
+    def _die(self, exc: BaseException) -> None:
+        if self.error is None:
             self.error = exc
             for rid in list(self._queues):
                 self._deliver(rid, exc)
-            raise

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -80,21 +81,42 @@ def launch(cfg: DistConfig, worker: Worker, *args) -> None:
             start_method="spawn",
             join=False,
         )
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        stop = _ForwardStop(ctx.processes[0].pid)
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            while not ctx.join(timeout=1):
+            while not ctx.join(timeout=1, grace_period=2):
                 pass
         finally:  # stopped or failed: no stage outlives this process
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             for p in ctx.processes:
                 if p.is_alive():
                     p.terminate()
             for p in ctx.processes:
-                p.join(timeout=10)
+                p.join(timeout=5)
+                if p.is_alive():  # ignores SIGTERM (a serving stage) or is stopped
+                    p.kill()
+                    p.join(timeout=5)
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+class _ForwardStop:
+    """SIGTERM or SIGINT to the launcher: rank 0 (the driver) decides how to stop, e.g. a
+    server drains its requests and then releases the other stages; a second signal, a second
+    or more later, stops every stage at once."""
+
+    def __init__(self, driver_pid: int):
+        self.driver_pid, self.first = driver_pid, None
+
+    def __call__(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            try:
+                os.kill(self.driver_pid, signal.SIGTERM)
+            except ProcessLookupError:  # the driver is gone already; its stages follow
+                pass
+        elif now - self.first > 1.0:
+            raise SystemExit(128 + signum)
 
 
 def _spawned(rank: int, cfg: DistConfig, addr: str, port: int, worker: Worker, args) -> None:

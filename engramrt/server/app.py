@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import engramrt
-from engramrt.engine.async_engine import EngineDead
+from engramrt.engine.async_engine import EngineClosed, EngineDead
 from engramrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from engramrt.server.responses import (
     SSE_DONE,
@@ -39,7 +39,9 @@ def _server(request: Request) -> Server:
 
 @public.get("/health")
 async def health(request: Request) -> Response:
-    return Response(status_code=503 if _server(request).engine.error else 200)
+    """503 once the engine has died or the server is shutting down: route traffic elsewhere."""
+    engine = _server(request).engine
+    return Response(status_code=503 if engine.error or engine.closed else 200)
 
 
 @public.get("/version", response_model=None)
@@ -82,6 +84,10 @@ async def chat(req: ChatCompletionRequest, request: Request) -> dict | Response:
 
 async def _respond(request: Request, call: Call, stream: bool) -> dict | Response:
     """Stream ``call``, or run it to completion while watching for a disconnect."""
+    engine = call.server.engine
+    if engine.error is not None or engine.closed:
+        reason = "the server is shutting down" if engine.error is None else "the engine has died"
+        raise ApiError(503, reason, "ServiceUnavailableError")
     if stream:
         return StreamingResponse(_sse_body(call.stream()), media_type="text/event-stream")
     task = asyncio.ensure_future(call.build())
@@ -92,7 +98,7 @@ async def _respond(request: Request, call: Call, stream: bool) -> dict | Respons
             return Response(status_code=499)
     try:
         return task.result()
-    except EngineDead as exc:
+    except (EngineDead, EngineClosed) as exc:
         raise ApiError(503, str(exc), "ServiceUnavailableError") from None
 
 
@@ -101,7 +107,7 @@ async def _sse_body(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
             yield chunk
-    except (EngineDead, ValueError) as exc:
+    except (EngineDead, EngineClosed, ValueError) as exc:
         yield sse(error_body(500, str(exc), "InternalServerError"))
     yield SSE_DONE
 

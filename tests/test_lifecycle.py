@@ -1,0 +1,158 @@
+"""The server's life with one and with two pipeline stages: a signal drains the running requests
+up to --shutdown-timeout, aborts the rest with finish reason "abort" and exits 0; a stage that
+stops answering fails the running requests within seconds and the server exits 1, as it does
+when the engine dies for any other reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engramrt.bundled import resolve_model_dir
+from engramrt.commands.serve import ServeOptions, _serve_http, build_stage
+from engramrt.parallel.launch import free_port
+from tests.server_fixture import start_server, stop_server
+
+
+class Stream(threading.Thread):
+    """One streamed completion on its own thread: its chunks, and an event once it has begun."""
+
+    def __init__(self, base: str, max_tokens: int):
+        super().__init__(daemon=True)
+        self.base, self.max_tokens = base, max_tokens
+        self.chunks: list[dict] = []
+        self.done_marker = False
+        self.begun = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        body = {"prompt": "Hello", "max_tokens": self.max_tokens, "ignore_eos": True,
+                "stream": True, "temperature": 0}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done_marker = True
+                    elif line.startswith("data: "):
+                        self.chunks.append(json.loads(line[6:]))
+                        self.begun.set()
+        finally:
+            self.begun.set()
+
+    def finish_reason(self) -> str | None:
+        return self.chunks[-1]["choices"][0]["finish_reason"] if self.chunks else None
+
+    def tokens(self) -> int:
+        return sum(len(c["choices"][0]["text"]) > 0 for c in self.chunks if c.get("choices"))
+
+
+def _log(proc) -> str:
+    return Path(proc.log_path).read_text(errors="replace")
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_signal_drains_then_aborts_and_exits_0(pp: int) -> None:
+    """SIGTERM to the server's main process (the launcher, with two stages): no new requests
+    (503 on an open connection, /health 503), a short request finishes, a long one ends with
+    finish reason "abort" at the deadline and a clean end of stream, exit status 0."""
+    base, proc = start_server("-pp", str(pp), "--shutdown-timeout", "3", "--max-model-len", "2048")
+    try:
+        with httpx.Client(base_url=base, timeout=30) as client:
+            assert client.get("/health").status_code == 200  # a keep-alive connection
+            long = Stream(base, 2000)
+            assert long.begun.wait(30)
+            short = Stream(base, 24)
+            assert short.begun.wait(30)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            assert client.get("/health").status_code == 503
+            r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        short.join(30)
+        long.join(30)
+        assert short.finish_reason() == "length" and short.done_marker
+        assert long.finish_reason() == "abort" and long.done_marker
+        assert not any("error" in c for c in long.chunks)
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - signalled < 3 + 15
+        log = _log(proc)
+        assert "SIGTERM: shutting down" in log and "1 aborted" in log
+    finally:
+        stop_server(proc)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL])
+def test_lost_stage_fails_requests_and_exits_1(fault: signal.Signals) -> None:
+    """A stage stopped (no error anywhere, its sockets stay open) or killed mid-stream: the
+    stream ends with an error event naming it within seconds, not after the distributed
+    timeout; the server exits 1 and leaves no stage process behind."""
+    base, proc = start_server("-pp", "2", "--stage-timeout", "2")
+    stage = None
+    try:
+        stage = int(re.search(r"stage 1 of 2 .* pid (\d+)", _log(proc)).group(1))
+        stream = Stream(base, 2000)
+        assert stream.begun.wait(30)
+        os.kill(stage, fault)
+        stream.join(30)
+        assert not stream.is_alive(), "the stream still hangs"
+        errors = [c["error"]["message"] for c in stream.chunks if "error" in c]
+        if fault == signal.SIGSTOP:
+            assert errors and "stage 1" in errors[0], stream.chunks[-1]
+        assert proc.wait(timeout=30) == 1
+        deadline = time.monotonic() + 10
+        while not _gone(stage) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(stage)
+    finally:
+        if stage is not None and not _gone(stage):
+            os.kill(stage, signal.SIGKILL)
+        stop_server(proc)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_engine_death_exits_1() -> None:
+    """A step that raises (here injected) fails the request with a 503 naming the cause, turns
+    /health to 503 and makes the server return exit status 1, instead of serving 503s for
+    ever; the same path a lost stage takes."""
+    model_dir = resolve_model_dir(None)
+    opts = ServeOptions(model_dir, [4], ["m"], port=free_port(), max_model_len=256,
+                        dtype="float32", disable_uvicorn_access_log=True)  # fmt: skip
+    _, engine = build_stage(opts)
+
+    def broken(batch):
+        raise RuntimeError("injected step failure")
+
+    engine.pipeline.step = broken
+    result: dict[str, int] = {}
+    server = threading.Thread(target=lambda: result.update(code=_serve_http(opts, engine, 1)))
+    server.start()
+    base = f"http://127.0.0.1:{opts.port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and "injected step failure" in r.json()["error"]["message"]
+    server.join(30)
+    assert not server.is_alive() and result["code"] == 1
