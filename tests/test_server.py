@@ -9,18 +9,21 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
 from engramrt.config import load_json, model_config
 from engramrt.engram.token_map import load_tokenizer
+from tests.offsets_oracle import check_text_offsets
 from tests.server_fixture import running_server, server_fixture
 
 pytestmark = pytest.mark.slow  # every test talks to a server process
@@ -448,6 +451,73 @@ def test_stream_text_offset_is_cumulative(server: str) -> None:
     full = complete(server, **body)["choices"][0]
     _, lps = _stream_pieces(server, body)
     assert lps["text_offset"] == full["logprobs"]["text_offset"]
+
+
+# --- text offsets index the returned text; logprobs 0 names the sampled token -----------------
+
+# characters split over byte tokens, in the prompt and (sampled at temperature 1) in the output
+OFFSET_PROMPTS = ["Tea in 日本 costs ¥5 🙂 today", "Hello"]
+
+
+@pytest.fixture(scope="module")
+def bos_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The bundled model with ``add_bos_token: true``: every text prompt gets a BOS that is not
+    in the text the client sent."""
+    model = tmp_path_factory.mktemp("bos") / "model"
+    shutil.copytree(resolve_model_dir(None), model)
+    path = model / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "add_bos_token": True}))
+    with running_server("--model", str(model), "--max-model-len", str(MAX_LEN), *FP32) as base:
+        yield base
+
+
+def _by_choice(base: str, body: dict) -> dict[int, tuple[str, dict]]:
+    """Each choice's text and legacy logprobs, from one response or gathered over a stream."""
+    if not body.get("stream"):
+        return {
+            ch["index"]: (ch["text"], ch["logprobs"]) for ch in complete(base, **body)["choices"]
+        }
+    out: dict[int, tuple[str, dict]] = {}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    for e in events[:-1]:
+        for ch in json.loads(e)["choices"]:
+            text, lps = out.get(ch["index"], ("", {k: [] for k in ch["logprobs"]}))
+            out[ch["index"]] = (text + ch["text"], {k: lps[k] + ch["logprobs"][k] for k in lps})
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+@pytest.mark.parametrize("kind", ["text", "ids"])
+def test_echo_text_offsets_index_the_text(bos_server: str, kind: str, stream: bool) -> None:
+    """Issue 13: with ``add_bos_token`` the echoed prompt is the text as sent, without the BOS
+    its ids start with; the offsets still index the text (the BOS adds nothing), through split
+    characters, for several prompts times n, streamed or not, and the same in both."""
+    ids = [[BOS, *TOK.encode(p).ids] for p in OFFSET_PROMPTS]
+    prompt = OFFSET_PROMPTS if kind == "text" else ids
+    body = {"prompt": prompt, "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 7,
+            "ignore_eos": True, "logprobs": 2, "echo": True, "stream": stream}  # fmt: skip
+    got = _by_choice(bos_server, {**body, "return_tokens_as_token_ids": True})
+    assert sorted(got) == [0, 1, 2, 3]
+    for index, (text, lp) in got.items():
+        p = index // 2
+        all_ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+        assert all_ids[: len(ids[p])] == ids[p]
+        out_ids = all_ids[len(ids[p]) :]
+        if kind == "text":  # the text as sent; its first id, the BOS, is not in it
+            prompt_part = [(ids[p][:1], "", False), (ids[p][1:], OFFSET_PROMPTS[p], True)]
+        else:
+            prompt_part = [(ids[p], TOK.decode(ids[p], skip_special_tokens=False), True)]
+        out_text = TOK.decode(out_ids, skip_special_tokens=True)
+        assert len(lp["tokens"]) == len(lp["text_offset"])
+        check_text_offsets(TOK, text, lp["text_offset"], [*prompt_part, (out_ids, out_text, False)])
+    plain = _by_choice(bos_server, body)  # tokens named by text: the same offsets
+    assert {i: lp["text_offset"] for i, (_, lp) in plain.items()} == {
+        i: lp["text_offset"] for i, (_, lp) in got.items()
+    }
+    if stream:  # a stream gives what the single response gives
+        assert _by_choice(bos_server, {**body, "stream": False}) == plain
 
 
 def test_stop_string(server: str) -> None:
