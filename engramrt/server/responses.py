@@ -155,18 +155,21 @@ def completion_logprobs(
     offsets: list[int],
     as_ids: bool = False,
 ) -> dict:
-    """The legacy format; ``offsets`` from the choice's ``TextOffsets``."""
+    """The legacy format; ``offsets`` from the choice's ``TextOffsets``. Each top-logprobs entry
+    names the token itself first and then the k most likely, so up to k + 1 of them and with
+    ``logprobs: 0`` the token alone (vLLM's answer, and OpenAI's "up to logprobs + 1")."""
+
+    def top(t: int, lp: Logprob) -> dict[str, float]:
+        entry = {token_name(tok, t, as_ids): lp.logprob}
+        for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True):
+            entry.setdefault(token_name(tok, i, as_ids), v)  # the token's own value stays
+        return entry
+
     return {
         "tokens": [token_name(tok, t, as_ids) for t in ids],
         "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
         "top_logprobs": [
-            None
-            if lp is None
-            else {
-                token_name(tok, i, as_ids): v
-                for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
-            }
-            for lp in lps
+            None if lp is None else top(t, lp) for t, lp in zip(ids, lps, strict=True)
         ],
         "text_offset": offsets,
     }
