@@ -471,9 +471,11 @@ def test_context_boundary(make_engine, encode) -> None:
     assert res.finish_reason == "length" and len(res.ids) == 3
 
 
-def test_incremental_text_equals_a_full_decode_at_every_step() -> None:
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-special", "keep-special"])
+def test_incremental_text_equals_a_full_decode_at_every_step(skip: bool) -> None:
     """Random ids, many of them bytes that split UTF-8 characters, plus special tokens: after
-    every appended token the incremental text is the full decode of the ids so far."""
+    every appended token the incremental text is the full decode of the ids so far (special
+    tokens left out, as generated text does, or kept, as an echoed prompt of ids does)."""
     import random
 
     from engramrt.engine.detokenize import IncrementalDecoder
@@ -484,11 +486,11 @@ def test_incremental_text_equals_a_full_decode_at_every_step() -> None:
     assert None not in byte_ids
     rng, partial = random.Random(0), 0
     for trial in range(30):
-        text, ids = IncrementalDecoder(tok), []
+        text, ids = IncrementalDecoder(tok, skip_special=skip), []
         for _ in range(rng.randint(1, 60)):
             pick = rng.random()
             ids.append(rng.choice(byte_ids) if pick < 0.3 else rng.randrange(0, 1024))
-            want = tok.decode(ids, skip_special_tokens=True)
+            want = tok.decode(ids, skip_special_tokens=skip)
             partial += want.endswith("\ufffd")
             assert text(ids) == want, (trial, ids)
     assert partial > 20  # the oracle did see unfinished characters

@@ -12,8 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from engramrt.bundled import resolve_model_dir
 from engramrt.cli import main
-from engramrt.commands.check_pp import FAULT_ENV, CheckOptions, check_pp, choose_partitions
+from engramrt.commands.check_pp import (
+    FAULT_ENV,
+    RAISE_ENV,
+    CheckOptions,
+    check_pp,
+    choose_partitions,
+    format_report,
+)
 from engramrt.parallel.launch import free_port
 from engramrt.parallel.partition import (
     ENV,
@@ -212,6 +220,53 @@ def test_check_pp_on_default_model_passes_and_catches_a_skipped_engram(tmp_path)
     rows = {line.split()[0]: line for line in bad.stdout.splitlines()[1:-1]}
     assert "MISMATCH" in rows["1,3"] and "MISMATCH" in rows["2,2"]  # stage 1 starts on Engram
     assert rows["3,1"].endswith(" ok")  # no Engram at that stage's entry: nothing skipped
+
+
+def test_check_pp_in_process_reports_a_raising_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stage, in this process: a stage that raises fails its partition with the error in
+    the report and the table, instead of ending the check with a traceback."""
+    monkeypatch.setenv(RAISE_ENV, "0@4")
+    report = check_pp(CheckOptions(resolve_model_dir(None), stages=1, decode_steps=2))
+    (row,) = report["partitions"]
+    want = f"stage 0: RuntimeError: injected fault ({RAISE_ENV}) on stage 0"
+    assert row["partition"] == [4] and row["error"] == want and not report["ok"]
+    table = format_report(report).splitlines()
+    assert table[1].split() == ["4", "-", "-", "-", "FAILED:", *want.split()]
+    assert table[-1] == "1 partitions into 1 stages: 1 FAILED"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stages", "fault", "partitions"),
+    [(2, "0@2,2", [[1, 3], [2, 2], [3, 1]]), (2, "1@2,2", [[1, 3], [2, 2], [3, 1]]),
+     (3, "1@1,2,1", [[1, 1, 2], [1, 2, 1], [2, 1, 1]]),
+     (2, "1@1,3@load", [[1, 3], [2, 2], [3, 1]])],
+)  # fmt: skip
+def test_check_pp_reports_a_raising_stage_and_goes_on(
+    tmp_path: Path, stages: int, fault: str, partitions: list[list[int]]
+) -> None:
+    """Issue 13: a stage that raises at a decode step of one partition (rank 0, the last stage
+    on rank 1, a middle one) or while loading fails that partition with its error, in the table
+    and the JSON; the stages still running are not left waiting, the check goes on with the
+    next partitions, which pass, and exits 1, with no traceback."""
+    stage, failing, *load = fault.split("@")
+    out = _cli("check-pp", "--stages", str(stages), "--json", str(tmp_path / "r.json"),
+               env={RAISE_ENV: fault})  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stdout + out.stderr, out.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["partition"] for r in report["partitions"]] == partitions
+    where = "loading stage" if load else "on stage"
+    want = f"stage {stage}: RuntimeError: injected fault ({RAISE_ENV}) {where} {stage}"
+    for r in report["partitions"]:
+        bad = ",".join(map(str, r["partition"])) == failing
+        assert r["ok"] != bad and r["error"] == (want if bad else None)
+        if not bad:
+            assert r["max_abs_dlogit"] == 0.0 and r["greedy_tokens_identical"]
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:-1]}
+    assert rows.pop(failing).endswith(f"FAILED: {want}")
+    assert all(line.endswith(" ok") for line in rows.values())
+    assert out.stdout.splitlines()[-1] == f"3 partitions into {stages} stages: 1 FAILED"
 
 
 # --- trace, generate and torchrun ------------------------------------------------------------

@@ -9,18 +9,25 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import torch
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
 from engramrt.config import load_json, model_config
 from engramrt.engram.token_map import load_tokenizer
+from engramrt.prompts import PromptEncoder
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.stage import StageRunner
+from tests.offsets_oracle import check_text_offsets
 from tests.server_fixture import running_server, server_fixture
 
 pytestmark = pytest.mark.slow  # every test talks to a server process
@@ -450,6 +457,144 @@ def test_stream_text_offset_is_cumulative(server: str) -> None:
     assert lps["text_offset"] == full["logprobs"]["text_offset"]
 
 
+# --- text offsets index the returned text; logprobs 0 names the sampled token -----------------
+
+# characters split over byte tokens, in the prompt and (sampled at temperature 1) in the output
+OFFSET_PROMPTS = ["Tea in 日本 costs ¥5 🙂 today", "Hello"]
+
+
+@pytest.fixture(scope="module")
+def bos_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The bundled model with ``add_bos_token: true``: every text prompt gets a BOS that is not
+    in the text the client sent."""
+    model = tmp_path_factory.mktemp("bos") / "model"
+    shutil.copytree(resolve_model_dir(None), model)
+    path = model / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "add_bos_token": True}))
+    with running_server("--model", str(model), "--max-model-len", str(MAX_LEN), *FP32) as base:
+        yield base
+
+
+def _by_choice(base: str, body: dict) -> dict[int, tuple[str, dict]]:
+    """Each choice's text and legacy logprobs, from one response or gathered over a stream."""
+    if not body.get("stream"):
+        return {
+            ch["index"]: (ch["text"], ch["logprobs"]) for ch in complete(base, **body)["choices"]
+        }
+    out: dict[int, tuple[str, dict]] = {}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    for e in events[:-1]:
+        for ch in json.loads(e)["choices"]:
+            text, lps = out.get(ch["index"], ("", {k: [] for k in ch["logprobs"]}))
+            out[ch["index"]] = (text + ch["text"], {k: lps[k] + ch["logprobs"][k] for k in lps})
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+@pytest.mark.parametrize("kind", ["text", "ids"])
+def test_echo_text_offsets_index_the_text(bos_server: str, kind: str, stream: bool) -> None:
+    """Issue 13: with ``add_bos_token`` the echoed prompt is the text as sent, without the BOS
+    its ids start with; the offsets still index the text (the BOS adds nothing), through split
+    characters, for several prompts times n, streamed or not, and the same in both."""
+    ids = [[BOS, *TOK.encode(p).ids] for p in OFFSET_PROMPTS]
+    prompt = OFFSET_PROMPTS if kind == "text" else ids
+    body = {"prompt": prompt, "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 7,
+            "ignore_eos": True, "logprobs": 2, "echo": True, "stream": stream}  # fmt: skip
+    got = _by_choice(bos_server, {**body, "return_tokens_as_token_ids": True})
+    assert sorted(got) == [0, 1, 2, 3]
+    for index, (text, lp) in got.items():
+        p = index // 2
+        all_ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+        assert all_ids[: len(ids[p])] == ids[p]
+        out_ids = all_ids[len(ids[p]) :]
+        if kind == "text":  # the text as sent; its first id, the BOS, is not in it
+            prompt_part = [(ids[p][:1], "", False), (ids[p][1:], OFFSET_PROMPTS[p], True)]
+        else:
+            prompt_part = [(ids[p], TOK.decode(ids[p], skip_special_tokens=False), True)]
+        out_text = TOK.decode(out_ids, skip_special_tokens=True)
+        assert len(lp["tokens"]) == len(lp["text_offset"])
+        check_text_offsets(TOK, text, lp["text_offset"], [*prompt_part, (out_ids, out_text, False)])
+    plain = _by_choice(bos_server, body)  # tokens named by text: the same offsets
+    assert {i: lp["text_offset"] for i, (_, lp) in plain.items()} == {
+        i: lp["text_offset"] for i, (_, lp) in got.items()
+    }
+    if stream:  # a stream gives what the single response gives
+        assert _by_choice(bos_server, {**body, "stream": False}) == plain
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """Log-probabilities of every next token of ``ids`` from one float32 prefill of the model
+    in this process: ``log_softmax`` of the logits, the rows past the tokenizer masked."""
+    runner = StageRunner.load(resolve_model_dir(None), 1, MAX_LEN, "cpu", "float32")
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        logits = runner.step(StepBatch(ids, [0], [len(ids)], [0], rebuilds=[(0, [])]))
+        return torch.log_softmax(logits.double()[:, :VOCAB], dim=-1)
+
+    return logprobs
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+@pytest.mark.parametrize("echo", [False, True], ids=["plain", "echo"])
+def test_logprobs_zero_is_the_sampled_token(fp32_server: str, oracle, echo: bool) -> None:
+    """Issue 13: ``logprobs: 0`` gives each token's own logprob and a top entry holding just
+    that token (vLLM's answer; OpenAI's "up to logprobs + 1"); ``logprobs: k`` also names the
+    sampled token, next to the k most likely ones. Sampled at temperature 1, so the sampled
+    token is often not the most likely; every value is the oracle's."""
+    for k in (0, 2):
+        body = {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 1.0, "seed": 3,
+                "ignore_eos": True, "logprobs": k, "echo": echo}  # fmt: skip
+        (ch,) = complete(fp32_server, **body, return_tokens_as_token_ids=True)["choices"]
+        lp = ch["logprobs"]
+        ids = _ids(lp["tokens"])
+        prompt = ids_of(PROMPTS[2])
+        assert ids[: len(prompt) * echo] == prompt[: len(prompt) * echo]
+        full = ids if echo else [*prompt, *ids]
+        want = oracle(full[:-1])  # row p scores token p + 1
+        first = 1 if echo else len(prompt)  # the first prompt token has no logprob
+        if echo:
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        rows = list(zip(ids[first - len(full) :], lp["token_logprobs"][first - len(full) :],
+                        lp["top_logprobs"][first - len(full) :], strict=True))  # fmt: skip
+        assert len(rows) == len(full) - first
+        for p, (t, value, top) in enumerate(rows, start=first - 1):
+            assert value == pytest.approx(float(want[p, t]), abs=1e-4), (p, k)
+            assert top[f"token_id:{t}"] == value
+            best = want[p].topk(k).indices.tolist()
+            assert set(top) == {f"token_id:{i}" for i in {t, *best}}, (p, k)
+            for i in best:
+                assert top[f"token_id:{i}"] == pytest.approx(float(want[p, i]), abs=1e-4)
+        named = complete(fp32_server, **body)["choices"][0]["logprobs"]  # tokens by their text
+        assert named["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+        for top, t in zip(named["top_logprobs"][first - len(full) :], ids[first - len(full) :],
+                          strict=True):  # fmt: skip
+            assert TOK.decode([t], skip_special_tokens=False) in top
+
+
+@pytest.mark.parametrize("top", [None, 0], ids=["absent", "zero"])
+def test_chat_logprobs_without_top(fp32_server: str, oracle, top: int | None) -> None:
+    """Chat with ``logprobs: true`` and no (or zero) ``top_logprobs``: each token's own logprob
+    (the oracle's) and an empty top list, as OpenAI and vLLM answer."""
+    messages = [{"role": "user", "content": "Tell me about gardens."}]
+    body = {"messages": messages, "max_tokens": 6, "temperature": 1.0, "seed": 5,
+            "ignore_eos": True, "logprobs": True, "return_tokens_as_token_ids": True}  # fmt: skip
+    if top is not None:
+        body["top_logprobs"] = top
+    content = post(fp32_server, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
+    prompt = PromptEncoder.load(DEFAULT_MODEL_DIR).chat(messages)
+    ids = _ids([e["token"] for e in content])
+    want = oracle([*prompt, *ids][:-1])
+    for j, (t, e) in enumerate(zip(ids, content, strict=True)):
+        assert e["logprob"] == pytest.approx(float(want[len(prompt) - 1 + j, t]), abs=1e-4)
+        assert e["top_logprobs"] == []
+
+
 def test_stop_string(server: str) -> None:
     c, model = client(server), model_name(server)
     prompt = PROMPTS[2]
@@ -816,8 +961,10 @@ def test_return_tokens_as_token_ids(server: str) -> None:
     assert [TOK.decode([i], skip_special_tokens=False) for i in ids] == plain["tokens"]
     assert lp["token_logprobs"] == plain["token_logprobs"]
     assert lp["text_offset"] == plain["text_offset"]
-    for mine, theirs in zip(lp["top_logprobs"][1:], plain["top_logprobs"][1:], strict=True):
-        assert len(mine) == 5 and all(k.startswith("token_id:") for k in mine)
+    for t, mine, theirs in zip(ids[1:], lp["top_logprobs"][1:], plain["top_logprobs"][1:],
+                               strict=True):  # fmt: skip
+        assert all(k.startswith("token_id:") for k in mine)
+        assert f"token_id:{t}" in mine and len(mine) in (5, 6)  # the token, then the top 5
         texts = {TOK.decode([int(k[9:])], skip_special_tokens=False): v for k, v in mine.items()}
         assert texts.keys() == theirs.keys()  # fewer keys in the plain one when texts collide
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,

@@ -3,7 +3,8 @@ into N stages; any logit or greedy-token difference, or an Engram layer that did
 once per step on the stage that owns it, is a failure (exit code 1).
 
 Each partition is fed the PP = 1 run's greedy tokens, so one mismatch cannot cascade and the
-logits of every step are compared like for like.
+logits of every step are compared like for like. A stage that raises fails its partition, with
+the error in the table, and the check goes on with the next one.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import all_partitions, stage_layers
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.prompts import PromptEncoder
-from engramrt.runner.batch import StepBatch
+from engramrt.runner.batch import StepBatch, StepResult
+from engramrt.runner.carry import Carry
 from engramrt.runner.stage import StageRunner
 
 DEFAULT_PROMPTS = [
@@ -36,6 +38,9 @@ DEFAULT_PROMPTS = [
 # Test-only fault injection: make the Engram of a stage's first layer an identity (while still
 # counted as run), i.e. the silent stage-entry skip this tool exists to catch.
 FAULT_ENV = "ENGRAMRT_CHECK_PP_FAULT"
+# Test-only: ``STAGE@PARTITION`` (``1@2,2``) makes that stage raise at the first decode step of
+# that partition, ``STAGE@PARTITION@load`` while it loads.
+RAISE_ENV = "ENGRAMRT_CHECK_PP_RAISE"
 
 
 def choose_partitions(num_layers: int, stages: int, engram_layers: list[int], limit: int | None):
@@ -121,6 +126,59 @@ def _runner(opts: CheckOptions, layers: list[int], num_slots: int) -> StageRunne
     return runner
 
 
+class ContainedStage:
+    """One stage of one partition that survives its own exception: the first one is kept as the
+    partition's failure, and from then on the stage answers every step with zeros of the shapes
+    the next stage (or rank 0) expects, so every message still matches, no stage is left
+    waiting, and the partition runs to its end. Everything but ``run`` is the runner's."""
+
+    def __init__(self, runner: StageRunner):
+        self.runner, self.error = runner, None
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def run(self, batch: StepBatch, carry: Carry | None = None) -> Carry | StepResult:
+        if self.error is None:
+            try:
+                return self.runner.run(batch, carry)
+            except Exception as exc:  # noqa: BLE001 - reported in the partition's row
+                self.error = _error(exc)
+        r, t = self.runner, batch.num_tokens
+        if not r.is_last:
+            return Carry.empty(r.model, t, torch.zeros)
+        return r.sampler(torch.zeros(t, r.model.cfg.vocab_size, device=r.device), batch)
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _load_stage(opts: CheckOptions, parts: list[int], rank: int, n: int) -> ContainedStage:
+    """This rank's stage of partition ``parts``, with the test-only faults."""
+    stage, _, rest = os.environ.get(RAISE_ENV, "").partition("@")
+    partition, _, point = rest.partition("@")
+    fault = stage == str(rank) and partition == ",".join(map(str, parts))
+    if fault and point == "load":
+        raise RuntimeError(f"injected fault ({RAISE_ENV}) loading stage {rank}")
+    runner = _runner(opts, stage_layers(parts, rank), n)
+    if os.environ.get(FAULT_ENV) == "skip-entry-engram" and rank > 0:
+        first = runner.model.layers[str(runner.model.layer_ids[0])]
+        if first.engram is not None:
+            first.engram.forward = lambda x, ids, dead=None: x
+    if fault:  # the second step (the first decode) raises
+        step, calls = runner.step, []
+
+        def failing(batch: StepBatch, carry: Carry | None = None):
+            calls.append(batch)
+            if len(calls) == 2:
+                raise RuntimeError(f"injected fault ({RAISE_ENV}) on stage {rank}")
+            return step(batch, carry)
+
+        runner.step = failing
+    return ContainedStage(runner)
+
+
 def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     n = len(prompts)
@@ -129,27 +187,62 @@ def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str)
         ref_logits, ref_tokens = _scenario(Pipeline(full), prompts, opts.decode_steps, None)
     rows = []
     for parts in partitions:
-        runner = _runner(opts, stage_layers(parts, rank), n)
-        if os.environ.get(FAULT_ENV) == "skip-entry-engram" and rank > 0:
-            first = runner.model.layers[str(runner.model.layer_ids[0])]
-            if first.engram is not None:
-                first.engram.forward = lambda x, ids, dead=None: x
-        pipe = Pipeline(runner, rank, world)
+        stage, error = None, None
+        try:
+            stage = _load_stage(opts, parts, rank, n)
+        except Exception as exc:  # noqa: BLE001 - a stage that cannot load fails the partition
+            error = _error(exc)
+        loaded = _all_ranks(world, error)  # the pipeline runs only if every stage loaded
+        if all(e is None for e in loaded):
+            pipe = Pipeline(stage, rank, world)
+            if rank == 0:
+                try:
+                    logits, tokens = _scenario(pipe, prompts, opts.decode_steps, ref_tokens)
+                finally:
+                    pipe.stop()
+            else:
+                pipe.serve()
+            error = stage.error
+        per_stage = _to_rank0(rank, world, (stage.engram_ran if stage else [], error))
         if rank == 0:
-            try:
-                logits, tokens = _scenario(pipe, prompts, opts.decode_steps, ref_tokens)
-            finally:
-                pipe.stop()
-        else:
-            pipe.serve()
-        per_stage = [runner.engram_ran]
-        if world > 1:
-            per_stage = [None] * world if rank == 0 else None
-            dist.gather_object(runner.engram_ran, per_stage, dst=0)
-        if rank == 0:
-            rows.append(_compare(opts, parts, per_stage, logits, tokens, ref_logits, ref_tokens))
+            errors = [f"stage {r}: {e}" for r, (_, e) in enumerate(per_stage) if e is not None]
+            if errors:
+                rows.append(_failed(parts, "; ".join(errors)))
+            else:
+                ran = [r for r, _ in per_stage]
+                rows.append(_compare(opts, parts, ran, logits, tokens, ref_logits, ref_tokens))
     if rank == 0:
         Path(out_path).write_text(json.dumps({"stages": world, "partitions": rows}))
+
+
+def _all_ranks(world: int, value):
+    """``value`` of every rank, on every rank."""
+    if world == 1:
+        return [value]
+    out = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _to_rank0(rank: int, world: int, value):
+    """``value`` of every rank, on rank 0 (None elsewhere)."""
+    if world == 1:
+        return [value]
+    out = [None] * world if rank == 0 else None
+    dist.gather_object(value, out, dst=0)
+    return out
+
+
+def _failed(parts: list[int], error: str) -> dict:
+    return {
+        "partition": parts,
+        "engram_layers_by_stage": None,
+        "engram_runs_ok": None,
+        "max_abs_dlogit": None,
+        "greedy_tokens_identical": None,
+        "ok": False,
+        "error": error,
+    }
 
 
 def _compare(opts, parts, per_stage, logits, tokens, ref_logits, ref_tokens) -> dict:
@@ -169,6 +262,7 @@ def _compare(opts, parts, per_stage, logits, tokens, ref_logits, ref_tokens) -> 
         "max_abs_dlogit": delta,
         "greedy_tokens_identical": same_tokens,
         "ok": all(ran_ok) and same_tokens and delta <= opts.atol,
+        "error": None,
     }
 
 
@@ -178,20 +272,26 @@ def format_report(report: dict) -> str:
         f"{'greedy tokens':>14}  result",
     ]
     for r in report["partitions"]:
+        parts = ",".join(map(str, r["partition"]))
+        if r["error"] is not None:
+            lines.append(f"{parts:<14} {'-':<30} {'-':>13} {'-':>14}  FAILED: {r['error']}")
+            continue
         by_stage = " | ".join(
             f"s{i}:{','.join(map(str, layers)) or '-'}"
             for i, layers in enumerate(r["engram_layers_by_stage"])
         )
         lines.append(
-            f"{','.join(map(str, r['partition'])):<14} {by_stage:<30} "
+            f"{parts:<14} {by_stage:<30} "
             f"{r['max_abs_dlogit']:>13.3g} "
             f"{'identical' if r['greedy_tokens_identical'] else 'DIFFER':>14}  "
             f"{'ok' if r['ok'] else 'MISMATCH'}"
         )
-    bad = sum(not r["ok"] for r in report["partitions"])
+    failed = sum(r["error"] is not None for r in report["partitions"])
+    bad = sum(not r["ok"] for r in report["partitions"]) - failed
+    verdict = ", ".join(f"{k} {what}" for k, what in ((bad, "MISMATCH"), (failed, "FAILED")) if k)
     lines.append(
         f"{len(report['partitions'])} partitions into {report['stages']} stages: "
-        + ("all match PP = 1" if not bad else f"{bad} MISMATCH")
+        + (verdict or "all match PP = 1")
     )
     return "\n".join(lines)
 
@@ -214,7 +314,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit code 1 when any partition differs from PP = 1."""
+    """Exit code 1 when any partition differs from PP = 1 or failed."""
     device = args.device or "cpu"
     prompts = None
     if args.prompts:

@@ -15,28 +15,40 @@ class IncrementalDecoder:
     """``decode(ids[start:])`` of a growing ``ids``, at O(1) per token instead of O(length):
     only the tokens since the last point where the text ended on a whole character are decoded
     (the earlier text is kept). The window starts one chunk back, so tokenizers whose decoders
-    strip a leading space see the same context as a full decode."""
+    strip a leading space see the same context as a full decode. ``skip_special`` as in
+    ``Tokenizer.decode``: generated text leaves special tokens out, an echoed prompt keeps them."""
 
-    def __init__(self, tokenizer: Tokenizer, start: int = 0):
-        self.tok, self.start, self.done = tokenizer, start, ""
+    def __init__(self, tokenizer: Tokenizer, start: int = 0, skip_special: bool = True):
+        self.tok, self.start, self.skip_special, self.done = tokenizer, start, skip_special, ""
         self.prefix = self.read = start
+        self.pending = ""  # decoded since the last commit, ending inside a character
         self.rewrote = False  # the last call's text changed what came before
 
-    def __call__(self, ids: list[int]) -> str:
-        def dec(a: int, b: int | None = None) -> str:
-            return self.tok.decode(ids[a:b], skip_special_tokens=True)
+    def _dec(self, ids: list[int], a: int, b: int | None = None) -> str:
+        return self.tok.decode(ids[a:b], skip_special_tokens=self.skip_special)
 
-        head = dec(self.prefix, self.read) if self.read > self.prefix else ""
-        full = dec(self.prefix)
-        self.rewrote = not full.startswith(head)
-        if self.rewrote:  # a decoder that rewrites earlier text: decode it all
-            return dec(self.start)
+    def advance(self, ids: list[int]) -> str | None:
+        """The text the ids since the last commit add, committed, when it ends on a whole
+        character; ``""`` while it does not (it waits in ``pending``); ``None`` when the decoder
+        rewrote earlier text (only a full decode is right then)."""
+        head = self._dec(ids, self.prefix, self.read) if self.read > self.prefix else ""
+        full = self._dec(ids, self.prefix)
+        if not full.startswith(head):
+            return None
         tail = full[len(head) :]
         if tail and not tail.endswith("\ufffd"):  # ends on a whole character: commit
-            self.done += tail
-            self.prefix, self.read = self.read, len(ids)
-            return self.done
-        return self.done + tail
+            self.prefix, self.read, self.pending = self.read, len(ids), ""
+            return tail
+        self.pending = tail
+        return ""
+
+    def __call__(self, ids: list[int]) -> str:
+        new = self.advance(ids)
+        self.rewrote = new is None
+        if new is None:  # a decoder that rewrites earlier text: decode it all
+            return self._dec(ids, self.start)
+        self.done += new
+        return self.done + self.pending
 
 
 class StopStringHoldback:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from engramrt.engine.detokenize import IncrementalDecoder
 from engramrt.engine.request import Logprob
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -119,28 +120,56 @@ def token_name(tok: Tokenizer, token_id: int, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else token_text(tok, token_id)
 
 
+class TextOffsets:
+    """``text_offset`` of a choice's tokens, fed a chunk of ids at a time (so a stream and the
+    single response get the same numbers): where the text each token adds begins. A token adds
+    what decoding it adds to the tokens before it, decoded as the text was made (an echoed
+    prompt keeps special tokens, generated text leaves them out): a token that ends inside a
+    character adds nothing and the one that completes it the whole character. ``text``: the
+    text when it was not decoded from these ids (a prompt as the client sent it), where a token
+    whose addition is not found (the BOS of ``add_bos_token``) adds nothing. So every offset
+    indexes the text, whatever its characters."""
+
+    def __init__(
+        self, tok: Tokenizer, start: int = 0, *, specials: bool = False, text: str | None = None
+    ):
+        self.decoder = IncrementalDecoder(tok, skip_special=not specials)
+        self.ids: list[int] = []
+        self.start, self.pos, self.text = start, start, text
+
+    def __call__(self, ids: list[int]) -> list[int]:
+        offsets = []
+        for t in ids:
+            offsets.append(self.pos)
+            self.ids.append(t)
+            part = self.decoder.advance(self.ids) or ""
+            if self.text is None or self.text.startswith(part, self.pos - self.start):
+                self.pos += len(part)
+        return offsets
+
+
 def completion_logprobs(
-    tok: Tokenizer, ids: list[int], lps: list[Logprob | None], offset: int, as_ids: bool = False
+    tok: Tokenizer,
+    ids: list[int],
+    lps: list[Logprob | None],
+    offsets: list[int],
+    as_ids: bool = False,
 ) -> dict:
-    """The legacy format; ``offset`` is where the first token starts in the choice's text, so
-    ``text_offset`` counts from the start of the whole text, also across stream chunks (by the
-    tokens' texts, whatever names them)."""
-    texts = [token_text(tok, t) for t in ids]
-    offsets, pos = [], offset
-    for t in texts:
-        offsets.append(pos)
-        pos += len(t)
+    """The legacy format; ``offsets`` from the choice's ``TextOffsets``. Each top-logprobs entry
+    names the token itself first and then the k most likely, so up to k + 1 of them and with
+    ``logprobs: 0`` the token alone (vLLM's answer, and OpenAI's "up to logprobs + 1")."""
+
+    def top(t: int, lp: Logprob) -> dict[str, float]:
+        entry = {token_name(tok, t, as_ids): lp.logprob}
+        for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True):
+            entry.setdefault(token_name(tok, i, as_ids), v)  # the token's own value stays
+        return entry
+
     return {
-        "tokens": [f"token_id:{t}" for t in ids] if as_ids else texts,
+        "tokens": [token_name(tok, t, as_ids) for t in ids],
         "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
         "top_logprobs": [
-            None
-            if lp is None
-            else {
-                token_name(tok, i, as_ids): v
-                for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
-            }
-            for lp in lps
+            None if lp is None else top(t, lp) for t, lp in zip(ids, lps, strict=True)
         ],
         "text_offset": offsets,
     }

@@ -21,6 +21,7 @@ from engramrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from engramrt.server.responses import (
     ApiError,
     Envelope,
+    TextOffsets,
     chat_choice,
     chat_chunk_choice,
     chat_logprobs,
@@ -77,8 +78,7 @@ class ChoiceResult:
 class StreamState:
     """What a stream has sent of one choice so far."""
 
-    started: bool = False  # the echoed prompt goes with the choice's first chunk only
-    chars_sent: int = 0  # where the next chunk's text starts, for ``text_offset``
+    offsets: TextOffsets | None = None  # of the generated tokens, from the choice's first chunk
     output_tokens: int = 0  # for the closing usage chunk
 
 
@@ -296,13 +296,9 @@ class CompletionCall(Call):
                 text = self.server.tok.decode(c.prompt_ids, skip_special_tokens=False)
         lps = None
         if self.req.echo and self.req.logprobs is not None and out is not None:
-            lps = completion_logprobs(
-                self.server.tok,
-                c.prompt_ids,
-                out.prompt_logprobs,
-                0,
-                self.req.return_tokens_as_token_ids,
-            )
+            offsets = TextOffsets(self.server.tok, specials=True, text=text)(c.prompt_ids)
+            lps = completion_logprobs(self.server.tok, c.prompt_ids, out.prompt_logprobs,
+                                      offsets, self.req.return_tokens_as_token_ids)  # fmt: skip
         return text, lps
 
     def _choice(
@@ -313,40 +309,32 @@ class CompletionCall(Call):
         ids: list[int],
         lps: list[Logprob],
         finish_reason: str | None,
-        *,
-        offset: int,
+        offsets: TextOffsets,
     ) -> dict:
         """``prompt``: what ``_prompt_part`` gives when the echo goes in this choice, else
-        ``("", None)``; ``offset``: characters of this choice already sent."""
+        ``("", None)``; ``offsets``: the choice's generated tokens' (they follow the echo)."""
         prefix, prompt_lps = prompt
         logprobs = None
         if self.req.logprobs is not None:
-            logprobs = completion_logprobs(self.server.tok, ids, lps, offset + len(prefix),
+            logprobs = completion_logprobs(self.server.tok, ids, lps, offsets(ids),
                                            self.req.return_tokens_as_token_ids)  # fmt: skip
             if prompt_lps is not None:
                 logprobs = join_completion_logprobs(prompt_lps, logprobs)
         return completion_choice(c.index, prefix + text, logprobs, finish_reason)
 
     def _chunk_choice(self, c: Choice, out: RequestOutput, state: StreamState) -> dict:
-        prompt = ("", None) if state.started else self._prompt_part(c, out)
-        choice = self._choice(
-            c,
-            prompt,
-            out.new_text,
-            out.new_token_ids,
-            out.new_logprobs,
-            out.finish_reason,
-            offset=state.chars_sent,
-        )
-        state.started = True
-        state.chars_sent += len(choice["text"])
-        return choice
+        prompt = ("", None)  # the echoed prompt goes with the choice's first chunk only
+        if state.offsets is None:
+            prompt = self._prompt_part(c, out)
+            state.offsets = TextOffsets(self.server.tok, len(prompt[0]))
+        return self._choice(c, prompt, out.new_text, out.new_token_ids, out.new_logprobs,
+                            out.finish_reason, state.offsets)  # fmt: skip
 
     def _result_choice(self, r: ChoiceResult) -> dict:
         prompt = self._prompt_part(r.choice, r.prompt_out)
-        return self._choice(
-            r.choice, prompt, r.text, r.token_ids, r.logprobs, r.finish_reason, offset=0
-        )
+        offsets = TextOffsets(self.server.tok, len(prompt[0]))
+        return self._choice(r.choice, prompt, r.text, r.token_ids, r.logprobs, r.finish_reason,
+                            offsets)  # fmt: skip
 
 
 class ChatCall(Call):
