@@ -7,7 +7,7 @@ say) gets the same ids: the tokenizer's own post-processor, plus BOS only where
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -29,6 +29,7 @@ class PromptEncoder:
     chat_template: str | None = None
     bos_token: str = ""
     eos_token: str = ""
+    config: dict = field(default_factory=dict)  # tokenizer_config.json as read (/tokenizer_info)
 
     @classmethod
     def load(cls, model_dir: str | Path, tokenizer: Tokenizer | None = None) -> PromptEncoder:
@@ -47,25 +48,33 @@ class PromptEncoder:
                     f"{path} sets add_bos_token but its bos_token {bos!r} is not a token of "
                     "tokenizer.json"
                 )
-        return cls(tok, bos_id, cfg.get("chat_template"), bos, eos)
+        return cls(tok, bos_id, cfg.get("chat_template"), bos, eos, cfg)
 
-    def text(self, text: str) -> list[int]:
-        ids = self._encode(text, special=True)
-        if self.bos_id is not None and ids[:1] != [self.bos_id]:
+    def text(self, text: str, special: bool = True) -> list[int]:
+        """``special`` False (vLLM's ``add_special_tokens``) gives the text's own ids: no BOS,
+        nothing from the post-processor, as a client splitting a prompt into pieces needs."""
+        ids = self._encode(text, special)
+        if special and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id, *ids]
         return ids
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat template rendered with the generation prompt, then tokenised without the
-        tokenizer's own special tokens (the template wrote those it wants)."""
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        special: bool = False,
+    ) -> list[int]:
+        """The chat template rendered (with the generation prompt unless told otherwise), then
+        tokenised without the tokenizer's own special tokens (the template wrote those it
+        wants), or, with ``special``, as a text prompt."""
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         env = ImmutableSandboxedEnvironment()
         text = env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-            eos_token=self.eos_token,
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token, eos_token=self.eos_token,
         )  # fmt: skip
-        return self._encode(text, special=False)
+        return self.text(text) if special else self._encode(text, special=False)
 
     def _encode(self, text: str, special: bool) -> list[int]:
         """``encode_batch`` of one text: the same ids as ``encode``, but it releases the GIL,

@@ -81,3 +81,31 @@ def test_config_errors_name_the_file(tmp_path: Path) -> None:
     assert enc.bos_id is None and enc.text("hello") == load_tokenizer(d).encode("hello").ids
     with pytest.raises(ValueError, match="no chat template"):
         enc.chat([{"role": "user", "content": "Hi"}])
+
+
+def test_without_special_tokens_no_bos(tmp_path: Path) -> None:
+    """``special=False`` (vLLM's ``add_special_tokens: false``) is the text's own ids: no BOS
+    even where the config adds one, and the tokenizer encoding without its specials."""
+    d = model_dir_with(tmp_path, add_bos_token=True)
+    tok, enc = load_tokenizer(d), PromptEncoder.load(d)
+    for text in TEXTS:
+        assert enc.text(text, special=False) == tok.encode(text, add_special_tokens=False).ids
+    assert enc.text("hello", special=False)[:1] != [enc.bos_id]
+    assert enc.text("hello")[:1] == [enc.bos_id]
+
+
+def test_chat_flags(tmp_path: Path) -> None:
+    """Without the generation prompt the template's ``add_generation_prompt`` branch is left
+    out; ``special`` tokenises the rendered text as a text prompt (one BOS, not two)."""
+    messages = [{"role": "user", "content": "Hi"}]
+    enc = PromptEncoder.load(model_dir_with(tmp_path, add_bos_token=True))
+    tok = enc.tokenizer
+    with_prompt, without = enc.chat(messages), enc.chat(messages, add_generation_prompt=False)
+    assert with_prompt == [*without, tok.token_to_id("<｜Assistant｜>")]
+    assert enc.chat(messages, special=True) == with_prompt  # the template already wrote BOS
+    assert with_prompt.count(enc.bos_id) == 1
+
+
+def test_config_is_kept(tmp_path: Path) -> None:
+    d = model_dir_with(tmp_path, extra_field=[1, 2])
+    assert PromptEncoder.load(d).config == json.loads((d / "tokenizer_config.json").read_text())
