@@ -1,7 +1,8 @@
 """The OpenAI-compatible FastAPI app: /v1/models[/{id}], /v1/completions, /v1/chat/completions
-(plain and SSE), /health, /metrics, /version. Errors use OpenAI's body shape; a client that goes
-away aborts its requests. Only routing lives here: requests are built and run in ``serving`` and
-shaped in ``responses``."""
+(plain and SSE), vLLM's /tokenize, /detokenize and /tokenizer_info, /health, /metrics, /version.
+Errors use OpenAI's body shape; a client that goes away aborts its requests. Only routing lives
+here: requests are built and run in ``serving`` (``tokenization`` for the tokenizer endpoints)
+and shaped in ``responses``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import engramrt
 from engramrt.engine.async_engine import EngineClosed, EngineDead
-from engramrt.server.protocol import ChatCompletionRequest, CompletionRequest
+from engramrt.server import tokenization
+from engramrt.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from engramrt.server.responses import (
     SSE_DONE,
     ApiError,
@@ -80,6 +87,22 @@ async def completions(req: CompletionRequest, request: Request) -> dict | Respon
 async def chat(req: ChatCompletionRequest, request: Request) -> dict | Response:
     call = await asyncio.to_thread(ChatCall, _server(request), req)
     return await _respond(request, call, req.stream)
+
+
+# vLLM's paths (no /v1), behind the API key like /v1/*; off the event loop like a prompt
+@api.post("/tokenize", response_model=None)
+async def tokenize(req: TokenizeRequest, request: Request) -> dict:
+    return await asyncio.to_thread(tokenization.tokenize, _server(request), req)
+
+
+@api.post("/detokenize", response_model=None)
+async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
+    return await asyncio.to_thread(tokenization.detokenize, _server(request), req)
+
+
+@api.get("/tokenizer_info", response_model=None)
+async def tokenizer_info(request: Request) -> dict:
+    return tokenization.tokenizer_info(_server(request).prompts)
 
 
 async def _respond(request: Request, call: Call, stream: bool) -> dict | Response:

@@ -1,5 +1,6 @@
-"""Request bodies of the OpenAI API (and the vLLM extras clients send). Unknown fields are
-ignored, as vLLM does; wrong types and out-of-range values become a 400."""
+"""Request bodies of the OpenAI API, the vLLM extras clients send and vLLM's tokenizer
+endpoints. Unknown fields are ignored, as vLLM does; wrong types and out-of-range values become
+a 400."""
 
 from __future__ import annotations
 
@@ -88,3 +89,32 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class TokenizeRequest(_Base):
+    """vLLM's /tokenize body: a text ``prompt`` or chat ``messages``, never both.
+    ``add_special_tokens`` defaults as vLLM's: on for a prompt (the ids a completion runs), off
+    for messages (the template writes its own)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt (a string) or messages")
+        return self
+
+    def special(self) -> bool:
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.prompt is not None
+
+
+class DetokenizeRequest(_Base):
+    model: str | None = None
+    tokens: list[int]

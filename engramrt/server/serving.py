@@ -17,7 +17,7 @@ from engramrt.engine.engine import RequestOutput
 from engramrt.engine.request import Logprob, Request, SamplingParams
 from engramrt.prompts import PromptEncoder
 from engramrt.server.metrics import Metrics
-from engramrt.server.protocol import ChatCompletionRequest, CompletionRequest
+from engramrt.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from engramrt.server.responses import (
     ApiError,
     Envelope,
@@ -98,8 +98,8 @@ class Server:
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         return model or self.cfg.model_names[0]
 
-    def encode(self, text: str) -> list[int]:
-        return self.prompts.text(text)
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return self.prompts.text(text, special)
 
     def completion_prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]]
@@ -113,9 +113,12 @@ class Server:
             return [(list(prompt), None)]
         return [(self.encode(p), p) if isinstance(p, str) else (list(p), None) for p in prompt]
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, special: bool = False
+    ) -> list[int]:
+        chat = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            return self.prompts.chat([{"role": m.role, "content": m.text()} for m in req.messages])
+            return self.prompts.chat(chat, add_generation_prompt, special)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
 
@@ -345,7 +348,7 @@ class ChatCall(Call):
 
     def __init__(self, server: Server, req: ChatCompletionRequest):
         model = server.check_model(req.model)
-        prompt = server.chat_prompt(req)
+        prompt = server.chat_prompt(req.messages)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         choices = server.choices([(prompt, None)], req, max_tokens, logprobs, None)
