@@ -28,7 +28,7 @@ from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 from tests.offsets_oracle import check_text_offsets
-from tests.server_fixture import running_server, server_fixture
+from tests.server_fixture import running_server, server_fixture, start_server, stop_server
 
 pytestmark = pytest.mark.slow  # every test talks to a server process
 
@@ -1212,3 +1212,18 @@ def test_batch_invariance_preemption(invariance_reference: list[str]) -> None:
         m = wait_idle(base)
         assert metric(m, "engramrt:num_preemptions_total") > 0
         assert [greedy(base, p, 12) for p in INVARIANCE_PROMPTS[::5]] == (invariance_reference[::5])
+
+
+def test_enable_log_requests() -> None:
+    """--enable-log-requests logs each API request with its response id and prompt size; vLLM's
+    older --disable-log-requests is accepted and logs none, the default."""
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 3, "n": 2}
+    for flag, logged in (("--enable-log-requests", True), ("--disable-log-requests", False)):
+        base, proc = start_server(flag, "--max-model-len", "256")
+        try:
+            rid = post(base, "/v1/completions", body)["id"]
+            log = Path(proc.log_path).read_text()
+            assert (f"request {rid}: 2 choice(s), 4 prompt tokens, max_tokens 3" in log) is logged
+            assert ("engramrt: request " in log) is logged
+        finally:
+            stop_server(proc)

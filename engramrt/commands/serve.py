@@ -56,6 +56,7 @@ class ServeOptions:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     disable_uvicorn_access_log: bool = False
+    enable_log_requests: bool = False
     max_request_bytes: int = 32 * 2**20
     shutdown_timeout: float = 20.0
     stage_timeout: float = 10.0
@@ -206,7 +207,8 @@ def _serve_http(opts: ServeOptions, engine: Engine, world: int) -> int:
     prompts = PromptEncoder.load(opts.model_dir, runner.tokenizer)
     server = Server(
         AsyncEngine(engine), prompts,
-        ServerConfig(opts.served_model_name, max_len, opts.api_key, opts.max_request_bytes),
+        ServerConfig(opts.served_model_name, max_len, opts.api_key, opts.max_request_bytes,
+                     opts.enable_log_requests),
     )  # fmt: skip
     ready = (
         f"serving {opts.served_model_name[0]} ({opts.model_dir}) at "
@@ -252,6 +254,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
     )
     p.add_argument(
+        "--enable-log-requests", action="store_true",
+        help="a line per API request: its id, choices, prompt tokens and main parameters",
+    )  # fmt: skip
+    p.add_argument(
+        "--disable-log-requests", action="store_true",
+        help="vLLM's older flag, kept so its command lines carry over: requests are not logged "
+        "unless --enable-log-requests",
+    )  # fmt: skip
+    p.add_argument(
         "--max-request-bytes", type=int, default=32 * 2**20,
         help="larger request bodies are a 413 (default 32 MiB)",
     )  # fmt: skip
@@ -292,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+        enable_log_requests=args.enable_log_requests,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
         stage_timeout=args.stage_timeout,

@@ -6,6 +6,7 @@ how a choice looks, so each behaviour has a single code path."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -39,6 +40,7 @@ class ServerConfig:
     max_model_len: int
     api_key: str | None = None
     max_request_bytes: int = 32 * 2**20
+    log_requests: bool = False  # one log line per API request (vLLM's --enable-log-requests)
 
 
 @dataclass
@@ -243,6 +245,12 @@ class Call(ABC):
         self.server, self.req, self.choices, self.n_prompt = server, req, choices, n_prompt
         usage_on = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         self.envelope = Envelope(f"{self.id_prefix}-{uuid.uuid4().hex}", model, usage_on)
+        if server.cfg.log_requests:
+            p = choices[0].request.params
+            line = (f"engramrt: request {self.envelope.id}: {len(choices)} choice(s), {n_prompt} "
+                    f"prompt tokens, max_tokens {p.max_tokens}, temperature {p.temperature}, "
+                    f"stream {req.stream}")  # fmt: skip
+            print(line, file=sys.stderr, flush=True)
 
     def _opening(self) -> Iterator[dict]:
         """Chunk choices sent before any output."""
