@@ -134,9 +134,19 @@ class EngramMHCModel(nn.Module):
 
     def logits(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Collapse with the last FFN pre-mix, normalise, project; fp32 logits."""
-        y = self.norm(hc_pre(x, pre))
-        return torch.nn.functional.linear(y.float(), self.head.weight.float())
+        return head_logits(self.norm(hc_pre(x, pre)), self.head.weight)
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, pre = self.embed_tokens(tokens)
         return self.logits(*self.forward_layers(x, pre, ctx))
+
+
+def head_logits(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits without an fp32 copy of the head each step (DeepSeek's 129k x 5120 head would
+    be 2.6 GB of conversion a step): on CUDA a bf16 GEMM with fp32 output (cuBLAS accumulates in
+    fp32 either way); CPUs have no such GEMM, so they multiply in fp32."""
+    if weight.dtype == torch.float32:
+        return torch.nn.functional.linear(y.float(), weight)
+    if y.is_cuda:
+        return torch.mm(y, weight.t(), out_dtype=torch.float32)
+    return torch.nn.functional.linear(y.float(), weight.float())
