@@ -52,3 +52,112 @@ def test_write_kv_scatters_rows() -> None:
     write_kv(k.to(DEV), v.to(DEV), kd, vd, slots.to(DEV))
     kc[slots], vc[slots] = k, v
     assert torch.equal(kd.cpu(), kc) and torch.equal(vd.cpu(), vc)
+
+
+# --- split-K decode --------------------------------------------------------------------------
+
+
+def _decode_case(heads, kv_heads, dim, bs, lens, dtype, seed, spare=2):
+    """Random caches, a block table of distinct shuffled blocks ``spare`` columns wider than
+    the longest context needs (the spare columns hold other requests' blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(1, -(-max(lens) // bs)) + spare
+    num_blocks = len(lens) * width + 3
+    k_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens)
+
+
+def _reference(q, k_cache, v_cache, tables, lens, bs) -> torch.Tensor:
+    """SDPA in fp32 over each request's gathered rows; a row with no keys is zeros."""
+    out = torch.zeros(q.shape)
+    for b, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        rows = tables[b][pos // bs] * bs + pos % bs
+        if n:
+            out[b] = F.scaled_dot_product_attention(
+                q[b].float()[:, None], k_cache[rows].float().transpose(0, 1),
+                v_cache[rows].float().transpose(0, 1), enable_gqa=True,
+            )[:, 0]  # fmt: skip
+    return out
+
+
+def _run_decode(q, k_cache, v_cache, tables, lens, bs, splits):
+    from engramrt.kernels.paged_attention import paged_decode_attention
+
+    width = torch.tensor([tables.shape[1]], device=DEV)  # a device scalar, as graphs pass it
+    return paged_decode_attention(
+        q.to(DEV), k_cache.to(DEV), v_cache.to(DEV), tables.to(DEV), lens.to(DEV), bs, width,
+        splits=splits,
+    ).cpu()  # fmt: skip
+
+
+def _tol(dtype) -> dict:
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "bs", "dtype", "splits"),
+    [
+        (8, 8, 32, 16, torch.float32, 2),  # no grouping
+        (8, 4, 32, 16, torch.bfloat16, 4),
+        (8, 2, 64, 8, torch.float32, 3),  # a split count that is not a power of two
+        (8, 1, 48, 16, torch.bfloat16, 8),  # head dim not a power of two, one KV head
+        (8, 2, 32, 5, torch.float32, 1),  # one split: the direct store, no merge
+        (6, 3, 32, 16, torch.float32, None),  # the default split count
+    ],
+)
+def test_split_decode_matches_reference(heads, kv_heads, dim, bs, dtype, splits) -> None:
+    """Contexts of 0 (padding: zeros), 1, a step of keys -1/+0/+1, odd and block-unaligned
+    lengths and a few hundred, over shuffled blocks with a wider table than needed."""
+    from engramrt.kernels.paged_attention import decode_keys_per_step
+
+    step = decode_keys_per_step(max(16, dim))
+    lens = [0, 1, step - 1, step, step + 1, 37, 301]
+    case = _decode_case(heads, kv_heads, dim, bs, lens, dtype, seed=heads * dim + kv_heads)
+    got = _run_decode(*case, bs, splits)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), _reference(*case, bs), **_tol(dtype))
+    assert not got[0].any()
+
+
+@pytest.mark.parametrize("splits", [1, 4, 16])
+def test_split_decode_empty_splits_and_padding(splits, monkeypatch) -> None:
+    """More splits than steps of keys (most splits empty) and padding rows: the merge never
+    reads an empty split's partial (the workspace starts as NaN here), padding rows are zeros,
+    and a batch of padding alone (a graph's warm-up) is all zeros."""
+    from engramrt.kernels import paged_attention as pa
+
+    def nan_workspace(*args):
+        return tuple(t.fill_(float("nan")) for t in workspace(*args))
+
+    workspace = pa._workspace
+    monkeypatch.setattr(pa, "_workspace", nan_workspace)
+    lens = [3, 0, 20, 0]
+    case = _decode_case(4, 2, 32, 4, lens, torch.float32, seed=splits)
+    got = _run_decode(*case, 4, splits)
+    torch.testing.assert_close(got, _reference(*case, 4), rtol=1e-5, atol=1e-5)
+    assert not got[1].any() and not got[3].any()
+    q, k_cache, v_cache, tables, _ = case
+    idle = _run_decode(q, k_cache, v_cache, tables, torch.zeros(4, dtype=torch.int64), 4, splits)
+    assert not idle.isnan().any() and not idle.any()
+
+
+def test_split_count_rule() -> None:
+    """A function of batch size and KV heads alone: about two programs per SM, a power of two,
+    1 once the batch fills the GPU, at most MAX_SPLITS; a fixed count off CUDA."""
+    from engramrt.kernels.paged_attention import (
+        INTERPRETER_SPLITS,
+        MAX_SPLITS,
+        decode_splits,
+        splits_for,
+    )
+
+    assert [splits_for(b, 8, 132) for b in (1, 2, 4, 8, 16, 32, 64, 256)] == [
+        64, 32, 16, 8, 4, 2, 1, 1,
+    ]  # fmt: skip
+    assert splits_for(1, 1, 132) == MAX_SPLITS
+    assert splits_for(3, 8, 132) == 16  # ceil(264 / 24) = 11 -> 16
+    assert decode_splits(1, 8, "cpu") == decode_splits(256, 1, "cpu") == INTERPRETER_SPLITS

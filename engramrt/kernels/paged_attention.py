@@ -1,15 +1,27 @@
 """Paged attention and the paged K/V write, in Triton (the GPU runner's attention).
 
-Decode: one program per (request, KV head) walks the request's block table ``BLOCK_N`` keys at a
-time with an online softmax in fp32, for all the query heads that share the KV head, so each K/V
-row is read once. Prefill: one program per (tile of ``BLOCK_M`` queries of one request, query
-head), the same walk with a causal mask on absolute positions, so a prefix-cache hit simply reads
-the blocks the cache already holds. Rows the caller marks as padding (cache slot -1, context
-length 0) write nothing and read nothing. Both match the torch path
+Decode is split-K ("flash decoding"), two launches. Stage 1, grid (request, KV head, split):
+a program takes the G query heads that share one KV head (so each K/V row is read once) over one
+contiguous slice of the request's keys, walking the block table ``BLOCK_N`` keys at a time with
+``tl.dot`` (G padded to 16) and an online softmax in fp32, and writes the slice's normalised
+partial output and log-sum-exp. Split ``s`` of a request of ``n`` keys covers
+``[s * chunk, min((s + 1) * chunk, n))`` with ``chunk = ceil(n / splits)`` rounded up to whole
+``BLOCK_N`` steps, computed in the kernel from the context length: the launch shape depends on
+the batch size and the KV heads only (``decode_splits``), so one captured CUDA graph serves every
+context length. Stage 2, grid (request, query head), merges the splits weighted by their
+log-sum-exps. With one split, stage 1 writes the output itself and there is no stage 2.
+
+Prefill: one program per (tile of ``BLOCK_M`` queries of one request, query head), the same walk
+with a causal mask on absolute positions, so a prefix-cache hit simply reads the blocks the cache
+already holds. Rows the caller marks as padding (cache slot -1, context length 0) write nothing
+and read nothing (decode stores zeros for them). Both match the torch path
 (``engramrt.model.attention``) within floating-point reordering.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -19,42 +31,89 @@ from engramrt.kernels.tiles import PREFILL_TILE
 
 
 @triton.jit
-def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, width_ptr, lens_ptr, out_ptr, scale,
-    H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+def _dot(a, b, F32: tl.constexpr):
+    """``a @ b`` accumulated in fp32. ``F32``: in fp32 at full precision, for fp32 operands, and
+    for bf16 ones under Triton's interpreter, whose ``tl.dot`` multiplies bf16 bit patterns as
+    integers; bf16 values are exact in fp32, so the result is the tensor-core one's."""
+    if F32:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, width_ptr, lens_ptr, part_ptr, lse_ptr, out_ptr, scale,
+    SPLITS, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
-    b, kvh = tl.program_id(0), tl.program_id(1)
+    """Stage 1: the G query heads of KV head ``kvh`` of request ``b`` over split ``s`` of its
+    keys. ``DIRECT`` (one split): the normalised output itself, in the output's dtype."""
+    b, kvh, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gm, dm = g < G, d < D
     heads = kvh * G + g
     q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=gm[:, None] & dm[None, :],
-                other=0).to(tl.float32)  # fmt: skip
+                other=0).to(k_ptr.dtype.element_ty)  # fmt: skip
     n = tl.load(lens_ptr + b)
     max_blocks = tl.load(width_ptr)  # from memory: a graph replays any table width
+    chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N  # whole steps; from n, not a constexpr
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, n)
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    for start in range(0, n, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):  # every step holds at least one key: m_i stays finite
         pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < n
+        valid = pos < hi
         block = tl.load(tables_ptr + b * max_blocks + pos // BS, mask=valid, other=0).to(tl.int64)
-        rows = ((block * BS + pos % BS) * KVH + kvh)[:, None] * D + d[None, :]
-        kv_mask = valid[:, None] & dm[None, :]
-        k = tl.load(k_ptr + rows, mask=kv_mask, other=0).to(tl.float32)  # [N, D]
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+        rows = (block * BS + pos % BS) * KVH + kvh
+        kt = tl.load(k_ptr + rows[None, :] * D + d[:, None], mask=valid[None, :] & dm[:, None],
+                     other=0)  # fmt: skip
+        scores = tl.where(valid[None, :], _dot(q, kt, F32) * scale, float("-inf"))  # [G, N]
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_ptr + rows, mask=kv_mask, other=0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        v = tl.load(v_ptr + rows[:, None] * D + d[None, :], mask=valid[:, None] & dm[None, :],
+                    other=0)  # fmt: skip
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    out = acc / tl.maximum(l_i, 1e-30)[:, None]  # a padded row (no keys) stores zeros
-    tl.store(out_ptr + (b * H + heads)[:, None] * D + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])  # fmt: skip
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]  # no keys: zeros
+    if DIRECT:
+        tl.store(out_ptr + (b * H + heads)[:, None] * D + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])  # fmt: skip
+    else:
+        row = (b * H + heads) * SPLITS + s  # [B, H, SPLITS] of lse, then D of the partial
+        some = l_i > 0  # the split holds keys
+        lse = tl.where(some, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=gm)
+        # an empty split writes its lse alone: the merge never reads its partial
+        tl.store(part_ptr + row[:, None] * D + d[None, :], out,
+                 mask=(gm & some)[:, None] & dm[None, :])  # fmt: skip
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_ptr, lse_ptr, out_ptr, SPLITS,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Stage 2: head ``h`` of request ``b``, the splits weighted by exp(lse - max lse); a row
+    with no keys in any split (graph padding) stores zeros."""
+    row = tl.program_id(0).to(tl.int64) * H + tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(lse_ptr + row * SPLITS + sp, mask=sp < SPLITS, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for an empty split
+    live = lse > float("-inf")
+    part = tl.load(part_ptr + (row * SPLITS + sp)[:, None] * D + d[None, :],
+                   mask=live[:, None] & (d < D)[None, :], other=0)  # fmt: skip
+    out = tl.sum(w[:, None] * part, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
@@ -124,15 +183,60 @@ def _write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, ROW: tl.constexpr, BL
     tl.store(vc_ptr + slot * ROW + i, tl.load(v_ptr + t * ROW + i, mask=m), mask=m)
 
 
-def _keys_per_step(row_elems: int) -> int:
-    """Keys per decode iteration: about 8K fp32 products in flight per program."""
-    return max(16, min(64, triton.next_power_of_2(max(1, 8192 // row_elems))))
+MAX_SPLITS = 64  # splits of a request's keys, at most
+INTERPRETER_SPLITS = 4  # off CUDA (Triton's interpreter): several splits, so tests cover merging
+
+
+def decode_keys_per_step(dim: int) -> int:
+    """Keys per decode iteration: a K and a V tile of about 8K elements each (16 KB in bf16)."""
+    return 64 if dim <= 128 else 32
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_splits(batch: int, kv_heads: int, device: torch.device | str) -> int:
+    """How many slices (splits) of each request's keys the decode kernel runs in parallel.
+
+    One program per (request, KV head) leaves an H200 idle at small batches (8 programs for 132
+    SMs at batch 1) while each walks its whole context in sequence: the kernel is latency-bound.
+    Splitting the keys gives ``batch * kv_heads * splits`` programs; aim for about two per SM
+    (``2 * SMs``), rounded up to a power of two and capped at ``MAX_SPLITS``, and 1 once the batch
+    alone fills the GPU (then the kernel writes its output directly, with no merge). A function
+    of the batch size and the KV heads only, never of the context lengths: a CUDA graph captured
+    for a batch size replays one launch shape for every context (the kernel sizes each split
+    from the request's length, so short contexts leave the last splits empty, which cost only
+    their launch). Off CUDA (Triton's interpreter): ``INTERPRETER_SPLITS``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return INTERPRETER_SPLITS
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return splits_for(batch, kv_heads, _sm_count(index))
+
+
+def splits_for(batch: int, kv_heads: int, sms: int) -> int:
+    """``decode_splits`` on a GPU of ``sms`` SMs."""
+    want = -(-2 * sms // max(1, batch * kv_heads))
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(want)))
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _group(heads: int, kv_heads: int) -> int:
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not group over {kv_heads} KV heads")
     return heads // kv_heads
+
+
+def _workspace(bsz: int, heads: int, splits: int, dim: int, device) -> tuple:
+    """Per-split partial outputs ``[B, H, S, D]`` and log-sum-exps ``[B, H, S]``, in fp32 (under
+    graph capture they come from the graph's private pool)."""
+    part = torch.empty(bsz, heads, splits, dim, dtype=torch.float32, device=device)
+    return part, torch.empty(bsz, heads, splits, dtype=torch.float32, device=device)
 
 
 def paged_decode_attention(
@@ -143,25 +247,40 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     block_size: int,
     table_width: torch.Tensor | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """``q [B, H, D]`` against each request's first ``context_lens[b]`` cached positions;
     ``block_tables`` row-major with ``table_width`` (a device scalar; default: its columns)
-    ids per request, caches ``[blocks * block_size, KVH, D]``."""
+    ids per request, caches ``[blocks * block_size, KVH, D]``. ``splits``: slices of each
+    request's keys (default ``decode_splits``); a row of context length 0 is zeros."""
     bsz, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = _group(heads, kv_heads)
+    q = q.contiguous()
     out = torch.empty_like(q)
     if bsz == 0:
         return out
     if table_width is None:
         table_width = torch.tensor([block_tables.shape[1]], device=q.device)
-    _decode_kernel[(bsz, kv_heads)](
-        q.contiguous(), k_cache, v_cache, block_tables.contiguous(), table_width,
-        context_lens.contiguous(), out, dim**-0.5,
-        H=heads, KVH=kv_heads, G=group, BLOCK_G=triton.next_power_of_2(group), D=dim,
-        BLOCK_D=triton.next_power_of_2(dim), BS=block_size,
-        BLOCK_N=_keys_per_step(triton.next_power_of_2(group) * triton.next_power_of_2(dim)),
+    if splits is None:
+        splits = decode_splits(bsz, kv_heads, q.device)
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    part, lse = (out, out) if splits == 1 else _workspace(bsz, heads, splits, dim, q.device)
+    block_d = max(16, triton.next_power_of_2(dim))
+    _decode_split_kernel[(bsz, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables.contiguous(), table_width, context_lens.contiguous(),
+        part, lse, out, dim**-0.5, splits,
+        H=heads, KVH=kv_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim,
+        BLOCK_D=block_d, BS=block_size, BLOCK_N=decode_keys_per_step(block_d),
+        DIRECT=splits == 1, F32=k_cache.dtype == torch.float32 or _interpreted(),
+        num_warps=4, num_stages=2,  # H200, 4B shapes: 3 stages ran 10-35% slower
     )  # fmt: skip
+    if splits > 1:
+        _decode_merge_kernel[(bsz, heads)](
+            part, lse, out, splits,
+            H=heads, D=dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
+        )  # fmt: skip
     return out
 
 
