@@ -161,3 +161,121 @@ def test_split_count_rule() -> None:
     assert splits_for(1, 1, 132) == MAX_SPLITS
     assert splits_for(3, 8, 132) == 16  # ceil(264 / 24) = 11 -> 16
     assert decode_splits(1, 8, "cpu") == decode_splits(256, 1, "cpu") == INTERPRETER_SPLITS
+
+
+# --- varlen paged prefill --------------------------------------------------------------------
+
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}  # 8 programs a tile
+MID = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}  # keys steps > queries
+
+
+def _prefill_case(heads, kv_heads, dim, bs, run_lens, start_pos, dtype, seed, spare=1):
+    """Random caches holding every request's positions ``[0, start_pos + run)`` (the cached
+    prefix of a prefix-cache hit and the run's own K/V, written before attention) over shuffled
+    blocks, a table ``spare`` columns wider than needed, and the flat queries ``[T, H, D]``."""
+    g = torch.Generator().manual_seed(seed)
+    ends = [p + n for p, n in zip(start_pos, run_lens, strict=True)]
+    width = max(1, -(-max(ends) // bs)) + spare
+    num_blocks = len(run_lens) * width + 2
+    k_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: len(run_lens) * width]
+    q = torch.randn(sum(run_lens), heads, dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables.view(len(run_lens), width)
+
+
+def _prefill_reference(q, k_cache, v_cache, tables, run_lens, start_pos, bs) -> torch.Tensor:
+    """Per request: fp32 SDPA of its queries over its gathered positions, causal on absolute
+    positions (``engramrt.model.attention._torch_attention``'s rule)."""
+    out, at = torch.zeros(q.shape), 0
+    for b, (n, p0) in enumerate(zip(run_lens, start_pos, strict=True)):
+        pos = torch.arange(p0 + n)
+        rows = tables[b][pos // bs] * bs + pos % bs
+        out[at : at + n] = F.scaled_dot_product_attention(
+            q[at : at + n].float().transpose(0, 1), k_cache[rows].float().transpose(0, 1),
+            v_cache[rows].float().transpose(0, 1), attn_mask=pos <= pos[p0:, None],
+            enable_gqa=True,
+        ).transpose(0, 1)  # fmt: skip
+        at += n
+    return out
+
+
+def _run_prefill(q, k_cache, v_cache, tables, run_lens, start_pos, bs, config):
+    from engramrt.kernels.paged_attention import paged_prefill_attention
+    from engramrt.kernels.tiles import prefill_tiles
+
+    lens = torch.tensor(run_lens)
+    qstart = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    tile_req, tile_m0 = (torch.tensor(v, dtype=torch.int64)
+                         for v in prefill_tiles(run_lens, start_pos))  # fmt: skip
+    args = (q, k_cache, v_cache, tables, qstart, torch.tensor(start_pos), tile_req, tile_m0)
+    return paged_prefill_attention(*(a.to(DEV) for a in args), bs, config=config).cpu()
+
+
+def _check_prefill(heads, kv_heads, dim, bs, run_lens, start_pos, dtype, config, seed=0):
+    case = _prefill_case(heads, kv_heads, dim, bs, run_lens, start_pos, dtype, seed)
+    got = _run_prefill(*case, run_lens, start_pos, bs, config)
+    assert got.dtype == dtype and got.shape == case[0].shape
+    want = _prefill_reference(*case, run_lens, start_pos, bs)
+    torch.testing.assert_close(got.float(), want, **_tol(dtype))
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "bs", "dtype"),
+    [
+        (4, 4, 32, 16, torch.float32),  # no grouping
+        (4, 2, 48, 5, torch.bfloat16),  # head dim not a power of two, odd block size
+        (6, 2, 64, 7, torch.float32),  # the 4B preset's ratio (3)
+        (8, 2, 32, 16, torch.bfloat16),  # 4
+    ],
+)
+def test_prefill_matches_reference(heads, kv_heads, dim, bs, dtype) -> None:
+    """16-query programs (8 per host tile, most past their run: padding): runs of 1, a program
+    -1/+1, several programs; from position 0 and after cached prefixes (prefix-cache hits, one
+    of them block-unaligned and longer than the run), so both the unmasked steps and the
+    diagonal ones run. A run of 1 after long ones: its dead programs come last and must not
+    write into the next request's rows."""
+    runs, starts = [17, 1, 15, 40, 3], [0, 9, 0, 29, 70]
+    _check_prefill(heads, kv_heads, dim, bs, runs, starts, dtype, SMALL, seed=heads * dim + bs)
+
+
+@pytest.mark.parametrize("config", [SMALL, MID, None], ids=["m16n16", "m32n64", "default"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_config_sweep(config, dtype) -> None:
+    """One batch under several launch configurations, the default included (128-query
+    programs): runs of 1, PREFILL_TILE -1/+1 and longer, with and without cached prefixes."""
+    from engramrt.kernels.tiles import PREFILL_TILE
+
+    runs = [PREFILL_TILE + 1, 1, PREFILL_TILE - 1, 2 * PREFILL_TILE + 35]
+    starts = [0, 100, 77, 3]
+    _check_prefill(3, 1, 32, 16, runs, starts, dtype, config, seed=len(str(config)))
+
+
+def test_prefill_all_padding_programs() -> None:
+    """One-token runs only (a chunked batch's decode rows): every host tile holds one query and
+    all but one of its programs lie past its run; each request attends to its whole prefix."""
+    _check_prefill(4, 1, 32, 4, [1, 1, 1], [0, 13, 50], torch.float32, SMALL)
+
+
+def test_prefill_tiles_cover_runs_most_keys_first() -> None:
+    from engramrt.kernels.tiles import PREFILL_TILE as T
+    from engramrt.kernels.tiles import prefill_tiles
+
+    runs, starts = [2 * T + 1, 0, 1, T], [0, 5, 3 * T, 10]
+    req, m0 = prefill_tiles(runs, starts)
+    assert sorted(zip(req, m0, strict=True)) == [(0, 0), (0, T), (0, 2 * T), (2, 0), (3, 0)]
+    keys = [starts[b] + min(m + T, runs[b]) for b, m in zip(req, m0, strict=True)]
+    assert keys == sorted(keys, reverse=True)
+    assert prefill_tiles([]) == ([], []) and prefill_tiles([3, 0]) == ([0], [0])
+
+
+def test_prefill_config_checked() -> None:
+    from engramrt.kernels import paged_attention as pa
+
+    assert pa.prefill_config(128, torch.bfloat16) == {
+        "BLOCK_M": pa.PREFILL_TILE, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
+    }  # fmt: skip
+    for bad in ({"BLOCK_M": 2 * pa.PREFILL_TILE}, {"BLOCK_M": 48}, {"BLOCK_N": 8}):
+        with pytest.raises(ValueError, match="power of two"):
+            _run_prefill(*_prefill_case(2, 1, 16, 4, [3], [0], torch.float32, 0), [3], [0], 4,
+                         bad)  # fmt: skip
