@@ -149,12 +149,13 @@ def _prefill_steps(
         rows = (block * BS + kpos % BS) * KVH + kvh
         offs = rows[:, None] * D + d[None, :]
         k = _load(k_ptr + offs, dm[None, :], EVEN_D)
-        s = _dot(q, tl.trans(k), F32) * qk_scale  # [M, N], log2 units
+        s = _dot(q, tl.trans(k), F32)  # [M, N]
         if DIAG:
             causal = (start + tl.arange(0, BLOCK_N))[None, :] <= qpos[:, None]
             s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: see _prefill_kernel
-        p = tl.exp2(s - m_new[:, None])
+        # log2 units; the scale is positive, so it commutes with the max (one FMA an element)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # finite: see _prefill_kernel
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         v = _load(v_ptr + offs, dm[None, :], EVEN_D)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
