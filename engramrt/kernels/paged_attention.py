@@ -181,10 +181,10 @@ def _prefill_kernel(
     kvh = h // (H // KVH)
     tile = t // SUB
     b = tl.load(tile_req_ptr + tile)
-    m0 = tl.load(tile_m0_ptr + tile) + (t % SUB) * BLOCK_M
+    m0 = tl.load(tile_m0_ptr + tile).to(tl.int32) + (t % SUB) * BLOCK_M
     q0 = tl.load(qstart_ptr + b)
-    n = tl.load(qstart_ptr + b + 1) - q0
-    p0 = tl.load(pos0_ptr + b)
+    n = (tl.load(qstart_ptr + b + 1) - q0).to(tl.int32)
+    p0 = tl.load(pos0_ptr + b).to(tl.int32)  # positions in int32, row offsets in int64
     m = m0 + tl.arange(0, BLOCK_M)
     qpos = p0 + m
     d = tl.arange(0, BLOCK_D)
