@@ -172,9 +172,10 @@ def _prefill_kernel(
     BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
     EVEN_D: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
-    """Queries ``[m0, m0 + BLOCK_M)`` of one request (sub-tile ``SUB`` of a host tile), head
-    ``h``. Program ids run over heads fastest, so the heads of one KV head, which read the same
-    K/V, run side by side (in L2), and over tiles in the host's order (most keys first)."""
+    """Queries ``[m0, m0 + BLOCK_M)`` of one request (one of the ``SUB`` programs of a host
+    tile), head ``h``. Program ids run over heads fastest, so the heads of one KV head, which
+    read the same K/V, run side by side (in L2), and over tiles in the host's order (most keys
+    first)."""
     pid = tl.program_id(0)
     h = pid % H
     t = pid // H
@@ -330,11 +331,13 @@ def paged_decode_attention(
 def prefill_config(dim: int, dtype: torch.dtype) -> dict:
     """The prefill kernel's launch: ``BLOCK_M`` queries (``PREFILL_TILE``, the host tile) by
     ``BLOCK_N`` keys per step, ``num_warps``, ``num_stages``. For head dim 128 in bf16 (the 4B
-    preset): a 128 x 128 Q tile (32 KB) stays in shared memory, each pipeline stage holds a K and
-    a V tile of 64 x 128 (16 KB each), so 2 stages take about 96 KB plus the P tile (16 KB), well
-    inside an H100/H200's 227 KB; the fp32 accumulator (128 x 128) takes 64 registers a thread
-    over 8 warps. K/V tiles of about 16 KB each at any head dim and element size; 4 warps for
-    smaller Q tiles. 2 stages: the decode kernel's were 10-35% faster than 3 on an H200."""
+    preset): a 128 x 128 Q tile (32 KB) stays in shared memory and each pipeline stage holds a K
+    and a V tile of 64 x 128 (16 KB each): 96 KB in all with 2 stages (P stays in registers as
+    the second product's left operand), well inside an H100/H200's 227 KB; the fp32 accumulator
+    (128 x 128) takes 64 registers a thread over 8 warps (compiled for sm_90a by Triton 3.9: 190
+    registers, no spills). K/V tiles of about 16 KB each at any head dim and element size; 4
+    warps for smaller Q tiles. 2 stages: the decode kernel's were 10-35% faster than 3 on an
+    H200, and with 3 ptxas serialises this kernel's wgmma (warning C7515)."""
     block_d = max(16, triton.next_power_of_2(dim))
     size = torch.finfo(dtype).bits // 8
     block_n = max(16, min(64, 16384 // (block_d * size)))
