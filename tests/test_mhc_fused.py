@@ -164,3 +164,37 @@ def test_mhc_post_matches_reference(tokens: int, dim: int, dtype: torch.dtype) -
         assert ulps_apart(got, want) <= 1
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_model_fused_equals_torch(monkeypatch) -> None:
+    """A whole model (Engram layers, the lagged pre across blocks, the final collapse + norm)
+    with the mHC entry points on the kernels equals the torch path to fp32 rounding, and the
+    traced attention input is the collapsed row the kernel normalised."""
+    from engramrt.config import engram_config
+    from engramrt.engram.hashing import EngramHasher
+    from engramrt.engram.layout import EngramLayout
+    from engramrt.runner.batch import StepBatch
+    from engramrt.runner.stage import StageRunner, new_kv_cache
+    from tests.test_decoder_reference import TOKENS, build, token_map
+
+    model, raw = build(num_hidden_layers=2, engram_layer_ids=[0, 1])
+    model = model.to(DEV)
+    cfg = engram_config(raw)
+    tmap = token_map(cfg.compressed_vocab_size)
+
+    def run(fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        monkeypatch.setattr(mhc, "use_triton", lambda device: fused)
+        seen: list[torch.Tensor] = []
+        hasher = EngramHasher(EngramLayout.from_config(cfg), tmap, 1, DEV)
+        session = StageRunner(model, hasher, new_kv_cache(model, 1))
+        session.tracer = lambda event, _, t: seen.append(t) if event == "attn_collapse_in" else 0
+        logits = session.step(StepBatch(TOKENS, [0], [len(TOKENS)], [0]))
+        return logits, seen
+
+    want, want_seen = run(fused=False)
+    got, got_seen = run(fused=True)
+    assert len(got_seen) == len(want_seen) == model.cfg.num_layers
+    for a, b in zip(got_seen, want_seen, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (got - want).abs().max() > 0  # the kernels did run (they round differently)
