@@ -106,11 +106,10 @@ def max_diff(a: dict) -> dict[str, float]:
 
 
 SWEEP = {
-    "TARGET_PROGRAMS": (32, 64, 128, 256),
-    "BLOCK_K": (32, 64, 128),
-    "FINISH_WARPS": (1, 2, 4, 8),
-    "MAX_BLOCK_D": (256, 512, 1024, 2048),
-    "POST_BLOCK_D": (64, 128, 256, 512),
+    "TARGET_PROGRAMS": (128, 256, 512, 1024),
+    "MAX_SPLITS": (32, 64, 128),
+    "SPLIT_WARPS": (1, 2, 4),
+    "SPLIT_BLOCK": (8, 32, 128),
 }
 
 

@@ -89,33 +89,38 @@ def test_mhc_pre_matches_reference(tokens: int, dim: int, dtype: torch.dtype) ->
     assert (own.float() - got[4].float()).abs().max() > 0.05
 
 
-@pytest.mark.parametrize("target", [1, 3])
-def test_mhc_pre_split_count_changes_rounding_only(monkeypatch, target: int) -> None:
-    """Fewer, longer chunks per program (several BLOCK_K steps, a ragged last chunk: hc*D = 160
-    is no multiple of 64) give the reference's answer too; hc 2 on the way."""
+@pytest.mark.parametrize(("target", "max_block_d"), [(1, 32), (3, 8192)])
+def test_mhc_pre_splits_and_long_rows(monkeypatch, target: int, max_block_d: int) -> None:
+    """Fewer, longer chunks per mixes program (several steps, a ragged last chunk: hc*D = 160
+    is no multiple of 64), and rows longer than a block (collapsed, stored, read back
+    in a ragged second pass) give the reference's answer too; hc 2 on the way."""
     from engramrt.kernels import mhc_fused
 
     monkeypatch.setattr(mhc_fused, "TARGET_PROGRAMS", target)
-    assert mhc_fused.mixes_splits(5, 2 * 80)[0] == min(target, 3)
-    inputs = pre_inputs(target, 5, 2, 80, torch.float32)
+    monkeypatch.setattr(mhc_fused, "MAX_BLOCK_D", max_block_d)
+    assert mhc_fused.mixes_plan(3, 2 * 80).splits == target
+    inputs = pre_inputs(target, 3, 2, 80, torch.float32)
     want = mhc.mhc_pre(*inputs, 2, ITERS, HC_EPS, NORM_EPS, keep_collapsed=True)
-    assert_pre_close(run_pre(inputs, 2), want, torch.float32)
+    got = run_pre(inputs, 2)
+    assert_pre_close(got, want, torch.float32)
+    assert torch.equal(run_pre(inputs, 2, keep_collapsed=False)[0], got[0])
 
 
-def test_mixes_splits_depend_on_token_count_alone() -> None:
-    """Chunks are whole BLOCK_K steps that cover the stream exactly once, many at decode sizes,
-    few at prefill sizes."""
-    from engramrt.kernels.mhc_fused import BLOCK_K, BLOCK_T, TARGET_PROGRAMS, mixes_splits
+def test_mixes_plan_depends_on_token_count_alone() -> None:
+    """Chunks are whole steps that cover the stream exactly once; many per token at decode
+    sizes, few at prefill sizes."""
+    from engramrt.kernels.mhc_fused import MAX_SPLITS, TARGET_PROGRAMS, mixes_plan
 
     k = 4 * 3072
-    for tokens in (1, 2, 16, 17, 64, 256, 4096):
-        splits, chunk = mixes_splits(tokens, k)
-        assert chunk % BLOCK_K == 0 and (splits - 1) * chunk < k <= splits * chunk
-        blocks = -(-tokens // BLOCK_T)
-        assert blocks * splits <= max(TARGET_PROGRAMS, blocks)
-    assert TARGET_PROGRAMS // 2 <= mixes_splits(1, k)[0] <= TARGET_PROGRAMS
-    assert mixes_splits(4096, k)[0] == 1
-    assert mixes_splits(1, 64) == (1, 64)
+    for tokens in (1, 2, 3, 16, 17, 64, 256, 4096):
+        plan = mixes_plan(tokens, k)
+        assert plan.chunk % plan.block_k == 0
+        assert (plan.splits - 1) * plan.chunk < k <= plan.splits * plan.chunk
+        blocks = -(-tokens // plan.block_t)
+        assert plan.splits <= MAX_SPLITS and blocks * plan.splits <= max(TARGET_PROGRAMS, blocks)
+    assert mixes_plan(1, k).splits == MAX_SPLITS
+    assert mixes_plan(8192, k).splits == 1
+    assert mixes_plan(1, 64).splits == 1
 
 
 def test_mhc_pre_is_deterministic_and_optional_collapse() -> None:
