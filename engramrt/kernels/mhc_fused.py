@@ -37,7 +37,7 @@ from engramrt.kernels.mhc_sinkhorn import split_tile
 TARGET_PROGRAMS = 512  # mixes programs to aim for: a few per SM of a large GPU
 MAX_SPLITS = 64  # chunks per token at most: the split kernel adds them one program per token
 MAX_BLOCK_D = 8192  # a collapsed row up to this long stays in registers (else: a second pass)
-SPLIT_BLOCK = 32  # partials added per step of the split kernel
+SPLIT_BLOCK = 8  # partials added per step of the split kernel
 SPLIT_WARPS = 1
 
 
