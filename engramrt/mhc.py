@@ -1,11 +1,20 @@
 """Manifold-constrained hyper-connections: hc parallel residual copies, mixed around
-every sublayer by a Sinkhorn-normalised matrix. All mixing math runs in fp32."""
+every sublayer by a Sinkhorn-normalised matrix. All mixing math runs in fp32.
+
+The model calls three entry points: ``mhc_pre`` and ``mhc_post`` around each sublayer and
+``collapse_norm`` before the head. Each is composed of the reference functions below and runs
+them on the CPU; on CUDA (power-of-two hc) it runs the fused kernels of
+``engramrt.kernels.mhc_fused`` instead.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from engramrt.kernels import use_triton
+from engramrt.model.layers import rms_norm
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,3 +79,73 @@ def first_pre(tokens: int, hc: int, device: torch.device | str) -> torch.Tensor:
     pre = torch.zeros(tokens, hc, dtype=torch.float32, device=device)
     pre[:, 0] = 1.0
     return pre
+
+
+def _fused(device: torch.device, hc: int) -> bool:
+    return use_triton(device) and hc & (hc - 1) == 0
+
+
+class PreMix(NamedTuple):
+    """The pre side of one sublayer: its normalised input, its own ``post``/``comb``, the
+    ``pre`` the next sublayer collapses with (lagged mHC), and the collapsed row before the
+    norm when asked for (tracers)."""
+
+    normed: torch.Tensor
+    pre: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    collapsed: torch.Tensor | None
+
+
+def mhc_pre(
+    x: torch.Tensor,
+    pre_prev: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    norm_weight: torch.Tensor,
+    hc: int,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    keep_collapsed: bool = False,
+) -> PreMix:
+    """Split the mixes of ``x [T, hc, D]`` into (pre, post, comb), collapse ``x`` with the
+    previous sublayer's ``pre_prev [T, hc]`` and RMS-normalise the rounded collapsed row.
+    ``norm_eps`` is both the mixes' and the norm's eps (the model's rms_norm_eps)."""
+    if _fused(x.device, hc):
+        from engramrt.kernels import mhc_fused
+
+        return PreMix(
+            *mhc_fused.mhc_pre(
+                x, pre_prev, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps,
+                keep_collapsed,
+            )
+        )  # fmt: skip
+    mixes = hc_mixes(x, fn, norm_eps)
+    pre, post, comb = hc_split_sinkhorn(mixes, scale, base, hc, iters, hc_eps)
+    collapsed = hc_pre(x, pre_prev)
+    normed = rms_norm(collapsed, norm_weight, norm_eps)
+    return PreMix(normed, pre, post, comb, collapsed if keep_collapsed else None)
+
+
+def mhc_post(
+    y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """``hc_post``; on CUDA one launch."""
+    if _fused(residual.device, residual.shape[1]):
+        from engramrt.kernels import mhc_fused
+
+        return mhc_fused.mhc_post(y, residual, post, comb)
+    return hc_post(y, residual, post, comb)
+
+
+def collapse_norm(
+    x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float
+) -> torch.Tensor:
+    """The last collapse and the final RMSNorm, before the head; on CUDA one launch."""
+    if _fused(x.device, x.shape[1]):
+        from engramrt.kernels import mhc_fused
+
+        return mhc_fused.collapse_norm(x, pre, norm_weight, norm_eps)
+    return rms_norm(hc_pre(x, pre), norm_weight, norm_eps)

@@ -17,6 +17,26 @@ BLOCK_T = 16
 
 
 @triton.jit
+def split_tile(zp, zq, zl, scale_ptr, base_ptr, iters, eps, HC: tl.constexpr):
+    """The split of already-projected mixes held in registers: ``zp``, ``zq`` ``[BT, HC]`` and
+    ``zl`` ``[BT, HC, HC]`` -> (pre, post, comb) of the same shapes. The one copy of the
+    Sinkhorn math for every kernel that needs it (here and ``mhc_fused``)."""
+    j = tl.arange(0, HC)
+    off = j[:, None] * HC + j[None, :]  # [HC, HC]: comb[j][k]
+    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(zp * s0 + tl.load(base_ptr + j)[None, :]) + eps
+    post = 2 * tl.sigmoid(zq * s1 + tl.load(base_ptr + HC + j)[None, :])
+    logits = zl * s2 + tl.load(base_ptr + 2 * HC + off)[None, :, :]
+    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+    comb = e / tl.sum(e, axis=2)[:, :, None] + eps
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+    for _ in range(iters - 1):
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
+    return pre, post, comb
+
+
+@triton.jit
 def _sinkhorn_kernel(
     z_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, num_tokens, iters, eps,
     HC: tl.constexpr, BT: tl.constexpr,
@@ -26,25 +46,15 @@ def _sinkhorn_kernel(
     tm = t < num_tokens
     j = tl.arange(0, HC)
     row = t.to(tl.int64)[:, None] * width
-    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    off = j[:, None] * HC + j[None, :]
     zp = tl.load(z_ptr + row + j[None, :], mask=tm[:, None], other=0)
-    pre = tl.sigmoid(zp * s0 + tl.load(base_ptr + j)[None, :]) + eps
     zq = tl.load(z_ptr + row + HC + j[None, :], mask=tm[:, None], other=0)
-    post = 2 * tl.sigmoid(zq * s1 + tl.load(base_ptr + HC + j)[None, :])
+    zl = tl.load(z_ptr + row[:, :, None] + 2 * HC + off[None, :, :], mask=tm[:, None, None],
+                 other=0)  # fmt: skip
+    pre, post, comb = split_tile(zp, zq, zl, scale_ptr, base_ptr, iters, eps, HC)
     out = t.to(tl.int64)[:, None] * HC + j[None, :]
     tl.store(pre_ptr + out, pre, mask=tm[:, None])
     tl.store(post_ptr + out, post, mask=tm[:, None])
-
-    off = j[:, None] * HC + j[None, :]  # [HC, HC]: comb[j][k]
-    zl = tl.load(z_ptr + row[:, :, None] + 2 * HC + off[None, :, :], mask=tm[:, None, None],
-                 other=0)  # fmt: skip
-    logits = zl * s2 + tl.load(base_ptr + 2 * HC + off)[None, :, :]
-    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
-    comb = e / tl.sum(e, axis=2)[:, :, None] + eps
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
-    for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + eps)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
     dst = t.to(tl.int64)[:, None, None] * (HC * HC) + off[None, :, :]
     tl.store(comb_ptr + dst, comb, mask=tm[:, None, None])
 

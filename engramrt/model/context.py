@@ -174,7 +174,8 @@ class ForwardContext:
                  torch.tensor([width])]  # fmt: skip
         decode = all(n == 1 for n in run_lens)
         if not decode:
-            parts += [torch.tensor(v, dtype=torch.int64) for v in prefill_tiles(run_lens)]
+            tiles = prefill_tiles(run_lens, start_pos)
+            parts += [torch.tensor(v, dtype=torch.int64) for v in tiles]
         parts.append(table.flatten())
         flat = torch.cat(parts).to(device)
         views = list(flat.split([len(p) for p in parts]))

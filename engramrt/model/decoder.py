@@ -13,7 +13,7 @@ from torch import nn
 from engramrt.config import ModelConfig
 from engramrt.engram.module import Engram
 from engramrt.engram.table import EngramTable
-from engramrt.mhc import first_pre, hc_mixes, hc_post, hc_pre, hc_split_sinkhorn
+from engramrt.mhc import PreMix, collapse_norm, first_pre, mhc_post, mhc_pre
 from engramrt.model.attention import Attention
 from engramrt.model.context import ForwardContext
 from engramrt.model.layers import MLP, MoE, RMSNorm
@@ -59,11 +59,20 @@ class Block(nn.Module):
         self.hc, self.iters, self.hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
         self.norm_eps = cfg.rms_norm_eps
 
-    def _split(
-        self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        mixes = hc_mixes(x, fn, self.norm_eps)
-        return hc_split_sinkhorn(mixes, scale, base, self.hc, self.iters, self.hc_eps)
+    def _pre(
+        self,
+        x: torch.Tensor,
+        pre_prev: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        norm: RMSNorm,
+        keep_collapsed: bool = False,
+    ) -> PreMix:
+        return mhc_pre(
+            x, pre_prev, fn, scale, base, norm.weight, self.hc, self.iters, self.hc_eps,
+            self.norm_eps, keep_collapsed,
+        )  # fmt: skip
 
     def forward(
         self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext
@@ -75,15 +84,17 @@ class Block(nn.Module):
             x = self.engram(x, ids, ctx.dead)
             ctx.trace("engram_out", self.layer_id, x)
             ctx.engram_ran.append(self.layer_id)
-        a_pre, a_post, a_comb = self._split(
-            x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale
-        )
-        collapsed = hc_pre(x, pre)
-        ctx.trace("attn_collapse_in", self.layer_id, collapsed)
-        x = hc_post(self.attn(self.attn_norm(collapsed), ctx), x, a_post, a_comb)
-        f_pre, f_post, f_comb = self._split(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        x = hc_post(self.ffn(self.ffn_norm(hc_pre(x, a_pre))), x, f_post, f_comb)
-        return x, f_pre
+        # attention collapses with the previous sublayer's pre, the FFN with attention's
+        a = self._pre(
+            x, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm,
+            keep_collapsed=ctx.tracer is not None,
+        )  # fmt: skip
+        if a.collapsed is not None:
+            ctx.trace("attn_collapse_in", self.layer_id, a.collapsed)
+        x = mhc_post(self.attn(a.normed, ctx), x, a.post, a.comb)
+        f = self._pre(x, a.pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm)
+        x = mhc_post(self.ffn(f.normed), x, f.post, f.comb)
+        return x, f.pre
 
 
 class EngramMHCModel(nn.Module):
@@ -134,9 +145,20 @@ class EngramMHCModel(nn.Module):
 
     def logits(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Collapse with the last FFN pre-mix, normalise, project; fp32 logits."""
-        y = self.norm(hc_pre(x, pre))
-        return torch.nn.functional.linear(y.float(), self.head.weight.float())
+        y = collapse_norm(x, pre, self.norm.weight, self.norm.eps)
+        return head_logits(y, self.head.weight)
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, pre = self.embed_tokens(tokens)
         return self.logits(*self.forward_layers(x, pre, ctx))
+
+
+def head_logits(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits without an fp32 copy of the head each step (DeepSeek's 129k x 5120 head would
+    be 2.6 GB of conversion a step): on CUDA a bf16 GEMM with fp32 output (cuBLAS accumulates in
+    fp32 either way); CPUs have no such GEMM, so they multiply in fp32."""
+    if weight.dtype == torch.float32:
+        return torch.nn.functional.linear(y.float(), weight)
+    if y.is_cuda:
+        return torch.mm(y, weight.t(), out_dtype=torch.float32)
+    return torch.nn.functional.linear(y.float(), weight.float())
