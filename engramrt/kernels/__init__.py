@@ -7,6 +7,7 @@ kernels on the CPU under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -15,9 +16,16 @@ import torch
 FORCE_TORCH_ENV = "ENGRAMRT_TORCH_ENGRAM"
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    """Looked up once: ``find_spec`` walks the import path (tens of us), and the model asks
+    several times per sublayer."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def use_triton(device: torch.device | str) -> bool:
     if os.environ.get(FORCE_TORCH_ENV) == "1":
         return False
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return False
     return torch.device(device).type == "cuda"
