@@ -272,9 +272,10 @@ def test_prefill_tiles_cover_runs_most_keys_first() -> None:
 def test_prefill_config_checked() -> None:
     from engramrt.kernels import paged_attention as pa
 
-    assert pa.prefill_config(128, torch.bfloat16) == {
-        "BLOCK_M": pa.PREFILL_TILE, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
-    }  # fmt: skip
+    for dim, dtype in ((128, torch.bfloat16), (64, torch.float32), (48, torch.bfloat16)):
+        cfg = pa.prefill_config(dim, dtype)  # the host tile, K/V tiles of at most 16 KB
+        kv_tile = cfg["BLOCK_N"] * max(16, 1 << (dim - 1).bit_length()) * dtype.itemsize
+        assert cfg["BLOCK_M"] == pa.PREFILL_TILE and kv_tile <= 16384
     for bad in ({"BLOCK_M": 2 * pa.PREFILL_TILE}, {"BLOCK_M": 48}, {"BLOCK_N": 8}):
         with pytest.raises(ValueError, match="power of two"):
             _run_prefill(*_prefill_case(2, 1, 16, 4, [3], [0], torch.float32, 0), [3], [0], 4,

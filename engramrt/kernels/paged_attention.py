@@ -334,15 +334,14 @@ def prefill_config(dim: int, dtype: torch.dtype) -> dict:
     preset): a 128 x 128 Q tile (32 KB) stays in shared memory and each pipeline stage holds a K
     and a V tile of 64 x 128 (16 KB each): 96 KB in all with 2 stages (P stays in registers as
     the second product's left operand), well inside an H100/H200's 227 KB; the fp32 accumulator
-    (128 x 128) takes 64 registers a thread over 8 warps (compiled for sm_90a by Triton 3.9: 190
-    registers, no spills). K/V tiles of about 16 KB each at any head dim and element size; 4
-    warps for smaller Q tiles. 2 stages: the decode kernel's were 10-35% faster than 3 on an
-    H200, and with 3 ptxas serialises this kernel's wgmma (warning C7515)."""
+    (128 x 128). K/V tiles of about 16 KB each at any head dim and element size. 4 warps and 3
+    stages: on an H200 (2026-11-30, 4B shapes, one 8,192-token request, BENCHMARKS.md) they took
+    1.08 ms against 1.20 (4 warps, 2 stages), 1.26 (8, 2) and 1.38 (8, 3), although ptxas warns
+    that 3 stages serialise the wgmma (C7515)."""
     block_d = max(16, triton.next_power_of_2(dim))
     size = torch.finfo(dtype).bits // 8
     block_n = max(16, min(64, 16384 // (block_d * size)))
-    warps = 8 if PREFILL_TILE * block_d >= 128 * 128 else 4
-    return {"BLOCK_M": PREFILL_TILE, "BLOCK_N": block_n, "num_warps": warps, "num_stages": 2}
+    return {"BLOCK_M": PREFILL_TILE, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 3}
 
 
 def _check_config(cfg: dict) -> None:
