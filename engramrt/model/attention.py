@@ -32,8 +32,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.wq(x).view(t, self.heads, self.head_dim), ctx.positions, self.theta)
-        k = apply_rope(self.wk(x).view(t, self.kv_heads, self.head_dim), ctx.positions, self.theta)
+        cos, sin = ctx.rope(self.head_dim, self.theta)
+        q = apply_rope(self.wq(x).view(t, self.heads, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(t, self.kv_heads, self.head_dim), cos, sin)
         v = self.wv(x).view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv.k[self.layer_id], ctx.kv.v[self.layer_id]
         if use_triton(x.device):

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from engramrt.kernels.tiles import prefill_tiles
+from engramrt.model.layers import rope_tables
 from engramrt.model.trace import Tracer
 
 
@@ -107,6 +108,7 @@ class ForwardContext:
     dead: torch.Tensor | None = None  # [T] image tokens
     tracer: Tracer | None = None
     engram_ran: list[int] = field(default_factory=list)
+    rope_cache: dict = field(default_factory=dict)  # (head_dim, theta) -> (cos, sin)
 
     @property
     def decode(self) -> bool:
@@ -184,6 +186,14 @@ class ForwardContext:
             views[-1].view(bsz, width), *views[4:9], None if decode else (views[9], views[10]),
             **kw,
         )  # fmt: skip
+
+    def rope(self, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's rotary cos/sin rows, computed by the first layer that asks (in a CUDA
+        graph: once per replay, not once per layer)."""
+        key = (head_dim, theta)
+        if key not in self.rope_cache:
+            self.rope_cache[key] = rope_tables(self.positions, head_dim, theta)
+        return self.rope_cache[key]
 
     def engram_inputs(self, layer_id: int, index: int) -> torch.Tensor:
         if self.hash_ids is None:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engramrt.kernels import use_triton
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fp32 ``x * rsqrt(mean(x^2) + eps) * weight``, rounded once to x's dtype."""
@@ -24,12 +26,26 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by position, rotate-half (Llama/HF) convention, fp32."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half)
+def rope_tables(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[T, 1, head_dim / 2]`` in fp32: computed once per forward, shared by every
+    layer's q and k."""
+    half = head_dim // 2
+    ar = torch.arange(0, half, device=positions.device, dtype=torch.float32)
+    inv_freq = 1.0 / theta ** (ar / half)
     angles = positions.float()[:, None] * inv_freq  # [T, half]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by ``rope_tables``' rows, rotate-half (Llama/HF)
+    convention, in fp32, rounded once; one Triton launch on CUDA."""
+    if use_triton(x.device):
+        from engramrt.kernels.rope import rope
+
+        return rope(x, cos, sin)
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
