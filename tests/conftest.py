@@ -1,6 +1,9 @@
 """Without a GPU, Triton kernels run in Triton's interpreter; it must be on before the kernel
-modules are imported."""
+modules are imported. Without the server's stack (the GPU image has no openai, fastapi, uvicorn
+or pydantic) the modules that serve HTTP are not collected, and the header says why, so that
+``pytest -m gpu`` runs there."""
 
+import importlib
 import os
 
 import pytest
@@ -8,6 +11,28 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SERVER_TESTS = ["test_server.py", "test_lifecycle.py", "test_tokenize_endpoints.py",
+                "test_lm_eval.py"]  # fmt: skip
+
+
+def _missing_server_stack() -> str | None:
+    for name in ("httpx", "fastapi", "uvicorn", "pydantic", "openai"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return name
+    return None
+
+
+MISSING = _missing_server_stack()
+collect_ignore = SERVER_TESTS if MISSING else []
+
+
+def pytest_report_header(config):
+    if MISSING:
+        return f"not collected ({MISSING} is not installed): {', '.join(SERVER_TESTS)}"
+    return None
 
 
 def pytest_configure(config):
