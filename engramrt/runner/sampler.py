@@ -16,12 +16,18 @@ _SEED_STRIDE = 1_000_003
 GREEDY_BELOW = 1e-5
 
 
+def _to(values: list, device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """Host values on ``device`` without waiting for the work queued there (a blocking copy
+    would wait for the step in flight under overlap scheduling)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then top-k, min-p and top-p truncation, each row with its own values."""
     dev, vocab = logits.device, logits.shape[-1]
 
     def col(values, dtype=torch.float32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=dev)[:, None]
+        return _to(values, dev, dtype)[:, None]
 
     probs = torch.softmax(logits.float() / col([r.temperature for r in rows]), dim=-1)
     ks = [r.top_k if r.top_k < vocab else 0 for r in rows]
@@ -57,18 +63,21 @@ def sample_tokens_device(
     tokens = logits.argmax(-1)
     hot = [i for i, r in enumerate(rows) if r.temperature >= GREEDY_BELOW]  # vanishing: argmax
     if hot:
-        probs = _filtered_probs(logits[hot], [rows[i] for i in hot])
+        dev = logits.device
+        hot_at = _to(hot, dev) if len(hot) < len(rows) else slice(None)
+        probs = _filtered_probs(logits[hot_at], [rows[i] for i in hot])
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(hot) if rows[i].seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_(generator=generator)
+            at = _to(unseeded, dev)
+            noise[at] = torch.empty_like(probs[at]).exponential_(generator=generator)
         for j, i in enumerate(hot):
             row = rows[i]
             if row.seed is not None:
                 gen = torch.Generator(device=logits.device)
                 gen.manual_seed((row.seed * _SEED_STRIDE + row.index) % 2**63)
                 noise[j].exponential_(generator=gen)
-        tokens[hot] = (probs / noise).argmax(-1)
+        tokens[hot_at] = (probs / noise).argmax(-1)
     return tokens
 
 
@@ -85,7 +94,7 @@ def token_logprobs_device(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``token_logprobs`` left on the device: ``[B]``, ``[B, k]`` and ``[B, k]``."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    picked = lp.gather(1, targets.to(lp.device, torch.int64)[:, None])[:, 0]
+    picked = lp.gather(1, targets.to(lp.device, torch.int64, non_blocking=True)[:, None])[:, 0]
     top = lp.topk(min(k, lp.shape[-1]), dim=-1)
     return picked, top.indices, top.values
 
@@ -131,7 +140,7 @@ class Sampler:
         if rows_at == list(range(len(rows_at))):  # decode: no index to copy to the device
             last = logits[: len(rows_at)].clone()
         else:
-            last = logits[rows_at]  # a copy
+            last = logits[_to(rows_at, logits.device)]  # a copy
         if limit is not None:
             last[:, limit:] = float("-inf")
         sampled = sample_tokens_device(last, [rows[i] for i in live], self.generator)
@@ -139,12 +148,12 @@ class Sampler:
             tokens = sampled
         else:
             tokens = torch.full((len(rows),), -1, dtype=torch.int64, device=logits.device)
-            tokens[live] = sampled
+            tokens[_to(live, logits.device)] = sampled
         parts = {"tokens": tokens}
         if k is not None:  # rows of empty runs are scored on row 0 and ignored by the engine
             picked = [ends[i] if batch.run_lens[i] else 0 for i in range(len(rows))]
             parts["logprobs"], parts["top_ids"], parts["top_logprobs"] = token_logprobs_device(
-                logits[picked], tokens.clamp(min=0), k
+                logits[_to(picked, logits.device)], tokens.clamp(min=0), k
             )
         if batch.targets is not None:
             targets = torch.tensor(batch.targets).clamp(min=0)
