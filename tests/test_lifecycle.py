@@ -139,7 +139,7 @@ def test_engine_death_exits_1() -> None:
     def broken(batch):
         raise RuntimeError("injected step failure")
 
-    engine.pipeline.step = broken
+    engine.pipeline.step = engine.pipeline.launch = broken  # launch: overlap scheduling
     result: dict[str, int] = {}
     server = threading.Thread(target=lambda: result.update(code=_serve_http(opts, engine, 1)))
     server.start()

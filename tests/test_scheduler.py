@@ -494,3 +494,26 @@ def test_random_workload_keeps_invariants_and_finishes_everything(seed: int) -> 
     for r in reqs:
         assert_finished(r, "abort" if r.id in aborted else "length")
     assert reqs and len(aborted) < len(reqs)
+
+
+def test_pending_tokens_count_as_present() -> None:
+    """Overlap scheduling: a running request's token that the host has not read is computed
+    from the device (one more position), a request whose pending tokens reach max_tokens is not
+    scheduled again, and a preempted request with a token in flight waits until it is known."""
+    bm = BlockManager(8, 4)
+    s = Scheduler(bm, 4, 64)
+    a = req("a", [1, 2, 3], max_tokens=2)
+    s.add(a)
+    batch, admitted = s.schedule()
+    assert pairs(batch) == [("a", 3)] and admitted == [a]
+    a.num_computed, a.pending = 3, 1  # launched; its token not read yet
+    assert pairs(s.schedule()[0]) == [("a", 1)]  # the pending token, from the device
+    a.num_computed, a.pending = 4, 2  # both outputs on the way: max_tokens is reached
+    assert s.schedule() == ([], [])
+    a.pending = 1
+    s.preempt(a)
+    assert s.schedule() == ([], [])  # not admitted while its token is in flight
+    a.token_ids.append(4)
+    a.pending = 0
+    batch, admitted = s.schedule()
+    assert admitted == [a] and pairs(batch) == [("a", 4)]

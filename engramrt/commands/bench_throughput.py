@@ -18,7 +18,7 @@ from engramrt.engine.request import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from engramrt.commands.flags import add_memory_flags
+    from engramrt.commands.flags import add_memory_flags, add_scheduling_flags
 
     p.add_argument("--model", help="model directory (default: the bundled model)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks-override", type=int)
     add_memory_flags(p)
+    add_scheduling_flags(p)
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -57,7 +58,7 @@ def _engine(args: argparse.Namespace, max_len: int) -> Engine:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=False,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        device=device, dtype=args.dtype, seed=args.seed,
+        device=device, dtype=args.dtype, seed=args.seed, async_scheduling=args.async_scheduling,
     )  # fmt: skip
     opts.dist.device = device
     return build_stage(opts)[1]

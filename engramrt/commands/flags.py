@@ -77,3 +77,13 @@ def add_memory_flags(p: argparse.ArgumentParser) -> None:
         help="share of GPU memory for weights, activations and the KV cache (default 0.9)",
     )  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+
+
+def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
+    """Overlap scheduling (vLLM's flag name)."""
+    p.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="prepare and launch step N+1 while the GPU runs step N; the host reads a step's "
+        "tokens one step late (default: on with one pipeline stage; -pp > 1 schedules "
+        "synchronously)",
+    )  # fmt: skip

@@ -18,6 +18,7 @@ from engramrt.commands.flags import (
     add_device_flags,
     add_dist_flags,
     add_memory_flags,
+    add_scheduling_flags,
     dist_config,
     layer_partition,
     resolve_device,
@@ -55,6 +56,7 @@ class ServeOptions:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
+    async_scheduling: bool | None = None  # None: on with one pipeline stage
     disable_uvicorn_access_log: bool = False
     enable_log_requests: bool = False
     max_request_bytes: int = 32 * 2**20
@@ -104,6 +106,8 @@ def check(opts: ServeOptions) -> tuple[ModelConfig, int]:
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_request_bytes"):
         if getattr(opts, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.async_scheduling and len(opts.partition) > 1:
+        raise ValueError("--async-scheduling needs one pipeline stage (-pp 1)")
     if opts.shutdown_timeout < 0 or opts.stage_timeout <= 0:
         raise ValueError("--shutdown-timeout must be >= 0 and --stage-timeout > 0")
     if not 0 < opts.gpu_memory_utilization <= 1:
@@ -142,7 +146,7 @@ def build_stage(
         return pipe, None
     config = EngineConfig(
         max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, blocks,
-        opts.enable_prefix_caching, cfg.eos_token_id, cfg.vocab_size,
+        opts.enable_prefix_caching, cfg.eos_token_id, cfg.vocab_size, opts.async_scheduling,
     )  # fmt: skip
     return pipe, Engine(pipe, runner.tokenizer, config)
 
@@ -249,6 +253,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks (default: by memory)")
     add_memory_flags(p)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add_scheduling_flags(p)
     p.add_argument("--api-key", help="require this bearer key on /v1/* ($VLLM_API_KEY works)")
     p.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
@@ -302,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
         enable_log_requests=args.enable_log_requests,
         max_request_bytes=args.max_request_bytes,

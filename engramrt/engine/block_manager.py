@@ -91,10 +91,14 @@ class BlockManager:
             req.blocks.append(self._take())
 
     def register(self, req: Request) -> None:
-        """Make the request's newly completed full blocks findable by later prompts."""
+        """Make the request's newly completed full blocks findable by later prompts: those
+        whose tokens the host knows (a pending token is not; the K/V of a launched step may still
+        be on the way, but every step that could read it runs after it on the stream)."""
         if not self.prefix_caching:
             return
-        for i in range(req.num_hashed_blocks, req.num_computed // self.block_size):
+        for i in range(
+            req.num_hashed_blocks, min(req.num_computed, req.num_tokens) // self.block_size
+        ):
             toks = self._block_tokens(req, i)
             req.prefix_key = key = self._chain(req.prefix_key, toks)
             block = req.blocks[i]

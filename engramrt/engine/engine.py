@@ -1,8 +1,16 @@
-"""The engine: one ``step`` = schedule, run the pipeline once, apply what it sampled.
+"""The engine: one ``step`` = schedule, launch the pipeline once, apply what it sampled.
 
 It runs on rank 0 (the first pipeline stage, which owns the Engram history); the last stage
 samples with each request's own parameters. A request is validated once, where it is built
 (``new_request``); inside the engine only cheap invariants are checked.
+
+Overlap scheduling (``async_scheduling``, a pipeline of one stage): a step's sampled tokens stay
+on the device and feed the next step (its ``PENDING`` tokens); ``step`` schedules and launches
+step N+1 and only then waits for step N's tokens and applies them, so the host's work overlaps
+the GPU's. The host thus learns tokens one step late: a request that stops at step N (EOS, a stop
+token or string) has already been scheduled in step N+1, whose row is discarded, while a request
+that reaches max_tokens is known in advance and not scheduled again. Without overlap the same
+loop waits for the step it just launched.
 """
 
 from __future__ import annotations
@@ -15,15 +23,33 @@ from tokenizers import Tokenizer
 
 from engramrt.engine.block_manager import BlockManager
 from engramrt.engine.detokenize import OutputText
-from engramrt.engine.request import Logprob, Request, SamplingParams
+from engramrt.engine.request import Logprob, Request, SamplingParams, Status
 from engramrt.engine.scheduler import Scheduler
-from engramrt.runner.batch import StepBatch, StepResult
+from engramrt.runner.batch import PENDING, PendingResult, StepBatch, StepResult
 
 
 class Runs(Protocol):
-    """What the engine drives: the pipeline on rank 0 (or a stub, in the host benchmark)."""
+    """What the engine drives: the pipeline on rank 0 (or a stub, in the host benchmark). A
+    pipeline that can overlap also has ``launch(batch) -> PendingResult`` and ``can_overlap``."""
 
     def step(self, batch: StepBatch) -> StepResult: ...
+
+
+@dataclass
+class Row:
+    """One request's run in a launched step."""
+
+    req: Request
+    n: int  # tokens computed
+    start: int  # from this position
+    samples: bool  # the run ends at the request's last token: its sample is the next token
+    epoch: int  # the request's preemption count at launch (a preempted run's K/V is gone)
+
+
+@dataclass
+class InFlight:
+    rows: list[Row]
+    result: PendingResult
 
 
 @dataclass
@@ -36,6 +62,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eos_token_id: int | None = None  # the model config's; None: a model without EOS
     model_vocab_size: int | None = None  # the embedding's rows; None: the tokenizer's size
+    async_scheduling: bool | None = None  # overlap scheduling; None: where the pipeline can
 
 
 @dataclass
@@ -62,6 +89,14 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = 0
+        can = bool(getattr(pipeline, "can_overlap", False))
+        if cfg.async_scheduling and not can:
+            raise ValueError(
+                "async scheduling needs a pipeline of one stage that samples on the device "
+                "(with pipeline parallelism the engine schedules synchronously)"
+            )
+        self.overlap = can if cfg.async_scheduling is None else cfg.async_scheduling
+        self.in_flight: InFlight | None = None  # the launched step not applied yet (overlap)
 
     # --- requests ------------------------------------------------------------------------
 
@@ -106,68 +141,115 @@ class Engine:
         self.add(self.new_request(request_id, prompt_ids, params))
 
     def abort(self, request_id: str) -> None:
+        """Finish now, even with a step in flight: freeing its blocks and slot at once is safe
+        because every GPU write of that step (K/V, the history commit, ``last_token``) is
+        ordered on the stream before any later step that could reuse them, and a later owner
+        of a slot or block rebuilds its history row and writes every K/V row before reading
+        it; the step's row for the request is discarded when it is applied."""
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req, "abort")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests to schedule, or a launched step with tokens to deliver (one whose requests
+        have all finished or been aborted is left alone: the next step discards it)."""
+        if self.scheduler.has_work():
+            return True
+        step = self.in_flight
+        return step is not None and any(r.req.status is not Status.FINISHED for r in step.rows)
 
     # --- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Launch the next step; then apply the previous one (with overlap) or this one. With
+        overlap and nothing new to run, this only delivers the step in flight."""
+        launched = self._launch()
+        if not self.overlap:
+            return self._apply(launched) if launched is not None else []
+        previous, self.in_flight = self.in_flight, launched
+        return self._apply(previous) if previous is not None else []
+
+    def _launch(self) -> InFlight | None:
+        """Schedule (a running request's pending token counts as present), build the batch and
+        launch it; the positions, blocks and pending counts it implies are taken at once."""
         batch, admitted = self.scheduler.schedule()
         if not batch:
-            return []
+            return None
         for req in admitted:  # a new slot: the stages' table for it is sent whole
             req.blocks_sent = 0
+        rebuilds = [(req.slot, req.token_ids[: req.num_computed]) for req in admitted]
         asked = [r.params.prompt_logprobs for r, _ in batch if r.params.prompt_logprobs is not None]
         target_k = max(asked) if asked else None  # prompt tokens are scored only when asked
-        tokens, targets, starts, new_blocks = [], [], [], []
+        tokens, targets, starts, new_blocks, rows, sampling = [], [], [], [], [], []
         for req, n in batch:
             starts.append(req.blocks_sent)
             new_blocks.append(req.blocks[req.blocks_sent :])  # usually none: O(new blocks)
             req.blocks_sent = len(req.blocks)
             start = req.num_computed
             tokens += req.token_ids[start : start + n]
+            unknown = start + n - req.num_tokens  # the pending token, read on the device
+            if unknown > 0:
+                tokens += [PENDING] * unknown
             if target_k is not None:
                 scored = req.params.prompt_logprobs is not None
                 for p in range(start + 1, start + n + 1):  # token p - 1 predicts token p
                     targets.append(req.token_ids[p] if scored and p < req.num_prompt_tokens
                                    else -1)  # fmt: skip
-        result = self.pipeline.step(
-            StepBatch(
-                tokens,
-                [req.slot for req, _ in batch],
-                [n for _, n in batch],
-                [req.num_computed for req, _ in batch],
-                new_blocks=new_blocks,
-                block_starts=starts,
-                sampling=[req.params.row(req.num_output_tokens) for req, _ in batch],
-                targets=targets if target_k is not None else None,
-                target_k=target_k or 0,
-                rebuilds=[(req.slot, req.token_ids[: req.num_computed]) for req in admitted],
-            )
-        )
-        now, outputs, offset = time.monotonic(), [], 0
-        for i, (req, n) in enumerate(batch):
-            if req.params.prompt_logprobs is not None:
-                self._add_prompt_logprobs(req, result, offset, n)
-            offset += n
+            samples = start + n == req.num_tokens + req.pending
+            sampling.append(req.params.row(req.num_output_tokens + req.pending))
+            rows.append(Row(req, n, start, samples, req.num_preemptions))
             req.num_computed += n
-            self.blocks.register(req)
-            if req.num_computed < req.num_tokens:  # mid-prompt chunk: its sample is not used
+            req.pending += samples
+        step = StepBatch(
+            tokens,
+            [req.slot for req, _ in batch],
+            [n for _, n in batch],
+            [r.start for r in rows],
+            new_blocks=new_blocks,
+            block_starts=starts,
+            sampling=sampling,
+            targets=targets if target_k is not None else None,
+            target_k=target_k or 0,
+            rebuilds=rebuilds,
+        )
+        launch = getattr(self.pipeline, "launch", None)
+        if launch is None:  # a stub with ``step`` only
+            return InFlight(rows, PendingResult.ready(self.pipeline.step(step)))
+        return InFlight(rows, launch(step))
+
+    def _apply(self, step: InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and apply them. Rows of requests that finished or
+        were aborted since it was launched are discarded (their extra token was never theirs);
+        a request preempted since keeps a sampled token (it was the next one) but nothing of a
+        prompt chunk (it is recomputed)."""
+        result = step.result.wait()
+        now, outputs, offset = time.monotonic(), [], 0
+        for i, row in enumerate(step.rows):
+            req, n = row.req, row.n
+            offset += n
+            if req.status is Status.FINISHED:
                 continue
+            preempted = req.num_preemptions != row.epoch
+            if preempted and not row.samples:
+                continue
+            if req.params.prompt_logprobs is not None:
+                self._add_prompt_logprobs(req, result, offset - n, n, row.start)
+            self.blocks.register(req)
+            if not row.samples:  # mid-prompt chunk: its sample is not used
+                continue
+            req.pending -= 1
             outputs.append(self._append(req, result, i, now))
         return outputs
 
-    def _add_prompt_logprobs(self, req: Request, result: StepResult, offset: int, n: int) -> None:
+    def _add_prompt_logprobs(
+        self, req: Request, result: StepResult, offset: int, n: int, start: int
+    ) -> None:
         """The scores of the prompt tokens this chunk predicts (the first token has none)."""
         k = req.params.prompt_logprobs
-        if req.num_computed == 0:
+        if start == 0:
             req.prompt_logprobs = [None]
         for j in range(offset, offset + n):
-            if req.num_computed + (j - offset) + 1 < req.num_prompt_tokens:
+            if start + (j - offset) + 1 < req.num_prompt_tokens:
                 req.prompt_logprobs.append(Logprob(
                     result.target_logprobs[j], result.target_top_ids[j][:k],
                     result.target_top_logprobs[j][:k],
@@ -198,6 +280,7 @@ class Engine:
             req.output_logprobs += new_lp
         first = req.num_output_tokens == 0
         req.token_ids.append(token)
+        self.blocks.register(req)  # before a finish releases the blocks
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now
         self.generation_tokens_total += 1

@@ -66,7 +66,10 @@ class Request:
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V are in the cache or on the way (a launched step)
+    # sampled tokens of launched steps that the host has not read yet (overlap scheduling: at
+    # most 1 when a step is scheduled); they count as present for positions, KV and max_tokens
+    pending: int = 0
     slot: int | None = None  # Engram history slot while running
     blocks: list[int] = field(default_factory=list)
     blocks_sent: int = 0  # how many of ``blocks`` the stages' copy of the block table holds
@@ -85,6 +88,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def length_capped(self) -> bool:
+        """Its pending tokens reach max_tokens: it must not be scheduled again."""
+        return self.num_output_tokens + self.pending >= self.params.max_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -5,6 +5,11 @@ admitted while the token budget, the sequence limit, history slots and KV blocks
 request that cannot get a block preempts the most recently admitted running request, which
 gives back its blocks and slot and later recomputes its tokens (its Engram history is rebuilt
 from them when it is admitted again).
+
+With overlap scheduling a running request may have a sampled token the host has not read yet
+(``Request.pending``): it counts as present (the next run computes it from the device), a request
+whose pending tokens reach max_tokens is not scheduled again, and a preempted request waits until
+its pending token is known before it is admitted again (its tokens are recomputed from the host).
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:  # preempted by an earlier request this step
                 continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            if req.length_capped:  # its last token is on the way: it finishes when applied
+                continue
+            n = min(req.num_tokens + req.pending - req.num_computed, budget)
             while not self.blocks.can_grow(req, req.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -53,6 +60,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and self.free_slots:
             req = self.waiting[0]
+            if req.pending:  # preempted with a token in flight: admitted once it is known
+                break
             if len(self.running) >= self.max_num_seqs or not self.blocks.can_admit(req):
                 break
             self.waiting.popleft()

@@ -79,4 +79,4 @@ class NgramHistory:
         row = torch.zeros(self.width, dtype=torch.int32)
         if toks.numel():
             row[self.width - toks.numel() :] = toks
-        self.table[slot] = row.to(self.table.device)
+        self.table[slot] = row.to(self.table.device, non_blocking=True)

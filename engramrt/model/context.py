@@ -179,7 +179,9 @@ class ForwardContext:
             tiles = prefill_tiles(run_lens, start_pos)
             parts += [torch.tensor(v, dtype=torch.int64) for v in tiles]
         parts.append(table.flatten())
-        flat = torch.cat(parts).to(device)
+        # non_blocking: a blocking copy would wait for the step in flight (overlap scheduling);
+        # from pageable memory the copy is staged before it returns, so the source may go
+        flat = torch.cat(parts).to(device, non_blocking=True)
         views = list(flat.split([len(p) for p in parts]))
         return cls(
             list(slots), list(run_lens), list(start_pos), kv, flat, *views[:4],

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engramrt.runner.batch import SampleRow, StepBatch, StepResult
+from engramrt.runner.batch import PendingResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
 from engramrt.runner.stage import StageRunner
 
@@ -66,6 +66,19 @@ class Pipeline:
             raise RuntimeError("only rank 0 drives the pipeline")
         result = self._stage(batch)  # the first stage's runner checks the batch
         return result if result is not None else self._recv_result(batch)
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether a step's tokens may stay on the device for the next one (``launch``, and
+        ``PENDING`` tokens): only with one stage, which samples where it hashes."""
+        return self.world == 1 and self.runner.last_token is not None
+
+    def launch(self, batch: StepBatch) -> PendingResult:
+        """``step`` without waiting for the sampled tokens where the pipeline has one stage;
+        with several, the step's messages make it synchronous (overlap scheduling is off)."""
+        if self.world == 1:
+            return self.runner.launch(batch)
+        return PendingResult.ready(self.step(batch))
 
     def stop(self) -> None:
         """Release the other stages (their ``serve`` returns)."""

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+# a step's token that stands for "the token this slot sampled in the previous step", which the
+# first stage reads on the device (overlap scheduling: the host has not seen it yet)
+PENDING = -1
 
 
 @dataclass
@@ -54,7 +57,9 @@ class SampleRow:
 @dataclass
 class StepBatch:
     """Request ``b`` computes ``run_lens[b]`` tokens from position ``start_pos[b]`` in history
-    and KV slot ``slots[b]``. ``tokens`` are needed on the first stage only.
+    and KV slot ``slots[b]``. ``tokens`` are needed on the first stage only; a token
+    ``PENDING`` is the one its slot sampled in the previous step, which the host has not read
+    yet (overlap scheduling; only where one stage both hashes and samples).
 
     Every stage keeps each slot's block table from step to step (``KVCache.set_tables``), so a
     step carries only what changed: request ``b``'s table becomes its first ``block_starts[b]``
@@ -99,3 +104,53 @@ class StepResult:
     target_logprobs: list[float] | None = None  # per token, of its target (NaN: none)
     target_top_ids: list[list[int]] | None = None
     target_top_logprobs: list[list[float]] | None = None
+
+
+class PendingResult:
+    """A step's ``StepResult`` while the device may still be computing it (overlap scheduling).
+
+    The sampler's outputs are device tensors; on a GPU each is copied ``non_blocking`` into
+    pinned host memory and a CUDA event is recorded after the copies, so launching the next
+    step needs no synchronisation. ``wait`` blocks on that event and turns the host copies into
+    the lists of a ``StepResult`` (on the CPU everything is already done). A result that is
+    known at once (a pipeline of several stages, a stub) is wrapped by ``ready``."""
+
+    def __init__(
+        self,
+        parts: dict[str, torch.Tensor] | None = None,
+        logits: torch.Tensor | None = None,
+        targets: list[int] | None = None,
+        result: StepResult | None = None,
+    ):
+        self.targets, self.result = targets, result
+        self.host = {k: v.to("cpu", non_blocking=True) for k, v in (parts or {}).items()}
+        self.logits = logits  # stays where it is, as in a synchronous step
+        self.event = None
+        devices = [v.device for v in (parts or {}).values()]
+        if devices and devices[0].type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(devices[0]))
+
+    @classmethod
+    def ready(cls, result: StepResult) -> PendingResult:
+        return cls(result=result)
+
+    def wait(self) -> StepResult:
+        if self.result is not None:
+            return self.result
+        if self.event is not None:
+            self.event.synchronize()
+        h = {k: v.tolist() for k, v in self.host.items()}
+        result = StepResult(h["tokens"], self.logits)
+        if "logprobs" in h:
+            result.logprobs, result.top_ids = h["logprobs"], h["top_ids"]
+            result.top_logprobs = h["top_logprobs"]
+        if self.targets is not None:
+            result.target_logprobs = [
+                x if t >= 0 else float("nan")
+                for x, t in zip(h["target_logprobs"], self.targets, strict=True)
+            ]
+            result.target_top_ids = h["target_top_ids"]
+            result.target_top_logprobs = h["target_top_logprobs"]
+        self.result = result
+        return result

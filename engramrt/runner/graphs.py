@@ -88,7 +88,9 @@ class DecodeGraphs:
         rows, the Engram layers that ran)."""
         n, b = len(host.slots), host.positions.numel()
         graph, ctx, out, static_carry = self.graphs[b]
-        ctx.flat[: host.flat.numel()].copy_(host.flat)  # the table, last, may be narrower
+        # the table, last, may be narrower; non_blocking: the copy must not wait for the step in
+        # flight (overlap scheduling)
+        ctx.flat[: host.flat.numel()].copy_(host.flat, non_blocking=True)
         if static_carry is not None:
             if carry is None:
                 raise RuntimeError("a later pipeline stage needs the carry of the stage before")

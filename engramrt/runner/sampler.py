@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from engramrt.runner.batch import SampleRow, StepBatch, StepResult
+from engramrt.runner.batch import PendingResult, SampleRow, StepBatch, StepResult
 
 _SEED_STRIDE = 1_000_003
 GREEDY_BELOW = 1e-5
+
+
+def _to(values: list, device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """Host values on ``device`` without waiting for the work queued there (a blocking copy
+    would wait for the step in flight under overlap scheduling)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -21,7 +27,7 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     dev, vocab = logits.device, logits.shape[-1]
 
     def col(values, dtype=torch.float32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=dev)[:, None]
+        return _to(values, dev, dtype)[:, None]
 
     probs = torch.softmax(logits.float() / col([r.temperature for r in rows]), dim=-1)
     ks = [r.top_k if r.top_k < vocab else 0 for r in rows]
@@ -47,36 +53,50 @@ def sample_tokens(
     """``logits [B, V]`` -> one token per row: argmax for greedy rows, else argmax of
     probs / Exp(1) noise. Batched on the logits' device: greedy rows move nothing but the tokens
     read back at the end; sampled rows add a few small parameter copies."""
-    if not rows:
-        return []
+    return sample_tokens_device(logits, rows, generator).tolist() if rows else []
+
+
+def sample_tokens_device(
+    logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None
+) -> torch.Tensor:
+    """``sample_tokens`` left on the device: ``[B]`` int64, nothing read back."""
     tokens = logits.argmax(-1)
     hot = [i for i, r in enumerate(rows) if r.temperature >= GREEDY_BELOW]  # vanishing: argmax
     if hot:
-        probs = _filtered_probs(logits[hot], [rows[i] for i in hot])
+        dev = logits.device
+        hot_at = _to(hot, dev) if len(hot) < len(rows) else slice(None)
+        probs = _filtered_probs(logits[hot_at], [rows[i] for i in hot])
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(hot) if rows[i].seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_(generator=generator)
+            at = _to(unseeded, dev)
+            noise[at] = torch.empty_like(probs[at]).exponential_(generator=generator)
         for j, i in enumerate(hot):
             row = rows[i]
             if row.seed is not None:
                 gen = torch.Generator(device=logits.device)
                 gen.manual_seed((row.seed * _SEED_STRIDE + row.index) % 2**63)
                 noise[j].exponential_(generator=gen)
-        tokens[hot] = (probs / noise).argmax(-1)
-    return tokens.tolist()
+        tokens[hot_at] = (probs / noise).argmax(-1)
+    return tokens
 
 
 def token_logprobs(
     logits: torch.Tensor, targets: list[int], k: int
 ) -> tuple[list[float], list[list[int]], list[list[float]]]:
     """Log-probability of ``targets[i]`` under row i, and the row's top ``k``."""
+    picked, ids, values = token_logprobs_device(logits, torch.tensor(targets), k)
+    return picked.tolist(), ids.tolist(), values.tolist()
+
+
+def token_logprobs_device(
+    logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` left on the device: ``[B]``, ``[B, k]`` and ``[B, k]``."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
-    if k == 0:
-        return picked, [[] for _ in targets], [[] for _ in targets]
+    picked = lp.gather(1, targets.to(lp.device, torch.int64, non_blocking=True)[:, None])[:, 0]
     top = lp.topk(min(k, lp.shape[-1]), dim=-1)
-    return picked, top.indices.tolist(), top.values.tolist()
+    return picked, top.indices, top.values
 
 
 def sample(
@@ -100,9 +120,15 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: StepBatch) -> StepResult:
-        """Sample on the device, reading the tokens back at the end (for a greedy decode batch
-        nothing else waits on the GPU). ``logits`` may be a CUDA graph's output, so anything
-        kept past this step is a copy."""
+        """Sample and wait for the result (a later pipeline stage, a synchronous step)."""
+        return self.launch(logits, batch)[0].wait()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, batch: StepBatch) -> tuple[PendingResult, torch.Tensor]:
+        """Sample on the device and start copying the results to the host: the pending result,
+        and the sampled tokens on the device (``[B]``, -1 for an empty run). Nothing here waits
+        on the GPU. ``logits`` may be a CUDA graph's output, so anything kept past this step is
+        a copy."""
         ends = (torch.tensor(batch.run_lens, dtype=torch.int64).cumsum(0) - 1).tolist()
         live = [i for i, n in enumerate(batch.run_lens) if n > 0]
         rows, limit, k = batch.rows(), self.token_limit, batch.logprobs_k
@@ -114,25 +140,25 @@ class Sampler:
         if rows_at == list(range(len(rows_at))):  # decode: no index to copy to the device
             last = logits[: len(rows_at)].clone()
         else:
-            last = logits[rows_at]  # a copy
+            last = logits[_to(rows_at, logits.device)]  # a copy
         if limit is not None:
             last[:, limit:] = float("-inf")
-        tokens = [-1] * len(rows)
-        for i, tok in zip(live, sample_tokens(last, [rows[i] for i in live], self.generator),
-                          strict=True):  # fmt: skip
-            tokens[i] = tok
-        result = StepResult(tokens, logits if batch.return_logits else None)
+        sampled = sample_tokens_device(last, [rows[i] for i in live], self.generator)
+        if len(live) == len(rows):
+            tokens = sampled
+        else:
+            tokens = torch.full((len(rows),), -1, dtype=torch.int64, device=logits.device)
+            tokens[_to(live, logits.device)] = sampled
+        parts = {"tokens": tokens}
         if k is not None:  # rows of empty runs are scored on row 0 and ignored by the engine
             picked = [ends[i] if batch.run_lens[i] else 0 for i in range(len(rows))]
-            result.logprobs, result.top_ids, result.top_logprobs = token_logprobs(
-                logits[picked], [max(t, 0) for t in tokens], k
+            parts["logprobs"], parts["top_ids"], parts["top_logprobs"] = token_logprobs_device(
+                logits[_to(picked, logits.device)], tokens.clamp(min=0), k
             )
         if batch.targets is not None:
-            lp, ids, tops = token_logprobs(
-                logits, [max(t, 0) for t in batch.targets], batch.target_k
-            )
-            result.target_logprobs = [
-                x if t >= 0 else float("nan") for x, t in zip(lp, batch.targets, strict=True)
-            ]
-            result.target_top_ids, result.target_top_logprobs = ids, tops
-        return result
+            targets = torch.tensor(batch.targets).clamp(min=0)
+            lp, ids, tops = token_logprobs_device(logits, targets, batch.target_k)
+            parts["target_logprobs"], parts["target_top_ids"] = lp, ids
+            parts["target_top_logprobs"] = tops
+        pending = PendingResult(parts, logits if batch.return_logits else None, batch.targets)
+        return pending, tokens

@@ -23,7 +23,7 @@ from engramrt.model.checkpoint import load_model
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.model.trace import Tracer
-from engramrt.runner.batch import SampleRow, StepBatch, StepResult
+from engramrt.runner.batch import PENDING, PendingResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
 from engramrt.runner.graphs import DecodeGraphs
 from engramrt.runner.kv_budget import MemoryProfile
@@ -63,12 +63,19 @@ class StageRunner:
     engram_ran: list[int] = field(default_factory=list)  # every Engram layer run, in order
     graphs: DecodeGraphs | None = None
     sampler: Sampler | None = field(init=False, default=None)  # the last stage's
+    # the token each history slot sampled last (a stage that is both first and last): a step's
+    # token ``PENDING`` stands for it, so the next step can be launched before the host has
+    # read the sampled tokens (overlap scheduling)
+    last_token: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.model.head is not None:
             tok = self.tokenizer
             limit = tok.get_vocab_size(with_added_tokens=True) if tok is not None else None
             self.sampler = Sampler(self.device, self.seed, limit)
+            if self.hasher is not None:
+                slots = self.hasher.history.num_slots
+                self.last_token = torch.zeros(slots, dtype=torch.int64, device=self.device)
 
     @classmethod
     def load(
@@ -162,8 +169,25 @@ class StageRunner:
     def run(self, batch: StepBatch, carry: Carry | None = None) -> Carry | StepResult:
         """One step on this stage: the ``Carry`` for the next stage, or on the last stage what
         it sampled."""
+        out = self.launch(batch, carry)
+        return out.wait() if isinstance(out, PendingResult) else out
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch, carry: Carry | None = None) -> Carry | PendingResult:
+        """``run`` without waiting for the sampled tokens: on the last stage a ``PendingResult``.
+        The sampled tokens are also written to ``last_token`` (their slots' entries) on the
+        stream, after the sampler: a later step's ``PENDING`` tokens read them there."""
         out = self.step(batch, carry)
-        return self.sampler(out, batch) if self.is_last else out
+        if not self.is_last:
+            return out
+        pending, tokens = self.sampler.launch(out, batch)
+        if self.last_token is not None:
+            live = [i for i, n in enumerate(batch.run_lens) if n > 0]
+            if len(live) != len(batch.run_lens):
+                tokens = tokens[live]
+            slots = torch.tensor([batch.slots[i] for i in live], dtype=torch.int64)
+            self.last_token.index_copy_(0, slots.to(self.device, non_blocking=True), tokens)
+        return pending
 
     @torch.inference_mode()
     def step(self, batch: StepBatch, carry: Carry | None = None) -> torch.Tensor | Carry:
@@ -182,6 +206,8 @@ class StageRunner:
             tokens = batch.tokens
             if tokens is None or len(tokens) != batch.num_tokens:
                 raise ValueError(f"the runs need {batch.num_tokens} tokens")
+            if self.last_token is not None and PENDING in tokens:  # resolved on the device
+                tokens = [t for t in tokens if t != PENDING] + [0] * tokens.count(PENDING)
             self.hasher.validate(tokens, batch.slots, batch.run_lens)
             for slot, before in batch.rebuilds:
                 self.hasher.rebuild(slot, before)
@@ -208,6 +234,13 @@ class StageRunner:
         once where the token ids are and embeds."""
         if carry is None:
             t = ctx.tokens
+            if self.last_token is not None:  # PENDING: the token the slot sampled last step
+                if ctx.decode:  # also the graphs' padding rows (slot 0, token 0: unchanged)
+                    slot_of = ctx.slot_ids
+                else:
+                    lens = ctx.query_start.diff()
+                    slot_of = ctx.slot_ids.repeat_interleave(lens, output_size=t.numel())
+                t = torch.where(t == PENDING, self.last_token[slot_of], t)
             if ctx.decode:
                 ids = self.hasher.decode(t, ctx.slot_ids, ctx.positions, ctx.num_real, check=False)
             else:
