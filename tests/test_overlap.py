@@ -258,9 +258,10 @@ def test_overlap_needs_a_pipeline_that_can(session) -> None:
             return StepResult([7] * len(batch.slots))
 
     cfg = EngineConfig(MAX_LEN, eos_token_id=None)
-    assert Engine(Pipeline(session), session.tokenizer, cfg).overlap  # the default: on
+    assert not Engine(Pipeline(session), session.tokenizer, cfg).overlap  # the default: off
     assert not Engine(Stub(), session.tokenizer, cfg).overlap
     cfg.async_scheduling = True
+    assert Engine(Pipeline(session), session.tokenizer, cfg).overlap
     with pytest.raises(ValueError, match="one stage"):
         Engine(Stub(), session.tokenizer, cfg)
 

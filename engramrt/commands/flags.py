@@ -82,8 +82,8 @@ def add_memory_flags(p: argparse.ArgumentParser) -> None:
 def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
     """Overlap scheduling (vLLM's flag name)."""
     p.add_argument(
-        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
         help="prepare and launch step N+1 while the GPU runs step N; the host reads a step's "
-        "tokens one step late (default: on with one pipeline stage; -pp > 1 schedules "
-        "synchronously)",
+        "tokens one step late (one pipeline stage only; off by default until measured on a "
+        "GPU)",
     )  # fmt: skip

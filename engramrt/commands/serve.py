@@ -56,7 +56,7 @@ class ServeOptions:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
-    async_scheduling: bool | None = None  # None: on with one pipeline stage
+    async_scheduling: bool = False  # overlap scheduling (one stage only)
     disable_uvicorn_access_log: bool = False
     enable_log_requests: bool = False
     max_request_bytes: int = 32 * 2**20

@@ -62,7 +62,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eos_token_id: int | None = None  # the model config's; None: a model without EOS
     model_vocab_size: int | None = None  # the embedding's rows; None: the tokenizer's size
-    async_scheduling: bool | None = None  # overlap scheduling; None: where the pipeline can
+    async_scheduling: bool = False  # overlap scheduling: opt-in until measured on a GPU
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Engine:
                 "async scheduling needs a pipeline of one stage that samples on the device "
                 "(with pipeline parallelism the engine schedules synchronously)"
             )
-        self.overlap = can if cfg.async_scheduling is None else cfg.async_scheduling
+        self.overlap = bool(cfg.async_scheduling)
         self.in_flight: InFlight | None = None  # the launched step not applied yet (overlap)
 
     # --- requests ------------------------------------------------------------------------
