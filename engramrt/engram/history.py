@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engramrt.transfer import to_device
+
 
 class NgramHistory:
     def __init__(self, num_slots: int, max_ngram_size: int, device: torch.device | str = "cpu"):
@@ -79,4 +81,4 @@ class NgramHistory:
         row = torch.zeros(self.width, dtype=torch.int32)
         if toks.numel():
             row[self.width - toks.numel() :] = toks
-        self.table[slot] = row.to(self.table.device, non_blocking=True)
+        self.table[slot] = to_device(row, self.table.device)

@@ -11,6 +11,7 @@ import torch
 from engramrt.kernels.tiles import prefill_tiles
 from engramrt.model.layers import rope_tables
 from engramrt.model.trace import Tracer
+from engramrt.transfer import to_device
 
 
 class KVCache:
@@ -179,9 +180,7 @@ class ForwardContext:
             tiles = prefill_tiles(run_lens, start_pos)
             parts += [torch.tensor(v, dtype=torch.int64) for v in tiles]
         parts.append(table.flatten())
-        # non_blocking: a blocking copy would wait for the step in flight (overlap scheduling);
-        # from pageable memory the copy is staged before it returns, so the source may go
-        flat = torch.cat(parts).to(device, non_blocking=True)
+        flat = to_device(torch.cat(parts), device)  # asynchronous: see engramrt.transfer
         views = list(flat.split([len(p) for p in parts]))
         return cls(
             list(slots), list(run_lens), list(start_pos), kv, flat, *views[:4],

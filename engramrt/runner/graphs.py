@@ -19,6 +19,7 @@ import torch
 
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.runner.carry import Carry
+from engramrt.transfer import pinned
 
 Forward = Callable[[ForwardContext, Carry | None], "torch.Tensor | Carry"]
 
@@ -88,9 +89,9 @@ class DecodeGraphs:
         rows, the Engram layers that ran)."""
         n, b = len(host.slots), host.positions.numel()
         graph, ctx, out, static_carry = self.graphs[b]
-        # the table, last, may be narrower; non_blocking: the copy must not wait for the step in
-        # flight (overlap scheduling)
-        ctx.flat[: host.flat.numel()].copy_(host.flat, non_blocking=True)
+        # the table, last, may be narrower; from pinned memory the copy does not wait for the
+        # step in flight (overlap scheduling; engramrt.transfer)
+        ctx.flat[: host.flat.numel()].copy_(pinned(host.flat), non_blocking=True)
         if static_carry is not None:
             if carry is None:
                 raise RuntimeError("a later pipeline stage needs the carry of the stage before")

@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 
 from engramrt.runner.batch import PendingResult, SampleRow, StepBatch, StepResult
+from engramrt.transfer import to_device
 
 _SEED_STRIDE = 1_000_003
 GREEDY_BELOW = 1e-5
 
 
 def _to(values: list, device: torch.device, dtype=torch.int64) -> torch.Tensor:
-    """Host values on ``device`` without waiting for the work queued there (a blocking copy
-    would wait for the step in flight under overlap scheduling)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    """Host values on ``device`` without waiting for the work queued there."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -94,7 +94,7 @@ def token_logprobs_device(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``token_logprobs`` left on the device: ``[B]``, ``[B, k]`` and ``[B, k]``."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    picked = lp.gather(1, targets.to(lp.device, torch.int64, non_blocking=True)[:, None])[:, 0]
+    picked = lp.gather(1, to_device(targets.to(torch.int64), lp.device)[:, None])[:, 0]
     top = lp.topk(min(k, lp.shape[-1]), dim=-1)
     return picked, top.indices, top.values
 

@@ -28,6 +28,7 @@ from engramrt.runner.carry import Carry
 from engramrt.runner.graphs import DecodeGraphs
 from engramrt.runner.kv_budget import MemoryProfile
 from engramrt.runner.sampler import Sampler, sample_tokens
+from engramrt.transfer import to_device
 
 
 def new_kv_cache(
@@ -186,7 +187,7 @@ class StageRunner:
             if len(live) != len(batch.run_lens):
                 tokens = tokens[live]
             slots = torch.tensor([batch.slots[i] for i in live], dtype=torch.int64)
-            self.last_token.index_copy_(0, slots.to(self.device, non_blocking=True), tokens)
+            self.last_token.index_copy_(0, to_device(slots, self.device), tokens)
         return pending
 
     @torch.inference_mode()
