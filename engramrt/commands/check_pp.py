@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,7 +204,7 @@ def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str)
             else:
                 pipe.serve()
             error = stage.error
-        per_stage = _to_rank0(rank, world, (stage.engram_ran if stage else [], error))
+        per_stage = _to_rank0(rank, world, (stage.engram_ran if stage else Counter(), error))
         if rank == 0:
             errors = [f"stage {r}: {e}" for r, (_, e) in enumerate(per_stage) if e is not None]
             if errors:
@@ -253,7 +254,7 @@ def _compare(opts, parts, per_stage, logits, tokens, ref_logits, ref_tokens) -> 
         [layer for layer in stage_layers(parts, r) if layer in cfg.engram.layer_ids] * steps
         for r in range(len(parts))
     ]
-    ran_ok = [sorted(ran) == sorted(exp) for ran, exp in zip(per_stage, expected, strict=True)]
+    ran_ok = [Counter(ran) == Counter(exp) for ran, exp in zip(per_stage, expected, strict=True)]
     same_tokens = tokens == ref_tokens
     return {
         "partition": parts,

@@ -10,6 +10,7 @@ process is changes where the stream comes from and where it goes, never what a l
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +62,8 @@ class StageRunner:
     tokenizer: Tokenizer | None = None
     seed: int = 0  # drives the sampled rows that carry no seed of their own
     tracer: Tracer | None = None
-    engram_ran: list[int] = field(default_factory=list)  # every Engram layer run, in order
+    # runs of each Engram layer so far: a count, so a long-running server's memory stays flat
+    engram_ran: Counter[int] = field(default_factory=Counter)
     graphs: DecodeGraphs | None = None
     sampler: Sampler | None = field(init=False, default=None)  # the last stage's
     # the token each history slot sampled last (a stage that is both first and last): a step's
@@ -227,7 +229,7 @@ class StageRunner:
         else:
             out = self.forward(ctx, carry)
             ran = ctx.engram_ran
-        self.engram_ran.extend(ran)
+        self.engram_ran.update(ran)
         return out
 
     def forward(self, ctx: ForwardContext, carry: Carry | None) -> torch.Tensor | Carry:
