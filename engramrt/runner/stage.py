@@ -210,7 +210,7 @@ class StageRunner:
             if tokens is None or len(tokens) != batch.num_tokens:
                 raise ValueError(f"the runs need {batch.num_tokens} tokens")
             if self.last_token is not None and PENDING in tokens:  # resolved on the device
-                tokens = [t for t in tokens if t != PENDING] + [0] * tokens.count(PENDING)
+                tokens = [0 if t == PENDING else t for t in tokens]
             self.hasher.validate(tokens, batch.slots, batch.run_lens)
             for slot, before in batch.rebuilds:
                 self.hasher.rebuild(slot, before)
