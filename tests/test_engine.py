@@ -5,6 +5,7 @@ run of the engine (alone, uncached, unchunked or unpreempted), never from hard-c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import pytest
 
@@ -13,6 +14,7 @@ from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.request import Logprob, SamplingParams
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.runner.stage import StageRunner
+from tests.engine_factory import bos_encoder, build_engine
 
 MAX_LEN = 256
 MAX_SLOTS = 8
@@ -27,31 +29,12 @@ def session() -> StageRunner:
 
 @pytest.fixture(scope="module")
 def make_engine(session: StageRunner):
-    def make(
-        max_num_seqs: int = 4,
-        max_num_batched_tokens: int = 256,
-        block_size: int = 4,
-        num_blocks: int = 256,
-        prefix_caching: bool = True,
-    ) -> Engine:
-        assert max_num_seqs <= MAX_SLOTS
-        eos = session.model.cfg.eos_token_id
-        cfg = EngineConfig(MAX_LEN, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-                           prefix_caching, eos)  # fmt: skip
-        session.allocate_kv(MAX_SLOTS, MAX_LEN, block_size, num_blocks)
-        return Engine(Pipeline(session), session.tokenizer, cfg)
-
-    return make
+    return partial(build_engine, session, MAX_LEN, MAX_SLOTS)
 
 
 @pytest.fixture(scope="module")
 def encode(session: StageRunner):
-    bos = session.model.cfg.bos_token_id
-
-    def enc(text: str) -> list[int]:
-        return [bos, *session.tokenizer.encode(text).ids]
-
-    return enc
+    return bos_encoder(session)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from engramrt.engine.request import SamplingParams
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.runner.batch import StepBatch, StepResult
 from engramrt.runner.stage import StageRunner
+from tests.engine_factory import bos_encoder, build_engine
 from tests.test_engine import TEXTS, Result, absorb, assert_idle, drain
 
 MAX_LEN = 128
@@ -29,27 +30,16 @@ def session() -> StageRunner:
 
 @pytest.fixture(scope="module")
 def make_engine(session: StageRunner):
-    def make(
-        overlap: bool,
-        max_num_seqs: int = 4,
-        max_num_batched_tokens: int = 256,
-        block_size: int = 4,
-        num_blocks: int = 128,
-        prefix_caching: bool = True,
-    ) -> Engine:
-        eos = session.model.cfg.eos_token_id
-        cfg = EngineConfig(MAX_LEN, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-                           prefix_caching, eos, async_scheduling=overlap)  # fmt: skip
-        session.allocate_kv(MAX_SLOTS, MAX_LEN, block_size, num_blocks)
-        return Engine(Pipeline(session), session.tokenizer, cfg)
+    def make(overlap: bool, **cfg) -> Engine:
+        return build_engine(session, MAX_LEN, MAX_SLOTS, **{"num_blocks": 128, **cfg},
+                            overlap=overlap)  # fmt: skip
 
     return make
 
 
 @pytest.fixture(scope="module")
 def encode(session: StageRunner):
-    bos = session.model.cfg.bos_token_id
-    return lambda text: [bos, *session.tokenizer.encode(text).ids]
+    return bos_encoder(session)
 
 
 class Counting:
