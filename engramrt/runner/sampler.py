@@ -81,18 +81,11 @@ def sample_tokens_device(
     return tokens
 
 
-def token_logprobs(
-    logits: torch.Tensor, targets: list[int], k: int
-) -> tuple[list[float], list[list[int]], list[list[float]]]:
-    """Log-probability of ``targets[i]`` under row i, and the row's top ``k``."""
-    picked, ids, values = token_logprobs_device(logits, torch.tensor(targets), k)
-    return picked.tolist(), ids.tolist(), values.tolist()
-
-
 def token_logprobs_device(
     logits: torch.Tensor, targets: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``token_logprobs`` left on the device: ``[B]``, ``[B, k]`` and ``[B, k]``."""
+    """Log-probability of ``targets[i]`` under row i, and the row's top ``k``, on the device:
+    ``[B]``, ``[B, k]`` and ``[B, k]``."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     picked = lp.gather(1, to_device(targets.to(torch.int64), lp.device)[:, None])[:, 0]
     top = lp.topk(min(k, lp.shape[-1]), dim=-1)
