@@ -2,9 +2,10 @@
 # Issue 14's targets on one H200, in parts that each fit one 10-minute device call:
 #   PART=a  GPU tests (overlap, graphs, kernels), 4B bs 1 with and without --async-scheduling, and
 #           the HF anchor in the same call; the bs-1 step breakdown
-#   PART=b  1B and 4B at bs 16/64/256, synchronous and overlapped (step time)
-#   PART=c  gpu_runner.py on the 1B model: offline throughput (nano-vllm protocol) as is and with
-#           the Engram replaced by zero rows, the 8k prefill, the profile split
+#   PART=b  gpu_runner.py on the 1B model, overlapped: bs 1/16/64/256 step time against the
+#           profile's GPU kernel time, offline throughput (nano-vllm protocol, warmed) as is, with
+#           the Engram replaced by zero rows and as is again, the 8k prefill
+#   PART=c  the same on the 4B model
 #   bash benchmarks/decode_targets.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/decode_targets}
@@ -24,31 +25,23 @@ bench() {  # tag preset bs [flags...]
 }
 case "${PART:-a}" in
 a)
-  python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/test_overlap.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/test_overlap.py \
     tests/test_transfer.py tests/test_gpu_runner.py tests/test_paged_attention.py \
-    tests/test_mhc_fused.py tests/test_rope.py tests/test_kernels.py 2>&1 | tail -4 | tee "$out/tests.txt"
+    tests/test_mhc_fused.py tests/test_rope.py tests/test_swiglu.py tests/test_kernels.py 2>&1 \
+    | tail -4 | tee "$out/tests.txt"
   python3 -c "from benchmarks.hash_bench import copy_bandwidth_gbs as c; print('copy_gb_s', c('cuda'))" \
     | tee "$out/copy.txt"
   model 4b
   bench sync 4b 1 --no-async-scheduling
   bench async 4b 1 --async-scheduling
   timeout 150 python3 benchmarks/hf_anchor.py --preset 4b --out "$out/hf_4b.json" | tail -1
-  bench sync 4b 1 --no-async-scheduling
   bench async 4b 1 --async-scheduling
   timeout 100 python3 benchmarks/step_breakdown.py --model /tmp/m4b | tail -1 | tee "$out/breakdown_4b.txt"
   ;;
-b)
-  for preset in 1b 4b; do
-    model $preset
-    for bs in 16 64 256; do
-      bench sync $preset $bs --no-async-scheduling
-      bench async $preset $bs --async-scheduling
-    done
-  done
-  ;;
-c)
-  model 1b
-  timeout 500 python3 benchmarks/gpu_runner.py --model /tmp/m1b --out "$out/1b.json" 2>&1 \
-    | grep -v "^USDT\|profiler_st" | tail -12
+b | c)
+  preset=$([ "$PART" = b ] && echo 1b || echo 4b)
+  model $preset
+  timeout 560 python3 benchmarks/gpu_runner.py --model /tmp/m$preset --out "$out/$preset.json" \
+    --async-scheduling 2>&1 | grep -v "^USDT\|profiler_st" | tail -14
   ;;
 esac

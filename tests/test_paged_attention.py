@@ -1,4 +1,4 @@
-"""Triton paged decode attention and K/V write against torch on random paged caches (Triton's
+"""Triton paged decode attention against torch on random paged caches (Triton's
 interpreter on a CPU, natively on a GPU with ``-m triton``)."""
 
 from __future__ import annotations
@@ -39,19 +39,6 @@ def test_paged_decode_attention_matches_sdpa(heads, kv_heads, dim, bs) -> None:
             enable_gqa=True,
         )[:, 0]  # fmt: skip
         torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
-
-
-def test_write_kv_scatters_rows() -> None:
-    from engramrt.kernels.paged_attention import write_kv
-
-    g = torch.Generator().manual_seed(0)
-    kc, vc = torch.zeros(32, 2, 8), torch.zeros(32, 2, 8)
-    k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
-    slots = torch.tensor([3, 17, 0, 31, 8])
-    kd, vd = kc.to(DEV), vc.to(DEV)
-    write_kv(k.to(DEV), v.to(DEV), kd, vd, slots.to(DEV))
-    kc[slots], vc[slots] = k, v
-    assert torch.equal(kd.cpu(), kc) and torch.equal(vd.cpu(), vc)
 
 
 # --- split-K decode --------------------------------------------------------------------------

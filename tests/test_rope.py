@@ -53,22 +53,43 @@ def test_torch_rope_equals_oracle(tokens, heads, dim, dtype) -> None:
 
 @pytest.mark.triton
 @pytest.mark.skipif(not triton_runs(), reason="needs Triton (GPU or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("tokens,heads,dim,dtype", CASES)
-def test_triton_rope_equals_oracle_and_torch(tokens, heads, dim, dtype) -> None:
-    from engramrt.kernels.rope import rope
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,dim,dtype", [(t, h, h // 3 or 1, d, dt) for t, h, d, dt in CASES]
+)
+def test_triton_rope_write_equals_oracle_and_torch(tokens, heads, kv_heads, dim, dtype) -> None:
+    """One launch rotates q and k of a stacked [q | k | v] row and writes k and v into the
+    token's cache row: q and the written k equal the oracle (and the torch path), v lands
+    unchanged, and padded rows (slot -1) and rows no token owns stay as they were."""
+    from engramrt.kernels.rope import rope_write_kv
 
     dev = kernel_device()
     g = torch.Generator().manual_seed(7 * tokens + heads)
-    x = torch.randn(tokens, heads, dim, generator=g).to(dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     pos = torch.randint(0, 70000, (tokens,), generator=g)
+    rows = 2 * tokens + 3
+    slots = torch.randperm(rows, generator=g)[:tokens]
+    slots[1::3] = -1  # padded rows
+    k_cache = torch.randn(rows, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(rows, kv_heads, dim, generator=g).to(dtype)
+    kd, vd = k_cache.to(dev), v_cache.to(dev)
     cos, sin = rope_tables(pos.to(dev), dim, 1e6)
-    out = rope(x.to(dev), cos, sin)
-    _check(out, oracle(x, pos, 1e6), dtype, int(pos.max()))
-    ref = apply_rope(x, *(t.cpu() for t in (cos, sin)))  # the torch path on the CPU
-    ulp = 0 if dtype == torch.float32 else 1
-    diff = (out.cpu().float() - ref.float()).abs()
-    assert diff.max().item() <= (1e-6 if ulp == 0 else 2**-7) * (1 + ref.float().abs().max())
-    assert not math.isnan(out.float().sum().item())
+    q = rope_write_kv(qkv.to(dev), cos, sin, kd, vd, slots.to(dev), heads).cpu()
+    q_in, k_in, v_in = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    q_in, k_in = q_in.view(tokens, heads, dim), k_in.view(tokens, kv_heads, dim)
+    k_ref = oracle(k_in, pos, 1e6)
+    _check(q, oracle(q_in, pos, 1e6), dtype, int(pos.max()))
+    ref = apply_rope(q_in, *(t.cpu() for t in (cos, sin)))  # the torch path on the CPU
+    diff = (q.float() - ref.float()).abs()
+    ulp = 1e-6 if dtype == torch.float32 else 2**-7
+    assert diff.max().item() <= ulp * (1 + ref.float().abs().max())
+    real = slots >= 0
+    _check(kd.cpu()[slots[real]], k_ref[real], dtype, int(pos.max()))
+    assert torch.equal(vd.cpu()[slots[real]], v_in.view(tokens, kv_heads, dim)[real])
+    untouched = torch.ones(rows, dtype=torch.bool)
+    untouched[slots[real]] = False
+    assert torch.equal(kd.cpu()[untouched], k_cache[untouched])
+    assert torch.equal(vd.cpu()[untouched], v_cache[untouched])
+    assert not math.isnan(q.float().sum().item())
 
 
 def test_tables_computed_once_per_forward(monkeypatch) -> None:

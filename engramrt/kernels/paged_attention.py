@@ -1,4 +1,5 @@
-"""Paged attention and the paged K/V write, in Triton (the GPU runner's attention).
+"""Paged attention in Triton, the GPU runner's attention (the K/V write is fused with RoPE in
+``engramrt.kernels.rope``).
 
 Decode is split-K ("flash decoding"), two launches. Stage 1, grid (request, KV head, split):
 a program takes the G query heads that share one KV head (so each K/V row is read once) over one
@@ -217,16 +218,6 @@ def _prefill_kernel(
              mask=io_mask)  # fmt: skip
 
 
-@triton.jit
-def _write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    i = tl.arange(0, BLOCK)
-    m = (i < ROW) & (i * 0 + slot >= 0)  # slot -1: a padded row writes nothing
-    tl.store(kc_ptr + slot * ROW + i, tl.load(k_ptr + t * ROW + i, mask=m), mask=m)
-    tl.store(vc_ptr + slot * ROW + i, tl.load(v_ptr + t * ROW + i, mask=m), mask=m)
-
-
 MAX_SPLITS = 64  # splits of a request's keys, at most
 INTERPRETER_SPLITS = 4  # off CUDA (Triton's interpreter): several splits, so tests cover merging
 
@@ -388,16 +379,3 @@ def paged_prefill_attention(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
-
-
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:  # fmt: skip
-    """``k, v [T, KVH, D]`` into cache rows ``slots [T]`` (-1: skip the row)."""
-    t, kv_heads, dim = k.shape
-    if t == 0:
-        return
-    row = kv_heads * dim
-    _write_kernel[(t,)](k.contiguous(), v.contiguous(), k_cache, v_cache, slots.contiguous(),
-                        ROW=row, BLOCK=triton.next_power_of_2(row))  # fmt: skip

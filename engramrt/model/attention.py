@@ -15,7 +15,7 @@ from torch import nn
 from engramrt.config import ModelConfig
 from engramrt.kernels import use_triton
 from engramrt.model.context import ForwardContext
-from engramrt.model.layers import apply_rope
+from engramrt.model.layers import StackedLinear, apply_rope
 
 
 class Attention(nn.Module):
@@ -24,30 +24,31 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.theta = cfg.rope_theta
-        d = cfg.hidden_size
-        self.wq = nn.Linear(d, self.heads * self.head_dim, bias=False, dtype=dtype)
-        self.wk = nn.Linear(d, self.kv_heads * self.head_dim, bias=False, dtype=dtype)
-        self.wv = nn.Linear(d, self.kv_heads * self.head_dim, bias=False, dtype=dtype)
-        self.wo = nn.Linear(self.heads * self.head_dim, d, bias=False, dtype=dtype)
+        d, q_dim = cfg.hidden_size, self.heads * self.head_dim
+        kv_dim = self.kv_heads * self.head_dim
+        self.wqkv = StackedLinear(self, "wqkv", d, {"wq": q_dim, "wk": kv_dim, "wv": kv_dim}, dtype)
+        self.wo = nn.Linear(q_dim, d, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
+        qkv = self.wqkv(x)
         cos, sin = ctx.rope(self.head_dim, self.theta)
-        q = apply_rope(self.wq(x).view(t, self.heads, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(t, self.kv_heads, self.head_dim), cos, sin)
-        v = self.wv(x).view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv.k[self.layer_id], ctx.kv.v[self.layer_id]
         if use_triton(x.device):
-            out = _triton_attention(q, k, v, k_cache, v_cache, ctx)
+            out = _triton_attention(qkv, cos, sin, k_cache, v_cache, ctx, self.heads)
         else:
-            out = _torch_attention(q, k, v, k_cache, v_cache, ctx)
+            t, hd = x.shape[0], self.head_dim
+            q, k, v = qkv.split(list(self.wqkv.parts.values()), dim=-1)
+            q = apply_rope(q.view(t, self.heads, hd), cos, sin)
+            k = apply_rope(k.view(t, self.kv_heads, hd), cos, sin)
+            out = _torch_attention(q, k, v.view(t, self.kv_heads, hd), k_cache, v_cache, ctx)
         return self.wo(out.flatten(1))
 
 
-def _triton_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
+def _triton_attention(qkv, cos, sin, k_cache, v_cache, ctx: ForwardContext, heads: int):
     from engramrt.kernels import paged_attention as pa
+    from engramrt.kernels.rope import rope_write_kv
 
-    pa.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    q = rope_write_kv(qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping, heads)
     bs = ctx.kv.block_size
     if ctx.decode:
         return pa.paged_decode_attention(

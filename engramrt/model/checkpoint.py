@@ -188,6 +188,13 @@ def _install_engram(
                 raise CheckpointError(f"tensor {prefix}.wkv.scale: {exc}") from exc
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A tensor safetensors can save: stacked projections come out as views of one weight."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def save_checkpoint(
     model: EngramMHCModel,
     out_dir: str | Path,
@@ -199,7 +206,7 @@ def save_checkpoint(
     ``max_shard_bytes``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: _own(v.detach().cpu()) for k, v in model.state_dict().items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():

@@ -40,27 +40,64 @@ def rope_tables(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, heads, head_dim]`` by ``rope_tables``' rows, rotate-half (Llama/HF)
-    convention, in fp32, rounded once; one Triton launch on CUDA."""
-    if use_triton(x.device):
-        from engramrt.kernels.rope import rope
-
-        return rope(x, cos, sin)
+    convention, in fp32, rounded once. The reference of ``engramrt.kernels.rope``, which on CUDA
+    rotates q and k and writes the KV cache in one launch."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+class StackedLinear(nn.Module):
+    """Projections of one input stacked into one weight: a decode step reads them in one GEMM
+    (one launch, and a wider GEMV that runs nearer the copy bandwidth). Checkpoints keep the
+    separate names (``wq``, ``wk``, ``wv`` beside this module): the parent's state-dict hooks
+    split the weight on the way out and stack the parts on the way in."""
+
+    def __init__(self, parent: nn.Module, name: str, dim: int, parts: dict[str, int], dtype):
+        super().__init__()
+        self.parts = parts
+        self.weight = nn.Parameter(torch.empty(sum(parts.values()), dim, dtype=dtype))
+        key = f"{name}.weight"
+
+        def split(module, state, prefix, local_metadata) -> None:
+            pieces = state.pop(prefix + key).split(list(parts.values()))
+            state.update({f"{prefix}{n}.weight": w for n, w in zip(parts, pieces, strict=True)})
+
+        def stack(module, state, prefix, local_metadata, strict, missing, *rest) -> None:
+            names = [f"{prefix}{n}.weight" for n in parts]
+            if all(n in state for n in names):
+                state[prefix + key] = torch.cat([state.pop(n) for n in names])
+            else:  # a missing part is reported by its own name
+                missing.extend(n for n in names if n not in state)
+
+        parent.register_state_dict_post_hook(split)
+        parent.register_load_state_dict_pre_hook(stack)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(a) * b`` of ``gate_up = [a | b]`` in fp32, rounded once; one Triton launch
+    on CUDA (torch takes three kernels and a bf16 round trip between them)."""
+    if use_triton(gate_up.device):
+        from engramrt.kernels.swiglu import silu_mul as fused
+
+        return fused(gate_up)
+    a, b = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(a) * b).to(gate_up.dtype)
+
+
 class MLP(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x), with w1 and w3 stacked."""
 
     def __init__(self, dim: int, inter: int, dtype: torch.dtype):
         super().__init__()
-        self.w1 = nn.Linear(dim, inter, bias=False, dtype=dtype)
+        self.w13 = StackedLinear(self, "w13", dim, {"w1": inter, "w3": inter}, dtype)
         self.w2 = nn.Linear(inter, dim, bias=False, dtype=dtype)
-        self.w3 = nn.Linear(dim, inter, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(silu_mul(self.w13(x)))
 
 
 class MoE(nn.Module):
