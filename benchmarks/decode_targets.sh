@@ -6,6 +6,10 @@
 #           profile's GPU kernel time, offline throughput (nano-vllm protocol, warmed) as is, with
 #           the Engram replaced by zero rows and as is again, the 8k prefill
 #   PART=c  the same on the 4B model
+#   PART=d  PRESET=1b|4b: offline throughput (nano-vllm protocol, `engramrt bench throughput`) of
+#           this tree against OLD (a checkout of the before commit), each run twice (the first
+#           warms Triton's on-disk kernel cache), alternated; with PRESET=1b also the bs-1 step
+#           breakdown
 #   bash benchmarks/decode_targets.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/decode_targets}
@@ -43,5 +47,20 @@ b | c)
   model $preset
   timeout 560 python3 benchmarks/gpu_runner.py --model /tmp/m$preset --out "$out/$preset.json" \
     --async-scheduling 2>&1 | grep -v "^USDT\|profiler_st" | tail -14
+  ;;
+d)
+  preset=${PRESET:-1b}
+  model $preset
+  offline() {  # tag tree
+    (cd "$2" && PYTHONPATH=$PWD timeout 200 python3 -m engramrt bench throughput \
+      --model /tmp/m$preset --device cuda --max-num-seqs 256 --max-num-batched-tokens 8192 2>&1 \
+      | grep -E "Total time|throughput|rror" | tr '\n' ' ' | sed "s/^/$1 $preset /"; echo) \
+      | tee -a "$out/offline.txt"
+  }
+  for tag in warm-old old warm-new new; do
+    case $tag in *old) offline $tag "${OLD:-.old}" ;; *) offline $tag . ;; esac
+  done
+  [ "$preset" = 1b ] && timeout 100 python3 benchmarks/step_breakdown.py --model /tmp/m1b \
+    | tail -1 | tee "$out/breakdown_1b.txt"
   ;;
 esac
