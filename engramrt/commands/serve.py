@@ -25,6 +25,7 @@ from engramrt.commands.flags import (
 )
 from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engine.engine import Engine, EngineConfig
+from engramrt.kernels.compiles import compilations, count_compilations
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.liveness import Heartbeat, StageWatch
 from engramrt.parallel.partition import stage_layers
@@ -139,8 +140,13 @@ def build_stage(
                                                         *runner.kv.v.values())) / 2**30  # fmt: skip
         print(f"engramrt: KV cache {blocks} blocks = {blocks * opts.block_size} tokens "
               f"({gib:.2f} GiB on stage 0)", flush=True)  # fmt: skip
+    counting = count_compilations()
+    runner.warm_up(opts.max_num_batched_tokens)  # kernel variants compiled now, not mid-serving
     if device.type == "cuda" and not opts.enforce_eager:
         runner.capture_graphs(opts.max_num_seqs)
+    if rank == 0 and counting and compilations():
+        print(f"engramrt: {compilations()} Triton kernel variants compiled at start-up",
+              flush=True)  # fmt: skip
     pipe = Pipeline(runner, rank, world)
     if rank != 0:
         return pipe, None

@@ -17,7 +17,7 @@ def _pow2_f32(exponent):
     return ((exponent + 127) << 23).to(tl.int32).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gather_kernel(
     ids_ptr, weight_ptr, scale_ptr, out_ptr, num_pairs, num_rows, row_start,
     D: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, NEG_ZERO: tl.constexpr,

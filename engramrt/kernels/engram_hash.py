@@ -33,7 +33,7 @@ def _mod(r, p, inv_p):
     return tl.where(rem >= p, rem - p, rem)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_req", "mm_start", "verify_block", "num_real_int"])
 def _engram_hash_kernel(
     tokens_ptr, slots_ptr, pos_ptr, lens_ptr, ends_ptr, num_real_ptr,
     history_ptr, token_map_ptr, mult_ptr, primes_ptr, inv_ptr, offsets_ptr, out_ptr,
@@ -130,7 +130,7 @@ def _engram_hash_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_req", "num_real_int"])
 def _commit_rows_kernel(
     history_ptr, tokens_ptr, slots_ptr, starts_ptr, lens_ptr, pos_ptr, num_real_ptr, num_req,
     num_real_int, N: tl.constexpr, W_PAD: tl.constexpr, REAL_PTR: tl.constexpr,

@@ -126,7 +126,7 @@ def _collapse_norm(
             tl.store(o_row + d, (c * rr * w).to(dtype), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "CHUNK", "SPLITS", "MIX_PROGRAMS"])
 def _mixes_collapse_kernel(
     x_ptr, fn_ptr, part_ptr, prev_ptr, w_ptr, coll_ptr, out_ptr,
     num_tokens, K, D, CHUNK, SPLITS, MIX_PROGRAMS, norm_eps,
@@ -142,7 +142,7 @@ def _mixes_collapse_kernel(
                        SINGLE, STORE_C)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS"])
 def _split_kernel(
     part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, SPLITS, K, iters, hc_eps,
     norm_eps, HC: tl.constexpr, P: tl.constexpr, SB: tl.constexpr,
@@ -194,6 +194,11 @@ def _post_kernel(
     out = tl.load(post_ptr + t * HC + k)[:, None] * y[None, :] + mixed
     dst = res_ptr.dtype.element_ty
     tl.store(out_ptr + t * HC * D + k[:, None] * D + d[None, :], out.to(dst), mask=m[None, :])
+
+
+# a token count in each bucket of mixes_plan's and post_block_d's compile-time tiles: the steps
+# StageRunner.warm_up runs, so that serving compiles no variant of these kernels
+WARM_UP_TOKENS = (2, 3, 17, 33, 129)
 
 
 def mixes_plan(tokens: int, k: int) -> MixesPlan:

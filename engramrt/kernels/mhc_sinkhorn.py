@@ -36,7 +36,7 @@ def split_tile(zp, zq, zl, scale_ptr, base_ptr, iters, eps, HC: tl.constexpr):
     return pre, post, comb
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _sinkhorn_kernel(
     z_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, num_tokens, iters, eps,
     HC: tl.constexpr, BT: tl.constexpr,

@@ -47,7 +47,7 @@ def _dot(a, b, F32: tl.constexpr):
     return c
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, width_ptr, lens_ptr, part_ptr, lse_ptr, out_ptr, scale,
     SPLITS, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -101,7 +101,7 @@ def _decode_split_kernel(
                  mask=(gm & some)[:, None] & dm[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS"])
 def _decode_merge_kernel(
     part_ptr, lse_ptr, out_ptr, SPLITS,
     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -165,7 +165,7 @@ def _prefill_steps(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, qstart_ptr, pos0_ptr, tile_req_ptr, tile_m0_ptr,
     qk_scale, max_blocks,

@@ -180,8 +180,13 @@ class ForwardContext:
             tiles = prefill_tiles(run_lens, start_pos)
             parts += [torch.tensor(v, dtype=torch.int64) for v in tiles]
         parts.append(table.flatten())
-        flat = to_device(torch.cat(parts), device)  # asynchronous: see engramrt.transfer
-        views = list(flat.split([len(p) for p in parts]))
+        # every view starts 16-byte aligned: Triton specialises pointer arguments on it, so a
+        # view at an odd int64 offset (odd token or request counts) would compile another
+        # variant of each kernel that reads it, in the middle of serving
+        padded = [torch.cat([p, p.new_zeros(len(p) % 2)]) for p in parts]
+        flat = to_device(torch.cat(padded), device)  # asynchronous: see engramrt.transfer
+        chunks = flat.split([len(q) for q in padded])
+        views = [v[: len(p)] for v, p in zip(chunks, parts, strict=True)]
         return cls(
             list(slots), list(run_lens), list(start_pos), kv, flat, *views[:4],
             views[-1].view(bsz, width), *views[4:9], None if decode else (views[9], views[10]),

@@ -169,6 +169,34 @@ class StageRunner:
                              weights=torch.cuda.memory_allocated(dev), peak=peak,
                              profile_cache=cache_bytes, tokens=tokens)  # fmt: skip
 
+    @torch.inference_mode()
+    def warm_up(self, max_tokens: int) -> None:
+        """Compile, before the first request, every kernel variant a mixed step can need: Triton
+        compiles on first use (~0.5 s a variant, paid by whichever request meets it), and the
+        launch parameters depend on the step's token count only through a few buckets
+        (``engramrt.kernels.mhc_fused``'s tiles). One step per bucket (a one-token run beside a
+        chunk, as in serving) covers them; decode sizes are covered by graph capture. Leaves no
+        history behind (its KV rows are in blocks the engine has not handed out yet)."""
+        if self.device.type != "cuda" or self.kv is None:
+            return
+        from engramrt.kernels.mhc_fused import WARM_UP_TOKENS
+
+        block, used = self.kv.block_size, 0
+        for tokens in (t for t in WARM_UP_TOKENS if t <= max_tokens):
+            two = tokens > 2 and len(self.kv.tables) > 1  # [1, 1] would be a decode step
+            runs = [1, tokens - 1] if two else [tokens]
+            tables = []
+            for n in runs:
+                tables.append(list(range(used, used + -(-n // block))))
+                used += len(tables[-1])
+            carry = None if self.is_first else Carry.empty(self.model, tokens, torch.zeros)
+            fake = [self.model.cfg.bos_token_id or 0] * tokens if self.is_first else None
+            slots = list(range(len(runs)))
+            self.step(StepBatch(fake, slots, runs, [0] * len(runs), new_blocks=tables), carry)
+        torch.cuda.synchronize(self.device)
+        if self.hasher is not None:
+            self.hasher.history.table.zero_()
+
     def run(self, batch: StepBatch, carry: Carry | None = None) -> Carry | StepResult:
         """One step on this stage: the ``Carry`` for the next stage, or on the last stage what
         it sampled."""

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engramrt.engine.engine import Engine
+from engramrt.kernels.compiles import compilations
 
 P = "engramrt:"
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -37,6 +38,11 @@ class _EngineCollector:
             **{k: (v, stats[k]) for k, v in _COUNTERS.items()},
             "prompt_tokens": ("Prompt tokens processed.", self.engine.prompt_tokens_total),
             "generation_tokens": ("Tokens generated.", self.engine.generation_tokens_total),
+            "triton_compilations": (
+                "Triton kernel variants compiled in this process, start-up included (one after "
+                "start-up stalls a step).",
+                compilations(),
+            ),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])

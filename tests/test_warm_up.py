@@ -1,0 +1,71 @@
+"""No Triton compilation mid-serving: the start-up warm-up covers every compile-time tile the
+token count selects, the step buffer's views are 16-byte aligned whatever the counts (Triton
+specialises pointers on it), and on a GPU a second wave of new prompt shapes after start-up
+compiles nothing."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+import torch
+
+from engramrt.kernels.mhc_fused import WARM_UP_TOKENS, mixes_plan, post_block_d
+from engramrt.model.context import ForwardContext, KVCache
+
+
+def _tiles(tokens: int, k: int) -> tuple:
+    p = mixes_plan(tokens, k)
+    return p.block_t, p.block_k, p.warps, post_block_d(tokens)
+
+
+@pytest.mark.parametrize("k", [4 * 64, 4 * 3072, 4 * 7168])
+def test_warm_up_token_counts_cover_every_compile_time_tile(k) -> None:
+    """Mixed steps have 2 or more tokens (one token is a decode step, captured in a graph)."""
+    reachable = {_tiles(t, k) for t in range(2, 16385)}
+    assert {_tiles(t, k) for t in WARM_UP_TOKENS} == reachable
+
+
+def test_step_buffer_views_are_16_byte_aligned() -> None:
+    rng = random.Random(0)
+    kv = KVCache([0], 512, 4, 2, 8, torch.float32, "cpu", 256, num_slots=8)
+    for _ in range(50):
+        n = rng.randint(1, 8)
+        slots = rng.sample(range(8), n)
+        runs = [rng.randint(1, 9) for _ in range(n)]
+        kv.set_tables(slots, None, [list(range(s * 8, s * 8 + 3)) for s in slots])
+        ctx = ForwardContext.for_runs(slots, runs, [0] * n, kv, "cpu", [1] * sum(runs))
+        views = [getattr(ctx, f) for f in ctx.__dataclass_fields__]
+        views += list(ctx.tiles or ())
+        for v in views:
+            if isinstance(v, torch.Tensor) and v is not ctx.flat and v.numel():
+                assert (v.data_ptr() - ctx.flat.data_ptr()) % 16 == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_serving_after_warm_up_compiles_nothing() -> None:
+    from engramrt.commands.bench_throughput import _engine, add_arguments
+    from engramrt.engine.request import SamplingParams
+    from engramrt.kernels.compiles import compilations, count_compilations
+
+    if not count_compilations():
+        pytest.skip("this Triton has no post-compile hook")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--device", "cuda", "--max-num-seqs", "8",
+                         "--max-num-batched-tokens", "96"])  # fmt: skip
+    engine = _engine(args, 512)  # loads, profiles, warms up, captures graphs
+    before = compilations()
+    rng = random.Random(1)
+    lens = [1, 2, 3, 5, 16, 17, 31, 47, 64, 95, 130, 257, 300, 411]
+    for wave in range(2):
+        for i, n in enumerate(rng.sample(lens, len(lens))):
+            prompt = [rng.randrange(6, engine.vocab_size) for _ in range(n)]
+            engine.add_request(f"{wave}-{i}", prompt,
+                               SamplingParams(max_tokens=rng.randint(1, 9), temperature=0.7,
+                                              top_p=0.9, seed=i, ignore_eos=True))  # fmt: skip
+        while engine.has_work():
+            engine.step()
+    assert compilations() == before, f"{compilations() - before} kernel variants compiled"
