@@ -148,9 +148,11 @@ def profile_split(engine: Engine, bs: int, inp: int, steps: int = 6) -> dict:
     ms["mhc_and_norms"] = ms["block"] - ms["engram"] - ms["attention"] - ms["ffn"]
     ms["host_ms"] = host  # CPU time in each range (launch and Python cost)
     # every kernel by name: Triton's launches may escape the ranges above, their names do not
-    kernels = {a.key: a.self_device_time_total / 1e3 / steps for a in prof.key_averages()
-               if a.device_type == torch.autograd.DeviceType.CUDA
-               and a.key not in LABELS}  # fmt: skip  (the ranges' own GPU-side annotations)
+    kernels = {
+        a.key: a.self_device_time_total / 1e3 / steps
+        for a in prof.key_averages()
+        if a.device_type == torch.autograd.DeviceType.CUDA and a.key not in LABELS
+    }  # fmt: skip  (the ranges' own GPU-side annotations)
     ms["kernels_total"] = sum(kernels.values())
     ms["kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
     return ms

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 15's measurements in one device call: the 1B preset behind `engramrt serve` (one warm-up
+# run, then `engramrt bench serve` at concurrency 1/16/64, 512 tokens in, 128 out, EOS ignored),
+# the Triton compilations the server counted (/metrics) after start-up and after the runs, and
+# `engramrt bench throughput` at batch 1/16/64 with the same lengths on the same model: the
+# engine-side ceiling. Extra arguments go to the server (e.g. --async-scheduling); BENCH_FLAGS
+# to bench throughput.
+#   bash benchmarks/serve_gpu.sh OUT_DIR [serve flags...]
+set -uo pipefail
+out=${1:-/tmp/serve_gpu}
+shift || true
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+[ -f /tmp/m1b/config.json ] || python3 benchmarks/make_models.py --preset 1b --out /tmp/m1b \
+  --device cuda 2>&1 | tail -1
+port=8437
+python3 -m engramrt serve /tmp/m1b --port $port --device cuda --dtype bfloat16 \
+  --max-num-seqs 128 --max-model-len 2048 "$@" > "$out/serve.log" 2>&1 &
+pid=$!
+trap 'kill $pid 2>/dev/null' EXIT
+for _ in $(seq 300); do
+  curl -sf localhost:$port/health > /dev/null && break
+  kill -0 $pid 2>/dev/null || { echo "server died:"; tail -20 "$out/serve.log"; exit 1; }
+  sleep 1
+done
+grep "engramrt:" "$out/serve.log" | tail -4
+compiles() { curl -s localhost:$port/metrics | awk '/^engramrt:triton_compilations_total/{print $2}'; }
+bench() {  # concurrency prompts tag
+  timeout 300 python3 -m engramrt bench serve --port $port --num-prompts "$2" \
+    --random-input-len 512 --random-output-len 128 --ignore-eos --max-concurrency "$1" \
+    --disable-tqdm --save-result --result-dir "$out" --result-filename "serve-c$1$3.json" \
+    | sed -n '/Serving Benchmark Result/,/^=*$/p'
+}
+bench 16 32 -warmup > /dev/null
+echo "Triton compilations after start-up and a warm-up run: $(compiles)"
+for c in 1 16 64; do
+  echo "== concurrency $c"
+  bench $c $((c == 1 ? 16 : c * 4)) ""
+done
+echo "Triton compilations after the runs: $(compiles)"
+kill $pid
+wait $pid 2> /dev/null
+for bs in 1 16 64; do
+  timeout 200 python3 -m engramrt bench throughput --model /tmp/m1b --device cuda \
+    --batch-size $bs --input-len 512 --output-len 128 --max-num-seqs 128 ${BENCH_FLAGS:-} 2>&1 \
+    | grep -E "Output token|Decode step|Prefill time|rror" | sed "s/^/bench throughput bs$bs: /"
+done
