@@ -4,7 +4,7 @@
 # the Triton compilations the server counted (/metrics) after start-up and after the runs, and
 # `engramrt bench throughput` at batch 1/16/64 with the same lengths on the same model: the
 # engine-side ceiling. Extra arguments go to the server (e.g. --async-scheduling); BENCH_FLAGS
-# to bench throughput.
+# to bench throughput, BENCH_SIZES its batch sizes (default 1 16 64).
 #   bash benchmarks/serve_gpu.sh OUT_DIR [serve flags...]
 set -uo pipefail
 out=${1:-/tmp/serve_gpu}
@@ -40,7 +40,7 @@ done
 echo "Triton compilations after the runs: $(compiles)"
 kill $pid
 wait $pid 2> /dev/null
-for bs in 1 16 64; do
+for bs in ${BENCH_SIZES:-1 16 64}; do
   timeout 200 python3 -m engramrt bench throughput --model /tmp/m1b --device cuda \
     --batch-size $bs --input-len 512 --output-len 128 --max-num-seqs 128 ${BENCH_FLAGS:-} 2>&1 \
     | grep -E "Output token|Decode step|Prefill time|rror" | sed "s/^/bench throughput bs$bs: /"
