@@ -1,6 +1,6 @@
-"""No Triton compilation mid-serving: the start-up warm-up covers every compile-time tile the
-token count selects, the step buffer's views are 16-byte aligned whatever the counts (Triton
-specialises pointers on it), and on a GPU a second wave of new prompt shapes after start-up
+"""No Triton compilation mid-serving: the start-up warm-up covers every compile-time variant the
+token and request counts select, the step buffer's views are 16-byte aligned whatever the counts
+(Triton specialises pointers on it), and on a GPU a second wave of new prompt shapes after start-up
 compiles nothing."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ import random
 
 import pytest
 import torch
+import triton
 
-from engramrt.kernels.mhc_fused import WARM_UP_TOKENS, mixes_plan, post_block_d
+from engramrt.kernels.mhc_fused import mixes_plan, post_block_d
 from engramrt.model.context import ForwardContext, KVCache
+from engramrt.runner.stage import warm_up_plan
 
 
 def _tiles(tokens: int, k: int) -> tuple:
@@ -20,11 +22,19 @@ def _tiles(tokens: int, k: int) -> tuple:
     return p.block_t, p.block_k, p.warps, post_block_d(tokens)
 
 
-@pytest.mark.parametrize("k", [4 * 64, 4 * 3072, 4 * 7168])
-def test_warm_up_token_counts_cover_every_compile_time_tile(k) -> None:
-    """Mixed steps have 2 or more tokens (one token is a decode step, captured in a graph)."""
-    reachable = {_tiles(t, k) for t in range(2, 16385)}
-    assert {_tiles(t, k) for t in WARM_UP_TOKENS} == reachable
+@pytest.mark.parametrize("max_tokens,slots", [(8192, 256), (96, 8), (2048, 1), (20, 64), (3, 2)])
+def test_warm_up_plan_covers_every_compile_time_variant(max_tokens, slots) -> None:
+    """Every mixed step (2 or more tokens, not all runs of one) selects mHC tiles by its token
+    count and the hash kernel's REQ_PAD by its request count (a power of two): the plan's steps
+    reach every value a step within the limits can, and each is itself a valid mixed step."""
+    plan = warm_up_plan(max_tokens, slots)
+    assert all(sum(r) <= max_tokens and len(r) <= slots and max(r) > 1 for r in plan)
+    for k in (4 * 64, 4 * 3072, 4 * 7168):
+        reachable = {_tiles(t, k) for t in range(2, max_tokens + 1)}
+        assert {_tiles(sum(r), k) for r in plan} == reachable
+    max_reqs = min(slots, max_tokens - 1)
+    reachable = {triton.next_power_of_2(n) for n in range(1, max_reqs + 1)}
+    assert {triton.next_power_of_2(len(r)) for r in plan} == reachable
 
 
 def test_step_buffer_views_are_16_byte_aligned() -> None:
@@ -48,7 +58,7 @@ def test_step_buffer_views_are_16_byte_aligned() -> None:
 def test_serving_after_warm_up_compiles_nothing() -> None:
     from engramrt.commands.bench_throughput import _engine, add_arguments
     from engramrt.engine.request import SamplingParams
-    from engramrt.kernels.compiles import compilations, count_compilations
+    from engramrt.kernels.compiles import compilations, count_compilations, recent
 
     if not count_compilations():
         pytest.skip("this Triton has no post-compile hook")
@@ -68,4 +78,5 @@ def test_serving_after_warm_up_compiles_nothing() -> None:
                                               top_p=0.9, seed=i, ignore_eos=True))  # fmt: skip
         while engine.has_work():
             engine.step()
-    assert compilations() == before, f"{compilations() - before} kernel variants compiled"
+    new = compilations() - before
+    assert new == 0, f"{new} kernel variants compiled, the last: " + "\n".join(recent()[-new:])

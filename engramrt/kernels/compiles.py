@@ -6,6 +6,7 @@ from __future__ import annotations
 
 _count = 0
 _installed = False
+_recent: list[str] = []  # the last few compiled variants, for messages
 
 
 def count_compilations() -> bool:
@@ -25,6 +26,8 @@ def count_compilations() -> bool:
     def hook(*args, **kwargs):
         global _count
         _count += 1
+        _recent.append(str(kwargs.get("repr", "?")))
+        del _recent[:-8]
         return previous(*args, **kwargs) if previous is not None else None
 
     runtime.jit_post_compile_hook = hook
@@ -34,3 +37,8 @@ def count_compilations() -> bool:
 
 def compilations() -> int:
     return _count
+
+
+def recent() -> list[str]:
+    """The last (up to 8) compiled variants: kernel name, launch options, argument types."""
+    return list(_recent)

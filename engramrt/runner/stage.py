@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -173,22 +174,19 @@ class StageRunner:
     def warm_up(self, max_tokens: int) -> None:
         """Compile, before the first request, every kernel variant a mixed step can need: Triton
         compiles on first use (~0.5 s a variant, paid by whichever request meets it), and the
-        launch parameters depend on the step's token count only through a few buckets
-        (``engramrt.kernels.mhc_fused``'s tiles). One step per bucket (a one-token run beside a
-        chunk, as in serving) covers them; decode sizes are covered by graph capture. Leaves no
-        history behind (its KV rows are in blocks the engine has not handed out yet)."""
+        launch parameters depend on the step only through a few buckets (``warm_up_plan``);
+        decode sizes are covered by graph capture. Leaves no history behind (its KV rows are in
+        blocks the engine has not handed out yet)."""
         if self.device.type != "cuda" or self.kv is None:
             return
-        from engramrt.kernels.mhc_fused import WARM_UP_TOKENS
-
-        block, used = self.kv.block_size, 0
-        for tokens in (t for t in WARM_UP_TOKENS if t <= max_tokens):
-            two = tokens > 2 and len(self.kv.tables) > 1  # [1, 1] would be a decode step
-            runs = [1, tokens - 1] if two else [tokens]
-            tables = []
-            for n in runs:
-                tables.append(list(range(used, used + -(-n // block))))
-                used += len(tables[-1])
+        block = self.kv.block_size
+        for runs in warm_up_plan(max_tokens, len(self.kv.tables)):
+            ends = np.cumsum([-(-n // block) for n in runs])  # scratch blocks, reused each step
+            if ends[-1] > self.kv.num_blocks:
+                continue
+            tables = [list(range(int(e) - -(-n // block), int(e)))
+                      for n, e in zip(runs, ends, strict=True)]  # fmt: skip
+            tokens = sum(runs)
             carry = None if self.is_first else Carry.empty(self.model, tokens, torch.zeros)
             fake = [self.model.cfg.bos_token_id or 0] * tokens if self.is_first else None
             slots = list(range(len(runs)))
@@ -286,3 +284,22 @@ class StageRunner:
         if self.model.head is not None:
             return self.model.logits(x, pre)
         return Carry(x, pre, carry.hash_ids, carry.dead)
+
+
+def warm_up_plan(max_tokens: int, slots: int) -> list[list[int]]:
+    """The run lengths of the warm-up's mixed steps: one step with a token count in each bucket
+    of the mHC kernels' compile-time tiles (``WARM_UP_TOKENS``), one with each power-of-two
+    request count (the hash kernel's ``REQ_PAD``). None is a decode step (all runs of one
+    token), which graph capture covers."""
+    from engramrt.kernels.mhc_fused import WARM_UP_TOKENS
+
+    plan = []
+    for t in WARM_UP_TOKENS:
+        if t <= max_tokens:
+            plan.append([1, t - 1] if t > 2 and slots > 1 else [t])
+    most, r = min(slots, max_tokens - 1), 4  # an extend step has a run of 2 or more
+    while min(r, most) > r // 2:  # the bucket (r/2, r] holds a reachable count
+        n = min(r, most)
+        plan.append([1] * (n - 1) + [2])
+        r *= 2
+    return plan
