@@ -110,10 +110,18 @@ class AsyncEngine:
             self._thread.join(timeout=10)
 
     def _deliver(self, rid: str, item) -> None:
-        target = self._queues.get(rid)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+        self._deliver_all([(rid, item)])
+
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """One wake-up of each event loop for a whole step's outputs (a wake-up per output
+        costs a syscall and a loop iteration each, per token of every running request)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, item in items:
+            target = self._queues.get(rid)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def _apply_inbox(self) -> None:
         while True:
@@ -142,8 +150,7 @@ class AsyncEngine:
                     self._wake.wait(0.1)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
+                self._deliver_all([(out.request_id, out) for out in self.engine.step()])
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             self._die(exc)
             raise
@@ -153,3 +160,8 @@ class AsyncEngine:
             self.error = exc
             for rid in list(self._queues):
                 self._deliver(rid, exc)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in puts:
+        q.put_nowait(item)
