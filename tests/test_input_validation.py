@@ -16,6 +16,7 @@ from engramrt.engram.token_map import load_tokenizer
 from engramrt.parallel.pipeline import Pipeline, decode_batch, encode_batch
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import MAX_LOGPROBS, SampleRow, StepBatch
+from engramrt.runner.logit_controls import Controls
 from engramrt.runner.stage import StageRunner, new_kv_cache
 from tests.model_factory import make_model
 
@@ -107,8 +108,10 @@ def test_prompt_limits() -> None:
 def test_step_message_round_trip_keeps_every_field_exactly() -> None:
     """What one stage encodes, the next decodes unchanged; seeds stay exact integers. Tokens
     and history rebuilds stay on the first stage."""
-    rows = [SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4), SampleRow(seed=2**63 - 1)]
-    batch = StepBatch(None, [3, 1], [2, 0], [5, 9], [[4, 7], [2]], [1, 0], rows, True, [11, -1], 2)
+    rows = [SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4, False), SampleRow(seed=2**63 - 1)]
+    controls = Controls(0.5, -0.25, 1.3, {7: -100.0, 2: 0.1}, 3, [1, 9], [2, 7, 8], [4])
+    batch = StepBatch(None, [3, 1], [2, 0], [5, 9], [[4, 7], [2]], [1, 0], rows, True, [11, -1], 2,
+                      controls=[(3, controls, [5, 6], [7]), (1, None, [], [])])  # fmt: skip
     back = decode_batch(encode_batch(batch))
     back.sampling = [
         SampleRow.from_parts(r.floats(), r.ints()) for r in rows

@@ -262,7 +262,8 @@ def test_openai_completion_stream(server: str) -> None:
     check_usage(last.usage, full.usage.completion_tokens)
     assert last.usage.prompt_tokens == full.usage.prompt_tokens
     assert all(len(ch.choices) == 1 and ch.usage is None for ch in content)
-    assert len(content) == full.usage.completion_tokens  # one chunk per generated token
+    assert len(content) <= full.usage.completion_tokens  # a chunk per token, or fewer (held)
+    assert all(ch.choices[0].text or ch.choices[0].finish_reason for ch in content)
     assert "".join(ch.choices[0].text for ch in content) == full.choices[0].text
     assert all(ch.choices[0].finish_reason is None for ch in content[:-1])
     assert content[-1].choices[0].finish_reason == full.choices[0].finish_reason
@@ -777,7 +778,25 @@ BAD_COMPLETIONS = [
         ["maximum context length", str(MAX_LEN), str(MAX_LEN + 1)],
     ),
     ("unknown_model", {"prompt": "hi", "model": "no-such-model"}, 404, ["no-such-model"]),
-]
+    # what the server does not do is refused, never accepted and ignored
+    ("json_object", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400,
+     ["response_format", "json_object", "not supported"]),
+    ("guided_json", {"prompt": "hi", "guided_json": {"type": "object"}}, 400,
+     ["guided_json", "not supported"]),
+    ("tools", {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     ["tools", "not supported"]),
+    ("suffix", {"prompt": "hi", "suffix": "end"}, 400, ["suffix"]),
+    ("best_of", {"prompt": "hi", "best_of": 3}, 400, ["best_of"]),
+    ("bias_key", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, ["logit_bias", "abc"]),
+    ("bias_id", {"prompt": "hi", "logit_bias": {str(VOCAB): 1}}, 400, [str(VOCAB), "vocab"]),
+    ("allowed_id", {"prompt": "hi", "allowed_token_ids": [VOCAB + 3]}, 400, [str(VOCAB + 3)]),
+    ("penalty_range", {"prompt": "hi", "presence_penalty": 2.5}, 400, ["presence_penalty"]),
+    ("repetition_zero", {"prompt": "hi", "repetition_penalty": 0}, 400, ["repetition_penalty"]),
+    ("min_over_max", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400,
+     ["min_tokens", "max_tokens"]),
+    ("bad_word_tokens", {"prompt": "hi", "bad_words": ["extraordinarily"]}, 400,
+     ["bad_words", "tokens"]),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -999,6 +1018,73 @@ def test_empty_string_prompt(server: str) -> None:
     assert_error(httpx.post(f"{server}/v1/completions", json={"prompt": ""}, timeout=30), 400,
                  "empty")  # fmt: skip
     still_serves(server)
+
+
+def test_logit_controls_are_applied(server: str) -> None:
+    """Controls change what is generated as they say: a +100 bias forces its token, -100 bans
+    the greedy choice, allowed ids confine the output, min_tokens holds back a favoured stop
+    token, and a strong repetition penalty keeps greedy output from repeating."""
+    base = complete(server, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    first = TOK.encode(base["choices"][0]["text"]).ids[0]
+    forced = 500 if first != 500 else 501
+    r = complete(server, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                 logit_bias={str(forced): 100}, return_tokens_as_token_ids=True,
+                 logprobs=0)  # fmt: skip
+    ids = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
+    assert ids == [forced] * 6
+    r = complete(server, prompt=PROMPTS[0], max_tokens=1, temperature=0,
+                 logit_bias={str(first): -100}, logprobs=0,
+                 return_tokens_as_token_ids=True)  # fmt: skip
+    assert int(r["choices"][0]["logprobs"]["tokens"][0].split(":")[1]) != first
+    allowed = [40, 41, 300, 301, 302]
+    r = complete(server, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, seed=3,
+                 allowed_token_ids=allowed, logprobs=0,
+                 return_tokens_as_token_ids=True)  # fmt: skip
+    ids = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
+    assert ids and set(ids) <= set(allowed)
+    stop = 77
+    r = complete(server, prompt=PROMPTS[1], max_tokens=20, temperature=0, min_tokens=5,
+                 logit_bias={str(stop): 100}, stop_token_ids=[stop], logprobs=0,
+                 return_tokens_as_token_ids=True)  # fmt: skip
+    ids = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
+    assert len(ids) == 5 + (r["choices"][0]["finish_reason"] == "stop")
+    assert stop not in ids[:5]
+    r = complete(server, prompt=PROMPTS[2], max_tokens=24, temperature=0,
+                 repetition_penalty=2.0, presence_penalty=2.0, logprobs=0,
+                 return_tokens_as_token_ids=True)  # fmt: skip
+    ids = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
+    plain = complete(server, prompt=PROMPTS[2], max_tokens=24, temperature=0, logprobs=0,
+                     return_tokens_as_token_ids=True)  # fmt: skip
+    plain_ids = [int(t.split(":")[1]) for t in plain["choices"][0]["logprobs"]["tokens"]]
+    assert len(set(ids)) >= len(set(plain_ids))
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_stream_holds_chunks_without_text(server: str, path: str) -> None:
+    """Tokens that end inside a character (byte tokens 0xC3 and 0xA9 make "é") send no empty
+    chunk: their text and logprobs go out with the token that completes the character, and the
+    stream still adds up to the plain response, token for token."""
+    chat = path.startswith("chat")
+    body = {"max_tokens": 14, "temperature": 1.0, "seed": 11, "allowed_token_ids": [133, 108],
+            "logprobs": True if chat else 0, "return_tokens_as_token_ids": True}  # fmt: skip
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    full = post(server, f"/v1/{path}", body)["choices"][0]
+    r = httpx.post(f"{server}/v1/{path}", json=body | {"stream": True}, timeout=60)
+    chunks = [json.loads(e) for e in sse_events(r) if e != "[DONE]"]
+    if chat:
+        chunks = chunks[1:]  # the role
+        texts = [ch["choices"][0]["delta"].get("content", "") for ch in chunks]
+        tokens = [t["token"] for ch in chunks for t in ch["choices"][0]["logprobs"]["content"]]
+        want_text = full["message"]["content"]
+        want = [t["token"] for t in full["logprobs"]["content"]]
+    else:
+        texts = [ch["choices"][0]["text"] for ch in chunks]
+        tokens = [t for ch in chunks for t in ch["choices"][0]["logprobs"]["tokens"]]
+        want_text, want = full["text"], full["logprobs"]["tokens"]
+    finish = [ch["choices"][0]["finish_reason"] for ch in chunks]
+    assert all(t or f for t, f in zip(texts, finish, strict=True))
+    assert "".join(texts) == want_text and tokens == want
+    assert len(chunks) < len(want)  # some were held: the test covers the hold
 
 
 def test_unknown_fields_are_ignored(server: str) -> None:

@@ -105,7 +105,7 @@ class Engine:
     ) -> Request:
         """The one validation of a request, with the numbers in every ValueError. Needs no
         engine state, so the server calls it on its own thread, at the boundary."""
-        params.validate()
+        params.validate(self.vocab_size)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -178,6 +178,7 @@ class Engine:
         for req in admitted:  # a new slot: the stages' table for it is sent whole
             req.blocks_sent = 0
         rebuilds = [(req.slot, req.token_ids[: req.num_computed]) for req in admitted]
+        controls = [self._controls(req) for req in admitted]
         asked = [r.params.prompt_logprobs for r, _ in batch if r.params.prompt_logprobs is not None]
         target_k = max(asked) if asked else None  # prompt tokens are scored only when asked
         tokens, targets, starts, new_blocks, rows, sampling = [], [], [], [], [], []
@@ -196,7 +197,7 @@ class Engine:
                     targets.append(req.token_ids[p] if scored and p < req.num_prompt_tokens
                                    else -1)  # fmt: skip
             samples = start + n == req.num_tokens + req.pending
-            sampling.append(req.params.row(req.num_output_tokens + req.pending))
+            sampling.append(req.params.row(req.num_output_tokens + req.pending, samples))
             rows.append(Row(req, n, start, samples, req.num_preemptions))
             req.num_computed += n
             req.pending += samples
@@ -211,11 +212,20 @@ class Engine:
             targets=targets if target_k is not None else None,
             target_k=target_k or 0,
             rebuilds=rebuilds,
+            controls=controls,
         )
         launch = getattr(self.pipeline, "launch", None)
         if launch is None:  # a stub with ``step`` only
             return InFlight(rows, PendingResult.ready(self.pipeline.step(step)))
         return InFlight(rows, launch(step))
+
+    def _controls(self, req: Request) -> tuple:
+        """A request's registration with the sampler on admission: its logit controls and, for
+        penalties, the tokens it has (the output ones too when it resumes after preemption)."""
+        c = req.params.controls(self.cfg.eos_token_id)
+        if c is None or not c.needs_tokens:
+            return req.slot, c, [], []
+        return req.slot, c, req.prompt_ids, req.output_ids
 
     def _apply(self, step: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them. Rows of requests that finished or

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engramrt.engine.detokenize import OutputText
 from engramrt.runner.batch import SampleRow
+from engramrt.runner.logit_controls import Controls
 
 
 @dataclass
@@ -25,18 +26,46 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # sampled token's logprob plus the top k
     prompt_logprobs: int | None = None  # score the prompt tokens too (completions echo)
+    # logit controls (vLLM's names; applied on the device, engramrt.runner.logit_controls)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    banned_ids: list[int] = field(default_factory=list)  # single-token bad words
 
-    def row(self, index: int) -> SampleRow:
+    def row(self, index: int, final: bool = True) -> SampleRow:
         return SampleRow(
-            self.temperature, self.top_p, self.top_k, self.min_p, self.seed, index, self.logprobs
-        )
+            self.temperature, self.top_p, self.top_k, self.min_p, self.seed, index, self.logprobs,
+            final,
+        )  # fmt: skip
 
-    def validate(self) -> None:
+    def controls(self, eos_token_id: int | None) -> Controls | None:
+        """What the sampler must apply, or None when nothing is asked (the usual case)."""
+        stops = [*self.stop_token_ids]
+        if eos_token_id is not None and not self.ignore_eos:
+            stops.append(eos_token_id)
+        c = Controls(
+            self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
+            dict(self.logit_bias), self.min_tokens, stops if self.min_tokens else [],
+            self.allowed_token_ids, list(self.banned_ids),
+        )  # fmt: skip
+        return None if c == Controls() else c
+
+    def validate(self, vocab: int | None = None) -> None:
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         self.row(0).validate()
         if self.prompt_logprobs is not None:
             SampleRow(logprobs=self.prompt_logprobs).validate()
+        controls = self.controls(None)
+        if controls is not None:
+            controls.validate(vocab)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
 
 
 class Status(enum.Enum):

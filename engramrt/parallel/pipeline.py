@@ -11,11 +11,14 @@ Tensors travel as raw bytes, so the hand-off is bit-exact whatever the dtype or 
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.distributed as dist
 
 from engramrt.runner.batch import PendingResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
+from engramrt.runner.logit_controls import Controls
 from engramrt.runner.stage import StageRunner
 
 _STEP, _STOP = 0, 1
@@ -23,7 +26,8 @@ _STEP, _STOP = 0, 1
 
 def encode_batch(b: StepBatch) -> list[int]:
     """The integers later stages need (not the tokens, not the rebuilds: those stay on the
-    first stage); the sampling rows travel separately."""
+    first stage; the last stage's logit controls as JSON bytes); the sampling rows travel
+    separately."""
     tables, targets = b.new_blocks, b.targets
     head = [int(b.return_logits), len(b.slots), int(tables is not None)]
     head += [int(targets is not None), b.target_k]
@@ -33,6 +37,8 @@ def encode_batch(b: StepBatch) -> list[int]:
         body += [len(t) for t in tables] + [x for t in tables for x in t]
     if targets is not None:
         body += targets
+    blob = json.dumps([[s, c and c.encode(), p, o] for s, c, p, o in b.controls]).encode()
+    body += [len(blob), *blob]  # rare (admissions): bytes as integers is simple enough
     return head + body
 
 
@@ -46,8 +52,11 @@ def decode_batch(v: list[int]) -> StepBatch:
         for size in sizes:
             tables.append(v[:size])
             v = v[size:]
-    targets = v[: sum(lens)] if has_targets else None
-    return StepBatch(None, slots, lens, pos, tables, starts, None, bool(ret), targets, target_k)
+    targets, v = (v[: sum(lens)], v[sum(lens) :]) if has_targets else (None, v)
+    blob = json.loads(bytes(v[1 : 1 + v[0]]).decode())
+    controls = [(s, c and Controls.decode(c), p, o) for s, c, p, o in blob]
+    return StepBatch(None, slots, lens, pos, tables, starts, None, bool(ret), targets, target_k,
+                     controls=controls)  # fmt: skip
 
 
 class Pipeline:
@@ -150,7 +159,7 @@ class Pipeline:
         src = self.rank - 1
         batch = decode_batch(self._recv((n,), torch.int64, src).tolist())
         b = len(batch.slots)
-        ints = self._recv((b, 4), torch.int64, src).tolist()
+        ints = self._recv((b, 5), torch.int64, src).tolist()
         floats = self._recv((b, 3), torch.float64, src).tolist()
         batch.sampling = [SampleRow.from_parts(f, i) for f, i in zip(floats, ints, strict=True)]
         return batch

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engramrt.runner.logit_controls import Controls
+
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 # a step's token that stands for "the token this slot sampled in the previous step", which the
 # first stage reads on the device (overlap scheduling: the host has not seen it yet)
@@ -25,6 +27,7 @@ class SampleRow:
     seed: int | None = None
     index: int = 0  # which output token of the request this is (keys the seeded noise)
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's plus the top k
+    final: bool = True  # False: a mid-prompt chunk's sample, which the engine discards
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -46,12 +49,13 @@ class SampleRow:
     def ints(self) -> list[int]:
         seed = -1 if self.seed is None else self.seed
         k = -1 if self.logprobs is None else self.logprobs
-        return [self.top_k, seed, self.index, k]
+        return [self.top_k, seed, self.index, k, int(self.final)]
 
     @classmethod
     def from_parts(cls, f: list[float], i: list[int]) -> SampleRow:
-        (t, p, m), (k, seed, index, lp) = f, i
-        return cls(t, p, k, m, None if seed < 0 else seed, index, None if lp < 0 else lp)
+        (t, p, m), (k, seed, index, lp, final) = f, i
+        lp = None if lp < 0 else lp
+        return cls(t, p, k, m, None if seed < 0 else seed, index, lp, bool(final))
 
 
 @dataclass
@@ -80,6 +84,9 @@ class StepBatch:
     targets: list[int] | None = None  # per token: the next-token id to score (-1: none)
     target_k: int = 0  # top-k alternatives reported with each scored target
     rebuilds: list[tuple[int, list[int]]] = field(default_factory=list)
+    # (slot, controls or None, prompt ids, output ids) of each request admitted this step: the
+    # last stage's sampler keeps them per slot (``engramrt.runner.logit_controls``)
+    controls: list[tuple[int, Controls | None, list[int], list[int]]] = field(default_factory=list)
 
     def rows(self) -> list[SampleRow]:
         return self.sampling if self.sampling is not None else [SampleRow()] * len(self.slots)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engramrt.runner.batch import PendingResult, SampleRow, StepBatch, StepResult
+from engramrt.runner.logit_controls import LogitControls
 from engramrt.transfer import to_device
 
 _SEED_STRIDE = 1_000_003
@@ -110,6 +111,7 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, token_limit: int | None = None):
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.token_limit = token_limit
+        self.controls = LogitControls(device)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: StepBatch) -> StepResult:
@@ -125,6 +127,8 @@ class Sampler:
         ends = (torch.tensor(batch.run_lens, dtype=torch.int64).cumsum(0) - 1).tolist()
         live = [i for i, n in enumerate(batch.run_lens) if n > 0]
         rows, limit, k = batch.rows(), self.token_limit, batch.logprobs_k
+        for slot, controls, prompt, output in batch.controls:
+            self.controls.register(slot, controls, prompt, output, logits.shape[-1])
         if batch.return_logits or batch.targets is not None or k is not None:
             logits = logits.clone()  # kept or scored whole: mask every row
             if limit is not None:
@@ -136,7 +140,10 @@ class Sampler:
             last = logits[_to(rows_at, logits.device)]  # a copy
         if limit is not None:
             last[:, limit:] = float("-inf")
+        live_slots = [batch.slots[i] for i in live]
+        last = self.controls.apply(last, live_slots, [rows[i].index for i in live])
         sampled = sample_tokens_device(last, [rows[i] for i in live], self.generator)
+        self.controls.count(live_slots, [rows[i].final for i in live], sampled)
         if len(live) == len(rows):
             tokens = sampled
         else:

@@ -59,8 +59,49 @@ class _Sampling(_Base):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # accepted and ignored, as a hint (OpenAI: for abuse monitoring)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens ``token_id:N`` (vLLM's)
+    # logit controls, applied in the sampler (engramrt.runner.logit_controls)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, clamped to 100
+    min_tokens: int = Field(default=0, ge=0)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
+    bad_words: list[str] = Field(default_factory=list)
+    # not supported yet: refused with a 400 rather than accepted and ignored
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _Sampling:
+        fmt = (self.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise ValueError(
+                f"response_format {fmt!r}: structured outputs are not supported by this server "
+                "yet (only 'text')"
+            )
+        guided = [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                              "structured_outputs") if getattr(self, f) is not None]  # fmt: skip
+        if guided:
+            raise ValueError(f"{guided[0]}: structured outputs are not supported here yet")
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported for this model")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: tool calling is not supported for this model")
+        for key in self.logit_bias or {}:
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+        return self
+
+    def bias(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -72,6 +113,16 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(default=None, ge=0)  # 0: the echoed prompt alone, as vLLM
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _refuse_completion_extras(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix is not supported (no model here is trained to insert)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
+        return self
 
 
 class ChatMessage(_Base):

@@ -6,6 +6,7 @@ how a choice looks, so each behaviour has a single code path."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 import uuid
@@ -82,6 +83,25 @@ class StreamState:
 
     offsets: TextOffsets | None = None  # of the generated tokens, from the choice's first chunk
     output_tokens: int = 0  # for the closing usage chunk
+    held: RequestOutput | None = None  # an output with no text yet (an incomplete character)
+
+    def take(self, out: RequestOutput, opens: bool) -> RequestOutput | None:
+        """The output to send now, joined with any held before it; None to hold this one: a
+        chunk without text (a token ending inside a character) confuses clients that count a
+        chunk per token, unless it opens the choice (an echo) or finishes it."""
+        held, self.held = self.held, None
+        if held is not None:
+            out = dataclasses.replace(
+                out,
+                new_token_ids=held.new_token_ids + out.new_token_ids,
+                new_text=held.new_text + out.new_text,
+                new_logprobs=held.new_logprobs + out.new_logprobs,
+                prompt_logprobs=held.prompt_logprobs or out.prompt_logprobs,
+            )
+        if not out.new_text and not out.finished and not opens:
+            self.held = out
+            return None
+        return out
 
 
 class Server:
@@ -102,6 +122,21 @@ class Server:
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return self.prompts.text(text, special)
+
+    def bad_word_ids(self, words: list[str]) -> list[int]:
+        """vLLM's ``bad_words``, as written and after a space; each must be one token here
+        (a word of several tokens would need the output's last tokens on the device)."""
+        ids = []
+        for word in words:
+            for variant in {word, " " + word.lstrip()}:
+                enc = self.encode(variant, special=False)
+                if len(enc) != 1:
+                    raise ApiError(
+                        400, f"bad_words: {variant!r} is {len(enc)} tokens; only words of one "
+                        "token are supported", param="bad_words",
+                    )  # fmt: skip
+                ids += enc
+        return ids
 
     def completion_prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]]
@@ -135,6 +170,7 @@ class Server:
     ) -> list[Choice]:
         """``prompts``: (ids, text or None) pairs; ``req.n`` choices for each. ``echo``
         allows ``max_tokens`` 0 (the prompt and its logprobs alone)."""
+        banned = self.bad_word_ids(req.bad_words)
         out = []
         for i, (prompt, text) in enumerate(prompts):
             limit = self.cfg.max_model_len
@@ -164,6 +200,13 @@ class Server:
                     ignore_eos=req.ignore_eos,
                     logprobs=logprobs,
                     prompt_logprobs=echo_k,
+                    presence_penalty=req.presence_penalty,
+                    frequency_penalty=req.frequency_penalty,
+                    repetition_penalty=req.repetition_penalty,
+                    logit_bias=req.bias(),
+                    min_tokens=req.min_tokens,
+                    allowed_token_ids=req.allowed_token_ids,
+                    banned_ids=banned,
                 )
                 try:
                     request = self.engine.engine.new_request(uuid.uuid4().hex, prompt, params)
@@ -233,6 +276,7 @@ class Call(ABC):
     object_type: str
     chunk_type: str
     id_prefix: str
+    _echoes = False  # the first chunk of each choice carries the echoed prompt
 
     def __init__(
         self,
@@ -271,6 +315,9 @@ class Call(ABC):
             yield sse(self.envelope.wrap(self.chunk_type, [choice]))
         async for c, out in self.server.run(self.choices):
             state = states[c.index]
+            out = state.take(out, opens=state.offsets is None and self._echoes)
+            if out is None:
+                continue
             choice = self._chunk_choice(c, out, state)
             state.output_tokens = out.num_output_tokens
             yield sse(self.envelope.wrap(self.chunk_type, [choice]))
@@ -291,6 +338,7 @@ class CompletionCall(Call):
     req: CompletionRequest
 
     def __init__(self, server: Server, req: CompletionRequest):
+        self._echoes = req.echo
         model = server.check_model(req.model)
         prompts = server.completion_prompts(req.prompt)
         echo_k = req.logprobs if (req.echo and req.logprobs is not None) else None
