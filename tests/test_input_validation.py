@@ -111,7 +111,8 @@ def test_step_message_round_trip_keeps_every_field_exactly() -> None:
     rows = [SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4, False), SampleRow(seed=2**63 - 1)]
     controls = Controls(0.5, -0.25, 1.3, {7: -100.0, 2: 0.1}, 3, [1, 9], [2, 7, 8], [4])
     batch = StepBatch(None, [3, 1], [2, 0], [5, 9], [[4, 7], [2]], [1, 0], rows, True, [11, -1], 2,
-                      controls=[(3, controls, [5, 6], [7]), (1, None, [], [])])  # fmt: skip
+                      controls=[(3, controls, [5, 6], [7]), (1, None, [], [])],
+                      masks=[(0, [5, -(2**31), 2**31 - 1])])  # fmt: skip
     back = decode_batch(encode_batch(batch))
     back.sampling = [
         SampleRow.from_parts(r.floats(), r.ints()) for r in rows

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 
 from engramrt.engine.block_manager import BlockManager
 from engramrt.engine.detokenize import OutputText
+from engramrt.engine.grammar import Grammars, next_token_mask
 from engramrt.engine.request import Logprob, Request, SamplingParams, Status
 from engramrt.engine.scheduler import Scheduler
 from engramrt.runner.batch import PENDING, PendingResult, StepBatch, StepResult
@@ -96,6 +97,7 @@ class Engine:
                 "(with pipeline parallelism the engine schedules synchronously)"
             )
         self.overlap = bool(cfg.async_scheduling)
+        self.grammars = Grammars(tokenizer, self.tokenizer_size, cfg.eos_token_id)
         self.in_flight: InFlight | None = None  # the launched step not applied yet (overlap)
 
     # --- requests ------------------------------------------------------------------------
@@ -127,7 +129,10 @@ class Engine:
                 f"{total} tokens need {self.blocks.blocks_for(total)} KV blocks; the cache has "
                 f"{self.cfg.num_blocks}"
             )
-        return Request(request_id, prompt_ids, params)
+        req = Request(request_id, prompt_ids, params)
+        if params.grammar is not None:
+            req.matcher = self.grammars.matcher(params.grammar)
+        return req
 
     def add(self, req: Request) -> None:
         """Queue a request built by ``new_request``."""
@@ -162,12 +167,21 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step; then apply the previous one (with overlap) or this one. With
-        overlap and nothing new to run, this only delivers the step in flight."""
+        overlap and nothing new to run, this only delivers the step in flight. While a guided
+        request runs, a step's grammar masks need the previous tokens: the step in flight is
+        applied first and the new one runs synchronously."""
+        if self.overlap and not self._guided():
+            launched = self._launch()
+            previous, self.in_flight = self.in_flight, launched
+            return self._apply(previous) if previous is not None else []
+        outputs = self._apply(self.in_flight) if self.in_flight is not None else []
+        self.in_flight = None
         launched = self._launch()
-        if not self.overlap:
-            return self._apply(launched) if launched is not None else []
-        previous, self.in_flight = self.in_flight, launched
-        return self._apply(previous) if previous is not None else []
+        return outputs + (self._apply(launched) if launched is not None else [])
+
+    def _guided(self) -> bool:
+        s = self.scheduler
+        return any(r.matcher is not None for r in (*s.running, *s.waiting))
 
     def _launch(self) -> InFlight | None:
         """Schedule (a running request's pending token counts as present), build the batch and
@@ -182,6 +196,7 @@ class Engine:
         asked = [r.params.prompt_logprobs for r, _ in batch if r.params.prompt_logprobs is not None]
         target_k = max(asked) if asked else None  # prompt tokens are scored only when asked
         tokens, targets, starts, new_blocks, rows, sampling = [], [], [], [], [], []
+        masks = []
         for req, n in batch:
             starts.append(req.blocks_sent)
             new_blocks.append(req.blocks[req.blocks_sent :])  # usually none: O(new blocks)
@@ -198,6 +213,8 @@ class Engine:
                                    else -1)  # fmt: skip
             samples = start + n == req.num_tokens + req.pending
             sampling.append(req.params.row(req.num_output_tokens + req.pending, samples))
+            if samples and req.matcher is not None:
+                masks.append((len(rows), next_token_mask(req.matcher)))
             rows.append(Row(req, n, start, samples, req.num_preemptions))
             req.num_computed += n
             req.pending += samples
@@ -213,6 +230,7 @@ class Engine:
             target_k=target_k or 0,
             rebuilds=rebuilds,
             controls=controls,
+            masks=masks,
         )
         launch = getattr(self.pipeline, "launch", None)
         if launch is None:  # a stub with ``step`` only
@@ -301,6 +319,10 @@ class Engine:
             reason = "stop"
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
             reason = "length"
+        if req.matcher is not None:  # the grammar follows the token; complete: the request stops
+            req.matcher.consume_token(token)
+            if reason is None and (req.matcher.is_stopped() or req.matcher.is_error()):
+                reason = "stop"
         new_text, hit_stop = req.text.update(req.token_ids, reason is not None)
         if hit_stop:
             reason = "stop"

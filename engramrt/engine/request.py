@@ -5,8 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engramrt.engine.detokenize import OutputText
+from engramrt.engine.grammar import GrammarSpec
 from engramrt.runner.batch import SampleRow
 from engramrt.runner.logit_controls import Controls
 
@@ -34,6 +36,7 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
     banned_ids: list[int] = field(default_factory=list)  # single-token bad words
+    grammar: GrammarSpec | None = None  # structured outputs (engramrt.engine.grammar)
 
     def row(self, index: int, final: bool = True) -> SampleRow:
         return SampleRow(
@@ -108,6 +111,7 @@ class Request:
     last_token_time: float | None = None
     num_preemptions: int = 0
     text: OutputText | None = None  # the engine's detokenisation state
+    matcher: Any = None  # the grammar's llguidance matcher, for a guided request
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

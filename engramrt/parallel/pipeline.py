@@ -37,7 +37,8 @@ def encode_batch(b: StepBatch) -> list[int]:
         body += [len(t) for t in tables] + [x for t in tables for x in t]
     if targets is not None:
         body += targets
-    blob = json.dumps([[s, c and c.encode(), p, o] for s, c, p, o in b.controls]).encode()
+    controls = [[s, c and c.encode(), p, o] for s, c, p, o in b.controls]
+    blob = json.dumps([controls, b.masks]).encode()
     body += [len(blob), *blob]  # rare (admissions): bytes as integers is simple enough
     return head + body
 
@@ -53,10 +54,11 @@ def decode_batch(v: list[int]) -> StepBatch:
             tables.append(v[:size])
             v = v[size:]
     targets, v = (v[: sum(lens)], v[sum(lens) :]) if has_targets else (None, v)
-    blob = json.loads(bytes(v[1 : 1 + v[0]]).decode())
+    blob, masks = json.loads(bytes(v[1 : 1 + v[0]]).decode())
     controls = [(s, c and Controls.decode(c), p, o) for s, c, p, o in blob]
+    masks = [(row, words) for row, words in masks]
     return StepBatch(None, slots, lens, pos, tables, starts, None, bool(ret), targets, target_k,
-                     controls=controls)  # fmt: skip
+                     controls=controls, masks=masks)  # fmt: skip
 
 
 class Pipeline:

@@ -87,6 +87,8 @@ class StepBatch:
     # (slot, controls or None, prompt ids, output ids) of each request admitted this step: the
     # last stage's sampler keeps them per slot (``engramrt.runner.logit_controls``)
     controls: list[tuple[int, Controls | None, list[int], list[int]]] = field(default_factory=list)
+    # (row, the tokens its grammar allows next as int32 bit words) of guided rows that sample
+    masks: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def rows(self) -> list[SampleRow]:
         return self.sampling if self.sampling is not None else [SampleRow()] * len(self.slots)

@@ -82,6 +82,21 @@ def sample_tokens_device(
     return tokens
 
 
+def apply_token_masks(logits: torch.Tensor, masks: list[tuple[int, list[int]]]) -> torch.Tensor:
+    """``-inf`` for every token a row's grammar does not allow: ``masks`` are (row, int32 words,
+    token t being bit t % 32 of word t // 32); ids past the mask's width are not allowed."""
+    dev, vocab = logits.device, logits.shape[-1]
+    rows = _to([r for r, _ in masks], dev)
+    words = _to([w for _, w in masks], dev, torch.int32)  # [n, W]
+    bits = (words[:, :, None] >> torch.arange(32, device=dev, dtype=torch.int32)) & 1
+    allowed = bits.flatten(1).bool()[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return out
+
+
 def token_logprobs_device(
     logits: torch.Tensor, targets: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,6 +157,9 @@ class Sampler:
             last[:, limit:] = float("-inf")
         live_slots = [batch.slots[i] for i in live]
         last = self.controls.apply(last, live_slots, [rows[i].index for i in live])
+        if batch.masks:
+            at = {row: j for j, row in enumerate(live)}
+            last = apply_token_masks(last, [(at[row], words) for row, words in batch.masks])
         sampled = sample_tokens_device(last, [rows[i] for i in live], self.generator)
         self.controls.count(live_slots, [rows[i].final for i in live], sampled)
         if len(live) == len(rows):

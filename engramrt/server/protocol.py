@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engramrt.engine.grammar import GrammarSpec
+
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -69,28 +71,49 @@ class _Sampling(_Base):
     min_tokens: int = Field(default=0, ge=0)
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
     bad_words: list[str] = Field(default_factory=list)
-    # not supported yet: refused with a 400 rather than accepted and ignored
+    # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None  # Lark
+    structured_outputs: dict[str, Any] | None = None
+    # not supported: refused with a 400 rather than accepted and ignored
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        """The one grammar the request asks for, if any (two are a 400)."""
+        asked = []
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            asked.append(GrammarSpec("json", {}))
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("response_format json_schema needs json_schema.schema, an object")
+            asked.append(GrammarSpec("json", schema))
+        elif kind != "text":
+            raise ValueError(f"response_format type {kind!r} is not one of text, json_object, "
+                             "json_schema")  # fmt: skip
+        so = self.structured_outputs or {}
+        unknown = set(so) - {"json", "regex", "choice", "grammar", "json_object"}
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown key {sorted(unknown)[0]!r}")
+        pairs = [("json", self.guided_json), ("regex", self.guided_regex),
+                 ("choice", self.guided_choice), ("lark", self.guided_grammar),
+                 ("json", so.get("json")), ("regex", so.get("regex")),
+                 ("choice", so.get("choice")), ("lark", so.get("grammar")),
+                 ("json", {} if so.get("json_object") else None)]  # fmt: skip
+        asked += [GrammarSpec(k, v) for k, v in pairs if v is not None]
+        if len(asked) > 1:
+            raise ValueError("give one of response_format, guided_* and structured_outputs")
+        return asked[0] if asked else None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Sampling:
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise ValueError(
-                f"response_format {fmt!r}: structured outputs are not supported by this server "
-                "yet (only 'text')"
-            )
-        guided = [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                              "structured_outputs") if getattr(self, f) is not None]  # fmt: skip
-        if guided:
-            raise ValueError(f"{guided[0]}: structured outputs are not supported here yet")
+        self.grammar()  # a malformed request is a 400 here
         if self.tools:
             raise ValueError("tools: tool calling is not supported for this model")
         if self.tool_choice not in (None, "none", "auto"):

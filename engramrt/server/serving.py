@@ -170,7 +170,7 @@ class Server:
     ) -> list[Choice]:
         """``prompts``: (ids, text or None) pairs; ``req.n`` choices for each. ``echo``
         allows ``max_tokens`` 0 (the prompt and its logprobs alone)."""
-        banned = self.bad_word_ids(req.bad_words)
+        banned, grammar = self.bad_word_ids(req.bad_words), req.grammar()
         out = []
         for i, (prompt, text) in enumerate(prompts):
             limit = self.cfg.max_model_len
@@ -207,6 +207,7 @@ class Server:
                     min_tokens=req.min_tokens,
                     allowed_token_ids=req.allowed_token_ids,
                     banned_ids=banned,
+                    grammar=grammar,
                 )
                 try:
                     request = self.engine.engine.new_request(uuid.uuid4().hex, prompt, params)

@@ -1,0 +1,92 @@
+"""Structured outputs: a request's grammar (a JSON schema, any JSON object, a regex, a choice
+among strings, or a Lark grammar) as an llguidance matcher over the model's tokenizer.
+
+The engine keeps one matcher per request on the host: before a step that samples the request's
+next token it asks the matcher which tokens may come next (a bitmask, one bit per token id,
+applied in the batched sampler), and once it has the token it advances the matcher. A step that
+samples a guided request therefore needs the previous token on the host first: the engine runs
+such steps synchronously (overlap scheduling resumes when no guided request is running). When
+the grammar is complete the request stops (finish reason ``stop``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer
+
+# compact JSON: one space after ':' and ',' at most, no free whitespace between tokens (a model
+# can otherwise spend its whole budget on newlines, which a schema allows)
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the client asked for: ``kind`` one of json, regex, choice, lark; ``value`` a JSON
+    schema (dict; ``{}`` = any JSON object), a regex, a list of strings or a Lark grammar."""
+
+    kind: str
+    value: Any
+
+    def grammar(self) -> str:
+        """llguidance's grammar text (not yet checked against a tokenizer)."""
+        import llguidance
+
+        m = llguidance.LLMatcher
+        if self.kind == "json":
+            schema = self.value if self.value else {"type": "object"}
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            return m.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        if self.kind == "regex":
+            return m.grammar_from_regex(self.value)
+        if self.kind == "choice":
+            if not self.value:
+                raise ValueError("guided_choice needs at least one choice")
+            return m.grammar_from_regex("|".join(re.escape(str(c)) for c in self.value))
+        if self.kind == "lark":
+            return m.grammar_from_lark(self.value)
+        raise ValueError(f"unknown grammar kind {self.kind!r}")
+
+
+@functools.cache
+def _ll_tokenizer(tokenizer_json: str, vocab: int, eos: int | None):
+    import llguidance
+
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=eos)
+
+
+class Grammars:
+    """Matchers for one engine's tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab: int, eos_token_id: int | None):
+        self.tokenizer, self.vocab, self.eos = tokenizer, vocab, eos_token_id
+
+    def matcher(self, spec: GrammarSpec):
+        """A fresh matcher; ValueError (with the grammar's own message) if it is invalid."""
+        import llguidance
+
+        try:
+            grammar = spec.grammar()
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"invalid {spec.kind} grammar: {exc}") from None
+        tok = _ll_tokenizer(self.tokenizer.to_str(), self.vocab, self.eos)
+        error = llguidance.LLMatcher.validate_grammar(grammar, tok)
+        if error:
+            raise ValueError(f"invalid {spec.kind} grammar: {error}")
+        matcher = llguidance.LLMatcher(tok, grammar)
+        if matcher.is_error():
+            raise ValueError(f"invalid {spec.kind} grammar: {matcher.get_error()}")
+        return matcher
+
+
+def next_token_mask(matcher) -> list[int]:
+    """The tokens the matcher allows next, one bit each, as int32 words (token t is bit t % 32
+    of word t // 32)."""
+    import numpy as np
+
+    return np.frombuffer(matcher.compute_bitmask(), dtype=np.int32).tolist()
