@@ -149,3 +149,29 @@ def test_engine_tokens_are_argmax_of_the_restated_logits(session, monkeypatch, o
             assert want == out[rid][k], (rid, k)
             checked += 1
     assert checked == len(out["pen"]) + len(out["bias"])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_multi_token_bad_word_is_never_completed(session, overlap) -> None:
+    """A bigram of the plain greedy output, given as a bad word: the output is the same up to
+    where the bigram would complete, differs there, and never contains it."""
+
+    def run(**extra) -> list[int]:
+        engine = build_engine(session, MAX_LEN, SLOTS, max_num_seqs=SLOTS, overlap=overlap)
+        engine.add_request(
+            "r",
+            [5, 6, 7, 8],
+            SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, **extra),
+        )
+        out = []
+        while engine.has_work():
+            for o in engine.step():
+                out += o.new_token_ids
+        return out
+
+    plain = run()
+    i = next(i for i in range(1, len(plain)) if plain[i] != plain[i - 1])
+    pair = plain[i - 1 : i + 1]
+    banned = run(bad_word_seqs=[pair])
+    assert banned[:i] == plain[:i] and banned[i] != plain[i]
+    assert all(banned[j : j + 2] != pair for j in range(len(banned) - 1))

@@ -700,7 +700,8 @@ def test_n_choices(server: str) -> None:
         texts[ch.choices[0].index] += ch.choices[0].text
     assert [texts[i] for i in range(3)] == [ch.text for ch in out.choices]
     assert last.choices == [] and last.usage.model_dump() == out.usage.model_dump()
-    assert len(content) == out.usage.completion_tokens
+    assert len(content) <= out.usage.completion_tokens  # chunks without text are held
+    assert all(ch.choices[0].text or ch.choices[0].finish_reason for ch in content)
 
     chat = c.chat.completions.create(
         model=model,
@@ -799,8 +800,6 @@ BAD_COMPLETIONS = [
     ("repetition_zero", {"prompt": "hi", "repetition_penalty": 0}, 400, ["repetition_penalty"]),
     ("min_over_max", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400,
      ["min_tokens", "max_tokens"]),
-    ("bad_word_tokens", {"prompt": "hi", "bad_words": ["extraordinarily"]}, 400,
-     ["bad_words", "tokens"]),
 ]  # fmt: skip
 
 
@@ -892,6 +891,9 @@ def test_non_api_errors_have_the_openai_shape(server: str) -> None:
                    headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
     assert_error(r, 400)
     assert_error(httpx.get(f"{server}/v1/nothing-here", timeout=30), 404)
+    for path in ("/v1/embeddings", "/v1/responses", "/v1/audio/speech"):
+        r = httpx.post(f"{server}{path}", json={"input": "hi", "model": "x"}, timeout=30)
+        assert_error(r, 404, path, "not supported", "/v1/chat/completions")
     assert_error(httpx.get(f"{server}/v1/completions", timeout=30), 405)
     still_serves(server)
 
@@ -1220,10 +1222,10 @@ def test_concurrent_streams(server: str) -> None:
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         *content, usage_chunk = chunks
-        assert len(content) == max_tokens
+        assert len(content) <= max_tokens  # chunks without text are held
         assert all(len(ch["choices"]) == 1 for ch in content)
         assert [ch["choices"][0]["finish_reason"] for ch in content] == [None] * (
-            max_tokens - 1
+            len(content) - 1
         ) + ["length"]
         assert usage_chunk["choices"] == []
         assert usage_chunk["usage"]["completion_tokens"] == max_tokens

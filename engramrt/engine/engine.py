@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from engramrt.engine.block_manager import BlockManager
 from engramrt.engine.detokenize import OutputText
-from engramrt.engine.grammar import Grammars, next_token_mask
+from engramrt.engine.grammar import Grammars, token_mask
 from engramrt.engine.request import Logprob, Request, SamplingParams, Status
 from engramrt.engine.scheduler import Scheduler
 from engramrt.runner.batch import PENDING, PendingResult, StepBatch, StepResult
@@ -181,7 +181,7 @@ class Engine:
 
     def _guided(self) -> bool:
         s = self.scheduler
-        return any(r.matcher is not None for r in (*s.running, *s.waiting))
+        return any(r.needs_host_tokens for r in (*s.running, *s.waiting))
 
     def _launch(self) -> InFlight | None:
         """Schedule (a running request's pending token counts as present), build the batch and
@@ -213,8 +213,10 @@ class Engine:
                                    else -1)  # fmt: skip
             samples = start + n == req.num_tokens + req.pending
             sampling.append(req.params.row(req.num_output_tokens + req.pending, samples))
-            if samples and req.matcher is not None:
-                masks.append((len(rows), next_token_mask(req.matcher)))
+            if samples and req.needs_host_tokens:
+                mask = token_mask(req, self.vocab_size)
+                if mask is not None:
+                    masks.append((len(rows), mask))
             rows.append(Row(req, n, start, samples, req.num_preemptions))
             req.num_computed += n
             req.pending += samples

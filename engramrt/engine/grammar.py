@@ -1,5 +1,6 @@
 """Structured outputs: a request's grammar (a JSON schema, any JSON object, a regex, a choice
-among strings, or a Lark grammar) as an llguidance matcher over the model's tokenizer.
+among strings, or a Lark grammar) as an llguidance matcher over the model's tokenizer; and the
+per-token masks the host builds for them and for bad words of several tokens.
 
 The engine keeps one matcher per request on the host: before a step that samples the request's
 next token it asks the matcher which tokens may come next (a bitmask, one bit per token id,
@@ -84,9 +85,19 @@ class Grammars:
         return matcher
 
 
-def next_token_mask(matcher) -> list[int]:
-    """The tokens the matcher allows next, one bit each, as int32 words (token t is bit t % 32
-    of word t // 32)."""
+def token_mask(req, vocab: int) -> list[int] | None:
+    """The tokens ``req`` may sample next (its grammar's, less the bad words it would complete),
+    one bit each, as int32 words (token t is bit t % 32 of word t // 32); None: any."""
     import numpy as np
 
-    return np.frombuffer(matcher.compute_bitmask(), dtype=np.int32).tolist()
+    banned = req.banned_now()
+    if req.matcher is None and not banned:
+        return None
+    if req.matcher is not None:
+        words = np.frombuffer(req.matcher.compute_bitmask(), dtype=np.uint32).copy()
+    else:
+        words = np.full(-(-vocab // 32), 0xFFFFFFFF, dtype=np.uint32)
+    for t in banned:
+        if t // 32 < len(words):
+            words[t // 32] &= ~np.uint32(1 << (t % 32))
+    return words.view(np.int32).tolist()

@@ -36,6 +36,8 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None
     banned_ids: list[int] = field(default_factory=list)  # single-token bad words
+    # bad words of several tokens: the last one is banned while the output ends with the rest
+    bad_word_seqs: list[list[int]] = field(default_factory=list)
     grammar: GrammarSpec | None = None  # structured outputs (engramrt.engine.grammar)
 
     def row(self, index: int, final: bool = True) -> SampleRow:
@@ -112,6 +114,18 @@ class Request:
     num_preemptions: int = 0
     text: OutputText | None = None  # the engine's detokenisation state
     matcher: Any = None  # the grammar's llguidance matcher, for a guided request
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its next step's mask depends on its last token (a grammar, multi-token bad words),
+        so the engine schedules synchronously while it runs."""
+        return self.matcher is not None or bool(self.params.bad_word_seqs)
+
+    def banned_now(self) -> list[int]:
+        """The last tokens of the bad words whose other tokens end the output."""
+        out = self.token_ids[self.num_prompt_tokens :]
+        return [s[-1] for s in self.params.bad_word_seqs
+                if len(out) >= len(s) - 1 and out[len(out) - len(s) + 1 :] == s[:-1]]  # fmt: skip
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

@@ -147,12 +147,21 @@ _KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedEr
           413: "RequestTooLargeError"}  # fmt: skip
 
 
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Unknown routes, wrong methods and bodies that are not even text, in OpenAI's shape."""
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes, wrong methods and bodies that are not even text, in OpenAI's shape; an
+    unknown route (``/v1/embeddings``, ``/v1/responses``, ...) says what the server serves."""
     kind = _KINDS.get(exc.status_code, "InternalServerError" if exc.status_code >= 500 else
                       "BadRequestError")  # fmt: skip
-    body = error_body(exc.status_code, str(exc.detail), kind)
+    message = str(exc.detail)
+    if exc.status_code == 404 and message == "Not Found":
+        message = (f"{request.method} {request.url.path} is not supported by this server; it "
+                   f"serves {', '.join(_SERVED)}")  # fmt: skip
+    body = error_body(exc.status_code, message, kind)
     return JSONResponse(body, exc.status_code, headers=getattr(exc, "headers", None))
+
+
+_SERVED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+           "/tokenizer_info", "/health", "/metrics", "/version")  # fmt: skip
 
 
 class BodyLimit:

@@ -123,20 +123,18 @@ class Server:
     def encode(self, text: str, special: bool = True) -> list[int]:
         return self.prompts.text(text, special)
 
-    def bad_word_ids(self, words: list[str]) -> list[int]:
-        """vLLM's ``bad_words``, as written and after a space; each must be one token here
-        (a word of several tokens would need the output's last tokens on the device)."""
-        ids = []
+    def bad_words(self, words: list[str]) -> tuple[list[int], list[list[int]]]:
+        """vLLM's ``bad_words``, as written and after a space: words of one token (banned
+        outright) and the token sequences of longer ones."""
+        single, seqs = [], []
         for word in words:
             for variant in {word, " " + word.lstrip()}:
                 enc = self.encode(variant, special=False)
-                if len(enc) != 1:
-                    raise ApiError(
-                        400, f"bad_words: {variant!r} is {len(enc)} tokens; only words of one "
-                        "token are supported", param="bad_words",
-                    )  # fmt: skip
-                ids += enc
-        return ids
+                if len(enc) == 1:
+                    single += enc
+                elif enc:
+                    seqs.append(enc)
+        return single, seqs
 
     def completion_prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]]
@@ -170,7 +168,7 @@ class Server:
     ) -> list[Choice]:
         """``prompts``: (ids, text or None) pairs; ``req.n`` choices for each. ``echo``
         allows ``max_tokens`` 0 (the prompt and its logprobs alone)."""
-        banned, grammar = self.bad_word_ids(req.bad_words), req.grammar()
+        (banned, bad_seqs), grammar = self.bad_words(req.bad_words), req.grammar()
         out = []
         for i, (prompt, text) in enumerate(prompts):
             limit = self.cfg.max_model_len
@@ -207,6 +205,7 @@ class Server:
                     min_tokens=req.min_tokens,
                     allowed_token_ids=req.allowed_token_ids,
                     banned_ids=banned,
+                    bad_word_seqs=bad_seqs,
                     grammar=grammar,
                 )
                 try:
