@@ -74,3 +74,16 @@ def test_token_masks_equal_a_restatement() -> None:
         for t in range(70):
             allowed = words is None or (t < 64 and (words[t // 32] >> (t % 32)) & 1)
             assert got[r, t] == (logits[r, t] if allowed else float("-inf"))
+
+
+def test_grammar_wins_over_min_tokens(session) -> None:
+    """min_tokens masks EOS, but the grammar, once complete, allows nothing else: the grammar's
+    mask alone applies, and the request ends with the grammar's text."""
+    engine = build_engine(session, 256, 4)
+    engine.add_request("r", [5, 6], SamplingParams(max_tokens=40, temperature=1.0, seed=0,
+                       min_tokens=30, grammar=GrammarSpec("choice", ["ab", "cd"])))  # fmt: skip
+    text, reason = "", None
+    while engine.has_work():
+        for o in engine.step():
+            text, reason = text + o.new_text, o.finish_reason or reason
+    assert text in {"ab", "cd"} and reason == "stop"

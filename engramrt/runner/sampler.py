@@ -156,10 +156,14 @@ class Sampler:
         if limit is not None:
             last[:, limit:] = float("-inf")
         live_slots = [batch.slots[i] for i in live]
-        last = self.controls.apply(last, live_slots, [rows[i].index for i in live])
-        if batch.masks:
+        controlled = self.controls.apply(last, live_slots, [rows[i].index for i in live])
+        if batch.masks:  # a grammar's mask wins over controls that would leave nothing allowed
             at = {row: j for j, row in enumerate(live)}
-            last = apply_token_masks(last, [(at[row], words) for row, words in batch.masks])
+            masks = [(at[row], words) for row, words in batch.masks]
+            masked = apply_token_masks(controlled, masks)
+            dead = torch.isinf(masked).all(-1, keepdim=True)
+            controlled = torch.where(dead, apply_token_masks(last, masks), masked)
+        last = controlled
         sampled = sample_tokens_device(last, [rows[i] for i in live], self.generator)
         self.controls.count(live_slots, [rows[i].final for i in live], sampled)
         if len(live) == len(rows):
