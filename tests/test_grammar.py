@@ -14,7 +14,9 @@ import torch
 from engramrt.bundled import resolve_model_dir
 from engramrt.engine.grammar import GrammarSpec
 from engramrt.engine.request import SamplingParams
-from engramrt.runner.sampler import apply_token_masks
+from engramrt.runner.batch import SampleRow, StepBatch
+from engramrt.runner.logit_controls import Controls
+from engramrt.runner.sampler import Sampler, apply_token_masks
 from engramrt.runner.stage import StageRunner
 from tests.engine_factory import build_engine
 
@@ -77,8 +79,9 @@ def test_token_masks_equal_a_restatement() -> None:
 
 
 def test_grammar_wins_over_min_tokens(session) -> None:
-    """min_tokens masks EOS, but the grammar, once complete, allows nothing else: the grammar's
-    mask alone applies, and the request ends with the grammar's text."""
+    """A request stops as soon as its grammar is complete, min_tokens notwithstanding; and in
+    the sampler, controls that would leave no token allowed (min_tokens holding back the EOS a
+    grammar requires) give way to the grammar's mask."""
     engine = build_engine(session, 256, 4)
     engine.add_request("r", [5, 6], SamplingParams(max_tokens=40, temperature=1.0, seed=0,
                        min_tokens=30, grammar=GrammarSpec("choice", ["ab", "cd"])))  # fmt: skip
@@ -87,3 +90,11 @@ def test_grammar_wins_over_min_tokens(session) -> None:
         for o in engine.step():
             text, reason = text + o.new_text, o.finish_reason or reason
     assert text in {"ab", "cd"} and reason == "stop"
+    sampler = Sampler(torch.device("cpu"))
+    eos, vocab = 1, 64
+    only_eos = [1 << eos, 0]
+    batch = StepBatch([5], [0], [1], [0], sampling=[SampleRow()],
+                      controls=[(0, Controls(min_tokens=5, min_tokens_ids=[eos]), [], [])],
+                      masks=[(0, only_eos)])  # fmt: skip
+    pending, _ = sampler.launch(torch.randn(1, vocab), batch)
+    assert pending.wait().tokens == [eos]
