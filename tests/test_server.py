@@ -1161,7 +1161,13 @@ def test_errors_leave_server_idle(server: str) -> None:
 def test_api_key(keyed_server: str) -> None:
     base = keyed_server
     good = {"Authorization": f"Bearer {API_KEY}"}
-    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+    same_length = "Bearer " + API_KEY[:-1] + ("x" if API_KEY[-1] != "x" else "y")
+    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                    {"Authorization": same_length}, {"Authorization": "Bearer é"}):  # fmt: skip
+        for path in ("/tokenizer_info",):
+            assert_error(httpx.get(f"{base}{path}", headers=headers), 401)
+        r = httpx.post(f"{base}/tokenize", json={"prompt": "hi"}, headers=headers, timeout=30)
+        assert_error(r, 401)
         assert_error(httpx.get(f"{base}/v1/models", headers=headers), 401)
         r = httpx.post(f"{base}/v1/completions", json=OK_BODY, headers=headers, timeout=30)
         assert_error(r, 401)

@@ -7,6 +7,7 @@ and shaped in ``responses``."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import engramrt
 from engramrt.engine.async_engine import EngineClosed, EngineDead
-from engramrt.server import tokenization
+from engramrt.server import schema, tokenization
 from engramrt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,31 +45,32 @@ def _server(request: Request) -> Server:
     return request.app.state.server
 
 
-@public.get("/health")
+@public.get("/health", response_class=Response, responses=schema.HEALTH)
 async def health(request: Request) -> Response:
     """503 once the engine has died or the server is shutting down: route traffic elsewhere."""
     engine = _server(request).engine
     return Response(status_code=503 if engine.error or engine.closed else 200)
 
 
-@public.get("/version", response_model=None)
+@public.get("/version", response_model=None, responses=schema.plain(schema.Version))
 async def version() -> dict:
     return {"version": engramrt.__version__}
 
 
-@public.get("/metrics")
+@public.get("/metrics", response_class=Response, responses=schema.METRICS)
 async def metrics(request: Request) -> Response:
     return Response(_server(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@api.get("/v1/models", response_model=None)
+@api.get("/v1/models", response_model=None, responses=schema.plain(schema.ModelList, 401))
 async def models(request: Request) -> dict:
     server = _server(request)
     data = [model_card(n, server.created, server.cfg.max_model_len) for n in server.cfg.model_names]
     return {"object": "list", "data": data}
 
 
-@api.get("/v1/models/{model_id:path}", response_model=None)
+@api.get("/v1/models/{model_id:path}", response_model=None,
+         responses=schema.plain(schema.ModelCard, 401, 404))  # fmt: skip
 async def model(model_id: str, request: Request) -> dict:
     """One model's card (``client.models.retrieve``); names may hold slashes (paths)."""
     server = _server(request)
@@ -77,30 +79,34 @@ async def model(model_id: str, request: Request) -> dict:
 
 # Calls are built on a worker thread: tokenising a long prompt (which releases the GIL) must not
 # stall every stream and /health on the event loop.
-@api.post("/v1/completions", response_model=None)
+@api.post("/v1/completions", response_model=None,
+          responses=schema.generation(schema.Completion))  # fmt: skip
 async def completions(req: CompletionRequest, request: Request) -> dict | Response:
     call = await asyncio.to_thread(CompletionCall, _server(request), req)
     return await _respond(request, call, req.stream)
 
 
-@api.post("/v1/chat/completions", response_model=None)
+@api.post("/v1/chat/completions", response_model=None,
+          responses=schema.generation(schema.ChatCompletion))  # fmt: skip
 async def chat(req: ChatCompletionRequest, request: Request) -> dict | Response:
     call = await asyncio.to_thread(ChatCall, _server(request), req)
     return await _respond(request, call, req.stream)
 
 
 # vLLM's paths (no /v1), behind the API key like /v1/*; off the event loop like a prompt
-@api.post("/tokenize", response_model=None)
+@api.post("/tokenize", response_model=None,
+          responses=schema.plain(schema.Tokenized, *schema.API_ERRORS))  # fmt: skip
 async def tokenize(req: TokenizeRequest, request: Request) -> dict:
     return await asyncio.to_thread(tokenization.tokenize, _server(request), req)
 
 
-@api.post("/detokenize", response_model=None)
+@api.post("/detokenize", response_model=None,
+          responses=schema.plain(schema.Detokenized, *schema.API_ERRORS))  # fmt: skip
 async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
     return await asyncio.to_thread(tokenization.detokenize, _server(request), req)
 
 
-@api.get("/tokenizer_info", response_model=None)
+@api.get("/tokenizer_info", response_model=None, responses=schema.plain(schema.TokenizerInfo, 401))
 async def tokenizer_info(request: Request) -> dict:
     return tokenization.tokenizer_info(_server(request).prompts)
 
@@ -207,11 +213,18 @@ def create_app(server: Server) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     cfg = server.cfg
 
+    expected = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
+
     async def require_key(request: Request) -> None:
-        # a dependency, not an HTTP middleware: those hide client disconnects from handlers
-        if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
+        # a dependency, not an HTTP middleware: those hide client disconnects from handlers;
+        # compared in constant time, so the time taken does not tell how much of a guess matched
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, expected):
             raise ApiError(401, "invalid or missing API key", "AuthenticationError")
 
     app.include_router(public)
     app.include_router(api, dependencies=[Depends(require_key)])
+    schema.install(app)
     return app
