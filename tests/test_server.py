@@ -1163,7 +1163,8 @@ def test_api_key(keyed_server: str) -> None:
     good = {"Authorization": f"Bearer {API_KEY}"}
     same_length = "Bearer " + API_KEY[:-1] + ("x" if API_KEY[-1] != "x" else "y")
     for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
-                    {"Authorization": same_length}, {"Authorization": "Bearer é"}):  # fmt: skip
+                    {"Authorization": same_length},
+                    {"Authorization": "Bearer é".encode()}):  # fmt: skip
         for path in ("/tokenizer_info",):
             assert_error(httpx.get(f"{base}{path}", headers=headers), 401)
         r = httpx.post(f"{base}/tokenize", json={"prompt": "hi"}, headers=headers, timeout=30)
