@@ -13,7 +13,15 @@ from typing import Any
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 import engramrt
-from engramrt.commands import bench_serve, bench_throughput, check_pp, engram_hash, generate, serve
+from engramrt.commands import (
+    bench_serve,
+    bench_throughput,
+    check_pp,
+    engram_hash,
+    evaluate,
+    generate,
+    serve,
+)
 
 DESCRIPTION = (
     "engramrt: an inference engine for Engram + mHC language models (the DeepSeek-V4.1 family)."
@@ -72,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                  check_pp.add_arguments, check_pp.run)  # fmt: skip
     _add_command(sub, "serve", "OpenAI-compatible server (vLLM's flag names)",
                  serve.add_arguments, serve.run)  # fmt: skip
+    _add_command(sub, "eval", "accuracy on a JSONL task file; --ab compares server arms",
+                 evaluate.add_arguments, evaluate.run)  # fmt: skip
     add_bench_parser(sub)
     return parser
 

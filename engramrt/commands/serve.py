@@ -58,6 +58,7 @@ class ServeOptions:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     async_scheduling: bool = False  # overlap scheduling (one stage only)
+    engram: bool = True  # False: every Engram layer skipped on purpose (an ablation)
     disable_uvicorn_access_log: bool = False
     enable_log_requests: bool = False
     max_request_bytes: int = 32 * 2**20
@@ -133,6 +134,10 @@ def build_stage(
         opts.model_dir, opts.max_num_seqs, max_len, device, opts.dtype,
         stage_layers(opts.partition, rank), opts.block_size, num_blocks=0, seed=opts.seed,
     )  # fmt: skip
+    if not opts.engram:
+        runner.model.disable_engram()
+        if rank == 0:
+            print("engramrt: --engram off: every Engram layer is skipped (an ablation)", flush=True)
     blocks = _agree(kv_blocks(runner, opts, cfg, max_len), world, device)
     runner.allocate_kv(opts.max_num_seqs, max_len, opts.block_size, blocks)
     if rank == 0 and device.type == "cuda":
@@ -284,6 +289,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_device_flags(p)
     p.add_argument("--seed", type=int, default=0, help="for requests that bring no seed")
+    p.add_argument(
+        "--engram", choices=["on", "off"], default="on",
+        help="off: skip every Engram layer on purpose (an ablation for evaluations; the "
+        "fail-closed check then expects none to run)",
+    )  # fmt: skip
     add_dist_flags(p)
     p.add_argument(
         "--stage-timeout", type=float, default=10.0,
@@ -325,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
         device=device,
         dtype=args.dtype,
         seed=args.seed,
+        engram=args.engram == "on",
         dist=dist_config(args, device),
     )
     run_serve(opts)

@@ -58,6 +58,7 @@ class Block(nn.Module):
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_params(cfg)
         self.hc, self.iters, self.hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
         self.norm_eps = cfg.rms_norm_eps
+        self.engram_enabled = True  # False: the ablation of ``EngramMHCModel.disable_engram``
 
     def _pre(
         self,
@@ -78,7 +79,7 @@ class Block(nn.Module):
         self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, hc, D]`` and the lagged ``pre [T, hc]`` in; the same pair out."""
-        if self.engram is not None:
+        if self.engram is not None and self.engram_enabled:
             ids = ctx.engram_inputs(self.layer_id, self.engram.layer_index)
             ctx.trace("engram_in", self.layer_id, x)
             x = self.engram(x, ids, ctx.dead)
@@ -125,6 +126,15 @@ class EngramMHCModel(nn.Module):
     def engram_layer_ids(self) -> list[int]:
         return [i for i in self.layer_ids if i in self.cfg.engram.layer_ids]
 
+    engram_enabled = True
+
+    def disable_engram(self) -> None:
+        """The ablation ``--engram off`` asks for on purpose: every Engram layer skipped (the
+        residual passes through), and the fail-closed check expects none to run."""
+        self.engram_enabled = False
+        for block in self.layers.values():
+            block.engram_enabled = False
+
     def embed_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream ``[T, hc, D]`` (the embedding in every copy) and the first pre-mix."""
         x = self.embed(tokens)
@@ -139,7 +149,8 @@ class EngramMHCModel(nn.Module):
         ctx.rope_cache.clear()  # computed anew in each forward (and inside each captured graph)
         for block in self.layers.values():
             x, pre = block(x, pre, ctx)
-        missing = sorted(set(self.engram_layer_ids) - set(ctx.engram_ran[ran_before:]))
+        expected = self.engram_layer_ids if self.engram_enabled else []
+        missing = sorted(set(expected) - set(ctx.engram_ran[ran_before:]))
         if missing:
             raise RuntimeError(f"Engram layers {missing} did not run in this forward")
         return x, pre

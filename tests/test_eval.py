@@ -1,0 +1,140 @@
+"""``engramrt eval``: task files, exact-match and loglikelihood scoring against a stub server
+whose answers are known, the A/B table, and arms that start real servers (the Engram-off
+ablation runs no Engram layer)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI
+
+from engramrt.bundled import resolve_model_dir
+from engramrt.cli import build_parser
+from engramrt.commands import evaluate
+from engramrt.commands.generate import generate
+from engramrt.parallel.pipeline import Pipeline
+from engramrt.prompts import PromptEncoder
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.stage import StageRunner
+from tests.server_fixture import free_port
+
+
+def _stub_app() -> FastAPI:
+    """Exact match: "yes" for prompts holding "?y", else "no". Echo: one token per character,
+    logprob -1 each, except the characters of "best", -0.1 each."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict) -> dict:
+        prompt = body["prompt"]
+        if not body.get("echo"):
+            return {"choices": [{"text": " yes" if "?y" in prompt else "no"}]}
+        best = prompt.endswith("best")
+        lps = [-0.1 if best and i >= len(prompt) - 4 else -1.0 for i in range(len(prompt))]
+        lps[0] = None  # the first token has no logprob
+        logprobs = {"tokens": list(prompt), "token_logprobs": lps,
+                    "text_offset": list(range(len(prompt)))}  # fmt: skip
+        return {"choices": [{"text": prompt, "logprobs": logprobs}]}
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def stub() -> str:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(_stub_app(), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _write(path, rows) -> str:
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_scores_against_known_answers(stub, tmp_path, capsys) -> None:
+    rows = [
+        {"prompt": "a?y", "answer": "yes"},  # right (stripped)
+        {"prompt": "b?n", "answer": "no"},  # right
+        {"prompt": "c?y", "answer": "no"},  # wrong
+        {"prompt": "Q: ", "choices": ["bad", "best", "worse"], "answer": 1},  # right: -0.4
+        {"prompt": "Q: ", "choices": ["best", "ok"], "answer": "ok"},  # wrong: best wins
+    ]
+    args = build_parser().parse_args(["eval", _write(tmp_path / "t.jsonl", rows), "--base-url",
+                                      stub, "--json", "--concurrency", "2"])  # fmt: skip
+    assert args.func(args) == 0
+    (arm,) = json.loads(capsys.readouterr().out)
+    assert [r["correct"] for r in arm["results"]] == [True, True, False, True, False]
+    assert arm["accuracy"] == pytest.approx(3 / 5)
+    assert [r["picked"] for r in arm["results"]][3:] == ["best", "best"]
+
+
+def test_bad_task_files_name_the_line(tmp_path) -> None:
+    with pytest.raises(ValueError, match=":2:"):
+        evaluate.load_tasks(_write(tmp_path / "a.jsonl", [{"prompt": "x", "answer": "y"},
+                                                          {"prompt": "x"}]))  # fmt: skip
+    with pytest.raises(ValueError, match="not one of the choices"):
+        evaluate.load_tasks(_write(tmp_path / "b.jsonl",
+                                   [{"prompt": "x", "choices": ["a"], "answer": "b"}]))  # fmt: skip
+
+
+def test_table_compares_arms_item_by_item() -> None:
+    def arm(name, picks, right):
+        results = [{"picked": p, "correct": c} for p, c in zip(picks, right, strict=True)]
+        return {"arm": name, "items": 3, "correct": sum(right), "accuracy": sum(right) / 3,
+                "results": results}  # fmt: skip
+
+    text = evaluate.table([arm("on", "abc", [1, 1, 0]), arm("off", "abd", [1, 0, 0])])
+    assert "| on | 66.7% | 2/3 | +0.0% | 3/3 |" in text
+    assert "| off | 33.3% | 1/3 | -33.3% | 2/3 |" in text
+
+
+def test_engram_off_runs_no_engram_layer() -> None:
+    """The ablation: no Engram layer runs (the counter stays empty) and the output changes."""
+    on = StageRunner.load(resolve_model_dir(None), 1, 64, "cpu", "float32")
+    off = StageRunner.load(resolve_model_dir(None), 1, 64, "cpu", "float32")
+    off.model.disable_engram()
+    a, b = (r.step(StepBatch([5, 6, 7, 8], [0], [4], [0], new_blocks=[[0]])) for r in (on, off))
+    assert set(on.engram_ran) == set(on.model.engram_layer_ids) and not off.engram_ran
+    assert not torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_ab_arms_start_their_servers(tmp_path, capsys) -> None:
+    """Answers taken from the bundled model's own greedy completions (``generate``, not the
+    server) for half the items and wrong for the rest: the Engram-on arm scores exactly half;
+    the table has the off arm beside it."""
+    model = resolve_model_dir(None)
+    runner = StageRunner.load(model, 1, 128, "cpu", "float32")
+    prompts = PromptEncoder.load(model, runner.tokenizer)
+    rows = []
+    for i, text in enumerate(["The quick brown fox", "Hello there", "In a garden", "Rivers"]):
+        out = generate(Pipeline(runner), prompts, text, max_tokens=6).text
+        rows.append({"prompt": text, "answer": out if i % 2 == 0 else out + " x"})
+    tasks = _write(tmp_path / "t.jsonl", rows)
+    args = build_parser().parse_args(
+        [
+            "eval",
+            tasks,
+            "--max-tokens",
+            "6",
+            "--json",
+            "--ab",
+            "on=--device cpu --dtype float32",
+            "off=--device cpu --dtype float32 --engram off",
+        ]
+    )
+    assert args.func(args) == 0
+    on, off = json.loads(capsys.readouterr().out)
+    assert on["accuracy"] == 0.5 and [r["correct"] for r in on["results"]] == [1, 0, 1, 0]
+    assert off["arm"] == "off" and off["items"] == 4
