@@ -25,9 +25,21 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "o
                          "ok": {"type": "boolean"}}}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def session() -> StageRunner:
-    return StageRunner.load(resolve_model_dir(None), 4, 256, "cpu", "float32")
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def session(request) -> StageRunner:
+    return StageRunner.load(resolve_model_dir(None), 4, 256, request.param, "float32")
 
 
 def _run(session, overlap: bool, guided: bool) -> dict[str, str]:

@@ -85,9 +85,23 @@ def test_validation_names_the_field() -> None:
 MAX_LEN, SLOTS = 96, 3
 
 
-@pytest.fixture(scope="module")
-def session() -> StageRunner:
-    return StageRunner.load(resolve_model_dir(None), SLOTS, MAX_LEN, "cpu", "float32")
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def session(request) -> StageRunner:
+    """The engine tests run on the CPU, and with ``-m gpu`` on CUDA too (fp32: argmax ties
+    are as unlikely as on the CPU)."""
+    return StageRunner.load(resolve_model_dir(None), SLOTS, MAX_LEN, request.param, "float32")
 
 
 def _recording(session: StageRunner, monkeypatch, engine) -> list:

@@ -176,7 +176,7 @@ def restate(
     logits: torch.Tensor, c: Controls, prompt: list[int], output: list[int], index: int
 ) -> torch.Tensor:
     """One row ``logits [V]`` under ``c``, written out per token id: the tests' oracle."""
-    x = [float(v) for v in logits]
+    x = [float(v) for v in logits.cpu()]
     vocab = len(x)
     for t in range(vocab):
         if c.allowed_token_ids is not None and t not in c.allowed_token_ids:
