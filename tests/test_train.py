@@ -1,0 +1,60 @@
+"""The training recipe of the bundled model: its generated data is fixed by the seed, a few
+steps on the CPU are reproducible and lower the loss, and what it saves loads as a served
+checkpoint (fp8 tables) whose hash ids are the hasher's."""
+
+from __future__ import annotations
+
+import torch
+
+from engramrt.bundled import train as recipe
+from engramrt.engram import load_hasher
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.stage import StageRunner
+
+
+def test_corpus_is_fixed_by_the_seed() -> None:
+    a, b, c = recipe.corpus(1), recipe.corpus(1), recipe.corpus(2)
+    assert a == b and a.train != c.train
+    for item in a.tasks["in_context"]:  # every lookup has one answer
+        pairs = [p.split("=") for p in item["prompt"].split(". ")[0].split("; ")]
+        assert len({k for k, _ in pairs}) == len(pairs)
+    train_text = "\n".join(a.train)
+    held = [f"{i['prompt']} {i['answer']}." for i in a.tasks["arithmetic"]]
+    assert not any(h in train_text for h in held)  # held-out sums are never trained on
+
+
+def test_a_few_steps_are_reproducible_and_learn() -> None:
+    kw = {"length": 24, "size": 3, "log": None}
+    r1, l1 = recipe.train(6, seed=7, **kw)
+    r2, l2 = recipe.train(6, seed=7, **kw)
+    assert l1 == l2
+    for (n, p), (_, q) in zip(r1.model.state_dict().items(), r2.model.state_dict().items(),
+                              strict=True):  # fmt: skip
+        assert torch.equal(p, q), n
+    fresh = recipe.build(7, "cpu")
+    windows = next(recipe.batches([[5, 6, 7, 8, 9] * 6], 1, 24, 3, 0))
+    before = recipe.loss_of(fresh, windows).item()
+    opt = torch.optim.AdamW(recipe.trainable(fresh), lr=3e-3)
+    for _ in range(8):
+        loss = recipe.loss_of(fresh, windows)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert recipe.loss_of(fresh, windows).item() < 0.5 * before
+
+
+def test_saved_checkpoint_serves(tmp_path) -> None:
+    runner, _ = recipe.train(2, seed=3, length=16, size=2, log=None)
+    out = recipe.save(runner, tmp_path / "m", seed=3)
+    assert sorted(p.name for p in (out / "tasks").iterdir()) == [
+        "arithmetic.jsonl", "in_context.jsonl", "recall.jsonl"]  # fmt: skip
+    served = StageRunner.load(out, 1, 64, "cpu", "float32")
+    table = served.model.layers["1"].engram.embed
+    assert table.weight.dtype == torch.float8_e4m3fn
+    logits = served.step(StepBatch([5, 6, 7], [0], [3], [0], new_blocks=[[0]]))
+    assert torch.isfinite(logits).all()
+    hasher, _ = load_hasher(out, 1, "cpu")
+    ids = torch.tensor([5, 6, 7])
+    want = hasher.extend(ids, torch.tensor([0]), torch.tensor([3]), torch.tensor([0]))
+    got = served.hasher.extend(ids, torch.tensor([0]), torch.tensor([3]), torch.tensor([0]))
+    assert torch.equal(got, want)
