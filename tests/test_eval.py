@@ -79,6 +79,16 @@ def test_scores_against_known_answers(stub, tmp_path, capsys) -> None:
     assert [r["picked"] for r in arm["results"]][3:] == ["best", "best"]
 
 
+def test_a_token_across_the_prompt_boundary_belongs_to_the_choice() -> None:
+    """ "Capital: " + "Paris" tokenises as "Capital", ":", " Paris": the last token starts in
+    the prompt's trailing space but holds the choice, so it is scored."""
+    text = "Capital: Paris"
+    lps = {"token_logprobs": [None, -2.0, -0.5], "text_offset": [0, 7, 8]}
+    assert evaluate.choice_loglikelihood("Capital: ", lps, text) == -0.5
+    assert evaluate.choice_loglikelihood("Capital:", lps, text) == -0.5
+    assert evaluate.choice_loglikelihood("Capital", lps, text) == -2.5
+
+
 def test_bad_task_files_name_the_line(tmp_path) -> None:
     with pytest.raises(ValueError, match=":2:"):
         evaluate.load_tasks(_write(tmp_path / "a.jsonl", [{"prompt": "x", "answer": "y"},
@@ -120,7 +130,7 @@ def test_ab_arms_start_their_servers(tmp_path, capsys) -> None:
     rows = []
     for i, text in enumerate(["The quick brown fox", "Hello there", "In a garden", "Rivers"]):
         out = generate(Pipeline(runner), prompts, text, max_tokens=6).text
-        rows.append({"prompt": text, "answer": out if i % 2 == 0 else out + " x"})
+        rows.append({"prompt": text, "answer": out if i % 2 == 0 else out + " x", "stop": []})
     tasks = _write(tmp_path / "t.jsonl", rows)
     args = build_parser().parse_args(
         [

@@ -75,7 +75,10 @@ def test_validation_names_the_field() -> None:
                        (Controls(repetition_penalty=0), "repetition_penalty"),
                        (Controls(min_tokens=-1), "min_tokens"),
                        (Controls(allowed_token_ids=[]), "allowed_token_ids"),
-                       (Controls(logit_bias={V: 1.0}), "outside the vocabulary")]:  # fmt: skip
+                       (Controls(logit_bias={V: 1.0}), "outside the vocabulary"),
+                       (Controls(allowed_token_ids=[3], banned_ids=[3]), "bad_words"),
+                       (Controls(allowed_token_ids=[1, 3], min_tokens=2, min_tokens_ids=[1, 3]),
+                        "min_tokens")]:  # fmt: skip
         with pytest.raises(ValueError, match=field):
             bad.validate(V)
 

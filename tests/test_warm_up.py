@@ -22,15 +22,20 @@ def _tiles(tokens: int, k: int) -> tuple:
     return p.block_t, p.block_k, p.warps, post_block_d(tokens)
 
 
-@pytest.mark.parametrize("max_tokens,slots", [(8192, 256), (96, 8), (2048, 1), (20, 64), (3, 2)])
-def test_warm_up_plan_covers_every_compile_time_variant(max_tokens, slots) -> None:
+@pytest.mark.parametrize(
+    "max_tokens,slots,max_len",
+    [(8192, 256, 4096), (96, 8, 512), (2048, 1, 2048), (20, 64, 256), (3, 2, 8), (2048, 8, 64),
+     (2048, 3, 40), (512, 200, 2)],
+)  # fmt: skip
+def test_warm_up_plan_covers_every_compile_time_variant(max_tokens, slots, max_len) -> None:
     """Every mixed step (2 or more tokens, not all runs of one) selects mHC tiles by its token
     count and the hash kernel's REQ_PAD by its request count (a power of two): the plan's steps
     reach every value a step within the limits can, and each is itself a valid mixed step."""
-    plan = warm_up_plan(max_tokens, slots)
-    assert all(sum(r) <= max_tokens and len(r) <= slots and max(r) > 1 for r in plan)
+    plan = warm_up_plan(max_tokens, slots, max_len)
+    assert all(sum(r) <= max_tokens and len(r) <= slots and 1 < max(r) <= max_len
+               for r in plan)  # fmt: skip
     for k in (4 * 64, 4 * 3072, 4 * 7168):
-        reachable = {_tiles(t, k) for t in range(2, max_tokens + 1)}
+        reachable = {_tiles(t, k) for t in range(2, min(max_tokens, slots * max_len) + 1)}
         assert {_tiles(sum(r), k) for r in plan} == reachable
     max_reqs = min(slots, max_tokens - 1)
     reachable = {triton.next_power_of_2(n) for n in range(1, max_reqs + 1)}

@@ -37,6 +37,7 @@ class Item:
     prompt: str
     answer: str | int
     choices: list[str] | None = None
+    stop: list[str] | None = None  # exact match: where the answer ends (default: a newline)
 
 
 @dataclass
@@ -52,7 +53,7 @@ def load_tasks(path: str | Path, limit: int | None = None) -> list[Item]:
             continue
         try:
             obj = json.loads(line)
-            item = Item(str(obj["prompt"]), obj["answer"], obj.get("choices"))
+            item = Item(str(obj["prompt"]), obj["answer"], obj.get("choices"), obj.get("stop"))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{n}: not a task ({exc})") from None
         if item.choices is not None and not (
@@ -64,10 +65,13 @@ def load_tasks(path: str | Path, limit: int | None = None) -> list[Item]:
     return items[:limit]
 
 
-def choice_loglikelihood(prompt: str, logprobs: dict) -> float:
-    """Sum of the logprobs of the echoed tokens past the prompt's text."""
-    pairs = zip(logprobs["text_offset"], logprobs["token_logprobs"], strict=True)
-    return sum(lp for off, lp in pairs if off >= len(prompt) and lp is not None)
+def choice_loglikelihood(prompt: str, logprobs: dict, text: str) -> float:
+    """Sum of the logprobs of the echoed tokens that hold any of the choice's text: a token
+    that starts inside the prompt (" Paris" after "is") belongs to the choice it ends in."""
+    offsets = logprobs["text_offset"]
+    ends = [*offsets[1:], len(text)]
+    pairs = zip(ends, logprobs["token_logprobs"], strict=True)
+    return sum(lp for end, lp in pairs if end > len(prompt) and lp is not None)
 
 
 class Client:
@@ -84,13 +88,15 @@ class Client:
 
     async def score(self, item: Item) -> Scored:
         if item.choices is None:
-            text = (await self._complete(prompt=item.prompt, max_tokens=self.max_tokens))["text"]
+            stop = item.stop if item.stop is not None else ["\n"]
+            out = await self._complete(prompt=item.prompt, max_tokens=self.max_tokens, stop=stop)
+            text = out["text"]
             return Scored(text, text.strip() == str(item.answer).strip())
         outs = await asyncio.gather(*(
             self._complete(prompt=item.prompt + c, max_tokens=0, echo=True, logprobs=0)
             for c in item.choices
         ))  # fmt: skip
-        lls = [choice_loglikelihood(item.prompt, o["logprobs"]) for o in outs]
+        lls = [choice_loglikelihood(item.prompt, o["logprobs"], o["text"]) for o in outs]
         best = max(range(len(lls)), key=lls.__getitem__)
         want = item.answer if isinstance(item.answer, int) else item.choices.index(item.answer)
         return Scored(item.choices[best], best == want)
@@ -209,6 +215,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _arms(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     extra = shlex.split(args.serve_args)
+    server_side = (args.engram != "on" or args.pipeline_parallel_size != 1
+                   or args.pp_layer_partition or extra)  # fmt: skip
+    if args.base_url and server_side:
+        raise ValueError(
+            "--engram, -pp, --pp-layer-partition and --serve-args configure the "
+            "server started here; with --base-url the server is already running"
+        )
     if args.ab:
         if args.base_url:
             raise ValueError("--ab starts a server per arm; it cannot take --base-url")

@@ -107,7 +107,7 @@ class Engine:
     ) -> Request:
         """The one validation of a request, with the numbers in every ValueError. Needs no
         engine state, so the server calls it on its own thread, at the boundary."""
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.cfg.eos_token_id)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]

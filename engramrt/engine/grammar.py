@@ -66,6 +66,7 @@ class Grammars:
 
     def __init__(self, tokenizer: Tokenizer, vocab: int, eos_token_id: int | None):
         self.tokenizer, self.vocab, self.eos = tokenizer, vocab, eos_token_id
+        self._json: str | None = None  # the tokenizer, serialised once (the cache's key)
 
     def matcher(self, spec: GrammarSpec):
         """A fresh matcher; ValueError (with the grammar's own message) if it is invalid."""
@@ -75,7 +76,8 @@ class Grammars:
             grammar = spec.grammar()
         except (ValueError, TypeError) as exc:
             raise ValueError(f"invalid {spec.kind} grammar: {exc}") from None
-        tok = _ll_tokenizer(self.tokenizer.to_str(), self.vocab, self.eos)
+        self._json = self._json or self.tokenizer.to_str()
+        tok = _ll_tokenizer(self._json, self.vocab, self.eos)
         error = llguidance.LLMatcher.validate_grammar(grammar, tok)
         if error:
             raise ValueError(f"invalid {spec.kind} grammar: {error}")

@@ -58,13 +58,13 @@ class SamplingParams:
         )  # fmt: skip
         return None if c == Controls() else c
 
-    def validate(self, vocab: int | None = None) -> None:
+    def validate(self, vocab: int | None = None, eos_token_id: int | None = None) -> None:
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         self.row(0).validate()
         if self.prompt_logprobs is not None:
             SampleRow(logprobs=self.prompt_logprobs).validate()
-        controls = self.controls(None)
+        controls = self.controls(eos_token_id)
         if controls is not None:
             controls.validate(vocab)
         if self.min_tokens > self.max_tokens:

@@ -129,6 +129,7 @@ def load_model(
             )
         state[name] = t.float() if ".hc_" in name else t.to(dtype)
     model.load_state_dict(state, strict=False, assign=True)
+    state.clear()  # stacked projections were copied into new tensors: free the parts now
     leftover = [n for n, t in model.state_dict().items() if t.is_meta]
     if leftover:
         raise CheckpointError(f"tensor {leftover[0]} was not loaded")

@@ -48,6 +48,12 @@ class Controls:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
+        if self.allowed_token_ids is not None:
+            left = set(self.allowed_token_ids) - set(self.banned_ids)
+            if not left:
+                raise ValueError("allowed_token_ids: bad_words ban every allowed token")
+            if self.min_tokens and not left - set(self.min_tokens_ids):
+                raise ValueError("min_tokens: every allowed token would end the request early")
         named = [*self.logit_bias, *(self.allowed_token_ids or []), *self.banned_ids]
         bad = [t for t in named if t < 0 or (vocab is not None and t >= vocab)]
         if bad:

@@ -157,12 +157,14 @@ class Sampler:
             last[:, limit:] = float("-inf")
         live_slots = [batch.slots[i] for i in live]
         controlled = self.controls.apply(last, live_slots, [rows[i].index for i in live])
-        if batch.masks:  # a grammar's mask wins over controls that would leave nothing allowed
+        base = last  # what a row falls back to when its controls leave no token allowed
+        if batch.masks:  # the grammar's mask: both ways
             at = {row: j for j, row in enumerate(live)}
             masks = [(at[row], words) for row, words in batch.masks]
-            masked = apply_token_masks(controlled, masks)
-            dead = torch.isinf(masked).all(-1, keepdim=True)
-            controlled = torch.where(dead, apply_token_masks(last, masks), masked)
+            base, controlled = apply_token_masks(last, masks), apply_token_masks(controlled, masks)
+        if controlled is not last:
+            dead = torch.isinf(controlled).all(-1, keepdim=True)
+            controlled = torch.where(dead, base, controlled)
         last = controlled
         sampled = sample_tokens_device(last, [rows[i] for i in live], self.generator)
         self.controls.count(live_slots, [rows[i].final for i in live], sampled)

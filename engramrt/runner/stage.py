@@ -180,7 +180,7 @@ class StageRunner:
         if self.device.type != "cuda" or self.kv is None:
             return
         block = self.kv.block_size
-        for runs in warm_up_plan(max_tokens, len(self.kv.tables)):
+        for runs in warm_up_plan(max_tokens, len(self.kv.tables), self.kv.max_len):
             ends = np.cumsum([-(-n // block) for n in runs])  # scratch blocks, reused each step
             if ends[-1] > self.kv.num_blocks:
                 continue
@@ -286,17 +286,25 @@ class StageRunner:
         return Carry(x, pre, carry.hash_ids, carry.dead)
 
 
-def warm_up_plan(max_tokens: int, slots: int) -> list[list[int]]:
+def warm_up_plan(max_tokens: int, slots: int, max_len: int) -> list[list[int]]:
     """The run lengths of the warm-up's mixed steps: one step with a token count in each bucket
     of the mHC kernels' compile-time tiles (``WARM_UP_TOKENS``), one with each power-of-two
-    request count (the hash kernel's ``REQ_PAD``). None is a decode step (all runs of one
-    token), which graph capture covers."""
+    request count (the hash kernel's ``REQ_PAD``); no run longer than ``max_len``. None is a
+    decode step (all runs of one token), which graph capture covers."""
     from engramrt.kernels.mhc_fused import WARM_UP_TOKENS
 
     plan = []
     for t in WARM_UP_TOKENS:
-        if t <= max_tokens:
-            plan.append([1, t - 1] if t > 2 and slots > 1 else [t])
+        if t > min(max_tokens, slots * max_len):
+            continue  # no step can hold this many tokens
+        rest, runs = t, []
+        if t > 2 and slots > 1:  # a one-token run beside a chunk, as in serving
+            runs, rest = [1], t - 1
+        runs += [max_len] * (rest // max_len) + ([rest % max_len] if rest % max_len else [])
+        if len(runs) <= slots and max(runs) > 1:
+            plan.append(runs)
+        elif max_len > 1:  # the same count with the runs spread over every slot
+            plan.append([t // slots + (i < t % slots) for i in range(slots)])
     most, r = min(slots, max_tokens - 1), 4  # an extend step has a run of 2 or more
     while min(r, most) > r // 2:  # the bucket (r/2, r] holds a reachable count
         n = min(r, most)

@@ -119,7 +119,7 @@ class _Sampling(_Base):
         if self.tool_choice not in (None, "none", "auto"):
             raise ValueError("tool_choice: tool calling is not supported for this model")
         for key in self.logit_bias or {}:
-            if not key.strip().lstrip("-").isdigit():
+            if not key.strip().lstrip("-").isascii() or not key.strip().lstrip("-").isdigit():
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
         return self
 
