@@ -53,7 +53,7 @@ def test_every_help_shows_the_defaults() -> None:
     bench = parsers.pop([p.prog for p in parsers].index("engramrt bench"))
     parsers += [p for a in bench._actions if isinstance(a, argparse._SubParsersAction)
                 for p in a.choices.values()]  # fmt: skip
-    assert len(parsers) == 6
+    assert len(parsers) == 7  # engram-hash, generate, check-pp, serve, eval, bench serve/throughput
     for p in parsers:
         text = " ".join(p.format_help().split())
         for a in p._actions:
