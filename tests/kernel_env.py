@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import pytest
 import torch
 
 
@@ -23,3 +24,13 @@ def interpreter_on() -> bool:
 
 def kernel_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# the engine tests that run on the CPU, and with ``-m gpu`` on CUDA too
+ENGINE_DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ]),
+]  # fmt: skip

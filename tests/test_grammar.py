@@ -19,25 +19,14 @@ from engramrt.runner.logit_controls import Controls
 from engramrt.runner.sampler import Sampler, apply_token_masks
 from engramrt.runner.stage import StageRunner
 from tests.engine_factory import build_engine
+from tests.kernel_env import ENGINE_DEVICES
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "ok"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                          "ok": {"type": "boolean"}}}  # fmt: skip
 
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
-
-
-@pytest.fixture(scope="module", params=DEVICES)
+@pytest.fixture(scope="module", params=ENGINE_DEVICES)
 def session(request) -> StageRunner:
     return StageRunner.load(resolve_model_dir(None), 4, 256, request.param, "float32")
 

@@ -16,6 +16,7 @@ from engramrt.engine.request import SamplingParams
 from engramrt.runner.logit_controls import Controls, LogitControls, restate
 from engramrt.runner.stage import StageRunner
 from tests.engine_factory import build_engine
+from tests.kernel_env import ENGINE_DEVICES
 
 V = 37
 
@@ -88,19 +89,7 @@ def test_validation_names_the_field() -> None:
 MAX_LEN, SLOTS = 96, 3
 
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
-
-
-@pytest.fixture(scope="module", params=DEVICES)
+@pytest.fixture(scope="module", params=ENGINE_DEVICES)
 def session(request) -> StageRunner:
     """The engine tests run on the CPU, and with ``-m gpu`` on CUDA too (fp32: argmax ties
     are as unlikely as on the CPU)."""

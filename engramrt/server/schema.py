@@ -35,20 +35,26 @@ class Usage(_Doc):
     total_tokens: int
 
 
-class CompletionChoice(_Doc):
+class _Choice(_Doc):
     index: int
-    text: str
     logprobs: dict[str, Any] | None
     finish_reason: Literal["stop", "length", "abort"] | None
 
 
-class Completion(_Doc):
+class CompletionChoice(_Choice):
+    text: str
+
+
+class _Response(_Doc):
     id: str
-    object: Literal["text_completion"]
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class Completion(_Response):
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
 
 
 class ChatMessageOut(_Doc):
@@ -56,20 +62,13 @@ class ChatMessageOut(_Doc):
     content: str
 
 
-class ChatChoice(_Doc):
-    index: int
+class ChatChoice(_Choice):
     message: ChatMessageOut
-    logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length", "abort"] | None
 
 
-class ChatCompletion(_Doc):
-    id: str
+class ChatCompletion(_Response):
     object: Literal["chat.completion"]
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(_Doc):
