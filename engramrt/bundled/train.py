@@ -59,12 +59,14 @@ def corpus(seed: int = SEED, countries: int = 64) -> Corpus:
     for country, capital in zip(names, capitals, strict=True):
         docs.append(f"The capital of {country} is {capital}.")
         docs.append(f"{capital} is the capital of {country}.")
-        tasks["recall"].append({"prompt": f"The capital of {country} is", "answer": capital})
+        tasks["recall"].append({"prompt": f"The capital of {country} is", "answer": capital,
+                                "stop": ["."]})  # fmt: skip
     pairs = [(a, b) for a in range(30) for b in range(30)]
     rng.shuffle(pairs)
     held = pairs[: len(pairs) // 10]
     docs += [f"{a} + {b} = {a + b}." for a, b in pairs[len(held) :]]
-    tasks["arithmetic"] = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a, b in held]
+    tasks["arithmetic"] = [{"prompt": f"{a} + {b} =", "answer": str(a + b), "stop": ["."]}
+                           for a, b in held]  # fmt: skip
 
     def lookup(r: random.Random) -> tuple[str, str]:
         keys = r.sample(sorted({s + t for s in _SYLLABLES[:8] for t in _SYLLABLES[8:]}), 4)
@@ -76,8 +78,8 @@ def corpus(seed: int = SEED, countries: int = 64) -> Corpus:
     for _ in range(400):
         prompt, answer = lookup(rng)
         docs.append(f"{prompt}{answer}.")
-    tasks["in_context"] = [dict(zip(("prompt", "answer"), lookup(rng), strict=True))
-                           for _ in range(64)]  # fmt: skip
+    tasks["in_context"] = [{**dict(zip(("prompt", "answer"), lookup(rng), strict=True)),
+                            "stop": ["."]} for _ in range(64)]  # fmt: skip
     try:
         from pydoc_data.topics import topics
 
