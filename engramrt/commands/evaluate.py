@@ -138,8 +138,9 @@ class LocalServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.seek(0)
-                raise RuntimeError(f"engramrt serve {shlex.join(flags)} exited: "
-                                   f"{self.log.read()[-2000:]}")  # fmt: skip
+                tail = self.log.read()[-2000:]
+                self.log.close()
+                raise RuntimeError(f"engramrt serve {shlex.join(flags)} exited: {tail}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
