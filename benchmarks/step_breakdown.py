@@ -54,8 +54,8 @@ def main() -> None:
 
         return wrapped
 
-    replay = graphs_mod.DecodeGraphs.replay
-    graphs_mod.DecodeGraphs.replay = timed("replay_call", on_gpu("graph", replay))
+    replay = graphs_mod.StepGraphs.replay
+    graphs_mod.StepGraphs.replay = timed("replay_call", on_gpu("graph", replay))
     sampler = runner.sampler  # the step launches it; the host waits in PendingResult.wait
     sampler.launch = timed("sampler_launch", on_gpu("sampler", sampler.launch))
     pending_wait = PendingResult.wait

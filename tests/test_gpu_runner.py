@@ -13,7 +13,7 @@ import torch
 from engramrt.bundled import DEFAULT_MODEL_DIR
 from engramrt.engram import load_hasher
 from engramrt.model.attention import _torch_attention
-from engramrt.model.context import ForwardContext, KVCache
+from engramrt.model.context import ForwardContext, GraphShape, KVCache
 from engramrt.model.layers import apply_rope, rope_tables
 from engramrt.runner.batch import SampleRow, StepBatch
 from engramrt.runner.sampler import sample_tokens
@@ -58,7 +58,7 @@ def test_padded_decode_equals_unpadded(model, pad_to: int) -> None:
         want = plain.step(StepBatch(nxt, slots, [1] * 3, pos))
         ctx = ForwardContext.for_runs(
             slots, [1] * 3, pos, padded.kv, "cpu", nxt,
-            width=padded.kv.blocks_per_seq, pad_to=pad_to,
+            width=padded.kv.blocks_per_seq, pad=GraphShape(True, pad_to, pad_to),
         )  # fmt: skip
         got = padded.forward(ctx, None)
         assert got.shape[0] == pad_to and ctx.engram_ran == [0, 2]
@@ -75,17 +75,89 @@ def test_padded_decode_equals_unpadded(model, pad_to: int) -> None:
         assert not padded.kv.k[i][slot0].any() and not padded.kv.v[i][slot0].any()
 
 
+@pytest.mark.parametrize(("tokens", "requests", "kernel"),
+                         [(16, 4, False), (32, 16, False), (24, 5, False),
+                          pytest.param(16, 4, True, marks=pytest.mark.triton)])  # fmt: skip
+def test_padded_mixed_step_equals_unpadded(model, tokens: int, requests: int, kernel) -> None:
+    """A mixed step (a prompt chunk beside decode rows, a PENDING-free first stage) padded to a
+    mixed graph's shape: the unpadded step's logits at each run's last token (the rows sampling
+    reads), the same history and K/V, and the padding writes and commits nothing. The eager
+    ``last_only`` step gives the same rows. Floats to fp32 rounding (GEMMs of other shapes).
+    ``kernel``: the padded step hashes and commits with the Triton kernel (interpreted)."""
+    if kernel and not triton_runs():
+        pytest.skip("Triton cannot run here")
+    rng = random.Random(tokens * requests)
+    full, last, padded = (new_session(model, 6) for _ in range(3))
+    if kernel:
+        from engramrt.kernels.engram_hash import TritonHashOps
+
+        padded.hasher.ops = TritonHashOps(padded.hasher)
+    slots = [3, 1, 2]
+    seqs = _prefill([full, last, padded], rng, slots)
+    shape = GraphShape(False, tokens, requests)
+    for _ in range(4):
+        lens = [1, rng.randint(2, 6), 1]
+        rng.shuffle(lens)
+        nxt = [rng.randrange(6, 1024) for _ in range(sum(lens))]
+        pos = [len(q) for q in seqs]
+        batch = StepBatch(nxt, slots, lens, pos)
+        ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
+        want = full.step(batch)[ends]
+        rows = last.step(batch, last_only=True)  # a GEMM of fewer rows may round differently
+        torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)
+        ctx = ForwardContext.for_runs(
+            slots, lens, pos, padded.kv, "cpu", nxt, padded.kv.blocks_per_seq, shape,
+            last_rows=True,
+        )  # fmt: skip
+        assert ctx.positions.numel() == tokens and ctx.tiles[0].numel() == shape.tiles
+        got = padded.forward(ctx, None)
+        assert got.shape[0] == requests and ctx.engram_ran == [0, 2]
+        torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[:3].argmax(-1), want.argmax(-1))
+        at = 0
+        for q, n in zip(seqs, lens, strict=True):
+            q += nxt[at : at + n]
+            at += n
+    rows = full.hasher.history.num_slots  # the row past them is the reference's scratch row
+    for s in (last, padded):
+        assert torch.equal(s.hasher.history.table[:rows], full.hasher.history.table[:rows])
+    assert not padded.hasher.history.table[0].any()  # slot 0: only ever padding
+    slot0 = padded.kv.token_slots(padded.kv.slot_table(0), 0, 64, "cpu")
+    for i in model.layer_ids:
+        torch.testing.assert_close(padded.kv.k[i], full.kv.k[i], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(padded.kv.v[i], full.kv.v[i], rtol=1e-5, atol=1e-5)
+        assert not padded.kv.k[i][slot0].any() and not padded.kv.v[i][slot0].any()
+
+
+def test_graph_shape_bounds_every_runs_tiles() -> None:
+    """The tile count a mixed graph launches covers the tiles of any runs that fit it (the
+    brute-force count from ``prefill_tiles``), at the worst cases: runs just past a tile."""
+    from engramrt.kernels.tiles import PREFILL_TILE, prefill_tiles
+
+    rng = random.Random(0)
+    for _ in range(300):
+        shape = GraphShape(False, rng.randint(2, 3000), rng.randint(1, 64))
+        b = rng.randint(1, min(shape.requests, shape.tokens))
+        lens = [rng.choice([1, PREFILL_TILE + 1, rng.randint(1, 400)]) for _ in range(b)]
+        while sum(lens) > shape.tokens:
+            lens[lens.index(max(lens))] //= 2
+        assert shape.fits(lens)
+        assert len(prefill_tiles(lens)[0]) <= shape.tiles
+
+
 def test_padding_rejects_prefill_runs(model) -> None:
     s = new_session(model, 2)
     with pytest.raises(ValueError, match="one-token runs"):
-        ForwardContext.for_runs([0], [2], [0], s.kv, "cpu", [7, 8], pad_to=4)
+        ForwardContext.for_runs([0], [2], [0], s.kv, "cpu", [7, 8], pad=GraphShape(True, 4, 4))
+    with pytest.raises(ValueError, match="at most 4 tokens"):
+        ForwardContext.for_runs([0], [5], [0], s.kv, "cpu", [7] * 5, pad=GraphShape(False, 4, 2))
 
 
 # --- Triton attention against torch, through the model's own context ----------------------
 
 
 def _attention_case(seed: int, run_lens: list[int], start_pos: list[int], heads=4, kv_heads=2,
-                    dim=16, bs=4, pad_to=None):  # fmt: skip
+                    dim=16, bs=4, pad: GraphShape | None = None):  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     n = len(run_lens)
     kv = KVCache([0], 64, bs, kv_heads, dim, torch.float32, "cpu", 48, num_slots=n)
@@ -96,7 +168,7 @@ def _attention_case(seed: int, run_lens: list[int], start_pos: list[int], heads=
     toks = [7] * sum(run_lens)
     kv.set_tables(list(range(n)), None, tables)
     ctx = ForwardContext.for_runs(list(range(n)), run_lens, start_pos, kv, "cpu", toks,
-                                  width=12 if pad_to else None, pad_to=pad_to)  # fmt: skip
+                                  width=12 if pad else None, pad=pad)  # fmt: skip
     t = ctx.positions.numel()
     q = torch.randn(t, heads, dim, generator=g)
     k = torch.randn(t, kv_heads, dim, generator=g)
@@ -147,7 +219,7 @@ def test_triton_attention_matches_torch(run_lens, start_pos) -> None:
 @triton_only
 @pytest.mark.triton
 def test_triton_decode_padding_writes_and_reads_nothing() -> None:
-    ctx, q, k, v = _attention_case(5, [1, 1], [4, 17], pad_to=4)
+    ctx, q, k, v = _attention_case(5, [1, 1], [4, 17], pad=GraphShape(True, 4, 4))
     got, want, (kd, vd), (kc, vc) = _both_paths(ctx, q, k, v)
     torch.testing.assert_close(got[:2], want[:2], rtol=1e-5, atol=1e-5)
     assert not got[2:].any()
@@ -194,6 +266,22 @@ def test_truncation_keeps_only_allowed_tokens() -> None:
         assert toks[0] in order[:5] and toks[1] in nucleus
 
 
+@triton_only
+@pytest.mark.triton
+@pytest.mark.parametrize(("run_lens", "start_pos"), [([5, 1, 33], [0, 9, 3]), ([1, 2], [7, 0])])
+def test_triton_mixed_padding_writes_and_reads_nothing(run_lens, start_pos) -> None:
+    """A mixed step padded to a graph's shape (orphan tokens, empty runs, tiles past every
+    run): the real tokens' outputs and the cache as the torch path gives them unpadded."""
+    shape = GraphShape(False, 48, 5)
+    ctx, q, k, v = _attention_case(7, run_lens, start_pos, pad=shape)
+    assert ctx.tiles[0].numel() == shape.tiles and ctx.positions.numel() == 48
+    got, want, (kd, vd), (kc, vc) = _both_paths(ctx, q, k, v)
+    real = sum(run_lens)
+    torch.testing.assert_close(got[:real], want[:real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kd, kc, rtol=1e-6, atol=1e-6)
+    assert torch.equal(vd, vc)
+
+
 # --- CUDA graphs (GPU) ---------------------------------------------------------------------
 
 
@@ -224,6 +312,63 @@ def test_graph_replay_equals_eager_for_every_size() -> None:
             for q, t in zip(seqs, nxt, strict=True):
                 q.append(t)
         assert torch.equal(graphed.hasher.history.table, eager.hasher.history.table)
+    assert graphed.engram_ran == eager.engram_ran
+
+
+@pytest.mark.gpu
+def test_mixed_graph_replay_equals_eager() -> None:
+    """fp32: mixed steps (prompt chunks beside decode rows) of token counts across the captured
+    buckets replay graphs and give the eager steps' sampled rows, history and K/V; a step that
+    wants every token's logits runs eagerly."""
+    from engramrt.runner import graphs as graphs_mod
+
+    model = make_model(seed=5, num_hidden_layers=3, engram_layer_ids=[0, 2])[0].cuda()
+    slots_n, max_len = 9, 256
+
+    def session() -> StageRunner:
+        hasher, tok = load_hasher(DEFAULT_MODEL_DIR, slots_n, "cuda")
+        return StageRunner(model, hasher, new_kv_cache(model, slots_n, max_len), tok)
+
+    eager, graphed = session(), session()
+    graphed.capture_graphs(8, 160)
+    mixed = [s for s in graphed.graphs.shapes if not s.decode]
+    assert [s.tokens for s in mixed] == graphs_mod.token_sizes(160) == [16, 32, 64, 128, 160]
+    replays = []
+    real_replay = graphed.graphs.replay
+    graphed.graphs.replay = lambda host, shape, carry: (
+        replays.append(shape) or real_replay(host, shape, carry)
+    )
+    rng = random.Random(1)
+    slots = list(range(1, slots_n))
+    seqs = _prefill([eager, graphed], rng, slots)
+    for total in (5, 17, 40, 100, 150, 60, 130, 3):
+        short = min(slots, key=lambda s: len(seqs[s - 1]))  # the chunk's: room for it
+        pick = [
+            short,
+            *rng.sample([s for s in slots if s != short], rng.randint(0, min(7, total - 1))),
+        ]
+        lens = [1] * len(pick)
+        lens[0] += total - len(pick)  # one chunk, the rest decode rows
+        nxt = [rng.randrange(6, 1024) for _ in range(sum(lens))]
+        pos = [len(seqs[s - 1]) for s in pick]
+        batch = StepBatch(nxt, pick, lens, pos)
+        ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
+        want = eager.step(batch)[ends]
+        got = graphed.step(batch, last_only=True)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        at = 0
+        for s, n in zip(pick, lens, strict=True):
+            seqs[s - 1] += nxt[at : at + n]
+            at += n
+    assert len(replays) == 8 and not any(s.decode for s in replays[:-1])
+    assert torch.equal(graphed.hasher.history.table, eager.hasher.history.table)
+    for i in model.layer_ids:
+        torch.testing.assert_close(graphed.kv.k[i], eager.kv.k[i], rtol=1e-5, atol=1e-5)
+    n = len(replays)
+    last = StepBatch([7, 8], [1], [2], [len(seqs[0])])  # every token's logits: eager
+    torch.testing.assert_close(graphed.step(last), eager.step(last), rtol=1e-5, atol=1e-5)
+    assert len(replays) == n
     assert graphed.engram_ran == eager.engram_ran
 
 

@@ -258,11 +258,11 @@ def test_overlap_needs_a_pipeline_that_can(session) -> None:
 
 @pytest.mark.gpu
 def test_overlap_with_cuda_graphs_equals_synchronous(encode, session) -> None:
-    """On a GPU the steps really overlap, decode steps replay CUDA graphs (whose captured
-    forward resolves the pending tokens from ``last_token``) and results arrive through pinned
-    copies and an event."""
+    """On a GPU the steps really overlap, decode and mixed steps replay CUDA graphs (whose
+    captured forward resolves the pending tokens from ``last_token``) and results arrive
+    through pinned copies and an event."""
     runner = StageRunner.load(resolve_model_dir(None), MAX_SLOTS, MAX_LEN, "cuda", "float32")
-    runner.capture_graphs(MAX_SLOTS)
+    runner.capture_graphs(MAX_SLOTS, 64)  # mixed steps too: pending tokens beside chunks
     assert runner.graphs is not None
     vocab = session.tokenizer.get_vocab_size()
 

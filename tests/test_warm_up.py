@@ -13,7 +13,7 @@ import torch
 import triton
 
 from engramrt.kernels.mhc_fused import mixes_plan, post_block_d
-from engramrt.model.context import ForwardContext, KVCache
+from engramrt.model.context import ForwardContext, GraphShape, KVCache
 from engramrt.runner.stage import warm_up_plan
 
 
@@ -50,7 +50,9 @@ def test_step_buffer_views_are_16_byte_aligned() -> None:
         slots = rng.sample(range(8), n)
         runs = [rng.randint(1, 9) for _ in range(n)]
         kv.set_tables(slots, None, [list(range(s * 8, s * 8 + 3)) for s in slots])
-        ctx = ForwardContext.for_runs(slots, runs, [0] * n, kv, "cpu", [1] * sum(runs))
+        pad = rng.choice([None, GraphShape(False, sum(runs) + rng.randint(0, 9), 8)])
+        ctx = ForwardContext.for_runs(slots, runs, [0] * n, kv, "cpu", [1] * sum(runs),
+                                      pad=pad, last_rows=rng.random() < 0.5)  # fmt: skip
         views = [getattr(ctx, f) for f in ctx.__dataclass_fields__]
         views += list(ctx.tiles or ())
         for v in views:

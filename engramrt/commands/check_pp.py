@@ -148,7 +148,8 @@ class ContainedStage:
         r, t = self.runner, batch.num_tokens
         if not r.is_last:
             return Carry.empty(r.model, t, torch.zeros)
-        return r.sampler(torch.zeros(t, r.model.cfg.vocab_size, device=r.device), batch)
+        rows = t if batch.full_logits else len(batch.slots)  # what ``run`` hands the sampler
+        return r.sampler(torch.zeros(rows, r.model.cfg.vocab_size, device=r.device), batch)
 
 
 def _error(exc: Exception) -> str:
@@ -170,11 +171,11 @@ def _load_stage(opts: CheckOptions, parts: list[int], rank: int, n: int) -> Cont
     if fault:  # the second step (the first decode) raises
         step, calls = runner.step, []
 
-        def failing(batch: StepBatch, carry: Carry | None = None):
+        def failing(batch: StepBatch, carry: Carry | None = None, **kw):
             calls.append(batch)
             if len(calls) == 2:
                 raise RuntimeError(f"injected fault ({RAISE_ENV}) on stage {rank}")
-            return step(batch, carry)
+            return step(batch, carry, **kw)
 
         runner.step = failing
     return ContainedStage(runner)

@@ -354,16 +354,18 @@ def paged_prefill_attention(
     tile_m0: torch.Tensor,
     block_size: int,
     config: dict | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [T, H, D]``: request b's queries are rows ``query_start[b]:query_start[b + 1]`` at
     absolute positions from ``start_pos[b]``; each attends causally over its cached positions
-    (its K/V already written). Tiles: ``engramrt.kernels.tiles.prefill_tiles`` (every query
-    lies in one). ``config``: keys of ``prefill_config`` to override (benchmarks and tests)."""
+    (its K/V already written). Tiles: ``engramrt.kernels.tiles.prefill_tiles``; only the
+    queries in a tile are written (into ``out``, ``[>= T, H, D]``, when given). ``config``:
+    keys of ``prefill_config`` to override (benchmarks and tests)."""
     tokens, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     _group(heads, kv_heads)
     q = q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if tile_req.numel() == 0:
         return out
     cfg = {**prefill_config(dim, k_cache.dtype), **(config or {})}

@@ -54,9 +54,19 @@ def _triton_attention(qkv, cos, sin, k_cache, v_cache, ctx: ForwardContext, head
         return pa.paged_decode_attention(
             q, k_cache, v_cache, ctx.block_table, ctx.context_lens, bs, ctx.table_width
         )
-    return pa.paged_prefill_attention(
-        q, k_cache, v_cache, ctx.block_table, ctx.query_start, ctx.start_pos_t, *ctx.tiles, bs
-    )
+    # a mixed step: prompt chunks by the prefill kernel's tiles, the one-token runs by the
+    # decode kernel (a 128-query tile for one query would read its keys once per head); row T
+    # takes what graph-padding decode entries write
+    t = q.shape[0]
+    out = q.new_empty(t + 1, *q.shape[1:])
+    pa.paged_prefill_attention(q, k_cache, v_cache, ctx.block_table, ctx.query_start,
+                               ctx.start_pos_t, *ctx.tiles, bs, out=out)  # fmt: skip
+    tok, table, lens = ctx.decode_rows()
+    if tok.numel():
+        o = pa.paged_decode_attention(q[tok.clamp(max=t - 1)], k_cache, v_cache, table, lens, bs,
+                                      ctx.table_width)  # fmt: skip
+        out.index_copy_(0, tok, o)
+    return out[:t]
 
 
 def _torch_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:

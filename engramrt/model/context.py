@@ -8,10 +8,41 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engramrt.kernels.tiles import prefill_tiles
+from engramrt.kernels.tiles import PREFILL_TILE, prefill_tiles
 from engramrt.model.layers import rope_tables
 from engramrt.model.trace import Tracer
 from engramrt.transfer import to_device
+
+NO_TILE = 1 << 30  # a padded prefill tile's first query: past every run, so it walks nothing
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """The static shape a captured CUDA graph replays: a decode step of ``requests`` one-token
+    runs, or a mixed step (prefill chunks and decode rows) of up to ``tokens`` tokens in up to
+    ``requests`` runs, whose prefill kernel launches ``tiles`` tiles (every run's tiles fit:
+    a run of ``n`` tokens has ``ceil(n / PREFILL_TILE)``, so ``tokens // PREFILL_TILE +
+    requests`` bounds them all)."""
+
+    decode: bool
+    tokens: int
+    requests: int
+
+    @property
+    def tiles(self) -> int:
+        return 0 if self.decode else self.tokens // PREFILL_TILE + self.requests
+
+    def fits(self, run_lens: list[int]) -> bool:
+        if self.decode:
+            return len(run_lens) <= self.requests and all(n == 1 for n in run_lens)
+        return len(run_lens) <= self.requests and sum(run_lens) <= self.tokens
+
+    def check(self, run_lens: list[int]) -> None:
+        if not self.fits(run_lens):
+            kind = "one-token runs" if self.decode else f"at most {self.tokens} tokens"
+            raise ValueError(
+                f"runs {run_lens[:8]}... do not fit a graph of {self.requests} requests ({kind})"
+            )
 
 
 class KVCache:
@@ -104,17 +135,21 @@ class ForwardContext:
     start_pos_t: torch.Tensor  # [B]
     num_real: torch.Tensor  # [1] rows at or past it are CUDA-graph padding
     table_width: torch.Tensor  # [1] W, the block table's row stride
+    decode: bool = False  # one token per request: the decode kernels, the hasher's decode mode
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill kernel tiles (req, m0)
+    token_slots: torch.Tensor | None = None  # [T] history slot of each token (not decode)
+    # a mixed step's one-token runs, for the decode kernel: their token rows (T: padding),
+    # requests and context lengths
+    dec_tok: torch.Tensor | None = None
+    dec_req: torch.Tensor | None = None
+    dec_lens: torch.Tensor | None = None
+    logits_rows: torch.Tensor | None = None  # [B] each run's last token: the rows to sample
     hash_ids: torch.Tensor | None = None  # [T, L, (N-1)*H]
     dead: torch.Tensor | None = None  # [T] image tokens
     tracer: Tracer | None = None
     engram_ran: list[int] = field(default_factory=list)
-    rope_cache: dict = field(default_factory=dict)  # (head_dim, theta) -> (cos, sin)
-
-    @property
-    def decode(self) -> bool:
-        """One token per request: the decode kernels and the hasher's decode mode."""
-        return all(n == 1 for n in self.run_lens)
+    # per-step tensors the first layer that asks computes (in a CUDA graph: once per replay)
+    rope_cache: dict = field(default_factory=dict)
 
     @classmethod
     def for_runs(
@@ -126,14 +161,16 @@ class ForwardContext:
         device: torch.device | str,
         tokens: list[int] | None = None,
         width: int | None = None,
-        pad_to: int | None = None,
+        pad: GraphShape | None = None,
+        last_rows: bool = False,
         **kw,
     ) -> ForwardContext:
         """Validate on the host, build every tensor there and move them in one copy. Block
         tables are the slots' tables in ``kv`` (``KVCache.set_tables``). ``width`` fixes the
-        block-table columns (default: the widest table); ``pad_to`` appends one-token padding
-        rows (a decode batch for a captured graph of that size)."""
-        bsz = len(slots)
+        block-table columns (default: the widest table); ``pad`` pads the step to a captured
+        graph's shape (``GraphShape``); ``last_rows``: the logits are wanted at each run's last
+        token only (``logits_rows``), not at every token."""
+        bsz, n_tok = len(slots), sum(run_lens)
         if not len(run_lens) == len(start_pos) == bsz:
             raise ValueError("slots, run_lens and start_pos differ in length")
         at = np.asarray(slots, dtype=np.int64)
@@ -159,26 +196,43 @@ class ForwardContext:
         rows = table[req, positions // kv.block_size] * kv.block_size + positions % kv.block_size
         toks = torch.tensor(tokens if tokens is not None else [0] * len(req), dtype=torch.int64)
         ids, ctx_lens = torch.tensor(slots, dtype=torch.int64), pos0 + lens
-        real = [bsz]
-        if pad_to is not None:  # decode padding: one token each, no KV, no history, no keys
-            pad = pad_to - bsz
-            if pad < 0 or any(n != 1 for n in run_lens):
-                raise ValueError(f"padding a batch of {bsz} to {pad_to} needs one-token runs")
+        decode = all(n == 1 for n in run_lens) if pad is None else pad.decode
+        if pad is not None:
+            pad.check(run_lens)
+            extra_t, extra_r = pad.tokens - n_tok, pad.requests - bsz
 
-            def grow(t: torch.Tensor, value: int) -> torch.Tensor:
-                return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)])
+            def grow(t: torch.Tensor, by: int, value: int) -> torch.Tensor:
+                return torch.cat([t, t.new_full((by, *t.shape[1:]), value)])
 
-            toks, ids, positions, pos0 = (grow(t, 0) for t in (toks, ids, positions, pos0))
-            rows, table, ctx_lens = grow(rows, -1), grow(table, 0), grow(ctx_lens, 0)
-            qstart, bsz = torch.arange(pad_to + 1), pad_to
+            # a padded token is written nowhere (cache row -1), hashes as padding and commits
+            # nothing; a padded request has no keys (context 0) and, in a decode graph, owns
+            # one padded token at slot 0, in a mixed graph none (a run of 0 tokens)
+            toks, positions = grow(toks, extra_t, 0), grow(positions, extra_t, 0)
+            rows, req = grow(rows, extra_t, -1), grow(req, extra_t, 0)
+            ids, pos0, ctx_lens = (grow(t, extra_r, 0) for t in (ids, pos0, ctx_lens))
+            table = grow(table, extra_r, 0)
+            step = 1 if decode else 0
+            qstart = torch.cat([qstart, qstart[-1] + step * torch.arange(1, extra_r + 1)])
+            bsz = pad.requests
         # the block table goes last, so a graph's static buffer (sized for the widest table)
         # takes any narrower step as a prefix copy; kernels read the width from ``table_width``
-        parts = [toks, ids, positions, rows, ctx_lens, qstart, pos0, torch.tensor(real),
+        parts = [toks, ids, positions, rows, ctx_lens, qstart, pos0, torch.tensor([len(slots)]),
                  torch.tensor([width])]  # fmt: skip
-        decode = all(n == 1 for n in run_lens)
-        if not decode:
-            tiles = prefill_tiles(run_lens, start_pos)
-            parts += [torch.tensor(v, dtype=torch.int64) for v in tiles]
+        if not decode:  # prompt chunks in tiles, one-token runs for the decode kernel
+            long = [n if n > 1 else 0 for n in run_lens]
+            tiles = [torch.tensor(v, dtype=torch.int64) for v in prefill_tiles(long, start_pos)]
+            one = torch.tensor([b for b, n in enumerate(run_lens) if n == 1], dtype=torch.int64)
+            dec = [qstart[one], one, ctx_lens[one]]
+            if pad is not None:  # tiles past every run walk nothing; entries past the real
+                tiles = [grow(tiles[0], pad.tiles - len(tiles[0]), 0),  # ones have no keys
+                         grow(tiles[1], pad.tiles - len(tiles[1]), NO_TILE)]  # fmt: skip
+                extra = pad.requests - len(one)
+                dec = [grow(dec[0], extra, len(toks)), grow(dec[1], extra, 0),
+                       grow(dec[2], extra, 0)]  # fmt: skip
+            parts += [*tiles, ids[req] if len(req) else req, *dec]
+        sample_rows = last_rows and not decode
+        if sample_rows:
+            parts.append((qstart[1:] - 1).clamp(min=0))
         parts.append(table.flatten())
         # every view starts 16-byte aligned: Triton specialises pointer arguments on it, so a
         # view at an odd int64 offset (odd token or request counts) would compile another
@@ -187,11 +241,16 @@ class ForwardContext:
         flat = to_device(torch.cat(padded), device)  # asynchronous: see engramrt.transfer
         chunks = flat.split([len(q) for q in padded])
         views = [v[: len(p)] for v, p in zip(chunks, parts, strict=True)]
-        return cls(
+        ctx = cls(
             list(slots), list(run_lens), list(start_pos), kv, flat, *views[:4],
-            views[-1].view(bsz, width), *views[4:9], None if decode else (views[9], views[10]),
-            **kw,
+            views[-1].view(bsz, width), *views[4:9], decode=decode, **kw,
         )  # fmt: skip
+        if not decode:
+            ctx.tiles, ctx.token_slots = (views[9], views[10]), views[11]
+            ctx.dec_tok, ctx.dec_req, ctx.dec_lens = views[12:15]
+        if sample_rows:
+            ctx.logits_rows = views[-2]
+        return ctx
 
     def rope(self, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's rotary cos/sin rows, computed by the first layer that asks (in a CUDA
@@ -200,6 +259,13 @@ class ForwardContext:
         if key not in self.rope_cache:
             self.rope_cache[key] = rope_tables(self.positions, head_dim, theta)
         return self.rope_cache[key]
+
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A mixed step's one-token runs: token rows, block tables, context lengths."""
+        if "decode_rows" not in self.rope_cache:
+            table = self.block_table[self.dec_req]
+            self.rope_cache["decode_rows"] = (self.dec_tok, table, self.dec_lens)
+        return self.rope_cache["decode_rows"]
 
     def engram_inputs(self, layer_id: int, index: int) -> torch.Tensor:
         if self.hash_ids is None:

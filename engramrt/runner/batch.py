@@ -99,6 +99,12 @@ class StepBatch:
         return max(ks) if ks else None
 
     @property
+    def full_logits(self) -> bool:
+        """Logits at every token (returned, or scored for prompt logprobs), not only at each
+        run's last token, which is all that sampling reads."""
+        return self.return_logits or self.targets is not None
+
+    @property
     def num_tokens(self) -> int:
         return sum(self.run_lens)
 

@@ -1,11 +1,16 @@
-"""CUDA graphs of the decode step, one per padded batch size (as in vLLM and nano-vllm).
+"""CUDA graphs of whole steps, one per padded shape (``GraphShape``): decode steps by padded
+batch size (as in vLLM and nano-vllm), and mixed steps (prefill chunks beside decode rows) by
+padded token count, so that a step of a busy server, where requests arrive while others
+decode, replays one graph instead of launching each layer's kernels from Python.
 
 Each graph captures the stage's ``forward`` itself (handed in, so this module needs no runner),
 Engram hash and history commit included, over a static ``ForwardContext``: a replay copies the
 step's host-built buffer (one H2D copy) and, on a later pipeline stage, the incoming carry into
-the static inputs. A batch of ``n`` requests runs
-in the smallest captured size ``b >= n``; rows ``n..b`` are padding: no history commit (the hash
-kernel reads ``num_real``), no K/V write (cache slot -1) and no keys (context length 0).
+the static inputs. Everything a kernel's launch depends on is fixed by the shape: token and
+request counts, the prefill kernel's tile count (padded tiles walk nothing), the hash kernel's
+request bucket. Padding (``ForwardContext.for_runs``) commits no history, writes no K/V and
+attends to no keys. A mixed graph returns logits at each run's last token only (what the
+sampler reads); a step that wants every token's logits (prompt logprobs) runs eagerly.
 
 The Python that runs only at capture time (the fail-closed Engram bookkeeping) is recorded then
 and reported on every replay, since a replay runs exactly the captured kernels.
@@ -17,11 +22,15 @@ from collections.abc import Callable
 
 import torch
 
-from engramrt.model.context import ForwardContext, KVCache
+from engramrt.model.context import ForwardContext, GraphShape, KVCache
 from engramrt.runner.carry import Carry
 from engramrt.transfer import pinned
 
 Forward = Callable[[ForwardContext, Carry | None], "torch.Tensor | Carry"]
+
+# mixed steps up to this many tokens replay graphs; above it a step is long enough that its
+# kernels, not their launches, set its time (a 4,096-token step of the 1B preset: ~20 ms)
+MAX_GRAPH_TOKENS = 4096
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -30,47 +39,65 @@ def batch_sizes(max_batch: int) -> list[int]:
     return sizes if sizes[-1] == max_batch else [*sizes, max_batch]
 
 
-class DecodeGraphs:
+def token_sizes(max_tokens: int) -> list[int]:
+    """Mixed-step token counts: 16 to 256 by doubling, then steps of 256 to 2,048 and of 512
+    above, up to and including ``max_tokens`` (padding wastes at most ~1/3 of a step past 256
+    tokens, where the kernels start to cost more than the launches)."""
+    steps = [16, 32, 64, 128, 256, 384, 512, *range(768, 2049, 256), *range(2560, 65537, 512)]
+    sizes = [t for t in steps if t < max_tokens]
+    return [*sizes, max_tokens] if max_tokens >= 2 else []
+
+
+class StepGraphs:
     def __init__(
         self,
         forward: Forward,
         kv: KVCache,
         device: torch.device,
         max_batch: int,
+        max_tokens: int = 0,
+        last_stage: bool = True,
         carry_for: Callable[[int], Carry] | None = None,
     ):
-        """``carry_for(b)``: static carry inputs of ``b`` rows on a later pipeline stage (None
-        on the first stage, which makes its own)."""
+        """Decode graphs up to ``max_batch`` requests and mixed graphs up to ``max_tokens``
+        tokens (0: none). ``carry_for(t)``: static carry inputs of ``t`` rows on a later
+        pipeline stage (None on the first stage, which makes its own)."""
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device (--enforce-eager runs without)")
         if max_batch < 1:
             raise ValueError(f"the largest graph batch must be >= 1, got {max_batch}")
         self.forward, self.kv, self.device, self.carry_for = forward, kv, device, carry_for
+        self.last_stage = last_stage
         self.sizes = batch_sizes(min(max_batch, kv.num_blocks))
+        top, mixed = self.sizes[-1], token_sizes(min(max_tokens, MAX_GRAPH_TOKENS))
+        self.shapes = [GraphShape(True, b, b) for b in self.sizes]
+        self.shapes += [GraphShape(False, t, min(top, t)) for t in mixed]
         self.width = kv.blocks_per_seq
-        self.graphs: dict[int, tuple] = {}  # size -> (graph, static ctx, outputs, static carry)
-        self.ran: list[int] = []
+        self.graphs: dict[GraphShape, tuple] = {}  # shape -> (graph, ctx, outputs, carry, ran)
         pool = None
-        for b in reversed(self.sizes):  # largest first: the smaller ones reuse its memory pool
-            graph, ctx, out, carry = self._capture(b, pool)
-            pool = graph.pool()
-            self.graphs[b] = (graph, ctx, out, carry)
+        # most tokens first: the smaller ones reuse its memory pool
+        for shape in sorted(self.shapes, key=lambda s: (s.tokens, not s.decode), reverse=True):
+            self.graphs[shape] = self._capture(shape, pool)
+            pool = self.graphs[shape][0].pool()
 
-    def covers(self, run_lens: list[int], tracer) -> bool:
-        """A decode step of a captured size, with no tracer (a trace needs eager tensors). Every
-        block table fits the static buffer: the cache's tables are that wide."""
-        return (
-            tracer is None and 0 < len(run_lens) <= self.sizes[-1] and all(n == 1 for n in run_lens)
-        )
-
-    def padded_size(self, n: int) -> int:
-        return next(b for b in self.sizes if b >= n)
+    def shape_for(self, run_lens: list[int], full_logits: bool, tracer) -> GraphShape | None:
+        """The smallest captured shape this step fits, or None (eager): no tracer (a trace
+        needs eager tensors), and a mixed step only when the logits of each run's last token
+        are enough. Every block table fits the static buffer: the cache's tables are that
+        wide."""
+        if tracer is not None or not run_lens:
+            return None
+        decode = all(n == 1 for n in run_lens)
+        if not decode and full_logits and self.last_stage:
+            return None
+        return next((s for s in self.shapes if s.decode == decode and s.fits(run_lens)), None)
 
     @torch.inference_mode()  # no autograd state kept alive by the captured outputs
-    def _capture(self, b: int, pool):
-        # all rows padding: the warm-up run (Triton JIT, cuBLAS handles) commits and writes nothing
-        ctx = ForwardContext.for_runs([], [], [], self.kv, self.device, [], self.width, pad_to=b)
-        carry = None if self.carry_for is None else self.carry_for(b)
+    def _capture(self, shape: GraphShape, pool):
+        # all padding: the warm-up run (Triton JIT, cuBLAS handles) commits and writes nothing
+        ctx = ForwardContext.for_runs([], [], [], self.kv, self.device, [], self.width, shape,
+                                      last_rows=True)  # fmt: skip
+        carry = None if self.carry_for is None else self.carry_for(shape.tokens)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -80,24 +107,24 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             out = self.forward(ctx, carry)
-        self.ran = list(ctx.engram_ran)
+        ran = list(ctx.engram_ran)
         ctx.engram_ran.clear()
-        return graph, ctx, out, carry
+        return graph, ctx, out, carry, ran
 
-    def replay(self, host: ForwardContext, carry: Carry | None):
-        """Run a step built on the host with ``pad_to=padded_size(n)``: (outputs of the real
-        rows, the Engram layers that ran)."""
-        n, b = len(host.slots), host.positions.numel()
-        graph, ctx, out, static_carry = self.graphs[b]
+    def replay(self, host: ForwardContext, shape: GraphShape, carry: Carry | None):
+        """Run a step built on the host with ``pad=shape``: (outputs of the real rows, the
+        Engram layers that ran)."""
+        graph, ctx, out, static_carry, ran = self.graphs[shape]
         # the table, last, may be narrower; from pinned memory the copy does not wait for the
         # step in flight (overlap scheduling; engramrt.transfer)
         ctx.flat[: host.flat.numel()].copy_(pinned(host.flat), non_blocking=True)
+        n_tok = sum(host.run_lens)
         if static_carry is not None:
             if carry is None:
                 raise RuntimeError("a later pipeline stage needs the carry of the stage before")
             for dst, src in zip(static_carry.tensors(), carry.tensors(), strict=True):
-                dst[:n].copy_(src)
+                dst[:n_tok].copy_(src)
         graph.replay()
-        if isinstance(out, torch.Tensor):
-            return out[:n], self.ran
-        return out.head(n), self.ran
+        if isinstance(out, torch.Tensor):  # logits: one row per request (per token in decode)
+            return out[: len(host.slots)], ran
+        return out.head(n_tok), ran

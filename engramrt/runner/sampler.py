@@ -139,7 +139,10 @@ class Sampler:
         and the sampled tokens on the device (``[B]``, -1 for an empty run). Nothing here waits
         on the GPU. ``logits`` may be a CUDA graph's output, so anything kept past this step is
         a copy."""
-        ends = (torch.tensor(batch.run_lens, dtype=torch.int64).cumsum(0) - 1).tolist()
+        if batch.full_logits:  # a row per token: each run's is its last
+            ends = (torch.tensor(batch.run_lens, dtype=torch.int64).cumsum(0) - 1).tolist()
+        else:  # a row per run (``StageRunner.step(last_only=True)``)
+            ends = list(range(len(batch.run_lens)))
         live = [i for i, n in enumerate(batch.run_lens) if n > 0]
         rows, limit, k = batch.rows(), self.token_limit, batch.logprobs_k
         for slot, controls, prompt, output in batch.controls:

@@ -27,7 +27,7 @@ from engramrt.model.decoder import EngramMHCModel
 from engramrt.model.trace import Tracer
 from engramrt.runner.batch import PENDING, PendingResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
-from engramrt.runner.graphs import DecodeGraphs
+from engramrt.runner.graphs import StepGraphs
 from engramrt.runner.kv_budget import MemoryProfile
 from engramrt.runner.sampler import Sampler, sample_tokens
 from engramrt.transfer import to_device
@@ -65,7 +65,7 @@ class StageRunner:
     tracer: Tracer | None = None
     # runs of each Engram layer so far: a count, so a long-running server's memory stays flat
     engram_ran: Counter[int] = field(default_factory=Counter)
-    graphs: DecodeGraphs | None = None
+    graphs: StepGraphs | None = None
     sampler: Sampler | None = field(init=False, default=None)  # the last stage's
     # the token each history slot sampled last (a stage that is both first and last): a step's
     # token ``PENDING`` stands for it, so the next step can be launched before the host has
@@ -123,9 +123,10 @@ class StageRunner:
         self.kv = None  # the old cache goes before the new one is allocated
         self.kv = new_kv_cache(self.model, num_slots, max_len, block_size, num_blocks)
 
-    def capture_graphs(self, max_batch: int) -> None:
-        """Capture the decode step for padded batch sizes up to ``max_batch`` (CUDA only). The
-        reference MoE routes with data-dependent shapes, so MoE models stay eager."""
+    def capture_graphs(self, max_batch: int, max_tokens: int = 0) -> None:
+        """Capture decode steps up to ``max_batch`` requests and mixed steps up to
+        ``max_tokens`` tokens (``StepGraphs``; CUDA only). The reference MoE routes with
+        data-dependent shapes, so MoE models stay eager."""
         if self.model.cfg.ffn_type == "moe":
             print("engramrt: MoE routing is not graph-capturable yet; decoding eagerly", flush=True)
             return
@@ -133,7 +134,8 @@ class StageRunner:
             print("engramrt: CUDA graphs need the Triton kernels; decoding eagerly", flush=True)
             return
         carry_for = None if self.is_first else (lambda n: Carry.empty(self.model, n, torch.zeros))
-        self.graphs = DecodeGraphs(self.forward, self.kv, self.device, max_batch, carry_for)
+        self.graphs = StepGraphs(self.forward, self.kv, self.device, max_batch, max_tokens,
+                                 self.is_last, carry_for)  # fmt: skip
 
     @torch.inference_mode()
     def profile_memory(self, tokens: int, max_len: int, block_size: int, rows: int):
@@ -206,7 +208,7 @@ class StageRunner:
         """``run`` without waiting for the sampled tokens: on the last stage a ``PendingResult``.
         The sampled tokens are also written to ``last_token`` (their slots' entries) on the
         stream, after the sampler: a later step's ``PENDING`` tokens read them there."""
-        out = self.step(batch, carry)
+        out = self.step(batch, carry, last_only=not batch.full_logits)
         if not self.is_last:
             return out
         pending, tokens = self.sampler.launch(out, batch)
@@ -219,10 +221,12 @@ class StageRunner:
         return pending
 
     @torch.inference_mode()
-    def step(self, batch: StepBatch, carry: Carry | None = None) -> torch.Tensor | Carry:
-        """Logits ``[T, V]`` on the last stage, else the ``Carry`` for the next stage. A decode
-        step replays a captured graph when there is one; its outputs are then valid until the
-        next step."""
+    def step(
+        self, batch: StepBatch, carry: Carry | None = None, last_only: bool = False
+    ) -> torch.Tensor | Carry:
+        """Logits ``[T, V]`` on the last stage (``last_only``: ``[B, V]``, at each run's last
+        token, which is all sampling reads), else the ``Carry`` for the next stage. A step of a
+        captured shape replays its graph; its outputs are then valid until the next step."""
         if self.kv is None:
             raise RuntimeError("this stage has no KV cache (allocate_kv first)")
         if carry is None:
@@ -242,16 +246,18 @@ class StageRunner:
                 self.hasher.rebuild(slot, before)
         if batch.new_blocks is not None:
             self.kv.set_tables(batch.slots, batch.block_starts, batch.new_blocks)
-        graphs = self.graphs
-        if graphs is not None and not graphs.covers(batch.run_lens, self.tracer):
-            graphs = None
+        graphs, shape = self.graphs, None
+        if graphs is not None:
+            shape = graphs.shape_for(batch.run_lens, not last_only, self.tracer)
         ctx = ForwardContext.for_runs(
             batch.slots, batch.run_lens, batch.start_pos, self.kv,
-            "cpu" if graphs else self.device, batch.tokens,
-            pad_to=graphs.padded_size(len(batch.slots)) if graphs else None, tracer=self.tracer,
+            "cpu" if shape else self.device, batch.tokens,
+            # a mixed graph's prefill kernel strides the table by its static width
+            width=graphs.width if shape and not shape.decode else None, pad=shape,
+            last_rows=shape is not None or (last_only and self.is_last), tracer=self.tracer,
         )  # fmt: skip
-        if graphs is not None:
-            out, ran = graphs.replay(ctx, carry)
+        if shape is not None:
+            out, ran = graphs.replay(ctx, shape, carry)
         else:
             out = self.forward(ctx, carry)
             ran = ctx.engram_ran
@@ -264,11 +270,8 @@ class StageRunner:
         if carry is None:
             t = ctx.tokens
             if self.last_token is not None:  # PENDING: the token the slot sampled last step
-                if ctx.decode:  # also the graphs' padding rows (slot 0, token 0: unchanged)
-                    slot_of = ctx.slot_ids
-                else:
-                    lens = ctx.query_start.diff()
-                    slot_of = ctx.slot_ids.repeat_interleave(lens, output_size=t.numel())
+                # padding (token 0) is left as it is
+                slot_of = ctx.slot_ids if ctx.decode else ctx.token_slots
                 t = torch.where(t == PENDING, self.last_token[slot_of], t)
             if ctx.decode:
                 ids = self.hasher.decode(t, ctx.slot_ids, ctx.positions, ctx.num_real, check=False)
@@ -282,6 +285,8 @@ class StageRunner:
         x, pre = self.model.forward_layers(carry.x, carry.pre, ctx)
         ctx.trace("stage_exit", self.model.layer_ids[-1], x)
         if self.model.head is not None:
+            if ctx.logits_rows is not None:
+                x, pre = x[ctx.logits_rows], pre[ctx.logits_rows]
             return self.model.logits(x, pre)
         return Carry(x, pre, carry.hash_ids, carry.dead)
 
