@@ -59,6 +59,7 @@ def _engine(args: argparse.Namespace, max_len: int) -> Engine:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=False,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         device=device, dtype=args.dtype, seed=args.seed, async_scheduling=args.async_scheduling,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
     )  # fmt: skip
     opts.dist.device = device
     return build_stage(opts)[1]

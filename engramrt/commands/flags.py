@@ -76,14 +76,19 @@ def add_memory_flags(p: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization", type=float, default=0.9,
         help="share of GPU memory for weights, activations and the KV cache (default 0.9)",
     )  # fmt: skip
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
-    """Overlap scheduling (vLLM's flag name)."""
+    """Overlap scheduling and the prompt-chunk cap (vLLM's flag names)."""
     p.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
         help="prepare and launch step N+1 while the GPU runs step N; the host reads a step's "
         "tokens one step late (one pipeline stage only; off by default until measured on a "
         "GPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--long-prefill-token-threshold", type=int, default=0,
+        help="a prompt computes at most this many tokens a step, so the decode rows that share "
+        "the step wait less for it (0: up to --max-num-batched-tokens)",
     )  # fmt: skip

@@ -31,6 +31,7 @@ from engramrt.parallel.liveness import Heartbeat, StageWatch
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.prompts import PromptEncoder
+from engramrt.runner.graphs import MAX_GRAPH_TOKENS
 from engramrt.runner.kv_budget import (
     CPU_KV_BYTES,
     blocks_from_bytes,
@@ -58,6 +59,7 @@ class ServeOptions:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     async_scheduling: bool = False  # overlap scheduling (one stage only)
+    long_prefill_token_threshold: int = 0  # a prompt's tokens per step, at most (0: the budget)
     engram: bool = True  # False: every Engram layer skipped on purpose (an ablation)
     disable_uvicorn_access_log: bool = False
     enable_log_requests: bool = False
@@ -92,7 +94,8 @@ def kv_blocks(runner: StageRunner, opts: ServeOptions, cfg: ModelConfig, max_len
     tokens = max(1, min(opts.max_num_batched_tokens, max_len * opts.max_num_seqs))
     profile = runner.profile_memory(tokens, max_len, opts.block_size, opts.max_num_seqs)
     share = stages_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
-    graph_rows = 0 if opts.enforce_eager else opts.max_num_seqs
+    # the graphs' pool: about a forward of the largest captured step
+    graph_rows = 0 if opts.enforce_eager else max(opts.max_num_seqs, min(tokens, MAX_GRAPH_TOKENS))
     return blocks_from_profile(profile, opts.gpu_memory_utilization,
                                per_block(len(model.layer_ids)), share, graph_rows)  # fmt: skip
 
@@ -108,6 +111,8 @@ def check(opts: ServeOptions) -> tuple[ModelConfig, int]:
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_request_bytes"):
         if getattr(opts, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.long_prefill_token_threshold < 0:
+        raise ValueError("--long-prefill-token-threshold must be >= 0 (0: off)")
     if opts.async_scheduling and len(opts.partition) > 1:
         raise ValueError("--async-scheduling needs one pipeline stage (-pp 1)")
     if opts.shutdown_timeout < 0 or opts.stage_timeout <= 0:
@@ -148,7 +153,7 @@ def build_stage(
     counting = count_compilations()
     runner.warm_up(opts.max_num_batched_tokens)  # kernel variants compiled now, not mid-serving
     if device.type == "cuda" and not opts.enforce_eager:
-        runner.capture_graphs(opts.max_num_seqs)
+        runner.capture_graphs(opts.max_num_seqs, opts.max_num_batched_tokens)
     if rank == 0 and counting and compilations():
         print(f"engramrt: {compilations()} Triton kernel variants compiled at start-up",
               flush=True)  # fmt: skip
@@ -158,6 +163,7 @@ def build_stage(
     config = EngineConfig(
         max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, blocks,
         opts.enable_prefix_caching, cfg.eos_token_id, cfg.vocab_size, opts.async_scheduling,
+        opts.long_prefill_token_threshold,
     )  # fmt: skip
     return pipe, Engine(pipe, runner.tokenizer, config)
 
@@ -324,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
         enable_log_requests=args.enable_log_requests,
         max_request_bytes=args.max_request_bytes,

@@ -16,7 +16,7 @@ loop waits for the step it just launched.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from tokenizers import Tokenizer
@@ -64,6 +64,7 @@ class EngineConfig:
     eos_token_id: int | None = None  # the model config's; None: a model without EOS
     model_vocab_size: int | None = None  # the embedding's rows; None: the tokenizer's size
     async_scheduling: bool = False  # overlap scheduling: opt-in until measured on a GPU
+    long_prefill_token_threshold: int = 0  # a prompt's tokens per step, at most (0: the budget)
 
 
 @dataclass
@@ -78,6 +79,17 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
 
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output followed by ``later`` (of the same request) as one output: a stream
+        sends them as one chunk."""
+        return replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+            new_logprobs=self.new_logprobs + later.new_logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )
+
 
 class Engine:
     def __init__(self, pipeline: Runs, tokenizer: Tokenizer, cfg: EngineConfig):
@@ -87,7 +99,8 @@ class Engine:
         self.tokenizer_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.vocab_size = min(self.tokenizer_size, cfg.model_vocab_size or self.tokenizer_size)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.long_prefill_token_threshold)  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = 0
         can = bool(getattr(pipeline, "can_overlap", False))

@@ -1,7 +1,10 @@
 """Which requests run in the next step, and for how many tokens.
 
 Running requests go first (decode, or the next chunk of a long prompt), then waiting ones are
-admitted while the token budget, the sequence limit, history slots and KV blocks allow. A
+admitted while the token budget, the sequence limit, history slots and KV blocks allow. A prompt
+computes at most ``long_prefill_token_threshold`` tokens a step (vLLM's flag; 0: up to the
+budget), which bounds how much longer a decode step that carries a prompt chunk takes than a
+pure decode step. A
 request that cannot get a block preempts the most recently admitted running request, which
 gives back its blocks and slot and later recomputes its tokens (its Engram history is rebuilt
 from them when it is admitted again).
@@ -21,9 +24,16 @@ from engramrt.engine.request import Request, Status
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        long_prefill_token_threshold: int = 0,
+    ):
         self.blocks = blocks
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.chunk = long_prefill_token_threshold or max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
@@ -47,7 +57,7 @@ class Scheduler:
                 continue
             if req.length_capped:  # its last token is on the way: it finishes when applied
                 continue
-            n = min(req.num_tokens + req.pending - req.num_computed, budget)
+            n = min(req.num_tokens + req.pending - req.num_computed, budget, self.chunk)
             while not self.blocks.can_grow(req, req.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -69,7 +79,7 @@ class Scheduler:
             req.slot, req.status = self.free_slots.pop(), Status.RUNNING
             self.running.append(req)
             admitted.append(req)
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget, self.chunk)
             batch.append((req, n))
             budget -= n
         return batch, admitted
