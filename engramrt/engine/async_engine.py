@@ -11,12 +11,20 @@ the deadline, end with finish reason ``abort``.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
+import sys
 import threading
 from collections.abc import AsyncIterator
 
 from engramrt.engine.engine import Engine, RequestOutput
 from engramrt.engine.request import Request
+
+# The engine thread shares the GIL with the event loop, which streams each token of every
+# request. A thread that wants the GIL back (the engine, its step's tokens ready) waits up to
+# Python's switch interval (5 ms by default) while the loop runs Python: longer than a decode
+# step. ENGRAMRT_SWITCH_INTERVAL (seconds) overrides it, for comparisons.
+SWITCH_INTERVAL = 0.0005
 
 
 class EngineDead(RuntimeError):
@@ -29,6 +37,7 @@ class EngineClosed(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, engine: Engine):
+        sys.setswitchinterval(float(os.environ.get("ENGRAMRT_SWITCH_INTERVAL", SWITCH_INTERVAL)))
         self.engine = engine
         self.error: BaseException | None = None
         self.closed = False
@@ -54,14 +63,22 @@ class AsyncEngine:
             raise EngineDead(f"the engine has stopped: {self.error}")
         self._inbox.put(("add", request))
         self._wake.set()
-        finished = False
+        finished, after = False, None
         try:
             while True:
-                item = await q.get()
+                item = after if after is not None else await q.get()
+                after = None
                 if isinstance(item, ValueError):
                     raise item
                 if isinstance(item, BaseException):
                     raise EngineDead(f"the engine failed: {item}") from item
+                # a caller behind the engine (a busy event loop) takes every output waiting as
+                # one: its per-output cost (a stream chunk) then shrinks as the load grows
+                while not item.finished and not q.empty():
+                    after = q.get_nowait()
+                    if not isinstance(after, RequestOutput):
+                        break
+                    item, after = item.then(after), None
                 finished = item.finished
                 yield item
                 if finished:

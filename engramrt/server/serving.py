@@ -6,7 +6,6 @@ how a choice looks, so each behaviour has a single code path."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import sys
 import time
 import uuid
@@ -91,13 +90,7 @@ class StreamState:
         chunk per token, unless it opens the choice (an echo) or finishes it."""
         held, self.held = self.held, None
         if held is not None:
-            out = dataclasses.replace(
-                out,
-                new_token_ids=held.new_token_ids + out.new_token_ids,
-                new_text=held.new_text + out.new_text,
-                new_logprobs=held.new_logprobs + out.new_logprobs,
-                prompt_logprobs=held.prompt_logprobs or out.prompt_logprobs,
-            )
+            out = held.then(out)
         if not out.new_text and not out.finished and not opens:
             self.held = out
             return None
