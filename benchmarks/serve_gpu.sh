@@ -4,7 +4,9 @@
 # the Triton compilations the server counted (/metrics) after start-up and after the runs, and
 # `engramrt bench throughput` at batch 1/16/64 with the same lengths on the same model: the
 # engine-side ceiling. Extra arguments go to the server (e.g. --async-scheduling); BENCH_FLAGS
-# to bench throughput, BENCH_SIZES its batch sizes (default 1 16 64).
+# to bench throughput, BENCH_SIZES its batch sizes (default 1 16 64; "none": no such run),
+# CONCURRENCY the client's levels (default 1 16 64). With PYSPY set to a py-spy binary, the server
+# process is sampled (py-spy record, every thread, 5 s) while the highest level runs.
 #   bash benchmarks/serve_gpu.sh OUT_DIR [serve flags...]
 set -uo pipefail
 out=${1:-/tmp/serve_gpu}
@@ -33,14 +35,22 @@ bench() {  # concurrency prompts tag
 }
 bench 16 32 -warmup > /dev/null
 echo "Triton compilations after start-up and a warm-up run: $(compiles)"
-for c in 1 16 64; do
+levels=${CONCURRENCY:-1 16 64}
+for c in $levels; do
   echo "== concurrency $c"
+  if [ -n "${PYSPY:-}" ] && [ "$c" = "${levels##* }" ]; then
+    (sleep 1; "$PYSPY" record --pid $pid --duration 5 --rate 250 --threads --format raw \
+      -o "$out/pyspy-c$c.txt" > "$out/pyspy.log" 2>&1) &
+    spy=$!
+  fi
   bench $c $((c == 1 ? 16 : c * 4)) ""
 done
+[ -n "${spy:-}" ] && wait $spy
 echo "Triton compilations after the runs: $(compiles)"
 kill $pid
 wait $pid 2> /dev/null
 for bs in ${BENCH_SIZES:-1 16 64}; do
+  [ "$bs" = none ] && break
   timeout 200 python3 -m engramrt bench throughput --model /tmp/m1b --device cuda \
     --batch-size $bs --input-len 512 --output-len 128 --max-num-seqs 128 ${BENCH_FLAGS:-} 2>&1 \
     | grep -E "Output token|Decode step|Prefill time|rror" | sed "s/^/bench throughput bs$bs: /"
