@@ -58,9 +58,11 @@ class Sim:
         max_num_seqs: int,
         budget: int,
         prefix_caching: bool = True,
+        chunk: int = 0,
     ) -> None:
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
-        self.s = Scheduler(self.bm, max_num_seqs, budget)
+        self.s = Scheduler(self.bm, max_num_seqs, budget, chunk)
+        self.chunk = chunk
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
         self.seq: dict[str, int] = {}  # request id -> when it was last admitted
         self.first_admissions: list[str] = []
@@ -142,7 +144,8 @@ def check_schedule(
     assert ids(served) == ids(survivors[: len(served)])
     left = s.budget
     for r, n in batch:  # each gets what it still needs, capped by what is left of the budget
-        assert n == min(r.num_tokens - r.num_computed, left) >= 1
+        cap = sim.chunk or left  # and by the long-prefill threshold
+        assert n == min(r.num_tokens - r.num_computed, left, cap) >= 1
         assert len(r.blocks) >= bm.blocks_for(r.num_computed + n)
         left -= n
     assert left >= 0
@@ -237,6 +240,27 @@ def test_budget_is_the_chunk_size_of_a_long_prompt(budget: int, prompt_len: int)
     full, rest = divmod(prompt_len, budget)
     assert sizes == [budget] * full + [rest] * (rest > 0) + [1] * (r.params.max_tokens - 1)
     assert_finished(r)
+    assert_idle(sim)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_long_prefill_threshold_caps_each_prompts_tokens_per_step(seed: int) -> None:
+    """Random prompts arriving over time: no run computes more than the threshold, steps stay
+    within the budget, and everything still finishes with the reference output; with prompts
+    waiting, a step fills the budget up to what the threshold lets each prompt take."""
+    rng = random.Random(seed)
+    chunk, budget = rng.choice([1, 3, 5, 8]), rng.choice([8, 12, 16])
+    sim = Sim(256, 4, 4, budget, chunk=chunk)
+    reqs = [req(str(i), [rng.randrange(5) for _ in range(rng.randint(1, 30))],
+                max_tokens=rng.randint(1, 5)) for i in range(10)]  # fmt: skip
+    steps = 0
+    while reqs or sim.s.has_work():
+        if reqs and rng.random() < 0.4:
+            sim.add(reqs.pop())
+        batch, _ = sim.step()
+        assert all(n <= chunk for _, n in batch) and sum(n for _, n in batch) <= budget
+        steps += 1
+        assert steps < 2000
     assert_idle(sim)
 
 
