@@ -6,7 +6,8 @@
 # engine-side ceiling. Extra arguments go to the server (e.g. --async-scheduling); BENCH_FLAGS
 # to bench throughput, BENCH_SIZES its batch sizes (default 1 16 64; "none": no such run),
 # CONCURRENCY the client's levels (default 1 16 64). With PYSPY set to a py-spy binary, the server
-# process is sampled (py-spy record, every thread, 5 s) while the highest level runs.
+# process is sampled (py-spy record, every thread, 5 s; PYSPY_FLAGS adds flags, e.g. --gil) while
+# the highest level runs.
 #   bash benchmarks/serve_gpu.sh OUT_DIR [serve flags...]
 set -uo pipefail
 out=${1:-/tmp/serve_gpu}
@@ -39,7 +40,7 @@ levels=${CONCURRENCY:-1 16 64}
 for c in $levels; do
   echo "== concurrency $c"
   if [ -n "${PYSPY:-}" ] && [ "$c" = "${levels##* }" ]; then
-    (sleep 1; "$PYSPY" record --pid $pid --duration 5 --rate 250 --threads --format raw \
+    (sleep 1; "$PYSPY" record --pid $pid --duration 5 --rate 250 --threads ${PYSPY_FLAGS:-} --format raw \
       -o "$out/pyspy-c$c.txt" > "$out/pyspy.log" 2>&1) &
     spy=$!
   fi

@@ -186,6 +186,8 @@ def _prefill_kernel(
     m0 = tl.load(tile_m0_ptr + tile).to(tl.int32) + (t % SUB) * BLOCK_M
     q0 = tl.load(qstart_ptr + b)
     n = (tl.load(qstart_ptr + b + 1) - q0).to(tl.int32)
+    if m0 >= n:  # a sub-tile past its run, or a CUDA graph's padded tile: nothing to do
+        return
     p0 = tl.load(pos0_ptr + b).to(tl.int32)  # positions in int32, row offsets in int64
     m = m0 + tl.arange(0, BLOCK_M)
     qpos = p0 + m

@@ -173,16 +173,17 @@ class ForwardContext:
         bsz, n_tok = len(slots), sum(run_lens)
         if not len(run_lens) == len(start_pos) == bsz:
             raise ValueError("slots, run_lens and start_pos differ in length")
-        at = np.asarray(slots, dtype=np.int64)
-        if bsz and not 0 <= at.min() <= at.max() < len(kv.tables):
+        i64 = np.int64
+        ids = np.asarray(slots, dtype=i64).reshape(-1)
+        if bsz and not 0 <= ids.min() <= ids.max() < len(kv.tables):
             raise ValueError(f"slots {slots} lie outside the cache's {len(kv.tables)} tables")
-        sizes = torch.from_numpy(kv.table_lens[at])
+        sizes = kv.table_lens[ids]
         width = max(1, int(sizes.max()) if bsz else 1) if width is None else width
-        table = torch.from_numpy(kv.tables[at, :width])  # a copy: later steps may change kv's
-        lens = torch.tensor(run_lens, dtype=torch.int64)
-        pos0 = torch.tensor(start_pos, dtype=torch.int64)
-        over = pos0 + lens > (sizes * kv.block_size).clamp(max=kv.max_len)
-        for b in torch.nonzero(over | (lens < 0) | (pos0 < 0)).flatten().tolist():
+        table = kv.tables[ids, :width]  # a copy: later steps may change kv's
+        lens = np.asarray(run_lens, dtype=i64).reshape(-1)
+        pos0 = np.asarray(start_pos, dtype=i64).reshape(-1)
+        over = pos0 + lens > np.minimum(sizes * kv.block_size, kv.max_len)
+        for b in np.flatnonzero(over | (lens < 0) | (pos0 < 0)).tolist():
             if lens[b] < 0 or pos0[b] < 0:
                 raise ValueError(f"request {b}: negative run length or start position")
             cap = min(kv.max_len, int(sizes[b]) * kv.block_size)
@@ -190,38 +191,38 @@ class ForwardContext:
                 f"positions up to {start_pos[b] + run_lens[b]} exceed the request's KV capacity "
                 f"({cap} tokens)"
             )
-        req = torch.repeat_interleave(torch.arange(bsz), lens)
-        qstart = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
-        positions = pos0[req] + torch.arange(len(req)) - qstart[req]
+        req = np.repeat(np.arange(bsz, dtype=i64), lens)
+        qstart = np.concatenate([np.zeros(1, i64), np.cumsum(lens)])
+        positions = pos0[req] + np.arange(len(req), dtype=i64) - qstart[req]
         rows = table[req, positions // kv.block_size] * kv.block_size + positions % kv.block_size
-        toks = torch.tensor(tokens if tokens is not None else [0] * len(req), dtype=torch.int64)
-        ids, ctx_lens = torch.tensor(slots, dtype=torch.int64), pos0 + lens
+        toks = np.asarray(tokens if tokens is not None else np.zeros(len(req)), dtype=i64)
+        ctx_lens = pos0 + lens
         decode = all(n == 1 for n in run_lens) if pad is None else pad.decode
         if pad is not None:
             pad.check(run_lens)
             extra_t, extra_r = pad.tokens - n_tok, pad.requests - bsz
 
-            def grow(t: torch.Tensor, by: int, value: int) -> torch.Tensor:
-                return torch.cat([t, t.new_full((by, *t.shape[1:]), value)])
+            def grow(a: np.ndarray, by: int, value: int) -> np.ndarray:
+                return np.concatenate([a, np.full((by, *a.shape[1:]), value, dtype=i64)])
 
             # a padded token is written nowhere (cache row -1), hashes as padding and commits
             # nothing; a padded request has no keys (context 0) and, in a decode graph, owns
             # one padded token at slot 0, in a mixed graph none (a run of 0 tokens)
             toks, positions = grow(toks, extra_t, 0), grow(positions, extra_t, 0)
             rows, req = grow(rows, extra_t, -1), grow(req, extra_t, 0)
-            ids, pos0, ctx_lens = (grow(t, extra_r, 0) for t in (ids, pos0, ctx_lens))
+            ids, pos0, ctx_lens = (grow(a, extra_r, 0) for a in (ids, pos0, ctx_lens))
             table = grow(table, extra_r, 0)
             step = 1 if decode else 0
-            qstart = torch.cat([qstart, qstart[-1] + step * torch.arange(1, extra_r + 1)])
+            qstart = np.concatenate([qstart, qstart[-1] + step * np.arange(1, extra_r + 1)])
             bsz = pad.requests
         # the block table goes last, so a graph's static buffer (sized for the widest table)
         # takes any narrower step as a prefix copy; kernels read the width from ``table_width``
-        parts = [toks, ids, positions, rows, ctx_lens, qstart, pos0, torch.tensor([len(slots)]),
-                 torch.tensor([width])]  # fmt: skip
+        parts = [toks, ids, positions, rows, ctx_lens, qstart, pos0, np.array([len(slots)]),
+                 np.array([width])]  # fmt: skip
         if not decode:  # prompt chunks in tiles, one-token runs for the decode kernel
             long = [n if n > 1 else 0 for n in run_lens]
-            tiles = [torch.tensor(v, dtype=torch.int64) for v in prefill_tiles(long, start_pos)]
-            one = torch.tensor([b for b, n in enumerate(run_lens) if n == 1], dtype=torch.int64)
+            tiles = [np.asarray(v, dtype=i64) for v in prefill_tiles(long, start_pos)]
+            one = np.flatnonzero(lens == 1)
             dec = [qstart[one], one, ctx_lens[one]]
             if pad is not None:  # tiles past every run walk nothing; entries past the real
                 tiles = [grow(tiles[0], pad.tiles - len(tiles[0]), 0),  # ones have no keys
@@ -229,18 +230,21 @@ class ForwardContext:
                 extra = pad.requests - len(one)
                 dec = [grow(dec[0], extra, len(toks)), grow(dec[1], extra, 0),
                        grow(dec[2], extra, 0)]  # fmt: skip
-            parts += [*tiles, ids[req] if len(req) else req, *dec]
+            parts += [*tiles, ids[req], *dec]
         sample_rows = last_rows and not decode
         if sample_rows:
-            parts.append((qstart[1:] - 1).clamp(min=0))
-        parts.append(table.flatten())
+            parts.append(np.maximum(qstart[1:] - 1, 0))
+        parts.append(table.reshape(-1))
         # every view starts 16-byte aligned: Triton specialises pointer arguments on it, so a
         # view at an odd int64 offset (odd token or request counts) would compile another
         # variant of each kernel that reads it, in the middle of serving
-        padded = [torch.cat([p, p.new_zeros(len(p) % 2)]) for p in parts]
-        flat = to_device(torch.cat(padded), device)  # asynchronous: see engramrt.transfer
-        chunks = flat.split([len(q) for q in padded])
-        views = [v[: len(p)] for v, p in zip(chunks, parts, strict=True)]
+        sizes = [len(a) for a in parts]
+        offsets = np.cumsum([0] + [n + n % 2 for n in sizes])
+        host = np.zeros(int(offsets[-1]), dtype=i64)
+        for a, o in zip(parts, offsets, strict=False):
+            host[o : o + len(a)] = a
+        flat = to_device(torch.from_numpy(host), device)  # asynchronous: see engramrt.transfer
+        views = [flat[o : o + n] for o, n in zip(offsets, sizes, strict=False)]
         ctx = cls(
             list(slots), list(run_lens), list(start_pos), kv, flat, *views[:4],
             views[-1].view(bsz, width), *views[4:9], decode=decode, **kw,
