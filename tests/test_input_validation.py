@@ -62,6 +62,45 @@ def test_rebuild_validates_tokens(tokens: list[int]) -> None:
         hasher.rebuild(0, tokens)
 
 
+def _raised(fn, *args) -> str | None:
+    try:
+        fn(*args)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _torch_checks(hasher, toks: list[int], slots: list[int], lens: list[int]) -> None:
+    t = torch.tensor(toks, dtype=torch.int64)
+    hasher._check(t, torch.ones_like(t, dtype=torch.bool), torch.tensor(slots))
+    hasher._check_runs(len(toks), torch.tensor(slots), torch.tensor(lens))
+
+
+def test_host_validation_agrees_with_the_checks_it_screens_for() -> None:
+    """``validate``'s numpy fast path against the torch checks themselves on random steps
+    (ids out of range, negative, image ids; slots out of range or shared; bad run lengths):
+    it raises exactly when they do."""
+    import random
+
+    hasher, _ = load_hasher(DEFAULT_MODEL_DIR, 4)
+    rng = random.Random(0)
+    vocab, image = hasher.vocab_size, hasher.image_token_id
+    outcomes = set()
+    for _ in range(400):
+        b = rng.randint(1, 4)
+        lens = [rng.choice([0, 1, 2, 3, -1 if rng.random() < 0.05 else 1]) for _ in range(b)]
+        slots = [rng.choice([0, 1, 2, 3, 3, 4 if rng.random() < 0.1 else 0, -1]) for _ in range(b)]
+        n = max(0, sum(lens)) + rng.choice([0, 0, 1, -1])
+        pool = [5, vocab - 1, vocab, -2] + ([image] if image is not None else [])
+        toks = [rng.choice(pool) if rng.random() < 0.05 else rng.randrange(vocab) for _ in range(n)]
+
+        want = _raised(_torch_checks, hasher, toks, slots, lens)
+        got = _raised(hasher.validate, toks, slots, lens)
+        assert got == want, (toks, slots, lens)
+        outcomes.add(want is None)
+    assert outcomes == {True, False}
+
+
 @pytest.mark.parametrize(
     ("lens", "slots", "msg"),
     [([3, 3], [0, 1], "sum to at most"), ([-1, 2], [0, 1], "must be >= 0"),

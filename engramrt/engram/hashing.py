@@ -7,6 +7,7 @@ history row. Modes differ only in how they derive those three values and in when
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engramrt.engram.history import NgramHistory
@@ -175,7 +176,7 @@ class EngramHasher:
         self.ops.commit(tokens.long(), slots.long(), starts, 1 + n_acc, no_zeroing, num_real)
 
     def rebuild(self, slot: int, tokens_before: torch.Tensor | list[int]) -> None:
-        tail = torch.as_tensor(tokens_before, dtype=torch.int64).flatten()[-(self.n - 1) :]
+        tail = torch.as_tensor(tokens_before[-(self.n - 1) :], dtype=torch.int64).flatten()
         self._check(tail, torch.ones_like(tail, dtype=torch.bool), torch.tensor([slot]))
         self.history.rebuild(slot, tail)
 
@@ -227,7 +228,18 @@ class EngramHasher:
         return idx < (rows if num_real is None else num_real)
 
     def validate(self, tokens: list[int], slots: list[int], run_lens: list[int]) -> None:
-        """The checks of ``check=True`` on host lists, so a device step never synchronises."""
+        """The checks of ``check=True`` on host lists, so a device step never synchronises.
+        Steps that plainly pass (ids in the vocabulary, slots in range, distinct live slots,
+        runs within the tokens) return after a few numpy reductions, once a step; anything else
+        (image ids, errors) goes through the checks themselves."""
+        t, s, n = (np.asarray(x, dtype=np.int64) for x in (tokens, slots, run_lens))
+        if (
+            (t.size == 0 or (t.min() >= 0 and t.max() < self.vocab_size))
+            and (s.size == 0 or (s.min() >= 0 and s.max() < self.history.num_slots))
+            and (n.size == 0 or (n.min() >= 0 and n.sum() <= t.size))
+            and np.unique(s[n > 0]).size == int((n > 0).sum())
+        ):
+            return
         t = torch.tensor(tokens, dtype=torch.int64)
         self._check(t, torch.ones_like(t, dtype=torch.bool), torch.tensor(slots, dtype=torch.int64))
         self._check_runs(len(tokens), torch.tensor(slots), torch.tensor(run_lens))
