@@ -23,7 +23,8 @@ from engramrt.engine.request import Request
 # The engine thread shares the GIL with the event loop, which streams each token of every
 # request. A thread that wants the GIL back (the engine, its step's tokens ready) waits up to
 # Python's switch interval (5 ms by default) while the loop runs Python: longer than a decode
-# step. ENGRAMRT_SWITCH_INTERVAL (seconds) overrides it, for comparisons.
+# step. (On an H200 at concurrency 64 the two settings differed by less than run-to-run noise;
+# BENCHMARKS.md.) ENGRAMRT_SWITCH_INTERVAL (seconds) overrides it, for comparisons.
 SWITCH_INTERVAL = 0.0005
 
 
