@@ -18,7 +18,11 @@ from engramrt.engine.request import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from engramrt.commands.flags import add_memory_flags, add_scheduling_flags
+    from engramrt.commands.flags import (
+        add_engram_memory_flags,
+        add_memory_flags,
+        add_scheduling_flags,
+    )
 
     p.add_argument("--model", help="model directory (default: the bundled model)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
@@ -37,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int)
     add_memory_flags(p)
     add_scheduling_flags(p)
+    add_engram_memory_flags(p)
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -44,6 +49,7 @@ def _engine(args: argparse.Namespace, max_len: int) -> Engine:
     import torch
 
     from engramrt.bundled import resolve_model_dir
+    from engramrt.commands.flags import engram_table_memory
     from engramrt.commands.serve import ServeOptions, build_stage
     from engramrt.config import load_json, model_config
     from engramrt.parallel.partition import resolve_partition
@@ -60,6 +66,7 @@ def _engine(args: argparse.Namespace, max_len: int) -> Engine:
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         device=device, dtype=args.dtype, seed=args.seed, async_scheduling=args.async_scheduling,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        table_memory=engram_table_memory(args),
     )  # fmt: skip
     opts.dist.device = device
     return build_stage(opts)[1]

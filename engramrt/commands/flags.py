@@ -4,6 +4,7 @@ text the same wherever they appear."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -25,6 +26,41 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
     model config's."""
     p.add_argument("--device", choices=DEVICES, help="default: cuda if available")
     p.add_argument("--dtype", choices=DTYPES, help="default: the config's")
+
+
+def add_engram_memory_flags(p: argparse.ArgumentParser) -> None:
+    """Where the Engram tables live (``engramrt.engram.host_memory``); vLLM's
+    ``--engram-config '{"cpu_offload": true}'`` is read as ``host``."""
+    p.add_argument(
+        "--engram-table-memory", choices=["auto", "device", "host"], default="auto",
+        help="host: the tables stay in pinned host memory (huge pages) and the GPU reads their "
+        "rows in place; auto: host when a stage's tables would take over half its GPU",
+    )  # fmt: skip
+    p.add_argument(
+        "--engram-config", metavar="JSON",
+        help='vLLM\'s form: {"cpu_offload": true} is --engram-table-memory host, false device',
+    )  # fmt: skip
+
+
+def engram_table_memory(args: argparse.Namespace) -> str:
+    """The placement the two flags ask for; a config key engramrt does not know is an error."""
+    if args.engram_config is None:
+        return args.engram_table_memory
+    try:
+        cfg = json.loads(args.engram_config)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--engram-config is not JSON: {exc}") from None
+    if not isinstance(cfg, dict) or set(cfg) - {"cpu_offload"}:
+        raise ValueError(f'--engram-config takes {{"cpu_offload": true|false}}, got {cfg}')
+    if "cpu_offload" not in cfg:
+        return args.engram_table_memory
+    want = "host" if cfg["cpu_offload"] else "device"
+    if args.engram_table_memory not in ("auto", want):
+        raise ValueError(
+            f"--engram-config cpu_offload={cfg['cpu_offload']} contradicts "
+            f"--engram-table-memory {args.engram_table_memory}"
+        )
+    return want
 
 
 def resolve_device(device: str | None) -> str:

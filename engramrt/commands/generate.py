@@ -12,8 +12,10 @@ from engramrt.bundled import resolve_model_dir
 from engramrt.commands.flags import (
     add_device_flags,
     add_dist_flags,
+    add_engram_memory_flags,
     add_model_flag,
     dist_config,
+    engram_table_memory,
     layer_partition,
     resolve_device,
 )
@@ -113,6 +115,7 @@ class GenerateOptions:
     dist: DistConfig = field(default_factory=DistConfig)
     trace_path: str | None = None
     engram_stats: bool = False
+    table_memory: str = "auto"  # where the Engram tables live (--engram-table-memory)
 
 
 def run_generate(opts: GenerateOptions) -> None:
@@ -133,8 +136,9 @@ def _worker(rank: int, world: int, opts: GenerateOptions) -> None:
     device = stage_device(opts.dist)
     layers = stage_layers(opts.partition, rank)
     runner = StageRunner.load(
-        opts.model_dir, device=device, dtype=opts.dtype, layer_ids=layers, seed=opts.seed
-    )
+        opts.model_dir, device=device, dtype=opts.dtype, layer_ids=layers, seed=opts.seed,
+        table_memory=opts.table_memory,
+    )  # fmt: skip
     if opts.trace_path and rank == 0:
         Path(opts.trace_path).write_text("")  # before any stage can have written
     trace = EngramTrace(opts.trace_path, rank) if opts.trace_path else None
@@ -179,6 +183,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     add_device_flags(p)
+    add_engram_memory_flags(p)
     p.add_argument(
         "--engram-stats", action="store_true", help="print each Engram's update RMS and reach"
     )
@@ -201,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         dist=dist_config(args, device),
         trace_path=args.engram_trace,
         engram_stats=args.engram_stats,
+        table_memory=engram_table_memory(args),
     )
     run_generate(opts)
     return 0

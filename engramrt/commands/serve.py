@@ -17,9 +17,11 @@ from engramrt.bundled import resolve_model_dir
 from engramrt.commands.flags import (
     add_device_flags,
     add_dist_flags,
+    add_engram_memory_flags,
     add_memory_flags,
     add_scheduling_flags,
     dist_config,
+    engram_table_memory,
     layer_partition,
     resolve_device,
 )
@@ -61,6 +63,7 @@ class ServeOptions:
     async_scheduling: bool = False  # overlap scheduling (one stage only)
     long_prefill_token_threshold: int = 0  # a prompt's tokens per step, at most (0: the budget)
     engram: bool = True  # False: every Engram layer skipped on purpose (an ablation)
+    table_memory: str = "auto"  # where the Engram tables live (--engram-table-memory)
     disable_uvicorn_access_log: bool = False
     enable_log_requests: bool = False
     max_request_bytes: int = 32 * 2**20
@@ -138,6 +141,7 @@ def build_stage(
     runner = StageRunner.load(
         opts.model_dir, opts.max_num_seqs, max_len, device, opts.dtype,
         stage_layers(opts.partition, rank), opts.block_size, num_blocks=0, seed=opts.seed,
+        table_memory=opts.table_memory,
     )  # fmt: skip
     if not opts.engram:
         runner.model.disable_engram()
@@ -294,6 +298,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "are aborted (0: abort at once)",
     )  # fmt: skip
     add_device_flags(p)
+    add_engram_memory_flags(p)
     p.add_argument("--seed", type=int, default=0, help="for requests that bring no seed")
     p.add_argument(
         "--engram", choices=["on", "off"], default="on",
@@ -343,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         seed=args.seed,
         engram=args.engram == "on",
+        table_memory=engram_table_memory(args),
         dist=dist_config(args, device),
     )
     run_serve(opts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engramrt.engram.host_memory import HostMapping
 from engramrt.kernels import use_triton
 
 SCALE_BLOCK = 32  # elements per e8m0 scale, hard-coded in DeepSeek-V4.1
@@ -53,10 +54,19 @@ def shard_row_range(
 
 class EngramTable(nn.Module):
     """Rows ``[row_start, row_start + len(weight))`` of one Engram layer's table; its buffers
-    carry the checkpoint names ``weight`` and ``scale``."""
+    carry the checkpoint names ``weight`` and ``scale``. ``host``: the rows live in that host
+    mapping (``engramrt.engram.host_memory``) and stay there when the model moves to a GPU,
+    whose gather reads them in place."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, row_start: int = 0):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        row_start: int = 0,
+        host: HostMapping | None = None,
+    ):
         super().__init__()
+        self.host = host
         if weight.dim() != 2:
             raise ValueError(
                 f"table weight must be 2-D [rows, dim], got shape {list(weight.shape)}"
@@ -74,6 +84,11 @@ class EngramTable(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.row_start = row_start
+
+    def _apply(self, fn, recurse: bool = True):
+        if self.host is not None:  # ``.to(device)`` and friends leave host rows where they are
+            return self
+        return super()._apply(fn, recurse)
 
     @property
     def num_rows(self) -> int:
@@ -99,7 +114,7 @@ class EngramTable(nn.Module):
         if self.num_rows == 0:  # an empty shard (more ranks than rows) owns nothing
             shape = (*ids.shape[:-1], ids.shape[-1] * self.dim)
             return torch.full(shape, -0.0, dtype=self.out_dtype, device=ids.device)
-        local = ids.long() - self.row_start
+        local = ids.long().to(self.weight.device) - self.row_start  # host rows: read there
         owned = (local >= 0) & (local < self.num_rows)
         safe = torch.where(owned, local, 0)
         if self.scale is not None:
@@ -107,7 +122,7 @@ class EngramTable(nn.Module):
         else:
             rows = self.weight[safe]
         rows = rows.masked_fill(~owned[..., None], -0.0)
-        return rows.flatten(-2)
+        return rows.flatten(-2).to(ids.device)
 
     def shard(self, rank: int, world: int, column_bounds: list[int] | None = None) -> EngramTable:
         """A copy of the rows ``rank`` owns (the full table must start at row 0)."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engramrt.config import load_json, model_config
+from engramrt.engram.host_memory import HostMapping, mapping_bytes
 from engramrt.engram.module import dequantize_blocks
 from engramrt.engram.table import EngramTable
 from engramrt.model.decoder import EngramMHCModel
@@ -28,6 +31,7 @@ from engramrt.model.decoder import EngramMHCModel
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHUNK_BYTES = 64 * 2**20  # how much of a table a host-placement load reads at a time
 
 
 class CheckpointError(ValueError):
@@ -74,6 +78,24 @@ def _shapes(where: dict[str, Path]) -> dict[str, list[int]]:
     return shapes
 
 
+STORED_BYTES = {"F8_E4M3": 1, "F8_E8M0": 1, "U8": 1, "I8": 1, "BF16": 2, "F16": 2, "F32": 4}
+
+
+def engram_table_bytes(model_dir: str | Path, layer_ids: list[int] | None = None) -> int:
+    """The stored size of the Engram tables of ``layer_ids`` (default: all), from the shards'
+    headers alone."""
+    where = _files(Path(model_dir))
+    total = 0
+    for name, f in where.items():
+        layer = name.split(".")[1] if name.startswith("layers.") else None
+        if ".engram.embed." not in name or (layer_ids is not None and int(layer) not in layer_ids):
+            continue
+        with _opened(f) as st:
+            part = st.get_slice(name)
+            total += math.prod(part.get_shape()) * STORED_BYTES.get(part.get_dtype(), 4)
+    return total
+
+
 def _optional_scales(model: EngramMHCModel) -> set[str]:
     return {
         f"layers.{i}.engram.{part}.scale"
@@ -87,8 +109,14 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
     layer_ids: list[int] | None = None,
+    table_memory: str = "device",
 ) -> EngramMHCModel:
-    """Build the model (or the ``layer_ids`` of one pipeline stage) and load its weights."""
+    """Build the model (or the ``layer_ids`` of one pipeline stage) and load its weights.
+    ``table_memory="host"``: the Engram tables are streamed from the shards into one host
+    mapping (``engramrt.engram.host_memory``, registered with CUDA when ``device`` is a GPU)
+    and stay there; the rest goes to ``device``."""
+    if table_memory not in ("device", "host"):
+        raise ValueError(f"table memory must be 'device' or 'host', got {table_memory!r}")
     model_dir = Path(model_dir)
     cfg = model_config(load_json(model_dir))
     if not isinstance(dtype, torch.dtype):
@@ -120,8 +148,17 @@ def load_model(
             + (f", and {len(missing) - 1} more" if len(missing) > 1 else "")
         )
     optional = [n for n in _optional_scales(model) if n in shapes]
-    state = _read(where, [*expected, *optional], model_dir)
-    _install_engram(model, state, dtype)
+    names = [*expected, *optional]
+    host = None
+    if table_memory == "host":
+        tables = [n for n in names if ".engram.embed." in n]
+        register = torch.device(device).type == "cuda"
+        state, host = _stream_to_host(where, tables, dtype, register)
+        names = [n for n in names if n not in state]
+    else:
+        state = {}
+    state.update(_read(where, names, model_dir))
+    _install_engram(model, state, dtype, host)
     for name, t in state.items():
         if not t.is_floating_point() or t.element_size() == 1:
             raise CheckpointError(
@@ -152,10 +189,76 @@ def _read(where: dict[str, Path], names: list[str], model_dir: Path) -> dict[str
     return state
 
 
+def _stream_to_host(
+    where: dict[str, Path], names: list[str], dtype: torch.dtype, register: bool
+) -> tuple[dict[str, torch.Tensor], HostMapping]:
+    """The tables ``names`` read from their shards into one host mapping: the bytes go from
+    the file straight into the mapping (``readinto``, ``CHUNK_BYTES`` at a time, no file
+    mapping whose pages would count as resident too), so the peak is the tables alone, not
+    twice them. fp8 rows and e8m0 scales keep their format; plain rows take ``dtype``, as on
+    the device (converted a chunk at a time when stored otherwise)."""
+    meta = {}
+    for name in names:
+        with _opened(where[name]) as st:
+            part = st.get_slice(name)
+            stored = part[0:0].dtype
+            target = stored if stored.itemsize == 1 else dtype  # fp8 weight, e8m0 scale
+            meta[name] = (list(part.get_shape()), stored, target)
+    sizes = [math.prod(shape) * target.itemsize for shape, _, target in meta.values()]
+    host = HostMapping(mapping_bytes(sizes), register)
+    state = {}
+    with tqdm(total=sum(sizes), desc="Engram tables to host memory", unit="B",
+              unit_scale=True, disable=None) as bar:  # fmt: skip
+        for name, (shape, stored, target) in meta.items():
+            dst = host.tensor(shape, target)
+            if stored == target:
+                _read_into(where[name], name, dst, bar)
+            else:  # a plain table stored in another dtype: converted by row chunks
+                step = max(1, CHUNK_BYTES // max(1, math.prod(shape[1:]) * stored.itemsize))
+                with _opened(where[name]) as st:
+                    part = st.get_slice(name)
+                    for lo in range(0, shape[0], step):
+                        hi = min(shape[0], lo + step)
+                        dst[lo:hi].copy_(part[lo:hi])
+                        bar.update((hi - lo) * dst[0].numel() * target.itemsize)
+            state[name] = dst
+    return state, host
+
+
+def _read_into(f: Path, name: str, dst: torch.Tensor, bar: tqdm) -> None:
+    """Tensor ``name``'s bytes from safetensors file ``f`` into ``dst`` (same dtype and size):
+    the format's 8-byte header length, its JSON header, then the data at the header's
+    offsets."""
+    with open(f, "rb", buffering=0) as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        entry = json.loads(fh.read(n))[name]
+        lo, hi = entry["data_offsets"]
+        out = dst.view(-1).view(torch.uint8).numpy()
+        if hi - lo != out.nbytes:
+            raise CheckpointError(
+                f"tensor {name}: {hi - lo} bytes stored in {f}, its shape and dtype need "
+                f"{out.nbytes}"
+            )
+        fh.seek(8 + n + lo)
+        view = memoryview(out)
+        for at in range(0, out.nbytes, CHUNK_BYTES):
+            chunk = view[at : at + CHUNK_BYTES]
+            while chunk.nbytes:
+                got = fh.readinto(chunk)
+                if not got:
+                    raise CheckpointError(f"tensor {name}: {f} ends before its data does")
+                chunk = chunk[got:]
+            bar.update(min(CHUNK_BYTES, out.nbytes - at))
+
+
 def _install_engram(
-    model: EngramMHCModel, state: dict[str, torch.Tensor], dtype: torch.dtype
+    model: EngramMHCModel,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    host: HostMapping | None = None,
 ) -> None:
-    """Tables keep their stored format (fp8 + e8m0 or plain); fp8 wkv is dequantized once."""
+    """Tables keep their stored format (fp8 + e8m0 or plain); fp8 wkv is dequantized once.
+    ``host``: the mapping the tables were streamed into, where they stay."""
     for i in model.engram_layer_ids:
         engram = model.layers[str(i)].engram
         prefix = f"layers.{i}.engram"
@@ -171,7 +274,7 @@ def _install_engram(
                 )
             weight = weight.to(dtype)
         try:
-            engram.embed = EngramTable(weight, scale)
+            engram.embed = EngramTable(weight, scale, host=host)
         except ValueError as exc:
             named = f"{prefix}.embed.scale" if scale is not None else f"{prefix}.embed.weight"
             raise CheckpointError(f"tensor {named}: {exc}") from exc

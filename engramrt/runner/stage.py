@@ -20,8 +20,9 @@ from tokenizers import Tokenizer
 
 from engramrt.engram import load_hasher, load_tokenizer
 from engramrt.engram.hashing import EngramHasher
+from engramrt.engram.host_memory import check_reads, choose_placement, describe
 from engramrt.kernels import use_triton
-from engramrt.model.checkpoint import load_model
+from engramrt.model.checkpoint import engram_table_bytes, load_model
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.model.trace import Tracer
@@ -93,9 +94,22 @@ class StageRunner:
         block_size: int = 16,
         num_blocks: int | None = None,
         seed: int = 0,
+        table_memory: str = "device",
     ) -> StageRunner:
-        """``num_blocks=0`` loads without a KV cache (``allocate_kv`` gives it one later)."""
-        model = load_model(model_dir, dtype, device, layer_ids)
+        """``num_blocks=0`` loads without a KV cache (``allocate_kv`` gives it one later).
+        ``table_memory``: where the Engram tables live (``auto``, ``device``, ``host``;
+        ``engramrt.engram.host_memory``); said in a log line when the stage has any."""
+        placement = table_memory
+        if table_memory == "auto":
+            size = engram_table_bytes(model_dir, layer_ids)
+            placement = choose_placement(table_memory, size, device)
+        model = load_model(model_dir, dtype, device, layer_ids, placement)
+        tables = [model.layers[str(i)].engram.embed for i in model.engram_layer_ids]
+        if tables:
+            print(f"engramrt: {describe(tables, str(torch.device(device)))}", flush=True)
+        if placement == "host" and use_triton(device):
+            for table in tables:
+                check_reads(table, device)
         if model.embed is not None:  # the first stage hashes; the others need the vocab size
             hasher, tokenizer = load_hasher(model_dir, num_slots, device)
         else:
