@@ -1,29 +1,33 @@
 """Random-weight models with DeepSeek-V4.1's Engram and mHC shapes, scaled down, for measuring
 the GPU path: about 1B and 4B parameters (hc 4, Engram at two layers, 24 hash columns of 256,
-Engram tables of a few GB in fp8 + e8m0), on the bundled tokenizer; and a small 8-layer one for
-checking every pipeline partition.
+Engram tables of a few GB in fp8 + e8m0), on the bundled tokenizer; a small 8-layer one for
+checking every pipeline partition; and ``4b-bigtables``, the 4B model with ~64 GiB of tables,
+more than an H200 can hold beside a useful KV cache (for host-memory tables).
 
     python benchmarks/make_models.py --preset 1b --out /tmp/m1b [--device cuda]
 
 Weights are drawn on ``--device`` (fast on a GPU) with the bundled model's scales, then written
-as a sharded HF-style checkpoint that ``engramrt`` loads like any other.
+as a sharded HF-style checkpoint that ``engramrt`` loads like any other. The tables are written
+to their own file a chunk of rows at a time, as they are drawn: never whole in memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
+import struct
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from engramrt.bundled import DEFAULT_MODEL_DIR
 from engramrt.bundled.weights import _init
 from engramrt.config import engram_config, load_json, model_config
 from engramrt.engram.layout import search_primes
-from engramrt.engram.table import EngramTable
-from engramrt.model.checkpoint import save_checkpoint
+from engramrt.model.checkpoint import INDEX, save_checkpoint
 from engramrt.model.decoder import EngramMHCModel
 
 PRESETS = {  # hidden, layers, heads, kv heads, ffn, engram layers, prime search start
@@ -31,7 +35,10 @@ PRESETS = {  # hidden, layers, heads, kv heads, ffn, engram layers, prime search
     "pp8": (512, 8, 8, 2, 1408, [1, 5], 40_000),  # small, for checking every 2-stage partition
     "1b": (2048, 16, 16, 4, 5632, [1, 8], 320_000),
     "4b": (3072, 36, 24, 8, 8192, [1, 14], 600_000),
+    "4b-bigtables": (3072, 36, 24, 8, 8192, [1, 14], 5_400_000),
 }
+TABLES_FILE = "engram-tables.safetensors"
+CHUNK_ROWS = 1 << 18
 
 
 def preset_config(name: str) -> dict:
@@ -51,6 +58,7 @@ def preset_config(name: str) -> dict:
 
 
 def random_model(raw: dict, device: str, seed: int = 0) -> EngramMHCModel:
+    """Every weight but the Engram tables (``write_tables`` draws those)."""
     cfg = model_config(raw)
     with torch.device("meta"):
         model = EngramMHCModel(cfg, torch.bfloat16)
@@ -72,16 +80,66 @@ def random_model(raw: dict, device: str, seed: int = 0) -> EngramMHCModel:
         state[name] = value.float() if ".hc_" in name else value.to(torch.bfloat16)
     model.load_state_dict(state, strict=False, assign=True)
     for i in model.engram_layer_ids:
-        rows, dim = cfg.engram.num_embeddings[cfg.engram.layer_ids.index(i)], cfg.engram.head_dim
-        # random e4m3 bytes of magnitude ~1 (exponents 6..8, any mantissa, either sign) and
-        # scales near 2**0: the same distribution as the bundled model's quantised normals
-        byte = torch.randint(0x30, 0x48, (rows, dim), generator=gen, device=device,
-                             dtype=torch.uint8)  # fmt: skip
-        sign = torch.randint(0, 2, (rows, dim), generator=gen, device=device, dtype=torch.uint8)
-        weight = (byte | (sign << 7)).view(torch.float8_e4m3fn)
-        scale = torch.full((rows, dim // 32), 127, dtype=torch.uint8, device=device)
-        model.layers[str(i)].engram.embed = EngramTable(weight, scale.view(torch.float8_e8m0fnu))
+        model.layers[str(i)].engram.embed = None  # drawn and written by ``write_tables``
     return model.eval()
+
+
+def table_rows(rows: int, dim: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random e4m3 bytes of magnitude ~1 (exponents 6..8, any mantissa, either sign) and
+    scales of 2**0: the distribution of the bundled model's quantised normals."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    byte = torch.randint(0x30, 0x48, (rows, dim), generator=gen, device=device, dtype=torch.uint8)
+    sign = torch.randint(0, 2, (rows, dim), generator=gen, device=device, dtype=torch.uint8)
+    scale = torch.full((rows, dim // 32), 127, dtype=torch.uint8, device=device)
+    return byte | (sign << 7), scale
+
+
+def write_tables(raw: dict, path: Path, device: str, seed: int = 0) -> dict[str, list]:
+    """Every Engram table of ``raw``'s model, drawn ``CHUNK_ROWS`` rows at a time and written
+    straight to safetensors file ``path`` (header first: the shapes are known). The tensors
+    written, with their shapes."""
+    cfg = model_config(raw)
+    entries, offset = {}, 0
+    for k, i in enumerate(cfg.engram.layer_ids):
+        rows, dim = cfg.engram.num_embeddings[k], cfg.engram.head_dim
+        for part, dtype, cols in (("weight", "F8_E4M3", dim), ("scale", "F8_E8M0", dim // 32)):
+            end = offset + rows * cols
+            entries[f"layers.{i}.engram.embed.{part}"] = {
+                "dtype": dtype, "shape": [rows, cols], "data_offsets": [offset, end]
+            }  # fmt: skip
+            offset = end
+    header = json.dumps(entries).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        for k in range(len(cfg.engram.layer_ids)):
+            rows, dim = cfg.engram.num_embeddings[k], cfg.engram.head_dim
+            scales = []
+            for n, lo in enumerate(range(0, rows, CHUNK_ROWS)):
+                w, sc = table_rows(min(CHUNK_ROWS, rows - lo), dim, seed + 7919 * k + n, device)
+                f.write(w.cpu().numpy().tobytes())
+                scales.append(sc.cpu())
+            f.write(torch.cat(scales).numpy().tobytes())  # 1/32 of the weight: small enough
+    return {name: e["shape"] for name, e in entries.items()}
+
+
+def write_model(raw: dict, out: Path, device: str, max_shard_bytes: int) -> tuple[int, int]:
+    """The whole checkpoint: the dense weights through ``save_checkpoint``, the tables
+    streamed to their own file, one index over both. (dense parameters, table bytes)"""
+    model = random_model(raw, device)
+    params = sum(t.numel() for t in model.state_dict().values() if t.element_size() > 1)
+    save_checkpoint(model, out, raw, DEFAULT_MODEL_DIR, max_shard_bytes)
+    del model
+    tables = write_tables(raw, out / TABLES_FILE, device)
+    index_path = out / INDEX
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+    else:  # one dense file: an index that names it
+        with safe_open(out / "model.safetensors", framework="pt") as st:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(st.keys(), "model.safetensors")}
+    index["weight_map"].update(dict.fromkeys(tables, TABLES_FILE))
+    index_path.write_text(json.dumps(index, indent=1))
+    return params, sum(math.prod(shape) for shape in tables.values())
 
 
 def main() -> None:
@@ -92,11 +150,7 @@ def main() -> None:
     ap.add_argument("--max-shard-bytes", type=int, default=4 * 2**30)
     args = ap.parse_args()
     raw = preset_config(args.preset)
-    model = random_model(raw, args.device)
-    params = sum(t.numel() for t in model.state_dict().values() if t.element_size() > 1)
-    tables = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
-                 if ".engram.embed." in n)  # fmt: skip
-    save_checkpoint(model, Path(args.out), raw, DEFAULT_MODEL_DIR, args.max_shard_bytes)
+    params, tables = write_model(raw, Path(args.out), args.device, args.max_shard_bytes)
     print(
         f"{args.preset}: {params / 1e9:.2f} B dense parameters, Engram tables "
         f"{tables / 2**30:.2f} GiB -> {args.out}"
