@@ -188,16 +188,21 @@ def test_the_start_up_self_test_passes_and_fails_loudly(monkeypatch) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_host_tables_on_a_gpu_equal_device_tables_eager_and_in_graphs() -> None:
     """fp32 and bf16: registered host tables read over UVA give the device tables' logits bit
-    for bit, eagerly and from captured graphs (decode and mixed)."""
+    for bit, with their rows read ahead at forward entry and without, eagerly and from
+    captured graphs (decode and mixed)."""
     d = resolve_model_dir(None)
     for dtype in ("float32", "bfloat16"):
         dev = StageRunner.load(d, 2, 64, "cuda", dtype)
         host = StageRunner.load(d, 2, 64, "cuda", dtype, table_memory="host")
+        plain = StageRunner.load(d, 2, 64, "cuda", dtype, table_memory="host")
         assert all(t.host.registered and t.weight.device.type == "cpu" for t in _tables(host))
-        for x, y in zip(*_steps([dev, host], seed=2), strict=True):
-            assert torch.equal(x, y)
-        for r in (dev, host):
+        assert dev.prefetcher is None and host.prefetcher is not None  # host rows read ahead
+        plain.prefetcher = None  # ... and the same without
+        runners = [dev, host, plain]
+        for x, y, z in zip(*_steps(runners, seed=2), strict=True):
+            assert torch.equal(x, y) and torch.equal(x, z)
+        for r in runners:
             r.hasher.history.table.zero_()
             r.capture_graphs(2, 32)
-        for x, y in zip(*_steps([dev, host], seed=3, last_only=True), strict=True):
-            assert torch.equal(x, y)
+        for x, y, z in zip(*_steps(runners, seed=3, last_only=True), strict=True):
+            assert torch.equal(x, y) and torch.equal(x, z)

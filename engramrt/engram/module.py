@@ -104,10 +104,16 @@ class Engram(nn.Module):
         return self.embed.lookup(hash_ids)
 
     def forward(
-        self, x: torch.Tensor, hash_ids: torch.Tensor, dead: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        hash_ids: torch.Tensor,
+        dead: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x [T, hc, D]``, ``hash_ids [T, (N-1)*H]`` of this layer, ``dead [T]`` image rows."""
+        """``x [T, hc, D]``, ``hash_ids [T, (N-1)*H]`` of this layer, ``dead [T]`` image rows;
+        ``rows``: the table rows of ``hash_ids`` when they were read ahead (prefetch)."""
         if hash_ids is None:
             raise RuntimeError(f"Engram of layer {self.layer_id} got no hash ids")
-        kv = self.wkv(self.lookup(hash_ids).to(self.wkv.weight.dtype))
+        rows = self.lookup(hash_ids) if rows is None else rows
+        kv = self.wkv(rows.to(self.wkv.weight.dtype))
         return engram_gate(x, kv, self.q_weight, self.k_weight, self.eps, dead)

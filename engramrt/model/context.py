@@ -148,6 +148,8 @@ class ForwardContext:
     dead: torch.Tensor | None = None  # [T] image tokens
     tracer: Tracer | None = None
     engram_ran: list[int] = field(default_factory=list)
+    # layer id -> (Engram rows, the event that marks them ready): ``engramrt.engram.prefetch``
+    prefetched: dict = field(default_factory=dict)
     # per-step tensors the first layer that asks computes (in a CUDA graph: once per replay)
     rope_cache: dict = field(default_factory=dict)
 

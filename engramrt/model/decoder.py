@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from engramrt.config import ModelConfig
+from engramrt.engram import prefetch
 from engramrt.engram.module import Engram
 from engramrt.engram.table import EngramTable
 from engramrt.mhc import PreMix, collapse_norm, first_pre, mhc_post, mhc_pre
@@ -82,7 +83,7 @@ class Block(nn.Module):
         if self.engram is not None and self.engram_enabled:
             ids = ctx.engram_inputs(self.layer_id, self.engram.layer_index)
             ctx.trace("engram_in", self.layer_id, x)
-            x = self.engram(x, ids, ctx.dead)
+            x = self.engram(x, ids, ctx.dead, prefetch.take(ctx, self.layer_id))
             ctx.trace("engram_out", self.layer_id, x)
             ctx.engram_ran.append(self.layer_id)
         # attention collapses with the previous sublayer's pre, the FFN with attention's

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from engramrt.engram import load_hasher, load_tokenizer
+from engramrt.engram import load_hasher, load_tokenizer, prefetch
 from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.host_memory import check_reads, choose_placement, describe
+from engramrt.engram.prefetch import Prefetch
 from engramrt.kernels import use_triton
 from engramrt.model.checkpoint import engram_table_bytes, load_model
 from engramrt.model.context import ForwardContext, KVCache
@@ -72,8 +73,13 @@ class StageRunner:
     # token ``PENDING`` stands for it, so the next step can be launched before the host has
     # read the sampled tokens (overlap scheduling)
     last_token: torch.Tensor | None = field(init=False, default=None)
+    # reads the host tables' rows ahead at forward entry (CUDA, host tables; None: off)
+    prefetcher: Prefetch | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        if self.device.type == "cuda":
+            ahead = Prefetch(self.model, self.device)
+            self.prefetcher = ahead if ahead.layers() else None
         if self.model.head is not None:
             tok = self.tokenizer
             limit = tok.get_vocab_size(with_added_tokens=True) if tok is not None else None
@@ -295,8 +301,11 @@ class StageRunner:
             x, pre = self.model.embed_tokens(t)
             carry = Carry(x, pre, ids, self.hasher.is_dead(t))
         ctx.hash_ids, ctx.dead = carry.hash_ids, carry.dead
+        if self.prefetcher is not None:
+            self.prefetcher.start(ctx)
         ctx.trace("stage_entry", self.model.layer_ids[0], carry.x)
         x, pre = self.model.forward_layers(carry.x, carry.pre, ctx)
+        prefetch.join_all(ctx)
         ctx.trace("stage_exit", self.model.layer_ids[-1], x)
         if self.model.head is not None:
             if ctx.logits_rows is not None:

@@ -1,0 +1,67 @@
+"""Engram rows read ahead: every Engram layer's hash ids are known at forward entry (the first
+stage hashes before layer 0; later stages receive them), so the gathers of a stage's host-memory
+tables, the slow part of an Engram over PCIe, start then on a side stream and run under the
+layers before theirs; each Engram layer waits on its rows' event.
+
+In a CUDA graph this is a fork (the side stream waits on the capturing stream) and a join (the
+capturing stream waits on each event); every prefetch is joined before the forward returns, even
+one whose layer did not take it (a capture that ends with side-stream work unjoined fails or,
+worse, replays corrupt: vLLM #57759). Eagerly, rows made on the side stream are marked as used by
+the main stream (``record_stream``) so their memory is not reused early.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engramrt.model.context import ForwardContext
+
+
+class Prefetch:
+    """The side stream and the layers whose tables it reads ahead (host tables only: a table
+    in HBM is read about as fast as the layer computes)."""
+
+    def __init__(self, model, device: torch.device):
+        self.model = model
+        self.stream = torch.cuda.Stream(device)
+
+    def layers(self) -> list:
+        out = []
+        for i in self.model.engram_layer_ids:
+            block = self.model.layers[str(i)]
+            table = block.engram.embed
+            if block.engram_enabled and table is not None and table.host is not None:
+                out.append(block.engram)
+        return out
+
+    def start(self, ctx: ForwardContext) -> None:
+        main = torch.cuda.current_stream()
+        engrams = self.layers()
+        if not engrams:
+            return
+        self.stream.wait_stream(main)  # the hash ids are written on the main stream
+        with torch.cuda.stream(self.stream):
+            for engram in engrams:
+                rows = engram.lookup(ctx.engram_inputs(engram.layer_id, engram.layer_index))
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                ctx.prefetched[engram.layer_id] = (rows, done)
+
+
+def take(ctx: ForwardContext, layer_id: int) -> torch.Tensor | None:
+    """Layer ``layer_id``'s prefetched rows, once the main stream has waited for them."""
+    entry = ctx.prefetched.pop(layer_id, None)
+    if entry is None:
+        return None
+    rows, done = entry
+    main = torch.cuda.current_stream()
+    main.wait_event(done)
+    if not torch.cuda.is_current_stream_capturing():
+        rows.record_stream(main)
+    return rows
+
+
+def join_all(ctx: ForwardContext) -> None:
+    """Join what no layer took (a capture must not end with side-stream work pending)."""
+    for layer_id in list(ctx.prefetched):
+        take(ctx, layer_id)
