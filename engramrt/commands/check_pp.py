@@ -167,7 +167,7 @@ def _load_stage(opts: CheckOptions, parts: list[int], rank: int, n: int) -> Cont
     if os.environ.get(FAULT_ENV) == "skip-entry-engram" and rank > 0:
         first = runner.model.layers[str(runner.model.layer_ids[0])]
         if first.engram is not None:
-            first.engram.forward = lambda x, ids, dead=None: x
+            first.engram.forward = lambda x, ids, dead=None, rows=None: x
     if fault:  # the second step (the first decode) raises
         step, calls = runner.step, []
 

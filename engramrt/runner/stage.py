@@ -10,6 +10,7 @@ process is changes where the stream comes from and where it goes, never what a l
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,7 +113,10 @@ class StageRunner:
         model = load_model(model_dir, dtype, device, layer_ids, placement)
         tables = [model.layers[str(i)].engram.embed for i in model.engram_layer_ids]
         if tables:
-            print(f"engramrt: {describe(tables, str(torch.device(device)))}", flush=True)
+            # a log line: stderr, so that what a command prints (generated text, reports)
+            # stays its output
+            print(f"engramrt: {describe(tables, str(torch.device(device)))}", file=sys.stderr,
+                  flush=True)  # fmt: skip
         if placement == "host" and use_triton(device):
             for table in tables:
                 check_reads(table, device)
