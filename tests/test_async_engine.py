@@ -93,3 +93,13 @@ def test_an_error_after_waiting_outputs_comes_after_them() -> None:
         engine.shutdown()
     assert [o.new_token_ids for o in got] == [[t for o in outs for t in o.new_token_ids]]
     assert isinstance(error, EngineDead) and "boom" in str(error)
+
+
+def test_shutdown_gives_back_the_switch_interval() -> None:
+    import sys
+
+    before = sys.getswitchinterval()
+    engine = AsyncEngine(Idle())
+    assert sys.getswitchinterval() != before or before == 0.0005
+    engine.shutdown()
+    assert sys.getswitchinterval() == before

@@ -409,6 +409,18 @@ def test_loaded_models_carry_no_autograd_state() -> None:
     assert not out.requires_grad
 
 
+def test_graph_output_rows_count_every_captured_shape() -> None:
+    """Logit rows per request on the last stage, carry rows per token elsewhere, summed over
+    what ``StepGraphs`` would capture (decode by batch size, mixed by token count)."""
+    from engramrt.runner.graphs import batch_sizes, graph_shapes, output_rows, token_sizes
+
+    shapes = graph_shapes(64, 2048)
+    decode, mixed = batch_sizes(64), token_sizes(2048)
+    assert [s.tokens for s in shapes] == decode + mixed
+    assert output_rows(shapes, True) == sum(decode) + sum(min(64, t) for t in mixed)
+    assert output_rows(shapes, False) == sum(decode) + sum(mixed)
+
+
 def test_graphs_need_the_triton_kernels(model, capsys) -> None:
     """Without the kernels (here: a CPU session) decode stays eager instead of failing."""
     s = new_session(model, 2)
@@ -440,14 +452,15 @@ def test_kv_budget_from_a_profiled_forward(model, monkeypatch) -> None:
     per_block = kv_block_bytes(8, model.cfg.num_kv_heads, model.cfg.head_dim, 4,
                                len(model.layer_ids))  # fmt: skip
     share = stages_per_gpu(local_world_size=3, gpus=2)  # 3 stages on 2 GPUs: 2 share one
-    blocks = blocks_from_profile(profile, 0.9, per_block, share, graph_rows=4)
+    blocks = blocks_from_profile(profile, 0.9, per_block, share, graph_rows=4,
+                                 graph_outputs=3 * gib)  # fmt: skip
     cache = 40 // 16 + 1  # runs of 16, 16, 8 tokens, each with its own 2 blocks
     per_layer_block = 8 * model.cfg.num_kv_heads * model.cfg.head_dim * 4  # fp32
     cache_bytes = cache * 2 * per_layer_block * 2 * len(model.layer_ids)
     activations = fake["peak"] - cache_bytes - fake["allocated"]
     outside = fake["total"] - fake["free"] - fake["reserved"]
     budget = int(fake["total"] * 0.9 / 2 - outside - fake["allocated"] - activations
-                 - activations * 4 / 40)  # fmt: skip
+                 - activations * 4 / 40 - 3 * gib)  # fmt: skip
     assert share == 2 and blocks == budget // (per_layer_block * 2 * len(model.layer_ids))
     assert s.kv is None and not s.hasher.history.table.any()
     with pytest.raises(ValueError, match="leaves no room"):

@@ -132,6 +132,27 @@ def test_loading_streams_into_the_mapping(tmp_path) -> None:
     assert int(grew) < 1.1 * size + 64 * 2**20, (int(grew) / 2**20, size / 2**20)
 
 
+@pytest.mark.parametrize("cut", [4, 20, -100])
+def test_a_damaged_shard_is_an_error_naming_the_tensor(tmp_path, cut: int) -> None:
+    """Cut inside the header length, inside the header, inside the data: each a
+    ``CheckpointError`` that names the tensor, not a struct or JSON error."""
+    from engramrt.model.checkpoint import CheckpointError, _read_into
+
+    name = "layers.0.engram.embed.weight"
+    f = tmp_path / "t.safetensors"
+    save_file({name: torch.zeros(64, 32, dtype=torch.uint8)}, f)
+    data = f.read_bytes()
+    f.write_bytes(data[:cut])
+    dst = torch.empty(64, 32, dtype=torch.uint8)
+    with pytest.raises(CheckpointError, match=name):
+        _read_into(f, name, dst, _NoBar())
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
 def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_engram_memory_flags(p)

@@ -264,6 +264,11 @@ def test_long_prefill_threshold_caps_each_prompts_tokens_per_step(seed: int) -> 
     assert_idle(sim)
 
 
+def test_a_negative_threshold_is_refused() -> None:
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        Scheduler(BlockManager(8, 4), 2, 16, -1)
+
+
 def test_running_requests_are_served_before_waiting_ones() -> None:
     """A waiting request gets only what the running ones leave of the budget, and nothing while
     a running prompt still takes all of it."""

@@ -33,7 +33,8 @@ from engramrt.parallel.liveness import Heartbeat, StageWatch
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.prompts import PromptEncoder
-from engramrt.runner.graphs import MAX_GRAPH_TOKENS
+from engramrt.runner.carry import Carry
+from engramrt.runner.graphs import MAX_GRAPH_TOKENS, graph_shapes, output_rows
 from engramrt.runner.kv_budget import (
     CPU_KV_BYTES,
     blocks_from_bytes,
@@ -97,10 +98,21 @@ def kv_blocks(runner: StageRunner, opts: ServeOptions, cfg: ModelConfig, max_len
     tokens = max(1, min(opts.max_num_batched_tokens, max_len * opts.max_num_seqs))
     profile = runner.profile_memory(tokens, max_len, opts.block_size, opts.max_num_seqs)
     share = stages_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
-    # the graphs' pool: about a forward of the largest captured step
+    # the graphs' pool: about a forward of the largest captured step; and their outputs
     graph_rows = 0 if opts.enforce_eager else max(opts.max_num_seqs, min(tokens, MAX_GRAPH_TOKENS))
+    outputs = 0
+    if not opts.enforce_eager:
+        shapes = graph_shapes(opts.max_num_seqs, opts.max_num_batched_tokens)
+        if runner.is_last:
+            row = cfg.vocab_size * 4  # fp32 logits
+        else:
+            row = sum(
+                t[0].numel() * t.element_size() for t in Carry.empty(runner.model, 1).tensors()
+            )
+        outputs = output_rows(shapes, runner.is_last) * row
     return blocks_from_profile(profile, opts.gpu_memory_utilization,
-                               per_block(len(model.layer_ids)), share, graph_rows)  # fmt: skip
+                               per_block(len(model.layer_ids)), share, graph_rows,
+                               outputs)  # fmt: skip
 
 
 def check(opts: ServeOptions) -> tuple[ModelConfig, int]:

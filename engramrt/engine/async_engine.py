@@ -38,7 +38,14 @@ class EngineClosed(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, engine: Engine):
-        sys.setswitchinterval(float(os.environ.get("ENGRAMRT_SWITCH_INTERVAL", SWITCH_INTERVAL)))
+        interval = os.environ.get("ENGRAMRT_SWITCH_INTERVAL", str(SWITCH_INTERVAL))
+        try:
+            interval = float(interval)
+        except ValueError:
+            msg = f"ENGRAMRT_SWITCH_INTERVAL must be seconds, got {interval!r}"
+            raise ValueError(msg) from None
+        self._old_interval = sys.getswitchinterval()  # given back by ``shutdown``
+        sys.setswitchinterval(interval)
         self.engine = engine
         self.error: BaseException | None = None
         self.closed = False
@@ -126,6 +133,7 @@ class AsyncEngine:
         self._wake.set()
         if self.error is None:  # a dead loop may be stuck waiting for a stage: don't wait
             self._thread.join(timeout=10)
+        sys.setswitchinterval(self._old_interval)
 
     def _deliver(self, rid: str, item) -> None:
         self._deliver_all([(rid, item)])

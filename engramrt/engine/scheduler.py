@@ -31,6 +31,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         long_prefill_token_threshold: int = 0,
     ):
+        if long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0 (0: off), got "
+                f"{long_prefill_token_threshold}"
+            )
         self.blocks = blocks
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.chunk = long_prefill_token_threshold or max_num_batched_tokens

@@ -45,7 +45,9 @@ class HostMapping:
                     "CUDA cannot map host memory; use --engram-table-memory device"
                 )
             self.registered = True
-            weakref.finalize(self, _unregister, self.address)  # tables hold their mapping
+            # tables hold their mapping; at exit the OS takes it back (unregistering then could
+            # race a step still replaying on another thread)
+            weakref.finalize(self, _unregister, self.address).atexit = False
         self._used = 0
 
     def tensor(self, shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -225,14 +225,28 @@ def _stream_to_host(
     return state, host
 
 
+def _read_exactly(fh, n: int) -> bytes:
+    """``n`` bytes (an unbuffered read may return fewer); a short file is a ValueError."""
+    out = bytearray()
+    while len(out) < n:
+        got = fh.read(n - len(out))
+        if not got:
+            raise ValueError(f"the file ends {n - len(out)} bytes early")
+        out += got
+    return bytes(out)
+
+
 def _read_into(f: Path, name: str, dst: torch.Tensor, bar: tqdm) -> None:
     """Tensor ``name``'s bytes from safetensors file ``f`` into ``dst`` (same dtype and size):
     the format's 8-byte header length, its JSON header, then the data at the header's
     offsets."""
     with open(f, "rb", buffering=0) as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        entry = json.loads(fh.read(n))[name]
-        lo, hi = entry["data_offsets"]
+        try:
+            (n,) = struct.unpack("<Q", _read_exactly(fh, 8))
+            lo, hi = json.loads(_read_exactly(fh, n))[name]["data_offsets"]
+        except (struct.error, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"tensor {name}: unreadable safetensors header in {f}: "
+                                  f"{exc!r}") from None  # fmt: skip
         out = dst.view(-1).view(torch.uint8).numpy()
         if hi - lo != out.nbytes:
             raise CheckpointError(

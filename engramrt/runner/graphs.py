@@ -50,6 +50,21 @@ def token_sizes(max_tokens: int) -> list[int]:
     return [*sizes, max_tokens] if max_tokens >= 2 else []
 
 
+def graph_shapes(max_batch: int, max_tokens: int) -> list[GraphShape]:
+    """What ``StepGraphs`` captures: decode steps by batch size, then mixed steps by token
+    count (up to ``max_batch`` requests each)."""
+    sizes = batch_sizes(max_batch)
+    shapes = [GraphShape(True, b, b) for b in sizes]
+    mixed = token_sizes(min(max_tokens, MAX_GRAPH_TOKENS))
+    return shapes + [GraphShape(False, t, min(sizes[-1], t)) for t in mixed]
+
+
+def output_rows(shapes: list[GraphShape], last_stage: bool) -> int:
+    """Rows of the outputs the captured graphs keep (each its own, outside the shared pool):
+    logits at each request on the last stage, a carry per token elsewhere."""
+    return sum(s.requests if last_stage else s.tokens for s in shapes)
+
+
 class StepGraphs:
     def __init__(
         self,
@@ -70,10 +85,8 @@ class StepGraphs:
             raise ValueError(f"the largest graph batch must be >= 1, got {max_batch}")
         self.forward, self.kv, self.device, self.carry_for = forward, kv, device, carry_for
         self.last_stage = last_stage
-        self.sizes = batch_sizes(min(max_batch, kv.num_blocks))
-        top, mixed = self.sizes[-1], token_sizes(min(max_tokens, MAX_GRAPH_TOKENS))
-        self.shapes = [GraphShape(True, b, b) for b in self.sizes]
-        self.shapes += [GraphShape(False, t, min(top, t)) for t in mixed]
+        self.shapes = graph_shapes(min(max_batch, kv.num_blocks), max_tokens)
+        self.sizes = [s.requests for s in self.shapes if s.decode]
         self.width = kv.blocks_per_seq
         self.graphs: dict[GraphShape, tuple] = {}  # shape -> (graph, ctx, outputs, carry, ran)
         pool = None

@@ -42,15 +42,17 @@ def blocks_from_profile(
     per_block: int,
     stages_per_gpu: int = 1,
     graph_rows: int = 0,
+    graph_outputs: int = 0,
 ) -> int:
     """What ``utilization`` of the GPU (shared by ``stages_per_gpu`` stages) leaves after memory
-    outside torch (CUDA context, NCCL), the weights, the peak's activations and the decode
-    graphs' pool (about a forward of ``graph_rows`` tokens; 0 without graphs), in blocks."""
+    outside torch (CUDA context, NCCL), the weights, the peak's activations, the CUDA graphs'
+    pool (about a forward of ``graph_rows`` tokens; 0 without graphs) and the ``graph_outputs``
+    bytes each captured graph keeps for its own outputs, in blocks."""
     outside_torch = p.total - p.free - p.reserved
     activations = p.peak - p.profile_cache - p.weights
     graphs = activations * min(1.0, graph_rows / p.tokens) if graph_rows else 0
     budget = int(p.total * utilization / stages_per_gpu - outside_torch - p.weights
-                 - activations - graphs)  # fmt: skip
+                 - activations - graphs - graph_outputs)  # fmt: skip
     if budget < per_block:
         raise ValueError(
             f"--gpu-memory-utilization {utilization} leaves no room for the KV cache: the "
