@@ -17,26 +17,28 @@ import torch
 from engramrt.model.context import ForwardContext
 
 
+def host_engrams(model) -> list:
+    """The running Engrams of ``model`` whose tables are in host memory (a table in HBM is read
+    about as fast as its layer computes: nothing to gain from reading it ahead)."""
+    out = []
+    for i in model.engram_layer_ids:
+        block = model.layers[str(i)]
+        table = block.engram.embed
+        if block.engram_enabled and table is not None and table.host is not None:
+            out.append(block.engram)
+    return out
+
+
 class Prefetch:
-    """The side stream and the layers whose tables it reads ahead (host tables only: a table
-    in HBM is read about as fast as the layer computes)."""
+    """The side stream that reads ``model``'s host-table rows ahead."""
 
     def __init__(self, model, device: torch.device):
         self.model = model
         self.stream = torch.cuda.Stream(device)
 
-    def layers(self) -> list:
-        out = []
-        for i in self.model.engram_layer_ids:
-            block = self.model.layers[str(i)]
-            table = block.engram.embed
-            if block.engram_enabled and table is not None and table.host is not None:
-                out.append(block.engram)
-        return out
-
     def start(self, ctx: ForwardContext) -> None:
         main = torch.cuda.current_stream()
-        engrams = self.layers()
+        engrams = host_engrams(self.model)  # each step: the ablation may switch Engrams off
         if not engrams:
             return
         self.stream.wait_stream(main)  # the hash ids are written on the main stream

@@ -151,7 +151,7 @@ class ForwardContext:
     # layer id -> (Engram rows, the event that marks them ready): ``engramrt.engram.prefetch``
     prefetched: dict = field(default_factory=dict)
     # per-step tensors the first layer that asks computes (in a CUDA graph: once per replay)
-    rope_cache: dict = field(default_factory=dict)
+    step_cache: dict = field(default_factory=dict)
 
     @classmethod
     def for_runs(
@@ -262,16 +262,16 @@ class ForwardContext:
         """This step's rotary cos/sin rows, computed by the first layer that asks (in a CUDA
         graph: once per replay, not once per layer)."""
         key = (head_dim, theta)
-        if key not in self.rope_cache:
-            self.rope_cache[key] = rope_tables(self.positions, head_dim, theta)
-        return self.rope_cache[key]
+        if key not in self.step_cache:
+            self.step_cache[key] = rope_tables(self.positions, head_dim, theta)
+        return self.step_cache[key]
 
     def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A mixed step's one-token runs: token rows, block tables, context lengths."""
-        if "decode_rows" not in self.rope_cache:
+        if "decode_rows" not in self.step_cache:
             table = self.block_table[self.dec_req]
-            self.rope_cache["decode_rows"] = (self.dec_tok, table, self.dec_lens)
-        return self.rope_cache["decode_rows"]
+            self.step_cache["decode_rows"] = (self.dec_tok, table, self.dec_lens)
+        return self.step_cache["decode_rows"]
 
     def engram_inputs(self, layer_id: int, index: int) -> torch.Tensor:
         if self.hash_ids is None:

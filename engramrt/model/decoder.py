@@ -147,7 +147,7 @@ class EngramMHCModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this model's layers, then fail closed if an Engram layer among them did not run."""
         ran_before = len(ctx.engram_ran)
-        ctx.rope_cache.clear()  # computed anew in each forward (and inside each captured graph)
+        ctx.step_cache.clear()  # computed anew in each forward (and inside each captured graph)
         for block in self.layers.values():
             x, pre = block(x, pre, ctx)
         expected = self.engram_layer_ids if self.engram_enabled else []

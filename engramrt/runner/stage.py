@@ -22,7 +22,6 @@ from tokenizers import Tokenizer
 from engramrt.engram import load_hasher, load_tokenizer, prefetch
 from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.host_memory import check_reads, choose_placement, describe
-from engramrt.engram.prefetch import Prefetch
 from engramrt.kernels import use_triton
 from engramrt.model.checkpoint import engram_table_bytes, load_model
 from engramrt.model.context import ForwardContext, KVCache
@@ -75,12 +74,11 @@ class StageRunner:
     # read the sampled tokens (overlap scheduling)
     last_token: torch.Tensor | None = field(init=False, default=None)
     # reads the host tables' rows ahead at forward entry (CUDA, host tables; None: off)
-    prefetcher: Prefetch | None = field(init=False, default=None)
+    prefetcher: prefetch.Prefetch | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        if self.device.type == "cuda":
-            ahead = Prefetch(self.model, self.device)
-            self.prefetcher = ahead if ahead.layers() else None
+        if self.device.type == "cuda" and prefetch.host_engrams(self.model):
+            self.prefetcher = prefetch.Prefetch(self.model, self.device)
         if self.model.head is not None:
             tok = self.tokenizer
             limit = tok.get_vocab_size(with_added_tokens=True) if tok is not None else None
