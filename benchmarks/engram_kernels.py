@@ -1,11 +1,14 @@
 """Triton Engram kernels against the torch reference on one GPU, with launch and byte floors.
 
-    python benchmarks/engram_kernels.py [--out results.json]
+    python benchmarks/engram_kernels.py [--out results.json] [--sweep]
 
 Decode hash+commit: the average over 64 calls captured in one CUDA graph (and an empty Triton
 kernel measured the same way: the launch floor), plus eager launch-to-completion time. Extend:
 effective GB/s over the bytes the hash must move. Gather and gate at DeepSeek-V4.1-Flash sizes
-(24 columns x 256, hidden 5120, hc 4): time against their byte floor at the measured copy rate.
+(24 columns x 256, hidden 5120, hc 4): time against their byte floor at the measured copy rate;
+the gather also from a registered host mapping, against the rows' bytes at the pinned copy rate.
+``--sweep`` times every launch shape of the extend hash and the gather (the defaults come from
+such a sweep).
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from benchmarks.hash_bench import copy_bandwidth_gbs, median_us
 from engramrt.bundled import FLASH_CONFIG
 from engramrt.config import engram_config
 from engramrt.engram import EngramHasher, EngramLayout
+from engramrt.engram.host_memory import HostMapping
 from engramrt.engram.module import engram_gate
 from engramrt.engram.table import EngramTable
-from engramrt.kernels import FORCE_TORCH_ENV
+from engramrt.kernels import FORCE_TORCH_ENV, engram_gather, engram_hash
 from engramrt.kernels.engram_gate import gate
-from engramrt.kernels.engram_gather import gather
+from engramrt.kernels.engram_gather import GatherConfig, gather
+from engramrt.kernels.engram_hash import EXTEND
 
 VOCAB, GRAPH_CALLS = 128815, 64
 
@@ -55,6 +60,28 @@ def graph_us(fn) -> float:
     return events_us(g.replay, 20) / GRAPH_CALLS
 
 
+def h2d_gbs(nbytes: int = 2**30) -> float:
+    """Pinned host -> device copy rate: the host tables' floor."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return nbytes / (events_us(lambda: dst.copy_(src, non_blocking=True), 10) * 1e3)
+
+
+@contextlib.contextmanager
+def patched(table: dict, key, value):
+    old = table[key]
+    table[key] = value
+    try:
+        yield
+    finally:
+        table[key] = old
+
+
+GATHER_CONFIGS = [GatherConfig(p, w, waves) for p in (1, 2, 4, 8) for w in (2, 4)
+                  for waves in (4, 16, 10**6)]  # fmt: skip
+EXTEND_LAUNCHES = [(16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)]
+
+
 def hashers(slots: int):
     layout = EngramLayout.from_config(engram_config(json.loads(FLASH_CONFIG.read_text())))
     tmap = torch.randint(0, 99092, (VOCAB,), generator=torch.Generator().manual_seed(0))
@@ -74,6 +101,7 @@ def torch_reference():
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--sweep", action="store_true", help="every launch shape, not the defaults")
     args = ap.parse_args()
     bw = copy_bandwidth_gbs("cuda")
     res: dict = {"device": torch.cuda.get_device_name(), "copy_gbs": bw, "rows": []}
@@ -123,27 +151,47 @@ def main() -> None:
         equal = torch.equal(
             tri.extend(toks, slots, lens, start), ref.extend(toks, slots, lens, start)
         )
-        t_e = events_us(lambda: tri.extend(toks, slots, lens, start, check=False))
-        r_e = events_us(lambda: ref.extend(toks, slots, lens, start, check=False))
-        row(f"extend hash ({nreq} req, eager)", t_total, t_e, r_e, t_total * per_tok, equal)
-        t_g = graph_us(lambda: tri.extend(toks, slots, lens, start, check=False))
         r_g = graph_us(lambda: ref.extend(toks, slots, lens, start, check=False))
-        row(f"extend hash ({nreq} req, graph)", t_total, t_g, r_g, t_total * per_tok, equal)
+        for launch in EXTEND_LAUNCHES if args.sweep else [engram_hash.LAUNCH[EXTEND]]:
+            with patched(engram_hash.LAUNCH, EXTEND, launch):
+                t_g = graph_us(lambda: tri.extend(toks, slots, lens, start, check=False))
+                starts = torch.empty_like(lens)
+                t_k = graph_us(lambda: tri.ops.hash(EXTEND, toks, slots, start, lens, starts))
+            tag = f"{launch[0]} tok/prog, {launch[1]} warps"
+            row(f"extend hash ({nreq} req, graph; {tag})", t_total, t_g, r_g, t_total * per_tok,
+                equal)  # fmt: skip
+            row(f"  hash kernel alone ({tag})", t_total, t_k, r_g, t_total * per_tok, equal)
     g = torch.Generator(device="cuda").manual_seed(0)
     rows_n = 2**22  # a 1 GiB slice of a table: row ids spread beyond L2
     wb = torch.randint(0, 126, (rows_n, 256), device="cuda", dtype=torch.uint8, generator=g)
     sb = torch.randint(100, 140, (rows_n, 8), device="cuda", dtype=torch.uint8, generator=g)
-    table = EngramTable(wb.view(torch.float8_e4m3fn), sb.view(torch.float8_e8m0fnu))
-    for t in (1, 64, 256, 4096):
-        ids = torch.randint(0, rows_n, (t, 24), device="cuda", generator=g)
-        got = gather(ids, table.weight, table.scale)
-        with torch_reference():
-            want = table.lookup(ids)
-            r_e = graph_us(lambda: table.lookup(ids))
-        equal = torch.equal(got.view(torch.int16), want.view(torch.int16))
-        t_e = graph_us(lambda: gather(ids, table.weight, table.scale))
-        nbytes = t * 24 * (8 + 256 + 8 + 256 * 2)  # id, fp8 row, scales, bf16 out
-        row("gather fp8 (Flash, graph)", t, t_e, r_e, nbytes, equal)
+    host = HostMapping(rows_n * (256 + 8) + 2 * 2**21, register=True)
+    hw, hs = host.tensor([rows_n, 256], torch.uint8), host.tensor([rows_n, 8], torch.uint8)
+    hw.copy_(wb)
+    hs.copy_(sb)
+    h2d = h2d_gbs()
+    res["h2d_gbs"] = h2d
+    print(f"pinned host -> device copy {h2d:.1f} GB/s; host huge pages {host.huge_page_share()}")
+    tables = {
+        "device": EngramTable(wb.view(torch.float8_e4m3fn), sb.view(torch.float8_e8m0fnu)),
+        "host": EngramTable(hw.view(torch.float8_e4m3fn), hs.view(torch.float8_e8m0fnu)),
+    }
+    for where, table in tables.items():
+        default = engram_gather.HOST_TABLES if where == "host" else engram_gather.DEVICE_TABLES
+        for t in (1, 64, 256, 4096):
+            ids = torch.randint(0, rows_n, (t, 24), device="cuda", generator=g)
+            with torch_reference():
+                want = tables["device"].lookup(ids)
+                r_e = graph_us(lambda: tables["device"].lookup(ids))
+            for cfg in GATHER_CONFIGS if args.sweep else [default]:
+                got = gather(ids, table.weight, table.scale, config=cfg)
+                equal = torch.equal(got.view(torch.int16), want.view(torch.int16))
+                t_e = graph_us(lambda: gather(ids, table.weight, table.scale, config=cfg))
+                nbytes = t * 24 * (8 + 256 + 8 + 256 * 2)  # id, fp8 row, scales, bf16 out
+                tag = f"{cfg.pairs} pairs, {cfg.num_warps} warps, {cfg.waves} waves"
+                row(f"gather fp8 ({where}; {tag})", t, t_e, r_e, nbytes, equal)
+                if where == "host":  # the host floor: the rows' bytes at the copy rate
+                    res["rows"][-1]["host_floor_us"] = t * 24 * (256 + 8) / (h2d * 1e3)
     hc, d = 4, 5120
     q, k = (torch.randn(hc, d, device="cuda").bfloat16() for _ in range(2))
     for t in (1, 64, 256, 4096):

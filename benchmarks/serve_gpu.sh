@@ -7,17 +7,20 @@
 # to bench throughput, BENCH_SIZES its batch sizes (default 1 16 64; "none": no such run),
 # CONCURRENCY the client's levels (default 1 16 64). With PYSPY set to a py-spy binary, the server
 # process is sampled (py-spy record, every thread, 5 s; PYSPY_FLAGS adds flags, e.g. --gil) while
-# the highest level runs.
+# the highest level runs. PRESET picks the make_models preset (default 1b); the start-up time
+# (launch to /health) and the server's resident memory after start-up are printed.
 #   bash benchmarks/serve_gpu.sh OUT_DIR [serve flags...]
 set -uo pipefail
 out=${1:-/tmp/serve_gpu}
 shift || true
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-[ -f /tmp/m1b/config.json ] || python3 benchmarks/make_models.py --preset 1b --out /tmp/m1b \
+model=/tmp/m${PRESET:-1b}
+[ -f $model/config.json ] || python3 benchmarks/make_models.py --preset ${PRESET:-1b} --out $model \
   --device cuda 2>&1 | tail -1
 port=8437
-python3 -m engramrt serve /tmp/m1b --port $port --device cuda --dtype bfloat16 \
+launched=$(date +%s.%N)
+python3 -m engramrt serve $model --port $port --device cuda --dtype bfloat16 \
   --max-num-seqs 128 --max-model-len 2048 "$@" > "$out/serve.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null' EXIT
@@ -26,6 +29,9 @@ for _ in $(seq 300); do
   kill -0 $pid 2>/dev/null || { echo "server died:"; tail -20 "$out/serve.log"; exit 1; }
   sleep 1
 done
+rss=$(ps -o rss= -p $pid | awk '{printf "%.2f GiB", $1 / 2^20}')
+echo "start-up: $(python3 -c "import time; print(round(time.time() - $launched, 1))") s to" \
+  "/health; server RSS $rss"
 grep "engramrt:" "$out/serve.log" | tail -4
 compiles() { curl -s localhost:$port/metrics | awk '/^engramrt:triton_compilations_total/{print $2}'; }
 bench() {  # concurrency prompts tag
@@ -52,7 +58,7 @@ kill $pid
 wait $pid 2> /dev/null
 for bs in ${BENCH_SIZES:-1 16 64}; do
   [ "$bs" = none ] && break
-  timeout 200 python3 -m engramrt bench throughput --model /tmp/m1b --device cuda \
+  timeout 200 python3 -m engramrt bench throughput --model $model --device cuda \
     --batch-size $bs --input-len 512 --output-len 128 --max-num-seqs 128 ${BENCH_FLAGS:-} 2>&1 \
     | grep -E "Output token|Decode step|Prefill time|rror" | sed "s/^/bench throughput bs$bs: /"
 done

@@ -78,16 +78,18 @@ class EngramHasher:
         if bsz == 0:
             raise ValueError("extend needs at least one request")
         lens = run_lens.long()
+        if check:
+            t = torch.arange(tokens.numel(), device=tokens.device)
+            self._check(tokens, t < lens.sum(), slots)
+            self._check_runs(tokens.numel(), slots, lens)
+        if self.ops is not None:  # two launches: the hash (which finds the runs), the commit
+            s, p = slots.long(), start_pos.long()
+            starts = torch.empty_like(lens)
+            ids = self.ops.hash(EXTEND, tokens, s, p, lens=lens, starts_out=starts)
+            self.ops.commit(tokens, s, starts, lens, p)  # after every program has read
+            return ids
         ends = torch.cumsum(lens, 0)
         t = torch.arange(tokens.numel(), device=tokens.device)
-        if check:
-            self._check(tokens, t < ends[-1], slots)
-            self._check_runs(tokens.numel(), slots, lens)
-        if self.ops is not None:
-            s, p = slots.long(), start_pos.long()
-            ids = self.ops.hash(EXTEND, tokens, s, p, lens=lens, ends=ends)
-            self.ops.commit(tokens, s, ends - lens, lens, p)  # after every program has read
-            return ids
         req = torch.searchsorted(ends, t, right=True)
         real = req < bsz
         req = req.clamp(max=bsz - 1)

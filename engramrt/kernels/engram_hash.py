@@ -18,38 +18,43 @@ import triton
 import triton.language as tl
 
 DECODE, EXTEND, VERIFY = 0, 1, 2
-BLOCK_T = 32
+# (tokens per program, warps per program) by mode
+LAUNCH = {DECODE: (32, 4), EXTEND: (32, 4), VERIFY: (32, 4)}
 
 
 @triton.jit
-def _mod(r, p, inv_p):
-    """r mod p for 0 <= r < 2**63, 2 <= p < 2**31, without a 64-bit division (which GPUs emulate
-    in software). A float64 quotient is off by at most q * 2**-51, i.e. a few units when p is
-    small; the remainder it leaves is then small enough that a second float64 quotient is off by
-    at most one, and one correction each way makes the result exact."""
-    rem = r - (r.to(tl.float64) * inv_p).to(tl.int64) * p
-    rem = rem - tl.floor(rem.to(tl.float64) * inv_p).to(tl.int64) * p
-    rem = tl.where(rem < 0, rem + p, rem)
+def _mod(r, p, magic):
+    """r mod p for 0 <= r < 2**63, 2 <= p < 2**31, without a division (GPUs emulate 64-bit ones
+    in software): Barrett reduction with ``magic = (2**64 - 1) // p``. The quotient it gives,
+    the high word of r * magic, is at most one short (r * magic / 2**64 > r / p - 1 for
+    r < 2**63), so one correction makes the remainder exact."""
+    q = tl.umulhi(r.to(tl.uint64), magic.to(tl.uint64)).to(tl.int64)
+    rem = r - q * p
     return tl.where(rem >= p, rem - p, rem)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_req", "mm_start", "verify_block", "num_real_int"])
 def _engram_hash_kernel(
-    tokens_ptr, slots_ptr, pos_ptr, lens_ptr, ends_ptr, num_real_ptr,
-    history_ptr, token_map_ptr, mult_ptr, primes_ptr, inv_ptr, offsets_ptr, out_ptr,
+    tokens_ptr, slots_ptr, pos_ptr, lens_ptr, starts_ptr, num_real_ptr,
+    history_ptr, token_map_ptr, mult_ptr, primes_ptr, magic_ptr, offsets_ptr, out_ptr,
     num_tokens, num_req, pad_row, pad_id, image_id, mm_start, verify_block, num_real_int,
     REAL_PTR: tl.constexpr, MODE: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
     H_PAD: tl.constexpr,
-    L: tl.constexpr, L_PAD: tl.constexpr, W_PAD: tl.constexpr, REQ_PAD: tl.constexpr,
+    L: tl.constexpr, L_PAD: tl.constexpr, N_PAD: tl.constexpr, REQ_PAD: tl.constexpr,
     BLOCK: tl.constexpr, HAS_IMAGE: tl.constexpr, HAS_MM: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = t < num_tokens
     # --- which request, offset in its run, absolute position, history slot ---------------
-    if MODE == 1:
+    if MODE == 1:  # run ends from the lengths; program 0 hands the run starts to the commit
         r = tl.arange(0, REQ_PAD)
-        ends = tl.load(ends_ptr + r, mask=r < num_req, other=2**62)
-        req = tl.sum((ends[None, :] <= t[:, None]).to(tl.int64), axis=1)
+        n = tl.load(lens_ptr + r, mask=r < num_req, other=0).to(tl.int64)
+        ends = tl.where(r < num_req, tl.cumsum(n, 0), 2**62)
+        if tl.program_id(0) == 0:
+            tl.store(starts_ptr + r, ends - n, mask=r < num_req)
+        before = ends[None, :] <= t[:, None]
+        req = tl.sum(before.to(tl.int64), axis=1)
+        run_start = tl.max(tl.where(before, ends[None, :], 0), axis=1)
         real = in_range & (req < num_req)
     else:
         req = t.to(tl.int64) if MODE == 0 else (t // verify_block).to(tl.int64)
@@ -62,19 +67,18 @@ def _engram_hash_kernel(
     elif MODE == 2:
         off = (t - req * verify_block).to(tl.int64)
     else:
-        end = tl.load(ends_ptr + req, mask=real, other=0)
-        off = (t - (end - tl.load(lens_ptr + req, mask=real, other=0))).to(tl.int64)
+        off = t - run_start
     pos = base + off
     slot = tl.where(real, tl.load(slots_ptr + req, mask=real, other=0), pad_row).to(tl.int64)
 
+    # --- every load before the one store (a load after a store may alias it, so the compiler
+    # keeps them in order) -------------------------------------------------------------------
     lay = tl.arange(0, L_PAD)
-    hh = tl.arange(0, H_PAD)
-    w = tl.arange(0, W_PAD)
-    lay_ok = lay < L
-    cols = (N - 1) * H
+    nn = tl.arange(0, N_PAD)
     blocked = ~real
     acc = tl.zeros((BLOCK, L_PAD), dtype=tl.int64)
-    new_row = tl.zeros((BLOCK, W_PAD), dtype=tl.int64)
+    grams = tl.zeros((BLOCK, L_PAD, N_PAD), dtype=tl.int64)  # [.., s]: XOR of shifts 0..s
+    new_row = tl.zeros((BLOCK, N_PAD), dtype=tl.int64)
     for s in tl.static_range(N):
         if s == 0:
             src = tl.load(tokens_ptr + t, mask=in_range, other=0).to(tl.int64)
@@ -91,42 +95,30 @@ def _engram_hash_kernel(
             dead = dead | (src >= mm_start)
         blocked = blocked | (pos < s) | dead
         comp = tl.load(token_map_ptr + tl.where(blocked, pad_id, src))
-        mult = tl.load(mult_ptr + lay * N + s, mask=lay_ok, other=0)
-        prod = comp[:, None] * mult[None, :]
-        acc = prod if s == 0 else acc ^ prod
-        if s > 0:
-            g = (s - 1) * H + hh
-            p = tl.load(
-                primes_ptr + lay[:, None] * cols + g[None, :],
-                mask=lay_ok[:, None] & (hh < H)[None, :],
-                other=1,
-            )
-            o = tl.load(
-                offsets_ptr + lay[:, None] * cols + g[None, :],
-                mask=lay_ok[:, None] & (hh < H)[None, :],
-                other=0,
-            )
-            inv = tl.load(
-                inv_ptr + lay[:, None] * cols + g[None, :],
-                mask=lay_ok[:, None] & (hh < H)[None, :],
-                other=1.0,
-            )
-            ids = _mod(acc[:, :, None], p[None, :, :], inv[None, :, :]) + o[None, :, :]
-            dst = (
-                out_ptr
-                + t[:, None, None] * (L * cols)
-                + lay[None, :, None] * cols
-                + g[None, None, :]
-            )
-            ok = in_range[:, None, None] & lay_ok[None, :, None] & (hh < H)[None, None, :]
-            tl.store(dst, ids, mask=ok)
+        mult = tl.load(mult_ptr + lay * N + s, mask=lay < L, other=0)
+        acc = acc ^ (comp[:, None] * mult[None, :])
+        grams = tl.where(nn[None, None, :] == s, acc[:, :, None], grams)
         if MODE == 0 and s < N - 1:  # shift s is entry N-2-s of the new row (0 before start)
-            new_row = tl.where(w[None, :] == N - 2 - s, tl.where(pos < s, 0, src)[:, None], new_row)
+            kept = tl.where(pos < s, 0, src)
+            new_row = tl.where(nn[None, :] == N - 2 - s, kept[:, None], new_row)
+    # column (s - 1) * H + h of layer l holds n-gram s (s >= 1), head h: [L_PAD, N_PAD, H_PAD]
+    sh = nn[None, :, None]
+    hh = tl.arange(0, H_PAD)[None, None, :]
+    cols = (N - 1) * H
+    col_of = lay[:, None, None] * cols + (sh - 1) * H + hh
+    col_ok = (lay < L)[:, None, None] & (sh >= 1) & (sh < N) & (hh < H)
+    p = tl.load(primes_ptr + col_of, mask=col_ok, other=1)
+    magic = tl.load(magic_ptr + col_of, mask=col_ok, other=0)
+    o = tl.load(offsets_ptr + col_of, mask=col_ok, other=0)
+    ids = _mod(grams[:, :, :, None], p[None], magic[None]) + o[None]
+    # --- one store: a token's L x (N-1) x H ids are contiguous -------------------------------
+    dst = out_ptr + t[:, None, None, None] * (L * cols) + col_of[None]
+    tl.store(dst, ids, mask=in_range[:, None, None, None] & col_ok[None])
     if MODE == 0:
         tl.store(
-            history_ptr + slot[:, None] * (N - 1) + w[None, :],
+            history_ptr + slot[:, None] * (N - 1) + nn[None, :],
             new_row.to(tl.int32),
-            mask=real[:, None] & (w < N - 1)[None, :],
+            mask=real[:, None] & (nn < N - 1)[None, :],
         )
 
 
@@ -171,18 +163,22 @@ class TritonHashOps:
         self.n, self.layers, self.heads = n, layers, heads
         self.mults = hasher.mults.contiguous()
         self.primes = hasher.primes.reshape(layers, -1).contiguous()
-        self.inv_primes = 1.0 / self.primes.double()
+        self.magic = torch.tensor(
+            [[(2**64 - 1) // p for p in row] for row in self.primes.tolist()],
+            dtype=torch.int64, device=self.primes.device,
+        )  # fmt: skip
         self.offsets = hasher.offsets.reshape(layers, -1).contiguous()
         cfg = hasher.layout.config
         self.image = -1 if cfg.image_token_id is None else cfg.image_token_id
         self.mm = -1 if hasher.mm_pad_start is None else hasher.mm_pad_start
 
-    def hash(self, mode: int, tokens, slots, positions, lens=None, ends=None, num_real=None,
-             verify_block: int = 1) -> torch.Tensor:  # fmt: skip
+    def hash(self, mode: int, tokens, slots, positions, lens=None, starts_out=None,
+             num_real=None, verify_block: int = 1) -> torch.Tensor:  # fmt: skip
+        """Extend: ``lens`` per run; the run starts are written to ``starts_out`` (for the
+        commit), unless no token is hashed."""
         h, dev = self.h, tokens.device
         tokens, slots, positions = (x.contiguous() for x in (tokens, slots, positions))
         lens = None if lens is None else lens.contiguous()
-        ends = None if ends is None else ends.contiguous()
         t = tokens.numel()
         out = torch.empty(t, self.layers, (self.n - 1) * self.heads, dtype=torch.int64, device=dev)
         if t == 0:
@@ -190,18 +186,19 @@ class TritonHashOps:
         nreq = slots.numel()
         real_ptr = isinstance(num_real, torch.Tensor)  # a device tensor keeps graphs replayable
         dummy = slots
-        _engram_hash_kernel[(triton.cdiv(t, BLOCK_T),)](
+        block, warps = LAUNCH[mode]
+        _engram_hash_kernel[(triton.cdiv(t, block),)](
             tokens, slots, positions, lens if lens is not None else dummy,
-            ends if ends is not None else dummy, num_real if real_ptr else dummy,
-            h.history.table, h.token_map, self.mults, self.primes, self.inv_primes, self.offsets,
+            starts_out if starts_out is not None else dummy, num_real if real_ptr else dummy,
+            h.history.table, h.token_map, self.mults, self.primes, self.magic, self.offsets,
             out,
             t, nreq, h.history.pad_row, h.layout.config.pad_token_id, self.image, self.mm,
             verify_block, nreq if num_real is None or real_ptr else int(num_real),
             REAL_PTR=real_ptr, MODE=mode, N=self.n, H=self.heads, H_PAD=_pow2(self.heads),
             L=self.layers,
-            L_PAD=_pow2(self.layers), W_PAD=_pow2(self.n - 1),
+            L_PAD=_pow2(self.layers), N_PAD=_pow2(self.n),
             REQ_PAD=_pow2(nreq) if mode == EXTEND else 1,
-            BLOCK=BLOCK_T, HAS_IMAGE=self.image >= 0, HAS_MM=self.mm >= 0,
+            BLOCK=block, HAS_IMAGE=self.image >= 0, HAS_MM=self.mm >= 0, num_warps=warps,
         )  # fmt: skip
         return out
 
