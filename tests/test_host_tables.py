@@ -183,10 +183,10 @@ def test_the_start_up_self_test_passes_and_fails_loudly(monkeypatch) -> None:
     from engramrt.engram import host_memory
     from engramrt.kernels import engram_gather
 
-    runner = StageRunner.load(resolve_model_dir(None), 1, 16, "cpu", "float32",
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: a registered mapping
+    runner = StageRunner.load(resolve_model_dir(None), 1, 16, device, "float32",
                               table_memory="host")  # fmt: skip
     table = _tables(runner)[0]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     host_memory.check_reads(table, device)  # the real kernel reads the mapping
     real = engram_gather.gather
 
