@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 
 import torch
 import triton
@@ -60,6 +61,27 @@ def graph_us(fn) -> float:
     return events_us(g.replay, 20) / GRAPH_CALLS
 
 
+def beside(work, side, reps: int = 10) -> tuple[float, float]:
+    """Medians (us) of: the main stream's time for ``work`` while ``side`` runs on another
+    stream, and the time until both are done."""
+    stream, main, both = torch.cuda.Stream(), [], []
+    for _ in range(reps + 2):
+        start, work_done, all_done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        torch.cuda.synchronize()
+        start.record()
+        stream.wait_event(start)
+        with torch.cuda.stream(stream):
+            side()
+        work()
+        work_done.record()
+        torch.cuda.current_stream().wait_stream(stream)
+        all_done.record()
+        torch.cuda.synchronize()
+        main.append(start.elapsed_time(work_done) * 1e3)
+        both.append(start.elapsed_time(all_done) * 1e3)
+    return statistics.median(main[2:]), statistics.median(both[2:])
+
+
 def h2d_gbs(nbytes: int = 2**30) -> float:
     """Pinned host -> device copy rate: the host tables' floor."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -77,8 +99,8 @@ def patched(table: dict, key, value):
         table[key] = old
 
 
-GATHER_CONFIGS = [GatherConfig(p, w, waves) for p in (1, 2, 4, 8) for w in (2, 4)
-                  for waves in (4, 16, 10**6)]  # fmt: skip
+DEVICE_GATHERS = [GatherConfig(p, w, n) for p in (2, 4) for w in (2, 4) for n in (2048, 0)]
+HOST_GATHERS = [GatherConfig(p, 4, n) for p in (4, 8, 16, 32) for n in (32, 64, 128, 512)]
 EXTEND_LAUNCHES = [(16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)]
 
 
@@ -177,21 +199,45 @@ def main() -> None:
         "host": EngramTable(hw.view(torch.float8_e4m3fn), hs.view(torch.float8_e8m0fnu)),
     }
     for where, table in tables.items():
-        default = engram_gather.HOST_TABLES if where == "host" else engram_gather.DEVICE_TABLES
         for t in (1, 64, 256, 4096):
             ids = torch.randint(0, rows_n, (t, 24), device="cuda", generator=g)
             with torch_reference():
                 want = tables["device"].lookup(ids)
                 r_e = graph_us(lambda: tables["device"].lookup(ids))
-            for cfg in GATHER_CONFIGS if args.sweep else [default]:
+            sweep = HOST_GATHERS if where == "host" else DEVICE_GATHERS
+            for cfg in sweep if args.sweep else [engram_gather.default_config(table.weight, ids)]:
                 got = gather(ids, table.weight, table.scale, config=cfg)
                 equal = torch.equal(got.view(torch.int16), want.view(torch.int16))
                 t_e = graph_us(lambda: gather(ids, table.weight, table.scale, config=cfg))
                 nbytes = t * 24 * (8 + 256 + 8 + 256 * 2)  # id, fp8 row, scales, bf16 out
-                tag = f"{cfg.pairs} pairs, {cfg.num_warps} warps, {cfg.waves} waves"
+                tag = f"{cfg.pairs} pairs, {cfg.num_warps} warps, {cfg.max_programs} programs"
                 row(f"gather fp8 ({where}; {tag})", t, t_e, r_e, nbytes, equal)
                 if where == "host":  # the host floor: the rows' bytes at the copy rate
                     res["rows"][-1]["host_floor_us"] = t * 24 * (256 + 8) / (h2d * 1e3)
+    # a read-ahead runs beside the layers: what a host gather takes from a GEMM and from a copy
+    # running at the same time (the main stream's time with the gather beside it, against alone)
+    a = torch.randn(4096, 3072, device="cuda").bfloat16()
+    w = torch.randn(3072, 9216, device="cuda").bfloat16()
+    big = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    work = {"gemm": lambda: [a @ w for _ in range(5)], "copy": lambda: big.clone()}
+    table = tables["host"]
+    for t in (256, 4096):
+        ids = torch.randint(0, rows_n, (t, 24), device="cuda", generator=g)
+        for name, fn in work.items():
+            alone = events_us(fn, 10)
+            sweep = (
+                HOST_GATHERS if args.sweep else [engram_gather.default_config(table.weight, ids)]
+            )
+            for cfg in sweep:
+                main_us, total_us = beside(fn, lambda: gather(ids, table.weight, table.scale,
+                                                              config=cfg))  # fmt: skip
+                r = {"what": f"host gather T={t} beside {name}", "pairs": cfg.pairs,
+                     "max_programs": cfg.max_programs, "work_alone_us": alone,
+                     "work_beside_us": main_us, "total_us": total_us}  # fmt: skip
+                res.setdefault("beside", []).append(r)
+                print(f"{r['what']:34} {cfg.pairs:>3} pairs {cfg.max_programs:>4} programs: "
+                      f"{name} {alone:.1f} us alone, {main_us:.1f} beside, both done "
+                      f"{total_us:.1f}")  # fmt: skip
     hc, d = 4, 5120
     q, k = (torch.randn(hc, d, device="cuda").bfloat16() for _ in range(2))
     for t in (1, 64, 256, 4096):

@@ -110,26 +110,31 @@ def _gather_copy_kernel(
 
 @dataclass(frozen=True)
 class GatherConfig:
-    """Launch shape: ``pairs`` rows per tile, ``num_warps`` per program, at most ``waves``
-    programs per SM (the grid is persistent beyond that)."""
+    """Launch shape: ``pairs`` rows per tile, ``num_warps`` per program, at most
+    ``max_programs`` programs (the grid is persistent beyond that; 0: one per tile)."""
 
-    pairs: int = 8
+    pairs: int = 4
     num_warps: int = 4
-    waves: int = 8
+    max_programs: int = 0
 
 
-# from `benchmarks/engram_kernels.py --sweep` on an H200 (BENCHMARKS.md): small tiles, many
-# programs; the host gather wants fewer programs in flight than PCIe can answer
-DEVICE_TABLES = GatherConfig(pairs=4, num_warps=4, waves=16)
-HOST_TABLES = GatherConfig(pairs=4, num_warps=4, waves=4)
+# from `benchmarks/engram_kernels.py --sweep` on an H200 (BENCHMARKS.md). Device tables: small
+# tiles, about 16 programs per SM. Host tables: PCIe, not the SMs, bounds the reads, and a
+# program waiting on PCIe holds an SM that a GEMM running beside a read-ahead then cannot use
+# (measured: a 1 ms host gather beside a GEMM delays it by 0.6-1.1 ms). So few programs: 64 of
+# four rows for a decode-sized read, 32 of sixteen rows for a prefill-sized one.
+DEVICE_TABLES = GatherConfig(pairs=4, num_warps=4, max_programs=2048)
+HOST_SMALL, HOST_LARGE = GatherConfig(4, 4, 64), GatherConfig(16, 4, 32)
+HOST_SMALL_PAIRS = 256 * 24  # up to a 256-token step of a 24-column Engram
+
+
+def default_config(weight: torch.Tensor, ids: torch.Tensor) -> GatherConfig:
+    if weight.device.type == "cpu" and ids.is_cuda:
+        return HOST_SMALL if ids.numel() <= HOST_SMALL_PAIRS else HOST_LARGE
+    return DEVICE_TABLES
+
+
 _INT_VIEW = {2: torch.int16, 4: torch.int32}
-
-
-def _programs(tiles: int, config: GatherConfig, device: torch.device) -> int:
-    if device.type != "cuda":
-        return tiles
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(tiles, sms * config.waves))
 
 
 def gather(
@@ -148,10 +153,10 @@ def gather(
     out = torch.empty(t, cols * dim, dtype=out_dtype, device=ids.device)
     if t * cols == 0:
         return out
-    if config is None:
-        config = HOST_TABLES if weight.device.type == "cpu" and ids.is_cuda else DEVICE_TABLES
+    config = config or default_config(weight, ids)
     pairs = t * cols
-    grid = (_programs(triton.cdiv(pairs, config.pairs), config, ids.device),)
+    tiles = triton.cdiv(pairs, config.pairs)
+    grid = (min(tiles, config.max_programs or tiles),)
     ids = ids.long().contiguous()
     as_int = _INT_VIEW[out.element_size()]
     if fp8:

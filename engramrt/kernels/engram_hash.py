@@ -94,7 +94,7 @@ def _engram_hash_kernel(
         if HAS_MM:
             dead = dead | (src >= mm_start)
         blocked = blocked | (pos < s) | dead
-        comp = tl.load(token_map_ptr + tl.where(blocked, pad_id, src))
+        comp = tl.load(token_map_ptr + tl.where(blocked, pad_id, src), eviction_policy="evict_last")
         mult = tl.load(mult_ptr + lay * N + s, mask=lay < L, other=0)
         acc = acc ^ (comp[:, None] * mult[None, :])
         grams = tl.where(nn[None, None, :] == s, acc[:, :, None], grams)
@@ -113,7 +113,10 @@ def _engram_hash_kernel(
     ids = _mod(grams[:, :, :, None], p[None], magic[None]) + o[None]
     # --- one store: a token's L x (N-1) x H ids are contiguous -------------------------------
     dst = out_ptr + t[:, None, None, None] * (L * cols) + col_of[None]
-    tl.store(dst, ids, mask=in_range[:, None, None, None] & col_ok[None])
+    # streamed past L2, which keeps the token map (a 131k-token prefill writes 50 MB of ids)
+    tl.store(
+        dst, ids, mask=in_range[:, None, None, None] & col_ok[None], eviction_policy="evict_first"
+    )
     if MODE == 0:
         tl.store(
             history_ptr + slot[:, None] * (N - 1) + nn[None, :],
