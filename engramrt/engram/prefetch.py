@@ -6,7 +6,8 @@ layers before theirs; each Engram layer waits on its rows' event.
 In a CUDA graph this is a fork (the side stream waits on the capturing stream) and a join (the
 capturing stream waits on each event); every prefetch is joined before the forward returns, even
 one whose layer did not take it (a capture that ends with side-stream work unjoined fails or,
-worse, replays corrupt: vLLM #57759). Eagerly, rows made on the side stream are marked as used by
+worse, replays corrupt: vLLM #57759); the rows' buffers are then the graph's own allocations,
+the same addresses at every replay. Eagerly, rows made on the side stream are marked as used by
 the main stream (``record_stream``) so their memory is not reused early.
 """
 
