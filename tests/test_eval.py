@@ -119,6 +119,61 @@ def test_engram_off_runs_no_engram_layer() -> None:
     assert not torch.equal(a, b)
 
 
+def test_an_arms_assignments_become_its_servers_environment(stub, tmp_path, monkeypatch) -> None:
+    started = []
+
+    class Recorder:
+        def __init__(self, model, flags, env=None):
+            started.append((flags, env))
+            self.url = stub
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(evaluate, "LocalServer", Recorder)
+    tasks = _write(tmp_path / "t.jsonl", [{"prompt": "q?y", "answer": "yes"}])
+    args = build_parser().parse_args(
+        [
+            "eval",
+            tasks,
+            "--ab",
+            "plain=-pp 2",
+            "skip=ENGRAMRT_CHECK_PP_FAULT=skip-entry-engram -pp 2",
+        ]
+    )
+    assert args.func(args) == 0
+    assert started == [
+        (["-pp", "2"], {}),
+        (["-pp", "2"], {"ENGRAMRT_CHECK_PP_FAULT": "skip-entry-engram"}),
+    ]
+
+
+def test_the_stage_entry_fault_reaches_served_stages(monkeypatch, capsys) -> None:
+    """With the fault asked for, a later stage that starts on an Engram layer computes as if
+    that Engram were skipped, while its counter says it ran (the bug, made on purpose), and
+    says so on stderr; the first stage and an unasked-for run are untouched."""
+    from engramrt.parallel.faults import FAULT_ENV, inject_stage_faults
+
+    model = resolve_model_dir(None)
+
+    def stage(layers: list[int]) -> StageRunner:  # the default model's layer 1 is an Engram's
+        return StageRunner.load(model, 1, 64, "cpu", "float32", layers)
+
+    plain, faulty, skipped = stage([1]), stage([1]), stage([1])
+    skipped.model.disable_engram()  # the oracle: this stage with its Engram skipped openly
+    assert not inject_stage_faults(faulty, 1)  # not asked for
+    monkeypatch.setenv(FAULT_ENV, "skip-entry-engram")
+    assert not inject_stage_faults(plain, 0) and inject_stage_faults(faulty, 1)
+    assert "FAULT INJECTED" in capsys.readouterr().err
+    batch = StepBatch([5, 6, 7, 8], [0], [4], [0], new_blocks=[[0]])
+    carry = stage([0]).step(batch)
+    out = {name: r.step(batch, carry).x for name, r in
+           (("plain", plain), ("faulty", faulty), ("skipped", skipped))}  # fmt: skip
+    assert torch.equal(out["faulty"], out["skipped"])
+    assert not torch.equal(out["faulty"], out["plain"])
+    assert faulty.engram_ran[1] == 1 and not skipped.engram_ran
+
+
 @pytest.mark.slow
 def test_ab_arms_start_their_servers(tmp_path, capsys) -> None:
     """Answers taken from the bundled model's own greedy completions (``generate``, not the

@@ -16,13 +16,13 @@ import pytest
 from engramrt.bundled import resolve_model_dir
 from engramrt.cli import main
 from engramrt.commands.check_pp import (
-    FAULT_ENV,
     RAISE_ENV,
     CheckOptions,
     check_pp,
     choose_partitions,
     format_report,
 )
+from engramrt.parallel.faults import FAULT_ENV
 from engramrt.parallel.launch import free_port
 from engramrt.parallel.partition import (
     ENV,

@@ -8,7 +8,8 @@ library's own documentation (``pydoc_data.topics``). The forward pass is the eng
 ids from engramrt's hasher, so what is trained is exactly what is served. Engram tables train in
 fp32 and are quantised to the served fp8 format when saved.
 
-    python -m engramrt.bundled.train OUT_DIR [--steps 2000] [--device cuda]
+    python -m engramrt.bundled.train OUT_DIR [--steps 2000] [--device cuda] [--length 128]
+        [--batch 32] [--lr 3e-3]
 
 ``tasks(seed)`` writes the held-out evaluation items (``engramrt eval`` task files).
 """
@@ -51,7 +52,7 @@ class Corpus:
     tasks: dict[str, list[dict]]  # held-out items per task, engramrt eval's format
 
 
-def corpus(seed: int = SEED, countries: int = 64) -> Corpus:
+def corpus(seed: int = SEED, countries: int = 64, lookups: int = 4000) -> Corpus:
     rng = random.Random(seed)
     names = sorted({_name(rng, 3) for _ in range(4 * countries)})[:countries]
     capitals = [_name(rng, 2) for _ in names]
@@ -75,7 +76,7 @@ def corpus(seed: int = SEED, countries: int = 64) -> Corpus:
         i = r.randrange(len(keys))
         return f"{table}. {keys[i]}=", values[i]
 
-    for _ in range(400):
+    for _ in range(lookups):
         prompt, answer = lookup(rng)
         docs.append(f"{prompt}{answer}.")
     tasks["in_context"] = [{**dict(zip(("prompt", "answer"), lookup(rng), strict=True)),
@@ -205,8 +206,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--length", type=int, default=128, help="tokens per training window")
+    ap.add_argument("--batch", type=int, default=32, help="windows per step")
+    ap.add_argument("--lr", type=float, default=3e-3)
     args = ap.parse_args()
-    runner, _ = train(args.steps, args.seed, args.device)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    runner, _ = train(args.steps, args.seed, args.device, args.length, args.batch, args.lr)
     print(f"saved to {save(runner, Path(args.out), args.seed)}")
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from engramrt.bundled import resolve_model_dir
 from engramrt.commands.flags import DEVICES, DTYPES, add_dist_flags, add_model_flag, dist_config
 from engramrt.config import load_json, model_config
+from engramrt.parallel.faults import inject_stage_faults
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import all_partitions, stage_layers
 from engramrt.parallel.pipeline import Pipeline
@@ -36,9 +37,6 @@ DEFAULT_PROMPTS = [
     "A pipeline stage may begin on an Engram layer.",
     "Hi",
 ]
-# Test-only fault injection: make the Engram of a stage's first layer an identity (while still
-# counted as run), i.e. the silent stage-entry skip this tool exists to catch.
-FAULT_ENV = "ENGRAMRT_CHECK_PP_FAULT"
 # Test-only: ``STAGE@PARTITION`` (``1@2,2``) makes that stage raise at the first decode step of
 # that partition, ``STAGE@PARTITION@load`` while it loads.
 RAISE_ENV = "ENGRAMRT_CHECK_PP_RAISE"
@@ -164,10 +162,7 @@ def _load_stage(opts: CheckOptions, parts: list[int], rank: int, n: int) -> Cont
     if fault and point == "load":
         raise RuntimeError(f"injected fault ({RAISE_ENV}) loading stage {rank}")
     runner = _runner(opts, stage_layers(parts, rank), n)
-    if os.environ.get(FAULT_ENV) == "skip-entry-engram" and rank > 0:
-        first = runner.model.layers[str(runner.model.layer_ids[0])]
-        if first.engram is not None:
-            first.engram.forward = lambda x, ids, dead=None, rows=None: x
+    inject_stage_faults(runner, rank)
     if fault:  # the second step (the first decode) raises
         step, calls = runner.step, []
 

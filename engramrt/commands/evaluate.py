@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import signal
 import socket
@@ -128,12 +129,14 @@ def _free_port() -> int:
 class LocalServer:
     """``engramrt serve`` in a child process for one arm."""
 
-    def __init__(self, model: str | None, flags: list[str], wait_s: float = 900):
+    def __init__(self, model: str | None, flags: list[str], wait_s: float = 900,
+                 env: dict[str, str] | None = None):  # fmt: skip
         self.port = _free_port()
         cmd = [sys.executable, "-m", "engramrt", "serve", *([model] if model else []),
                "--port", str(self.port), "--disable-uvicorn-access-log", *flags]  # fmt: skip
         self.log = tempfile.TemporaryFile("w+")  # a pipe could fill up and stall the server
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})  # fmt: skip
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -165,12 +168,19 @@ class LocalServer:
         self.log.close()
 
 
+def _is_env(token: str) -> bool:
+    """An arm's ``NAME=VALUE`` words set its server's environment, as in a shell command line."""
+    name, eq, _ = token.partition("=")
+    return bool(eq) and name.isidentifier() and not token.startswith("-")
+
+
 def run_arm(args: argparse.Namespace, items: list[Item], name: str, flags: list[str]) -> dict:
     if args.base_url:
         scored = asyncio.run(evaluate(args.base_url, items, args.max_tokens, args.concurrency,
                                       name))  # fmt: skip
     else:
-        server = LocalServer(args.model, flags)
+        env = dict(f.split("=", 1) for f in flags if _is_env(f))
+        server = LocalServer(args.model, [f for f in flags if not _is_env(f)], env=env)
         try:
             scored = asyncio.run(evaluate(server.url, items, args.max_tokens, args.concurrency,
                                           name))  # fmt: skip
@@ -210,7 +220,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-args", default="", help="more flags for the server started here")
     p.add_argument("--ab", nargs="+", metavar="NAME=FLAGS",
                    help="several arms, each a server with these flags (replaces --engram, -pp, "
-                   "--pp-layer-partition), e.g. on= off='--engram off'")  # fmt: skip
+                   "--pp-layer-partition), e.g. on= off='--engram off'; NAME=VALUE words set "
+                   "the server's environment")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON, item results included")
 
 

@@ -28,6 +28,7 @@ from engramrt.commands.flags import (
 from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.kernels.compiles import compilations, count_compilations
+from engramrt.parallel.faults import inject_stage_faults
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.liveness import Heartbeat, StageWatch
 from engramrt.parallel.partition import stage_layers
@@ -155,6 +156,7 @@ def build_stage(
         stage_layers(opts.partition, rank), opts.block_size, num_blocks=0, seed=opts.seed,
         table_memory=opts.table_memory,
     )  # fmt: skip
+    inject_stage_faults(runner, rank)  # test-only, from the environment (A/B arms)
     if not opts.engram:
         runner.model.disable_engram()
         if rank == 0:
