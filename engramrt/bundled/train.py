@@ -52,7 +52,7 @@ class Corpus:
     tasks: dict[str, list[dict]]  # held-out items per task, engramrt eval's format
 
 
-def corpus(seed: int = SEED, countries: int = 64, lookups: int = 4000) -> Corpus:
+def corpus(seed: int = SEED, countries: int = 64, lookups: int = 1500) -> Corpus:
     rng = random.Random(seed)
     names = sorted({_name(rng, 3) for _ in range(4 * countries)})[:countries]
     capitals = [_name(rng, 2) for _ in names]
@@ -188,6 +188,9 @@ def save(runner: StageRunner, out: Path, seed: int = SEED) -> Path:
     """The checkpoint in the served format (bf16 weights, fp8 tables), the bundled config and
     tokenizer, and the held-out task files beside it."""
     model = runner.model.eval().requires_grad_(False).cpu()
+    for name, p in model.named_parameters():  # the served dtypes, as the seeded weights have
+        if ".hc_" not in name:
+            p.data = p.data.to(torch.bfloat16)
     for block in model.layers.values():
         if block.engram is not None:
             block.engram.embed = EngramTable(*quantize_rows(block.engram.embed.weight.detach()))
