@@ -1116,10 +1116,24 @@ def _valid(obj) -> bool:
             and 0 <= obj["n"] <= 99)  # fmt: skip
 
 
+def _json_object_prefix(text: str) -> bool:
+    """``text`` can still become a JSON object: a matcher of llguidance's own, apart from the
+    server's, accepts all of its tokens."""
+    import llguidance
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(resolve_model_dir(None) / "tokenizer.json"))
+    lt = llguidance.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=None)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+    ids = tok.encode(text, add_special_tokens=False).ids
+    return llguidance.LLMatcher(lt, grammar).validate_tokens(ids) == len(ids)
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_structured_outputs_parse_even_from_random_weights(server: str, seed: int) -> None:
-    """The bundled model's weights are random, yet guided output parses and validates: a JSON
-    schema (chat response_format, streamed too), any JSON object, a regex and a choice."""
+def test_structured_outputs_parse_whatever_the_model_writes(server: str, seed: int) -> None:
+    """Guided output parses and validates whatever the small model would write: a JSON schema
+    (chat response_format, streamed too), any JSON object (or, cut by max_tokens, a prefix of
+    one), a regex and a choice."""
     c, model = client(server), model_name(server)
     msgs = [{"role": "user", "content": "Describe a person."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": STRUCTURED}}
@@ -1139,7 +1153,11 @@ def test_structured_outputs_parse_even_from_random_weights(server: str, seed: in
     assert streamed == r.choices[0].message.content
     r = complete(server, prompt="{", max_tokens=150, seed=seed, temperature=1.0,
                  response_format={"type": "json_object"})  # fmt: skip
-    assert isinstance(json.loads(r["choices"][0]["text"]), dict)
+    text = r["choices"][0]["text"]
+    if r["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:  # a model may write a string longer than max_tokens: the text must still be a prefix
+        assert _json_object_prefix(text)
     r = complete(server, prompt="Code:", max_tokens=30, seed=seed, temperature=1.0,
                  guided_regex="[A-F]{3}-[0-9]{2}")  # fmt: skip
     assert re.fullmatch("[A-F]{3}-[0-9]{2}", r["choices"][0]["text"])

@@ -37,7 +37,8 @@ ADDED_BOS = {"content": "<｜begin▁of▁sentence｜>", "lstrip": False, "norma
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-bos")
     for f in resolve_model_dir(None).iterdir():
-        shutil.copy(f, out / f.name)
+        if f.is_file():
+            shutil.copy(f, out / f.name)
     cfg = json.loads((out / "tokenizer_config.json").read_text())
     cfg.update(add_bos_token=True, bos_token=ADDED_BOS, added_tokens_decoder={"0": ADDED_BOS})
     assert cfg["chat_template"].startswith("{{ bos_token }}")
