@@ -19,8 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import engramrt.bundled.weights as bundled_weights
-from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
+from engramrt.bundled import DEFAULT_MODEL_DIR, DEFAULT_TASKS_DIR, resolve_model_dir
 from engramrt.config import ConfigError, engram_config, load_json, model_config
 from engramrt.engram import load_hasher
 from engramrt.engram.hashing import EngramHasher
@@ -537,38 +536,24 @@ def test_stage_still_rejects_unexpected(tmp_path: Path, two_layers: Path, name: 
 # ----------------------------------------------------------------------------- bundled model
 
 
-def test_bundled_model_is_cached_and_deterministic(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """resolve_model_dir(None) generates a loadable directory under ENGRAMRT_CACHE once, reuses
-    it without regenerating, and the fixed seed makes another cache's weights byte-identical."""
-    cache_a, cache_b = tmp_path / "a", tmp_path / "b"
-    monkeypatch.setenv("ENGRAMRT_CACHE", str(cache_a))
-    first = resolve_model_dir(None)
-    assert first.parent == cache_a
-    assert list(cache_a.iterdir()) == [first]  # no temporary directory left behind
-    weights = first / "model.safetensors"
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert (first / name).read_bytes() == (DEFAULT_MODEL_DIR / name).read_bytes()
-    model = load_model(first)
+def test_bundled_model_is_a_trained_checkpoint_in_the_served_format() -> None:
+    """The default model is the committed checkpoint (bf16 weights, hc parameters fp32, fp8
+    tables with the layout's row counts), with its held-out task files beside it."""
+    assert resolve_model_dir(None) == DEFAULT_MODEL_DIR
+    model = load_model(DEFAULT_MODEL_DIR)
+    layout = EngramLayout.from_config(engram_config(load_json(DEFAULT_MODEL_DIR)))
     assert model.dtype == torch.bfloat16
-    assert model.layers["1"].engram.embed.weight.dtype == E4M3
-    assert torch.isfinite(_logits(model, first)).all()
-    mtime = weights.stat().st_mtime_ns
-
-    def regenerate(*_: object) -> None:
-        raise AssertionError("the cached model was generated again")
-
-    with monkeypatch.context() as m:
-        m.setattr(bundled_weights, "generate", regenerate)
-        assert resolve_model_dir(None) == first
-        assert resolve_model_dir(DEFAULT_MODEL_DIR) == first
-    assert weights.stat().st_mtime_ns == mtime
-
-    monkeypatch.setenv("ENGRAMRT_CACHE", str(cache_b))
-    second = resolve_model_dir(None)
-    assert second.parent == cache_b and second.name == first.name
-    assert (second / "model.safetensors").read_bytes() == weights.read_bytes()
+    for i in model.engram_layer_ids:
+        table = model.layers[str(i)].engram.embed
+        rows = layout.column_bounds(model.cfg.engram.layer_ids.index(i))[-1]
+        assert table.weight.dtype == E4M3 and table.num_rows == rows
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if ".hc_" in n)
+    assert torch.isfinite(_logits(model, DEFAULT_MODEL_DIR)).all()
+    tasks = sorted(p.name for p in DEFAULT_TASKS_DIR.iterdir())
+    assert tasks == ["arithmetic.jsonl", "in_context.jsonl", "recall.jsonl"]
+    for name in tasks:
+        rows = [json.loads(line) for line in (DEFAULT_TASKS_DIR / name).read_text().splitlines()]
+        assert rows and all({"prompt", "answer"} <= set(r) for r in rows)
 
 
 def test_resolve_model_dir_passes_other_paths_through(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""Weights of the bundled tiny model: generated from a fixed seed on first use, then cached as a
-normal HF-style directory so they load through the same path as any checkpoint.
+"""Seeded random weights for any config: the starting point of the bundled model's training
+(``engramrt.bundled.train``) and the models of tests and benchmarks.
 
 Scales are chosen so that every part matters: Engram tables and values of order one next to a
 unit-RMS stream (the update is a visible fraction of the stream, see the README), hc mixes near
@@ -8,26 +8,15 @@ an even collapse and an identity-leaning comb, and the usual 1/sqrt(fan-in) for 
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import torch
 
-from engramrt.config import ModelConfig, load_json, model_config
+from engramrt.config import ModelConfig
 from engramrt.engram.table import EngramTable, quantize_rows
-from engramrt.model.checkpoint import save_checkpoint
 from engramrt.model.decoder import EngramMHCModel
 
 SEED = 10007
-RECIPE_VERSION = 1  # bump when the initialisation below changes
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("ENGRAMRT_CACHE", Path.home() / ".cache" / "engramrt"))
 
 
 def _init(name: str, shape: torch.Size, hc: int, gen: torch.Generator) -> torch.Tensor:
@@ -68,30 +57,3 @@ def seeded_model(
         model.layers[str(i)].engram.embed = EngramTable(*args)
     model.load_state_dict(state, strict=False)
     return model.eval()
-
-
-def generate(model_dir: Path, out_dir: Path) -> None:
-    """Write config, tokenizer and seeded weights (fp8 Engram tables, bf16 rest) to ``out_dir``."""
-    raw = load_json(model_dir)
-    save_checkpoint(seeded_model(model_config(raw)), out_dir, raw, tokenizer_dir=model_dir)
-
-
-def materialize(model_dir: Path) -> Path:
-    """The cached directory with weights for the bundled ``model_dir``; generated if absent."""
-    digest = hashlib.sha256(f"{SEED}:{RECIPE_VERSION}".encode())
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        digest.update((model_dir / name).read_bytes())
-    target = cache_root() / f"{model_dir.name}-{digest.hexdigest()[:12]}"
-    if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        generate(model_dir, tmp)
-        os.replace(tmp, target)  # atomic; a concurrent first use simply loses the race
-    except OSError:
-        if not (target / "model.safetensors").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
