@@ -312,3 +312,24 @@ def test_moe_decoder_matches_reference() -> None:
     ids = reference_hash_ids(raw, TOKENS)
     want = reference_logits(model, ids, TOKENS)
     assert max_rel_diff(engramrt_logits(model, raw, TOKENS), want) < 1e-4
+
+
+def test_reference_attention_groups_runs_like_one_per_request() -> None:
+    """The torch reference attends runs of one length in one padded SDPA: against per-request
+    SDPA (the kernels' oracle) on a batch of equal runs at different starts (keys padded to the
+    longest), a run of 0, a run alone in its length, and a padded graph row (slot -1)."""
+    from types import SimpleNamespace
+
+    from engramrt.model.attention import _torch_attention
+    from tests.test_paged_attention import _prefill_case, _prefill_reference
+
+    runs, starts, bs = [5, 5, 0, 12, 5, 1, 1], [0, 37, 4, 3, 11, 60, 0], 4
+    q, k_cache, v_cache, tables = _prefill_case(6, 2, 16, bs, runs, starts, torch.float32, 5)
+    ctx = SimpleNamespace(  # the cache already holds every position: nothing to write
+        slot_mapping=torch.full((sum(runs),), -1), run_lens=runs, start_pos=starts,
+        block_table=tables, kv=SimpleNamespace(block_size=bs),
+    )  # fmt: skip
+    unused = torch.zeros(sum(runs), 2, 16)
+    got = _torch_attention(q, unused, unused, k_cache, v_cache, ctx)
+    want = _prefill_reference(q, k_cache, v_cache, tables, runs, starts, bs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -18,7 +18,8 @@ def test_corpus_is_fixed_by_the_seed() -> None:
     for item in a.tasks["in_context"]:  # every lookup has one answer
         pairs = [p.split("=") for p in item["prompt"].split(". ")[0].split("; ")]
         assert len({k for k, _ in pairs}) == len(pairs)
-    train_text = "\n".join(a.train)
+    train_text = "\n".join(d if isinstance(d, str) else str(d) for d in a.train)
+    assert any(not isinstance(d, str) for d in a.train)  # chats: their text is checked too
     held = [f"{i['prompt']} {i['answer']}." for i in a.tasks["arithmetic"]]
     assert not any(h in train_text for h in held)  # held-out sums are never trained on
 

@@ -2,16 +2,17 @@
 
 The data is generated here: closed-book facts about made-up countries (their capitals, recoverable
 only from memorised n-grams: what Engram tables hold), templated arithmetic, in-context key ->
-value recall (a control that needs no memory) and English prose from the Python standard
-library's own documentation (``pydoc_data.topics``). The forward pass is the engine's own: a
+value recall (a control that needs no memory), the facts and sums again as one-turn chats in the
+model's chat template, and English prose from the Python standard library's own documentation
+(``pydoc_data.topics``). The forward pass is the engine's own: a
 ``StageRunner`` prefill of each sequence from position 0 with the torch reference kernels, hash
 ids from engramrt's hasher, so what is trained is exactly what is served. Engram tables train in
 fp32 and are quantised to the served fp8 format when saved.
 
-    python -m engramrt.bundled.train OUT_DIR [--steps 2000] [--device cuda] [--length 128]
-        [--batch 32] [--lr 3e-3]
+    python -m engramrt.bundled.train OUT_DIR [--steps 3800] [--device cuda] [--length 128]
+        [--batch 64] [--lr 3e-3]
 
-``tasks(seed)`` writes the held-out evaluation items (``engramrt eval`` task files).
+``save`` writes the held-out items beside the weights (``engramrt eval`` task files).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from engramrt.engram.table import EngramTable, quantize_rows
 from engramrt.kernels import FORCE_TORCH_ENV
 from engramrt.model.checkpoint import save_checkpoint
 from engramrt.model.context import ForwardContext
+from engramrt.prompts import PromptEncoder
 from engramrt.runner.stage import StageRunner
 
 SEED = 4242
@@ -48,11 +50,16 @@ def _name(rng: random.Random, parts: int) -> str:
 
 @dataclass
 class Corpus:
-    train: list[str]  # documents
+    train: list[str | list[dict[str, str]]]  # documents: text or a chat
     tasks: dict[str, list[dict]]  # held-out items per task, engramrt eval's format
 
 
-def corpus(seed: int = SEED, countries: int = 64, lookups: int = 1500) -> Corpus:
+def chat(question: str, answer: str) -> list[dict[str, str]]:
+    """A one-turn conversation: trained as the model's chat template renders it."""
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def corpus(seed: int = SEED, countries: int = 64, lookups: int = 3000) -> Corpus:
     rng = random.Random(seed)
     names = sorted({_name(rng, 3) for _ in range(4 * countries)})[:countries]
     capitals = [_name(rng, 2) for _ in names]
@@ -60,12 +67,14 @@ def corpus(seed: int = SEED, countries: int = 64, lookups: int = 1500) -> Corpus
     for country, capital in zip(names, capitals, strict=True):
         docs.append(f"The capital of {country} is {capital}.")
         docs.append(f"{capital} is the capital of {country}.")
+        docs.append(chat(f"What is the capital of {country}?", f"The capital is {capital}."))
         tasks["recall"].append({"prompt": f"The capital of {country} is", "answer": capital,
                                 "stop": ["."]})  # fmt: skip
     pairs = [(a, b) for a in range(30) for b in range(30)]
     rng.shuffle(pairs)
     held = pairs[: len(pairs) // 10]
     docs += [f"{a} + {b} = {a + b}." for a, b in pairs[len(held) :]]
+    docs += [chat(f"What is {a} + {b}?", f"{a} + {b} = {a + b}.") for a, b in pairs[len(held) :]]
     tasks["arithmetic"] = [{"prompt": f"{a} + {b} =", "answer": str(a + b), "stop": ["."]}
                            for a, b in held]  # fmt: skip
 
@@ -93,7 +102,7 @@ def corpus(seed: int = SEED, countries: int = 64, lookups: int = 1500) -> Corpus
 def batches(token_docs: list[list[int]], eos: int, length: int, size: int, seed: int):
     """Endless batches of ``size`` windows of ``length`` tokens over the documents joined by
     EOS, in an order fixed by ``seed``."""
-    stream = [t for doc in token_docs for t in [*doc, eos]]
+    stream = [t for doc in token_docs for t in (doc if doc[-1:] == [eos] else [*doc, eos])]
     rng = random.Random(seed)
     while True:
         yield [stream[s : s + length] for s in
@@ -160,9 +169,10 @@ def train(steps: int, seed: int = SEED, device: str = "cpu", length: int = 64, s
 def _train(steps, seed, device, length, size, lr, log) -> tuple[StageRunner, list[float]]:
     runner = build(seed, device)
     data = corpus(seed)
-    enc = runner.tokenizer
+    enc = PromptEncoder.load(DEFAULT_MODEL_DIR, runner.tokenizer)
     eos = runner.model.cfg.eos_token_id
-    token_docs = [enc.encode(d).ids for d in data.train]
+    token_docs = [enc.text(d) if isinstance(d, str) else enc.chat(d, add_generation_prompt=False)
+                  for d in data.train]  # fmt: skip
     params = trainable(runner)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     warm = max(1, steps // 20)
@@ -206,11 +216,11 @@ def save(runner: StageRunner, out: Path, seed: int = SEED) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=3800)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--length", type=int, default=128, help="tokens per training window")
-    ap.add_argument("--batch", type=int, default=32, help="windows per step")
+    ap.add_argument("--batch", type=int, default=64, help="windows per step")
     ap.add_argument("--lr", type=float, default=3e-3)
     args = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS

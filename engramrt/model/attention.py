@@ -8,9 +8,12 @@ torch reference below, which the kernels are tested against.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engramrt.config import ModelConfig
 from engramrt.kernels import use_triton
@@ -70,26 +73,34 @@ def _triton_attention(qkv, cos, sin, k_cache, v_cache, ctx: ForwardContext, head
 
 
 def _torch_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext) -> torch.Tensor:
-    """The reference: write, then per request causal SDPA over its cached positions."""
+    """The reference: write, then causal SDPA over each request's cached positions. Runs of one
+    length attend in one call, keys padded to the group's longest context (masked): a training
+    batch of equal windows is one SDPA, not one per window."""
     real = ctx.slot_mapping >= 0
     k_cache[ctx.slot_mapping[real]] = k[real]
     v_cache[ctx.slot_mapping[real]] = v[real]
     out = torch.zeros_like(q)
-    bs, start = ctx.kv.block_size, 0
-    for b, (n, p0) in enumerate(zip(ctx.run_lens, ctx.start_pos, strict=True)):
-        if n == 0:
-            continue
-        end = p0 + n
-        pos = torch.arange(end, device=q.device)
-        rows = ctx.block_table[b, pos // bs] * bs + pos % bs
-        causal = pos <= pos[p0:, None]
-        o = F.scaled_dot_product_attention(
-            q[start : start + n].transpose(0, 1),
-            k_cache[rows].transpose(0, 1),
-            v_cache[rows].transpose(0, 1),
-            attn_mask=causal,
-            enable_gqa=True,
-        )
-        out[start : start + n] = o.transpose(0, 1)
-        start += n
+    groups: dict[int, list[int]] = {}
+    for b, n in enumerate(ctx.run_lens):
+        if n:
+            groups.setdefault(n, []).append(b)
+    starts = [0, *itertools.accumulate(ctx.run_lens)]
+    for n, reqs in groups.items():
+        dev, bs = q.device, ctx.kv.block_size
+        p0 = torch.tensor([ctx.start_pos[b] for b in reqs], device=dev)
+        pos = torch.arange(max(ctx.start_pos[b] for b in reqs) + n, device=dev)
+        table = ctx.block_table[reqs][:, pos // bs].clamp(min=0)  # past a context: masked
+        rows = table * bs + pos % bs  # [G, context]
+        i = torch.arange(n, device=dev)
+        tok = torch.tensor([starts[b] for b in reqs], device=dev)[:, None] + i  # [G, n]
+        causal = pos <= (p0[:, None] + i)[..., None]  # [G, n, context]
+        with sdpa_kernel(SDPBackend.MATH):  # rows independent of the batch's shape
+            o = F.scaled_dot_product_attention(
+                q[tok].transpose(1, 2),  # [G, heads, n, dim]
+                k_cache[rows].transpose(1, 2),
+                v_cache[rows].transpose(1, 2),
+                attn_mask=causal[:, None],
+                enable_gqa=True,
+            )
+        out[tok.flatten()] = o.transpose(1, 2).flatten(0, 1)
     return out
