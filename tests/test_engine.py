@@ -153,10 +153,11 @@ def test_chunked_prefill_equals_whole(make_engine, encode) -> None:
         assert got.prompt_logprobs[0] is None and ref.prompt_logprobs[0] is None
         for a, b in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
             assert a.top_ids == b.top_ids
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
-            assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-5)
+            assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-5)
+            assert a.top_logprobs == pytest.approx(b.top_logprobs, rel=1e-5, abs=1e-5)
         for a, b in zip(got.logprobs, ref.logprobs, strict=True):
-            assert a.top_ids == b.top_ids and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert a.top_ids == b.top_ids
+            assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-5)
 
 
 def test_greedy_logprobs_are_the_top(make_engine, encode) -> None:
