@@ -141,7 +141,7 @@ def test_engine_death_exits_1() -> None:
 
     engine.pipeline.step = engine.pipeline.launch = broken  # launch: overlap scheduling
     result: dict[str, int] = {}
-    server = threading.Thread(target=lambda: result.update(code=_serve_http(opts, engine, 1)))
+    server = threading.Thread(target=lambda: result.update(code=_serve_http(opts, engine)))
     server.start()
     base = f"http://127.0.0.1:{opts.port}"
     deadline = time.monotonic() + 30

@@ -23,10 +23,12 @@ import torch.distributed as dist
 from engramrt.bundled import resolve_model_dir
 from engramrt.commands.flags import DEVICES, DTYPES, add_dist_flags, add_model_flag, dist_config
 from engramrt.config import load_json, model_config
+from engramrt.parallel import tensor
 from engramrt.parallel.faults import inject_stage_faults
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import all_partitions, stage_layers
 from engramrt.parallel.pipeline import Pipeline
+from engramrt.parallel.tensor import TensorParallel
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import StepBatch, StepResult
 from engramrt.runner.carry import Carry
@@ -66,6 +68,7 @@ class CheckOptions:
     decode_steps: int = 8
     dtype: str = "float32"
     atol: float = 0.0
+    rtol: float | None = None  # default: 0 at TP = 1 (bitwise), 1e-5 under TP (sums reorder)
     enforce_eager: bool = False  # on CUDA, decode steps replay CUDA graphs unless this is set
     dist: DistConfig = field(default_factory=DistConfig)
 
@@ -115,10 +118,12 @@ def _scenario(pipe: Pipeline, prompts: list[list[int]], steps: int, forced: list
     return logits, tokens
 
 
-def _runner(opts: CheckOptions, layers: list[int], num_slots: int) -> StageRunner:
+def _runner(
+    opts: CheckOptions, layers: list[int], num_slots: int, tp: TensorParallel | None = None
+) -> StageRunner:
     runner = StageRunner.load(
         opts.model_dir, num_slots, device=stage_device(opts.dist), dtype=opts.dtype,
-        layer_ids=layers,
+        layer_ids=layers, tp=tp,
     )  # fmt: skip
     if runner.device.type == "cuda" and not opts.enforce_eager:
         runner.capture_graphs(num_slots)
@@ -136,6 +141,15 @@ class ContainedStage:
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
+
+    def step(self, batch: StepBatch, carry: Carry | None = None, **kw):
+        """A TP follower's step (its output stays on the rank)."""
+        if self.error is None:
+            try:
+                return self.runner.step(batch, carry, **kw)
+            except Exception as exc:  # noqa: BLE001 - reported in the partition's row
+                self.error = _error(exc)
+        return None
 
     def run(self, batch: StepBatch, carry: Carry | None = None) -> Carry | StepResult:
         if self.error is None:
@@ -177,10 +191,14 @@ def _load_stage(opts: CheckOptions, parts: list[int], rank: int, n: int) -> Cont
 
 
 def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    """``rank``: this process's stage; with TP each stage is ``tp`` ranks, and the reference
+    is one process without TP (on the driver)."""
+    tp = tensor.current()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world * tp.size)))
     n = len(prompts)
-    if rank == 0:
-        full = _runner(opts, list(range(sum(partitions[0]))), n)
+    driver = rank == 0 and tp.rank == 0
+    if driver:
+        full = _runner(opts, list(range(sum(partitions[0]))), n, tensor.SINGLE)
         ref_logits, ref_tokens = _scenario(Pipeline(full), prompts, opts.decode_steps, None)
     rows = []
     for parts in partitions:
@@ -189,10 +207,10 @@ def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str)
             stage = _load_stage(opts, parts, rank, n)
         except Exception as exc:  # noqa: BLE001 - a stage that cannot load fails the partition
             error = _error(exc)
-        loaded = _all_ranks(world, error)  # the pipeline runs only if every stage loaded
+        loaded = _all_ranks(error)  # the pipeline runs only if every rank loaded
         if all(e is None for e in loaded):
             pipe = Pipeline(stage, rank, world)
-            if rank == 0:
+            if driver:
                 try:
                     logits, tokens = _scenario(pipe, prompts, opts.decode_steps, ref_tokens)
                 finally:
@@ -200,32 +218,38 @@ def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str)
             else:
                 pipe.serve()
             error = stage.error
-        per_stage = _to_rank0(rank, world, (stage.engram_ran if stage else Counter(), error))
-        if rank == 0:
-            errors = [f"stage {r}: {e}" for r, (_, e) in enumerate(per_stage) if e is not None]
+        per_rank = _to_rank0(driver, (stage.engram_ran if stage else Counter(), error))
+        if driver:
+            errors = [f"{_where(r, tp.size)}: {e}" for r, (_, e) in enumerate(per_rank)
+                      if e is not None]  # fmt: skip
             if errors:
                 rows.append(_failed(parts, "; ".join(errors)))
             else:
-                ran = [r for r, _ in per_stage]
+                ran = [r for r, _ in per_rank[:: tp.size]]  # each stage's leader
                 rows.append(_compare(opts, parts, ran, logits, tokens, ref_logits, ref_tokens))
-    if rank == 0:
-        Path(out_path).write_text(json.dumps({"stages": world, "partitions": rows}))
+    if driver:
+        report = {"stages": world, "tensor_parallel_size": tp.size, "partitions": rows}
+        Path(out_path).write_text(json.dumps(report))
 
 
-def _all_ranks(world: int, value):
+def _where(rank: int, tp: int) -> str:
+    return f"stage {rank // tp}" + (f" (TP rank {rank % tp})" if tp > 1 else "")
+
+
+def _all_ranks(value):
     """``value`` of every rank, on every rank."""
-    if world == 1:
+    if not dist.is_initialized():
         return [value]
-    out = [None] * world
+    out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
 
 
-def _to_rank0(rank: int, world: int, value):
+def _to_rank0(driver: bool, value):
     """``value`` of every rank, on rank 0 (None elsewhere)."""
-    if world == 1:
+    if not dist.is_initialized():
         return [value]
-    out = [None] * world if rank == 0 else None
+    out = [None] * dist.get_world_size() if driver else None
     dist.gather_object(value, out, dst=0)
     return out
 
@@ -244,7 +268,12 @@ def _failed(parts: list[int], error: str) -> dict:
 
 def _compare(opts, parts, per_stage, logits, tokens, ref_logits, ref_tokens) -> dict:
     steps = len(ref_logits)
-    delta = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits, strict=True))
+    pairs = list(zip(logits, ref_logits, strict=True))
+    delta = max(float((a - b).abs().max()) for a, b in pairs)
+    rtol = opts.rtol if opts.rtol is not None else (1e-5 if opts.dist.tp_size > 1 else 0.0)
+    # relative to the step's largest logit: a logit near 0 has no scale of its own
+    close = all(float((a - b).abs().max()) <= opts.atol + rtol * float(b.abs().max())
+                for a, b in pairs)  # fmt: skip
     cfg = model_config(load_json(opts.model_dir))
     expected = [
         [layer for layer in stage_layers(parts, r) if layer in cfg.engram.layer_ids] * steps
@@ -258,7 +287,7 @@ def _compare(opts, parts, per_stage, logits, tokens, ref_logits, ref_tokens) -> 
         "engram_runs_ok": all(ran_ok),
         "max_abs_dlogit": delta,
         "greedy_tokens_identical": same_tokens,
-        "ok": all(ran_ok) and same_tokens and delta <= opts.atol,
+        "ok": all(ran_ok) and same_tokens and close,
         "error": None,
     }
 
@@ -286,9 +315,12 @@ def format_report(report: dict) -> str:
     failed = sum(r["error"] is not None for r in report["partitions"])
     bad = sum(not r["ok"] for r in report["partitions"]) - failed
     verdict = ", ".join(f"{k} {what}" for k, what in ((bad, "MISMATCH"), (failed, "FAILED")) if k)
+    tp = report.get("tensor_parallel_size", 1)
     lines.append(
-        f"{len(report['partitions'])} partitions into {report['stages']} stages: "
-        + (verdict or "all match PP = 1")
+        f"{len(report['partitions'])} partitions into {report['stages']} stages"
+        + (f" x TP {tp}" if tp > 1 else "")
+        + ": "
+        + (verdict or ("all match TP = 1, PP = 1" if tp > 1 else "all match PP = 1"))
     )
     return "\n".join(lines)
 
@@ -305,6 +337,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--atol", type=float, default=0.0, help="allowed max |dlogit| (default 0)")
+    p.add_argument(
+        "--rtol", type=float,
+        help="allowed max |dlogit| relative to the step's largest |logit| (default: 0, bitwise; "
+        "1e-5 with "
+        "--tensor-parallel-size > 1, whose all-reduces sum in another order)",
+    )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     add_dist_flags(p)
@@ -326,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
         decode_steps=args.decode_steps,
         dtype=args.dtype,
         atol=args.atol,
+        rtol=args.rtol,
         enforce_eager=args.enforce_eager,
         dist=dist_config(args, device),
     )

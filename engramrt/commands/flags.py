@@ -69,8 +69,12 @@ def resolve_device(device: str | None) -> str:
 
 
 def add_dist_flags(p: argparse.ArgumentParser) -> None:
-    """Pipeline parallelism and how its stage processes meet."""
+    """Pipeline and tensor parallelism, and how their processes meet."""
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="ranks per pipeline stage, each holding a slice of every layer (world = TP x PP)",
+    )  # fmt: skip
     p.add_argument(
         "--pp-layer-partition",
         help="layers per stage, e.g. 14,26 (also $ENGRAMRT_PP_LAYER_PARTITION or "
@@ -87,6 +91,7 @@ def dist_config(args: argparse.Namespace, device: str) -> DistConfig:
     """How the stage processes meet, from the :func:`add_dist_flags` values."""
     return DistConfig(
         pp_size=args.pipeline_parallel_size,
+        tp_size=args.tensor_parallel_size,
         device=device,
         backend=args.distributed_backend,
         master_addr=args.master_addr,

@@ -139,13 +139,14 @@ def _worker(rank: int, world: int, opts: GenerateOptions) -> None:
         opts.model_dir, device=device, dtype=opts.dtype, layer_ids=layers, seed=opts.seed,
         table_memory=opts.table_memory,
     )  # fmt: skip
-    if opts.trace_path and rank == 0:
-        Path(opts.trace_path).write_text("")  # before any stage can have written
-    trace = EngramTrace(opts.trace_path, rank) if opts.trace_path else None
-    stats = EngramUpdateStats() if opts.engram_stats else None
-    runner.tracer = fanout(trace, stats)
     pipe = Pipeline(runner, rank, world)
-    if rank == 0:
+    leader = pipe.tp.rank == 0  # a stage's trace and statistics: its leader's (all agree)
+    if opts.trace_path and pipe.is_driver:
+        Path(opts.trace_path).write_text("")  # before any stage can have written
+    trace = EngramTrace(opts.trace_path, rank) if opts.trace_path and leader else None
+    stats = EngramUpdateStats() if opts.engram_stats and leader else None
+    runner.tracer = fanout(trace, stats)
+    if pipe.is_driver:
         row = SampleRow(opts.temperature, opts.top_p, seed=opts.seed)
         try:
             prompts = PromptEncoder.load(opts.model_dir, runner.tokenizer)
@@ -157,7 +158,7 @@ def _worker(rank: int, world: int, opts: GenerateOptions) -> None:
         print(
             f"[{len(out.prompt_ids)} prompt + {n} generated tokens, "
             f"finish_reason={out.finish_reason}, {n / out.seconds:.1f} tok/s on {device}, "
-            f"{world} stage(s) {opts.partition}]",
+            f"{world} stage(s) {opts.partition} x TP {pipe.tp.size}]",
             file=sys.stderr,
         )
     else:

@@ -89,7 +89,7 @@ def kv_blocks(runner: StageRunner, opts: ServeOptions, cfg: ModelConfig, max_len
     model = runner.model  # the cache's own dtype, as loaded
 
     def per_block(layers: int) -> int:
-        return kv_block_bytes(opts.block_size, cfg.num_kv_heads, cfg.head_dim,
+        return kv_block_bytes(opts.block_size, model.kv_heads, cfg.head_dim,
                               model.dtype.itemsize, layers)  # fmt: skip
 
     if runner.device.type != "cuda" or opts.kv_cache_memory_bytes is not None:
@@ -157,13 +157,14 @@ def build_stage(
         table_memory=opts.table_memory,
     )  # fmt: skip
     inject_stage_faults(runner, rank)  # test-only, from the environment (A/B arms)
+    driver = rank == 0 and runner.model.tp.rank == 0
     if not opts.engram:
         runner.model.disable_engram()
-        if rank == 0:
+        if driver:
             print("engramrt: --engram off: every Engram layer is skipped (an ablation)", flush=True)
-    blocks = _agree(kv_blocks(runner, opts, cfg, max_len), world, device)
+    blocks = _agree(kv_blocks(runner, opts, cfg, max_len), device)
     runner.allocate_kv(opts.max_num_seqs, max_len, opts.block_size, blocks)
-    if rank == 0 and device.type == "cuda":
+    if driver and device.type == "cuda":
         gib = sum(t.numel() * t.element_size() for t in (*runner.kv.k.values(),
                                                         *runner.kv.v.values())) / 2**30  # fmt: skip
         print(f"engramrt: KV cache {blocks} blocks = {blocks * opts.block_size} tokens "
@@ -172,11 +173,11 @@ def build_stage(
     runner.warm_up(opts.max_num_batched_tokens)  # kernel variants compiled now, not mid-serving
     if device.type == "cuda" and not opts.enforce_eager:
         runner.capture_graphs(opts.max_num_seqs, opts.max_num_batched_tokens)
-    if rank == 0 and counting and compilations():
+    if driver and counting and compilations():
         print(f"engramrt: {compilations()} Triton kernel variants compiled at start-up",
               flush=True)  # fmt: skip
     pipe = Pipeline(runner, rank, world)
-    if rank != 0:
+    if not pipe.is_driver:
         return pipe, None
     config = EngineConfig(
         max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, blocks,
@@ -186,10 +187,10 @@ def build_stage(
     return pipe, Engine(pipe, runner.tokenizer, config)
 
 
-def _agree(blocks: int, world: int, device: torch.device) -> int:
-    """Every stage gets the smallest stage's block count: rank 0's block manager hands out ids
-    that all stages' caches must hold."""
-    if world == 1:
+def _agree(blocks: int, device: torch.device) -> int:
+    """Every rank gets the smallest rank's block count: rank 0's block manager hands out ids
+    that all ranks' caches must hold."""
+    if not dist.is_initialized():
         return blocks
     where = device if dist.get_backend() == "nccl" else torch.device("cpu")
     t = torch.tensor([blocks], dtype=torch.int64, device=where)
@@ -203,7 +204,7 @@ def _worker(rank: int, world: int, opts: ServeOptions) -> None:
         _serve_stage(pipe, opts)
         return
     try:
-        code = _serve_http(opts, engine, world)
+        code = _serve_http(opts, engine)
     except BaseException:
         pipe.stop()  # a failed start (the port is taken, say): release the other stages
         raise
@@ -212,7 +213,7 @@ def _worker(rank: int, world: int, opts: ServeOptions) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    if world > 1:
+    if opts.dist.world > 1:
         os._exit(code)  # a hung stage would hold the stop message and teardown barrier for ever
     raise SystemExit(code)
 
@@ -224,7 +225,8 @@ def _serve_stage(pipe: Pipeline, opts: ServeOptions) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     first = sum(opts.partition[: pipe.rank])
     last = first + opts.partition[pipe.rank] - 1
-    print(f"engramrt: stage {pipe.rank} of {pipe.world} (layers {first}-{last}) ready, "
+    tp = f", TP rank {pipe.tp.rank} of {pipe.tp.size}" if pipe.tp.size > 1 else ""
+    print(f"engramrt: stage {pipe.rank} of {pipe.world}{tp} (layers {first}-{last}) ready, "
           f"pid {os.getpid()}", flush=True)  # fmt: skip
     beat = Heartbeat()
     try:
@@ -233,7 +235,7 @@ def _serve_stage(pipe: Pipeline, opts: ServeOptions) -> None:
         beat.stop()
 
 
-def _serve_http(opts: ServeOptions, engine: Engine, world: int) -> int:
+def _serve_http(opts: ServeOptions, engine: Engine) -> int:
     """Serve until a signal (exit status 0) or the engine's death (1)."""
     import uvicorn
 
@@ -252,7 +254,8 @@ def _serve_http(opts: ServeOptions, engine: Engine, world: int) -> int:
     ready = (
         f"serving {opts.served_model_name[0]} ({opts.model_dir}) at "
         f"http://{opts.host}:{opts.port}/v1 | {runner.device}, {runner.model.dtype}, "
-        f"{len(opts.partition)} stage(s) {opts.partition}, {blocks} KV blocks of "
+        f"{len(opts.partition)} stage(s) {opts.partition} x TP {opts.dist.tp_size}, {blocks} KV "
+        f"blocks of "
         f"{opts.block_size} tokens, max_model_len {max_len}"
     )
     config = uvicorn.Config(
@@ -261,7 +264,8 @@ def _serve_http(opts: ServeOptions, engine: Engine, world: int) -> int:
         access_log=not opts.disable_uvicorn_access_log, timeout_graceful_shutdown=5,
     )  # fmt: skip
     http = EngineServer(config, server, ready, opts.shutdown_timeout)
-    watch = StageWatch(opts.stage_timeout, server.engine.fail) if world > 1 else None
+    many = opts.dist.world > 1
+    watch = StageWatch(opts.stage_timeout, server.engine.fail) if many else None
     try:
         http.run()
     finally:

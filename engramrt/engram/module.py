@@ -6,12 +6,16 @@ value by how well its stream agrees with its key. There is no short conv and no 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from engramrt.config import EngramConfig
+from engramrt.engram.layout import EngramLayout
 from engramrt.engram.table import SCALE_BLOCK, EngramTable
 from engramrt.kernels import use_triton
+from engramrt.parallel.tensor import SINGLE, TensorParallel
 
 GATE_CLAMP = 1e-6  # |dot| floor before the sqrt; keeps the gate away from exactly 0.5
 
@@ -65,8 +69,18 @@ def engram_gate(
     return out
 
 
+@functools.cache
+def _column_bounds(cfg: EngramConfig, layer_index: int) -> list[int]:
+    return EngramLayout.from_config(cfg).column_bounds(layer_index)
+
+
 class Engram(nn.Module):
-    """The Engram of one layer; ``layer_index`` is its position in ``engram_layer_ids``."""
+    """The Engram of one layer; ``layer_index`` is its position in ``engram_layer_ids``.
+
+    Under tensor parallelism a rank holds the table rows of its hash columns (heads) only, looks
+    up those columns and all-gathers the rows of the others: the gathered rows are bitwise the
+    unsharded lookup. ``wkv`` and the gate are replicated (gathering 24 rows moves less than
+    all-reducing wkv's ``(hc + 1) * D`` outputs would)."""
 
     def __init__(
         self,
@@ -74,16 +88,25 @@ class Engram(nn.Module):
         layer_index: int,
         table: EngramTable | None = None,
         dtype: torch.dtype = torch.bfloat16,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
-        self.layer_index = layer_index
+        self.layer_index, self.tp = layer_index, tp
         self.layer_id = cfg.layer_ids[layer_index]
         self.eps = cfg.rms_norm_eps
         self.hc, self.dim = cfg.hc_mult, cfg.hidden_size
-        in_features = cfg.n_hash_cols * cfg.head_dim
-        self.wkv = nn.Linear(in_features, (self.hc + 1) * self.dim, bias=False, dtype=dtype)
+        self.cols, self.head_dim = cfg.n_hash_cols, cfg.head_dim
+        self.wkv = nn.Linear(self.cols * cfg.head_dim, (self.hc + 1) * self.dim, bias=False,
+                             dtype=dtype)  # fmt: skip
         self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=dtype))
+        self.col_span, self.row_span = (0, self.cols), (0, cfg.num_embeddings[layer_index])
+        self.shards = {}
+        if tp.size > 1:  # the table rows of this rank's hash columns
+            c0, c1, _ = tp.padded_span(self.cols)
+            bounds = _column_bounds(cfg, layer_index)
+            self.col_span, self.row_span = (c0, c1), (bounds[c0], bounds[c1])
+            self.shards = {f"embed.{n}": (0, *self.row_span) for n in ("weight", "scale")}
         self.embed = table  # checkpoint name: layers.{i}.engram.embed.{weight,scale}
 
     def load_wkv(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
@@ -99,8 +122,12 @@ class Engram(nn.Module):
             self.wkv.weight.copy_(weight)
 
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of this rank's hash columns (all of them without tensor parallelism)."""
         if self.embed is None:
             raise RuntimeError(f"Engram of layer {self.layer_id} has no table")
+        c0, c1 = self.col_span
+        if (c0, c1) != (0, self.cols):
+            hash_ids = hash_ids[:, c0:c1].contiguous()
         return self.embed.lookup(hash_ids)
 
     def forward(
@@ -115,5 +142,6 @@ class Engram(nn.Module):
         if hash_ids is None:
             raise RuntimeError(f"Engram of layer {self.layer_id} got no hash ids")
         rows = self.lookup(hash_ids) if rows is None else rows
+        rows = self.tp.gather(rows, self.cols * self.head_dim)
         kv = self.wkv(rows.to(self.wkv.weight.dtype))
         return engram_gate(x, kv, self.q_weight, self.k_weight, self.eps, dead)

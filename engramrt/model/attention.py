@@ -19,18 +19,45 @@ from engramrt.config import ModelConfig
 from engramrt.kernels import use_triton
 from engramrt.model.context import ForwardContext
 from engramrt.model.layers import StackedLinear, apply_rope
+from engramrt.parallel.tensor import SINGLE, TensorParallel
+
+
+def kv_head_span(kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
+    """The KV heads a rank holds: its share when they divide among the ranks, else the one
+    its query heads read (replicated on ``tp.size / kv_heads`` ranks, as vLLM does)."""
+    if kv_heads % tp.size == 0:
+        return tp.span(kv_heads, "num_key_value_heads")
+    if tp.size % kv_heads:
+        raise ValueError(
+            f"--tensor-parallel-size {tp.size} must divide num_key_value_heads ({kv_heads}) "
+            "or be a multiple of it"
+        )
+    head = tp.rank // (tp.size // kv_heads)
+    return head, head + 1
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
+    """With tensor parallelism a rank holds its query heads and their KV heads (``shards``:
+    the checkpoint rows and columns it reads); its output projection's partial sums are
+    all-reduced."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ):
         super().__init__()
-        self.layer_id = layer_id
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.layer_id, self.tp = layer_id, tp
+        q0, q1 = tp.span(cfg.num_heads, "num_attention_heads")
+        k0, k1 = kv_head_span(cfg.num_kv_heads, tp)
+        self.heads, self.kv_heads, self.head_dim = q1 - q0, k1 - k0, cfg.head_dim
         self.theta = cfg.rope_theta
-        d, q_dim = cfg.hidden_size, self.heads * self.head_dim
-        kv_dim = self.kv_heads * self.head_dim
+        d, hd = cfg.hidden_size, cfg.head_dim
+        q_dim, kv_dim = self.heads * hd, self.kv_heads * hd
         self.wqkv = StackedLinear(self, "wqkv", d, {"wq": q_dim, "wk": kv_dim, "wv": kv_dim}, dtype)
         self.wo = nn.Linear(q_dim, d, bias=False, dtype=dtype)
+        self.shards = {} if tp.size == 1 else {
+            "wq.weight": (0, q0 * hd, q1 * hd), "wk.weight": (0, k0 * hd, k1 * hd),
+            "wv.weight": (0, k0 * hd, k1 * hd), "wo.weight": (1, q0 * hd, q1 * hd),
+        }  # fmt: skip
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.wqkv(x)
@@ -44,7 +71,7 @@ class Attention(nn.Module):
             q = apply_rope(q.view(t, self.heads, hd), cos, sin)
             k = apply_rope(k.view(t, self.kv_heads, hd), cos, sin)
             out = _torch_attention(q, k, v.view(t, self.kv_heads, hd), k_cache, v_cache, ctx)
-        return self.wo(out.flatten(1))
+        return self.tp.all_reduce(self.wo(out.flatten(1)))
 
 
 def _triton_attention(qkv, cos, sin, k_cache, v_cache, ctx: ForwardContext, heads: int):

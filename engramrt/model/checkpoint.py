@@ -27,6 +27,7 @@ from engramrt.engram.host_memory import HostMapping, mapping_bytes
 from engramrt.engram.module import dequantize_blocks
 from engramrt.engram.table import EngramTable
 from engramrt.model.decoder import EngramMHCModel
+from engramrt.parallel.tensor import SINGLE, TensorParallel
 
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -110,11 +111,13 @@ def load_model(
     device: torch.device | str = "cpu",
     layer_ids: list[int] | None = None,
     table_memory: str = "device",
+    tp: TensorParallel = SINGLE,
 ) -> EngramMHCModel:
     """Build the model (or the ``layer_ids`` of one pipeline stage) and load its weights.
     ``table_memory="host"``: the Engram tables are streamed from the shards into one host
     mapping (``engramrt.engram.host_memory``, registered with CUDA when ``device`` is a GPU)
-    and stay there; the rest goes to ``device``."""
+    and stay there; the rest goes to ``device``. ``tp``: this rank reads only its slices of
+    the sharded tensors (``EngramMHCModel.checkpoint_slices``), so its peak is its share."""
     if table_memory not in ("device", "host"):
         raise ValueError(f"table memory must be 'device' or 'host', got {table_memory!r}")
     model_dir = Path(model_dir)
@@ -125,9 +128,11 @@ def load_model(
             raise CheckpointError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
         dtype = DTYPES[name]
     with torch.device("meta"):
-        model = EngramMHCModel(cfg, dtype, layer_ids)
-        full = EngramMHCModel(cfg, dtype) if layer_ids is not None else model
-    expected = {k: list(v.shape) for k, v in model.state_dict().items()}
+        model = EngramMHCModel(cfg, dtype, layer_ids, tp)
+        whole = EngramMHCModel(cfg, dtype, layer_ids) if tp.size > 1 else model  # as stored
+        full = EngramMHCModel(cfg, dtype) if layer_ids is not None else whole
+    expected = {k: list(v.shape) for k, v in whole.state_dict().items()}
+    slices = model.checkpoint_slices()
     known = set(full.state_dict()) | _optional_scales(full)  # other stages' tensors are skipped
     where = _files(model_dir)
     shapes = _shapes(where)
@@ -153,12 +158,12 @@ def load_model(
     if table_memory == "host":
         tables = [n for n in names if ".engram.embed." in n]
         register = torch.device(device).type == "cuda"
-        state, host = _stream_to_host(where, tables, dtype, register)
+        state, host = _stream_to_host(where, tables, dtype, register, slices)
         names = [n for n in names if n not in state]
     else:
         state = {}
-    state.update(_read(where, names, model_dir))
-    _install_engram(model, state, dtype, host)
+    state.update(_read(where, names, model_dir, slices))
+    _install_engram(model, state, dtype, host, slices)
     for name, t in state.items():
         if not t.is_floating_point() or t.element_size() == 1:
             raise CheckpointError(
@@ -173,7 +178,11 @@ def load_model(
     return model.to(device).eval().requires_grad_(False)  # inference only: no autograd state
 
 
-def _read(where: dict[str, Path], names: list[str], model_dir: Path) -> dict[str, torch.Tensor]:
+Slices = dict[str, tuple[int, int, int]]  # tensor -> (dim, lo, hi) a rank reads
+
+
+def _read(where: dict[str, Path], names: list[str], model_dir: Path,
+          slices: Slices) -> dict[str, torch.Tensor]:  # fmt: skip
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(where[name], []).append(name)
@@ -184,42 +193,53 @@ def _read(where: dict[str, Path], names: list[str], model_dir: Path) -> dict[str
         for f, group in by_file.items():
             with _opened(f) as st:
                 for name in group:
-                    state[name] = st.get_tensor(name)
+                    if name in slices:
+                        dim, lo, hi = slices[name]
+                        state[name] = st.get_slice(name)[(slice(None),) * dim + (slice(lo, hi),)]
+                    else:
+                        state[name] = st.get_tensor(name)
                     bar.update()
     return state
 
 
 def _stream_to_host(
-    where: dict[str, Path], names: list[str], dtype: torch.dtype, register: bool
+    where: dict[str, Path],
+    names: list[str],
+    dtype: torch.dtype,
+    register: bool,
+    slices: Slices | None = None,
 ) -> tuple[dict[str, torch.Tensor], HostMapping]:
     """The tables ``names`` read from their shards into one host mapping: the bytes go from
     the file straight into the mapping (``readinto``, ``CHUNK_BYTES`` at a time, no file
     mapping whose pages would count as resident too), so the peak is the tables alone, not
     twice them. fp8 rows and e8m0 scales keep their format; plain rows take ``dtype``, as on
-    the device (converted a chunk at a time when stored otherwise)."""
+    the device (converted a chunk at a time when stored otherwise). A tensor-parallel rank
+    reads its rows only (``slices``)."""
     meta = {}
     for name in names:
         with _opened(where[name]) as st:
             part = st.get_slice(name)
             stored = part[0:0].dtype
             target = stored if stored.itemsize == 1 else dtype  # fp8 weight, e8m0 scale
-            meta[name] = (list(part.get_shape()), stored, target)
-    sizes = [math.prod(shape) * target.itemsize for shape, _, target in meta.values()]
+            shape = list(part.get_shape())
+            _, first, end = (slices or {}).get(name, (0, 0, shape[0]))
+            meta[name] = ([end - first, *shape[1:]], stored, target, first)
+    sizes = [math.prod(shape) * target.itemsize for shape, _, target, _ in meta.values()]
     host = HostMapping(mapping_bytes(sizes), register)
     state = {}
     with tqdm(total=sum(sizes), desc="Engram tables to host memory", unit="B",
               unit_scale=True, disable=None) as bar:  # fmt: skip
-        for name, (shape, stored, target) in meta.items():
+        for name, (shape, stored, target, first) in meta.items():
             dst = host.tensor(shape, target)
             if stored == target:
-                _read_into(where[name], name, dst, bar)
+                _read_into(where[name], name, dst, bar, first)
             else:  # a plain table stored in another dtype: converted by row chunks
                 step = max(1, CHUNK_BYTES // max(1, math.prod(shape[1:]) * stored.itemsize))
                 with _opened(where[name]) as st:
                     part = st.get_slice(name)
                     for lo in range(0, shape[0], step):
                         hi = min(shape[0], lo + step)
-                        dst[lo:hi].copy_(part[lo:hi])
+                        dst[lo:hi].copy_(part[first + lo : first + hi])
                         bar.update((hi - lo) * dst[0].numel() * target.itemsize)
             state[name] = dst
     return state, host
@@ -236,23 +256,27 @@ def _read_exactly(fh, n: int) -> bytes:
     return bytes(out)
 
 
-def _read_into(f: Path, name: str, dst: torch.Tensor, bar: tqdm) -> None:
-    """Tensor ``name``'s bytes from safetensors file ``f`` into ``dst`` (same dtype and size):
-    the format's 8-byte header length, its JSON header, then the data at the header's
-    offsets."""
+def _read_into(f: Path, name: str, dst: torch.Tensor, bar: tqdm, first_row: int = 0) -> None:
+    """Tensor ``name``'s rows ``[first_row, first_row + len(dst))`` from safetensors file ``f``
+    into ``dst`` (same dtype): the format's 8-byte header length, its JSON header, then the
+    data at the header's offsets (rows are contiguous)."""
     with open(f, "rb", buffering=0) as fh:
         try:
             (n,) = struct.unpack("<Q", _read_exactly(fh, 8))
-            lo, hi = json.loads(_read_exactly(fh, n))[name]["data_offsets"]
-        except (struct.error, ValueError, KeyError, TypeError) as exc:
+            entry = json.loads(_read_exactly(fh, n))[name]
+            lo, hi = entry["data_offsets"]
+            rows = entry["shape"][0]
+        except (struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
             raise CheckpointError(f"tensor {name}: unreadable safetensors header in {f}: "
                                   f"{exc!r}") from None  # fmt: skip
         out = dst.view(-1).view(torch.uint8).numpy()
-        if hi - lo != out.nbytes:
+        row_bytes = out.nbytes // max(1, len(dst))
+        if hi - lo != rows * row_bytes or first_row + len(dst) > rows:
             raise CheckpointError(
-                f"tensor {name}: {hi - lo} bytes stored in {f}, its shape and dtype need "
-                f"{out.nbytes}"
+                f"tensor {name}: {hi - lo} bytes in {rows} rows stored in {f}, its shape and "
+                f"dtype need {row_bytes} a row and rows up to {first_row + len(dst)}"
             )
+        lo += first_row * row_bytes
         fh.seek(8 + n + lo)
         view = memoryview(out)
         for at in range(0, out.nbytes, CHUNK_BYTES):
@@ -270,9 +294,11 @@ def _install_engram(
     state: dict[str, torch.Tensor],
     dtype: torch.dtype,
     host: HostMapping | None = None,
+    slices: Slices | None = None,
 ) -> None:
     """Tables keep their stored format (fp8 + e8m0 or plain); fp8 wkv is dequantized once.
-    ``host``: the mapping the tables were streamed into, where they stay."""
+    ``host``: the mapping the tables were streamed into, where they stay; ``slices``: the rows
+    a tensor-parallel rank holds."""
     for i in model.engram_layer_ids:
         engram = model.layers[str(i)].engram
         prefix = f"layers.{i}.engram"
@@ -287,8 +313,9 @@ def _install_engram(
                     f"{prefix}.embed.scale"
                 )
             weight = weight.to(dtype)
+        _, row_start, _ = (slices or {}).get(f"{prefix}.embed.weight", (0, 0, 0))
         try:
-            engram.embed = EngramTable(weight, scale, host=host)
+            engram.embed = EngramTable(weight, scale, row_start, host=host)
         except ValueError as exc:
             named = f"{prefix}.embed.scale" if scale is not None else f"{prefix}.embed.weight"
             raise CheckpointError(f"tensor {named}: {exc}") from exc

@@ -18,6 +18,7 @@ from engramrt.mhc import PreMix, collapse_norm, first_pre, mhc_post, mhc_pre
 from engramrt.model.attention import Attention
 from engramrt.model.context import ForwardContext
 from engramrt.model.layers import MLP, MoE, RMSNorm
+from engramrt.parallel.tensor import SINGLE, TensorParallel
 
 
 def _hc_params(cfg: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -31,17 +32,20 @@ def _hc_params(cfg: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Paramet
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ):
         super().__init__()
         self.layer_id = layer_id
         e = cfg.engram
         self.engram: Engram | None = None
         if layer_id in e.layer_ids:
-            index = e.layer_ids.index(layer_id)
-            table = EngramTable(torch.zeros(e.num_embeddings[index], e.head_dim, dtype=dtype))
-            self.engram = Engram(e, index, table, dtype=dtype)
+            self.engram = Engram(e, e.layer_ids.index(layer_id), dtype=dtype, tp=tp)
+            lo, hi = self.engram.row_span  # the rows this rank holds, until a checkpoint loads
+            rows = torch.zeros(hi - lo, e.head_dim, dtype=dtype)
+            self.engram.embed = EngramTable(rows, row_start=lo)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, layer_id, dtype)
+        self.attn = Attention(cfg, layer_id, dtype, tp)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.ffn_type == "moe":
             self.ffn: nn.Module = MoE(
@@ -52,9 +56,10 @@ class Block(nn.Module):
                 cfg.n_shared_experts,
                 cfg.norm_topk_prob,
                 dtype,
+                tp,
             )
         else:
-            self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _hc_params(cfg)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_params(cfg)
         self.hc, self.iters, self.hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
@@ -101,27 +106,46 @@ class Block(nn.Module):
 
 class EngramMHCModel(nn.Module):
     """Holds layers ``layer_ids`` (all by default); the embedding and the head live only where
-    the first and the last layer do, which is what a pipeline stage needs."""
+    the first and the last layer do, which is what a pipeline stage needs. ``tp``: this rank's
+    place in its stage's tensor-parallel group; it holds a slice of the vocabulary (embedding
+    rows and head rows) and of each layer (their ``shards``)."""
 
     def __init__(
         self,
         cfg: ModelConfig,
         dtype: torch.dtype = torch.bfloat16,
         layer_ids: list[int] | None = None,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.tp = cfg, dtype, tp
         ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         self.layer_ids = ids
-        self.embed = (
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if 0 in ids else None
-        )
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i, dtype) for i in ids})
-        last = cfg.num_layers - 1 in ids
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else None
-        self.head = (
-            nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype) if last else None
-        )
+        v0, v1, _ = tp.padded_span(cfg.vocab_size)
+        self.vocab_start = v0
+        d, last = cfg.hidden_size, cfg.num_layers - 1 in ids
+        self.embed = nn.Embedding(v1 - v0, d, dtype=dtype) if 0 in ids else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, dtype, tp) for i in ids})
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if last else None
+        self.head = nn.Linear(d, v1 - v0, bias=False, dtype=dtype) if last else None
+        self.shards = {}
+        if tp.size > 1:
+            self.shards = {f"{n}.weight": (0, v0, v1) for n in ("embed", "head")
+                           if getattr(self, n) is not None}  # fmt: skip
+
+    def checkpoint_slices(self) -> dict[str, tuple[int, int, int]]:
+        """Checkpoint tensor -> ``(dim, lo, hi)``: the slice of it this rank holds (tensors not
+        named are whole)."""
+        out = {}
+        for prefix, module in self.named_modules():
+            for name, where in getattr(module, "shards", {}).items():
+                out[f"{prefix}.{name}" if prefix else name] = where
+        return out
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads per layer on this rank: its KV cache's width."""
+        return next(iter(self.layers.values())).attn.kv_heads
 
     @property
     def engram_layer_ids(self) -> list[int]:
@@ -137,8 +161,16 @@ class EngramMHCModel(nn.Module):
             block.engram_enabled = False
 
     def embed_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stream ``[T, hc, D]`` (the embedding in every copy) and the first pre-mix."""
-        x = self.embed(tokens)
+        """The stream ``[T, hc, D]`` (the embedding in every copy) and the first pre-mix. Under
+        tensor parallelism each rank embeds the tokens of its vocabulary slice and -0.0 for the
+        others (the additive identity), so the all-reduce rebuilds each row bit for bit."""
+        if self.tp.size == 1:
+            x = self.embed(tokens)
+        else:
+            local = tokens - self.vocab_start
+            owned = (local >= 0) & (local < self.embed.num_embeddings)
+            x = self.embed(torch.where(owned, local, 0)).masked_fill(~owned[:, None], -0.0)
+            x = self.tp.all_reduce(x)
         hc = self.cfg.hc_mult
         return x[:, None, :].expand(-1, hc, -1).contiguous(), first_pre(len(tokens), hc, x.device)
 
@@ -159,7 +191,7 @@ class EngramMHCModel(nn.Module):
     def logits(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Collapse with the last FFN pre-mix, normalise, project; fp32 logits."""
         y = collapse_norm(x, pre, self.norm.weight, self.norm.eps)
-        return head_logits(y, self.head.weight)
+        return self.tp.gather(head_logits(y, self.head.weight), self.cfg.vocab_size)
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, pre = self.embed_tokens(tokens)

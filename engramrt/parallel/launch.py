@@ -1,6 +1,8 @@
-"""Start the pipeline stages: under torchrun this process is one rank (torch's environment
-variables say which); otherwise it spawns one process per stage on this machine. A stage that
-fails takes the others down with it instead of leaving them waiting."""
+"""Start the ranks: ``pp_size`` pipeline stages of ``tp_size`` tensor-parallel ranks each
+(rank = stage * tp_size + tp_rank). Under torchrun this process is one rank (torch's
+environment variables say which); otherwise it spawns one process per rank on this machine. A
+rank that fails takes the others down with it instead of leaving them waiting. The worker is
+called with its stage and the number of stages; ``tensor.current()`` says its TP place."""
 
 from __future__ import annotations
 
@@ -17,17 +19,24 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engramrt.parallel import tensor
+
 Worker = Callable[..., None]  # worker(rank, world, *args)
 
 
 @dataclass
 class DistConfig:
     pp_size: int = 1
+    tp_size: int = 1
     device: str = "cpu"
     backend: str | None = None  # default: nccl on cuda, gloo on cpu
     master_addr: str | None = None  # default: $MASTER_ADDR or 127.0.0.1
     master_port: int | None = None  # default: $MASTER_PORT or a free port
     timeout_s: float = 600.0
+
+    @property
+    def world(self) -> int:
+        return self.pp_size * self.tp_size
 
     @property
     def resolved_backend(self) -> str:
@@ -52,24 +61,28 @@ def free_port() -> int:
 
 
 def launch(cfg: DistConfig, worker: Worker, *args) -> None:
-    """Run ``worker(rank, world, *args)`` on every stage."""
+    """Run ``worker(stage, stages, *args)`` on every rank."""
+    if cfg.pp_size < 1 or cfg.tp_size < 1:
+        raise ValueError("--pipeline-parallel-size and --tensor-parallel-size must be >= 1")
     if cfg.device == "cuda":
         gpus = torch.cuda.device_count()
         if gpus == 0:
             raise ValueError("--device cuda, but no CUDA device is available")
-        if cfg.resolved_backend == "nccl" and not under_torchrun() and cfg.pp_size > gpus:
+        if cfg.resolved_backend == "nccl" and not under_torchrun() and cfg.world > gpus:
             raise ValueError(
-                f"{cfg.pp_size} NCCL stages need {cfg.pp_size} GPUs, this machine has {gpus} "
-                "(--distributed-backend gloo runs several stages on one GPU)"
+                f"{cfg.world} NCCL ranks (PP {cfg.pp_size} x TP {cfg.tp_size}) need {cfg.world} "
+                f"GPUs, this machine has {gpus} (--distributed-backend gloo runs several ranks "
+                "on one GPU)"
             )
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
-        if world != cfg.pp_size:
+        if world != cfg.world:
             raise ValueError(
-                f"torchrun started {world} processes but --pipeline-parallel-size is {cfg.pp_size}"
+                f"torchrun started {world} processes but --pipeline-parallel-size x "
+                f"--tensor-parallel-size is {cfg.pp_size} x {cfg.tp_size} = {cfg.world}"
             )
         _run(int(os.environ["RANK"]), cfg, worker, args)
-    elif cfg.pp_size == 1:
+    elif cfg.world == 1:
         worker(0, 1, *args)
     else:
         addr = cfg.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -77,7 +90,7 @@ def launch(cfg: DistConfig, worker: Worker, *args) -> None:
         ctx = mp.start_processes(
             _spawned,
             args=(cfg, addr, port, worker, args),
-            nprocs=cfg.pp_size,
+            nprocs=cfg.world,
             start_method="spawn",
             join=False,
         )
@@ -124,14 +137,14 @@ def _spawned(rank: int, cfg: DistConfig, addr: str, port: int, worker: Worker, a
         MASTER_ADDR=addr,
         MASTER_PORT=str(port),
         RANK=str(rank),
-        WORLD_SIZE=str(cfg.pp_size),
+        WORLD_SIZE=str(cfg.world),
         LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(cfg.pp_size),
+        LOCAL_WORLD_SIZE=str(cfg.world),
     )
     try:
         _run(rank, cfg, worker, args)
-    except ValueError as exc:  # bad input: one line, not a traceback from every stage
-        print(f"engramrt: error on stage {rank}: {exc}", file=sys.stderr, flush=True)
+    except ValueError as exc:  # bad input: one line, not a traceback from every rank
+        print(f"engramrt: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
@@ -141,11 +154,13 @@ def _run(rank: int, cfg: DistConfig, worker: Worker, args) -> None:
     dist.init_process_group(
         cfg.resolved_backend,
         rank=rank,
-        world_size=cfg.pp_size,
+        world_size=cfg.world,
         timeout=timedelta(seconds=cfg.timeout_s),
     )
     try:
-        worker(rank, cfg.pp_size, *args)
-        dist.barrier()  # no stage tears its connections down while another still uses them
+        tensor.join(rank, cfg.world, cfg.tp_size)
+        worker(rank // cfg.tp_size, cfg.pp_size, *args)
+        dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
+        tensor.reset()
         dist.destroy_process_group()

@@ -7,6 +7,10 @@ messages and the same code runs in one process. What each stage computes is its
 ``StageRunner``'s business; history rebuilds stay on rank 0, the history's one owner.
 
 Tensors travel as raw bytes, so the hand-off is bit-exact whatever the dtype or backend.
+
+With tensor parallelism a stage is a group of ranks; its leader (TP rank 0) is the stage above,
+and it broadcasts each step (the same message, plus the tokens on the first stage) to its
+followers, which run the same step on their slices; only the leader samples.
 """
 
 from __future__ import annotations
@@ -62,18 +66,30 @@ def decode_batch(v: list[int]) -> StepBatch:
 
 
 class Pipeline:
+    """``rank`` and ``world``: this process's stage and the number of stages."""
+
     def __init__(self, runner: StageRunner, rank: int = 0, world: int = 1):
         self.runner, self.rank, self.world = runner, rank, world
         self.vocab = runner.model.cfg.vocab_size
+        self.tp = runner.model.tp
 
     @property
     def is_last(self) -> bool:
         return self.rank == self.world - 1
 
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 of the whole job: the first stage's leader, where the engine runs."""
+        return self.rank == 0 and self.tp.rank == 0
+
+    def _peer(self, stage: int) -> int:
+        """The global rank of ``stage``'s leader."""
+        return stage * self.tp.size
+
     # --- the driver (rank 0) -------------------------------------------------------------
 
     def step(self, batch: StepBatch) -> StepResult:
-        if self.rank != 0:
+        if not self.is_driver:
             raise RuntimeError("only rank 0 drives the pipeline")
         result = self._stage(batch)  # the first stage's runner checks the batch
         return result if result is not None else self._recv_result(batch)
@@ -81,46 +97,109 @@ class Pipeline:
     @property
     def can_overlap(self) -> bool:
         """Whether a step's tokens may stay on the device for the next one (``launch``, and
-        ``PENDING`` tokens): only with one stage, which samples where it hashes."""
-        return self.world == 1 and self.runner.last_token is not None
+        ``PENDING`` tokens): only with one stage of one rank, which samples where it hashes."""
+        return self.world == 1 and self.tp.size == 1 and self.runner.last_token is not None
 
     def launch(self, batch: StepBatch) -> PendingResult:
         """``step`` without waiting for the sampled tokens where the pipeline has one stage;
         with several, the step's messages make it synchronous (overlap scheduling is off)."""
-        if self.world == 1:
+        if self.world == 1 and self.tp.size == 1:
             return self.runner.launch(batch)
         return PendingResult.ready(self.step(batch))
 
     def stop(self) -> None:
-        """Release the other stages (their ``serve`` returns)."""
-        if self.rank == 0 and self.world > 1:
+        """Release the other ranks (their ``serve`` returns)."""
+        if self.is_driver:
+            self._release()
+
+    def _release(self) -> None:
+        """A stop message down the pipeline, and to this stage's TP followers."""
+        if not self.is_last:
             self._send_header(_STOP, 0)
+        if self.tp.size > 1:
+            self._share(_STOP)
 
     # --- every other rank ----------------------------------------------------------------
 
     def serve(self) -> None:
+        if self.tp.rank != 0:
+            self._follow()
+            return
         while True:
             kind, n = self._recv_header()
             if kind == _STOP:
-                if not self.is_last:
-                    self._send_header(_STOP, 0)
+                self._release()
                 return
             self._stage(self._recv_batch(n))
+
+    def _follow(self) -> None:
+        """A TP follower: the leader's steps on this rank's slices, until it says stop."""
+        while True:
+            kind, n = self._bcast((2,), torch.int64).tolist()
+            if kind == _STOP:
+                return
+            batch = self._bcast_batch(n)
+            carry = None
+            if self.rank == 0:
+                batch.tokens = self._bcast((batch.num_tokens,), torch.int64).tolist()
+            else:
+                like = Carry.empty(self.runner.model, batch.num_tokens)
+                carry = Carry(*(self._bcast(t.shape, t.dtype) for t in like.tensors()))
+            self.runner.step(batch, carry, last_only=not batch.full_logits)
 
     # --- one stage of one step -----------------------------------------------------------
 
     def _stage(self, batch: StepBatch) -> StepResult | None:
         carry = None if self.rank == 0 else self._recv_carry(batch.num_tokens)
+        if self.tp.size > 1:
+            self._share(_STEP, batch, carry)
         out = self.runner.run(batch, carry)
         if not self.is_last:
             self._send_batch(batch)
             for t in out.tensors():
-                self._send(t, self.rank + 1)
+                self._send(t, self._peer(self.rank + 1))
             return None
         if self.rank != 0:
             self._send_result(out)
             return None
         return out
+
+    # --- the stage's TP group --------------------------------------------------------------
+
+    def _bcast(self, shape, dtype: torch.dtype, value: torch.Tensor | None = None):
+        """The leader's ``value`` (raw bytes, on the stage's device) on every rank of the
+        group."""
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        if value is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.runner.device)
+        else:
+            buf = value.contiguous().view(torch.uint8).flatten().to(self.runner.device)
+        return self.tp.broadcast(buf).view(dtype).view(shape)
+
+    def _share(self, kind: int, batch: StepBatch | None = None, carry: Carry | None = None):
+        """The leader's half of ``_follow``."""
+        if kind == _STOP:
+            self._bcast((2,), torch.int64, torch.tensor([_STOP, 0]))
+            return
+        body, rows = encode_batch(batch), batch.rows()
+        self._bcast((2,), torch.int64, torch.tensor([_STEP, len(body)]))
+        self._bcast((len(body),), torch.int64, torch.tensor(body))
+        self._bcast((len(rows), 5), torch.int64, torch.tensor([r.ints() for r in rows]))
+        self._bcast((len(rows), 3), torch.float64, torch.tensor([r.floats() for r in rows],
+                                                                dtype=torch.float64))  # fmt: skip
+        if carry is None:
+            self._bcast((batch.num_tokens,), torch.int64, torch.tensor(batch.tokens))
+        else:
+            for t in carry.tensors():
+                self._bcast(t.shape, t.dtype, t)
+
+    def _bcast_batch(self, n: int) -> StepBatch:
+        batch = decode_batch(self._bcast((n,), torch.int64).tolist())
+        b = len(batch.slots)
+        ints = self._bcast((b, 5), torch.int64).tolist()
+        floats = self._bcast((b, 3), torch.float64).tolist()
+        batch.sampling = [SampleRow.from_parts(f, i) for f, i in zip(floats, ints, strict=True)]
+        return batch
 
     # --- messages ------------------------------------------------------------------------
 
@@ -144,21 +223,21 @@ class Pipeline:
         self._send(torch.tensor(values, dtype=dtype), dst)
 
     def _send_header(self, kind: int, n: int) -> None:
-        self._send_values([kind, n], torch.int64, self.rank + 1)
+        self._send_values([kind, n], torch.int64, self._peer(self.rank + 1))
 
     def _recv_header(self) -> tuple[int, int]:
-        kind, n = self._recv((2,), torch.int64, self.rank - 1).tolist()
+        kind, n = self._recv((2,), torch.int64, self._peer(self.rank - 1)).tolist()
         return kind, n
 
     def _send_batch(self, batch: StepBatch) -> None:
-        body, rows, dst = encode_batch(batch), batch.rows(), self.rank + 1
+        body, rows, dst = encode_batch(batch), batch.rows(), self._peer(self.rank + 1)
         self._send_header(_STEP, len(body))
         self._send_values(body, torch.int64, dst)
         self._send_values([r.ints() for r in rows], torch.int64, dst)
         self._send_values([r.floats() for r in rows], torch.float64, dst)
 
     def _recv_batch(self, n: int) -> StepBatch:
-        src = self.rank - 1
+        src = self._peer(self.rank - 1)
         batch = decode_batch(self._recv((n,), torch.int64, src).tolist())
         b = len(batch.slots)
         ints = self._recv((b, 5), torch.int64, src).tolist()
@@ -167,7 +246,7 @@ class Pipeline:
         return batch
 
     def _recv_carry(self, t: int) -> Carry:
-        src, like = self.rank - 1, Carry.empty(self.runner.model, 0)
+        src, like = self._peer(self.rank - 1), Carry.empty(self.runner.model, 0)
         return Carry(*(self._recv((t, *x.shape[1:]), x.dtype, src) for x in like.tensors()))
 
     def _send_result(self, result: StepResult) -> None:
@@ -185,7 +264,7 @@ class Pipeline:
             self._send(result.logits.float(), 0)
 
     def _recv_result(self, batch: StepBatch) -> StepResult:
-        last, b, t = self.world - 1, len(batch.run_lens), batch.num_tokens
+        last, b, t = self._peer(self.world - 1), len(batch.run_lens), batch.num_tokens
 
         def recv(shape, dtype):
             return self._recv(shape, dtype, last).tolist()

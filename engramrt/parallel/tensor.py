@@ -105,3 +105,8 @@ def join(rank: int, world: int, tp_size: int) -> TensorParallel:
             mine = TensorParallel(rank - first, tp_size, group, first)
     _current = mine
     return mine
+
+
+def reset() -> None:
+    global _current
+    _current = SINGLE

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tokenizers import Tokenizer
 
 from engramrt.engram import load_hasher, load_tokenizer, prefetch
@@ -27,6 +28,8 @@ from engramrt.model.checkpoint import engram_table_bytes, load_model
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.model.trace import Tracer
+from engramrt.parallel import tensor
+from engramrt.parallel.tensor import TensorParallel
 from engramrt.runner.batch import PENDING, PendingResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
 from engramrt.runner.graphs import StepGraphs
@@ -53,7 +56,7 @@ def new_kv_cache(
     if num_blocks is None:
         num_blocks = num_slots * -(-max_len // block_size)
     device = next(model.parameters()).device
-    return KVCache(model.layer_ids, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+    return KVCache(model.layer_ids, num_blocks, block_size, model.kv_heads, cfg.head_dim,
                    model.dtype, device, max_len, num_slots)  # fmt: skip
 
 
@@ -100,15 +103,19 @@ class StageRunner:
         num_blocks: int | None = None,
         seed: int = 0,
         table_memory: str = "device",
+        tp: TensorParallel | None = None,
     ) -> StageRunner:
         """``num_blocks=0`` loads without a KV cache (``allocate_kv`` gives it one later).
         ``table_memory``: where the Engram tables live (``auto``, ``device``, ``host``;
-        ``engramrt.engram.host_memory``); said in a log line when the stage has any."""
+        ``engramrt.engram.host_memory``); said in a log line when the stage has any. ``tp``:
+        this rank's slice of its stage (default: this process's place, ``tensor.current``);
+        only the leader of the first stage hashes."""
+        tp = tp or tensor.current()
         placement = table_memory
         if table_memory == "auto":
-            size = engram_table_bytes(model_dir, layer_ids)
+            size = engram_table_bytes(model_dir, layer_ids) // tp.size
             placement = choose_placement(table_memory, size, device)
-        model = load_model(model_dir, dtype, device, layer_ids, placement)
+        model = load_model(model_dir, dtype, device, layer_ids, placement, tp)
         tables = [model.layers[str(i)].engram.embed for i in model.engram_layer_ids]
         if tables:
             # a log line: stderr, so that what a command prints (generated text, reports)
@@ -118,7 +125,7 @@ class StageRunner:
         if placement == "host" and use_triton(device):
             for table in tables:
                 check_reads(table, device)
-        if model.embed is not None:  # the first stage hashes; the others need the vocab size
+        if model.embed is not None and tp.rank == 0:  # the first stage hashes (its leader)
             hasher, tokenizer = load_hasher(model_dir, num_slots, device)
         else:
             hasher, tokenizer = None, load_tokenizer(model_dir)
@@ -133,7 +140,8 @@ class StageRunner:
 
     @property
     def is_first(self) -> bool:
-        return self.hasher is not None
+        """Takes token ids (embeds them); its TP leader also hashes them."""
+        return self.model.embed is not None
 
     @property
     def is_last(self) -> bool:
@@ -154,6 +162,10 @@ class StageRunner:
             return
         if not use_triton(self.device):  # the torch reference attention is not capturable
             print("engramrt: CUDA graphs need the Triton kernels; decoding eagerly", flush=True)
+            return
+        if self.model.tp.size > 1 and dist.get_backend(self.model.tp.group) != "nccl":
+            print("engramrt: tensor parallelism over gloo cannot be captured in CUDA graphs; "
+                  "decoding eagerly", flush=True)  # fmt: skip
             return
         carry_for = None if self.is_first else (lambda n: Carry.empty(self.model, n, torch.zeros))
         self.graphs = StepGraphs(self.forward, self.kv, self.device, max_batch, max_tokens,
@@ -252,7 +264,7 @@ class StageRunner:
         if self.kv is None:
             raise RuntimeError("this stage has no KV cache (allocate_kv first)")
         if carry is None:
-            if self.hasher is None:
+            if not self.is_first:
                 first = self.model.layer_ids[0]
                 raise RuntimeError(
                     f"the stage starting at layer {first} needs the stream, lagged pre-mix and "
@@ -263,9 +275,10 @@ class StageRunner:
                 raise ValueError(f"the runs need {batch.num_tokens} tokens")
             if self.last_token is not None and PENDING in tokens:  # resolved on the device
                 tokens = [0 if t == PENDING else t for t in tokens]
-            self.hasher.validate(tokens, batch.slots, batch.run_lens)
-            for slot, before in batch.rebuilds:
-                self.hasher.rebuild(slot, before)
+            if self.hasher is not None:  # a TP follower takes the leader's hash ids
+                self.hasher.validate(tokens, batch.slots, batch.run_lens)
+                for slot, before in batch.rebuilds:
+                    self.hasher.rebuild(slot, before)
         if batch.new_blocks is not None:
             self.kv.set_tables(batch.slots, batch.block_starts, batch.new_blocks)
         graphs, shape = self.graphs, None
@@ -295,13 +308,9 @@ class StageRunner:
                 # padding (token 0) is left as it is
                 slot_of = ctx.slot_ids if ctx.decode else ctx.token_slots
                 t = torch.where(t == PENDING, self.last_token[slot_of], t)
-            if ctx.decode:
-                ids = self.hasher.decode(t, ctx.slot_ids, ctx.positions, ctx.num_real, check=False)
-            else:
-                lens = ctx.query_start.diff()
-                ids = self.hasher.extend(t, ctx.slot_ids, lens, ctx.start_pos_t, check=False)
+            ids, dead = self._hash(ctx, t)
             x, pre = self.model.embed_tokens(t)
-            carry = Carry(x, pre, ids, self.hasher.is_dead(t))
+            carry = Carry(x, pre, ids, dead)
         ctx.hash_ids, ctx.dead = carry.hash_ids, carry.dead
         if self.prefetcher is not None:
             self.prefetcher.start(ctx)
@@ -314,6 +323,24 @@ class StageRunner:
                 x, pre = x[ctx.logits_rows], pre[ctx.logits_rows]
             return self.model.logits(x, pre)
         return Carry(x, pre, carry.hash_ids, carry.dead)
+
+    def _hash(self, ctx: ForwardContext, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's hash ids and image-token mask: computed by the one hasher (the first
+        stage's TP leader, which owns the history) and broadcast to its TP followers."""
+        tp = self.model.tp
+        if self.hasher is not None:
+            if ctx.decode:
+                ids = self.hasher.decode(t, ctx.slot_ids, ctx.positions, ctx.num_real, check=False)
+            else:
+                lens = ctx.query_start.diff()
+                ids = self.hasher.extend(t, ctx.slot_ids, lens, ctx.start_pos_t, check=False)
+            dead = self.hasher.is_dead(t)
+            if tp.size == 1:
+                return ids, dead
+        else:
+            like = Carry.empty(self.model, len(t))
+            ids, dead = like.hash_ids, like.dead
+        return tp.broadcast(ids), tp.broadcast(dead.to(torch.uint8)).bool()
 
 
 def warm_up_plan(max_tokens: int, slots: int, max_len: int) -> list[list[int]]:
