@@ -1,5 +1,6 @@
-"""Run as one rank of a 2-stage pipeline (torch environment variables set by the test); rank 1
-dies abruptly after its first step, as a crashed stage would."""
+"""Run as one rank of a 2-stage pipeline, or with ``tp`` of one stage of 2 TP ranks (torch
+environment variables set by the test); rank 1 dies abruptly after its first step, as a crashed
+stage or rank would."""
 
 from __future__ import annotations
 
@@ -15,8 +16,18 @@ from engramrt.runner.stage import StageRunner
 
 
 def worker(rank: int, world: int) -> None:
-    runner = StageRunner.load(resolve_model_dir(None), layer_ids=stage_layers([2, 2], rank))
+    parts = [2, 2] if world == 2 else [4]
+    runner = StageRunner.load(resolve_model_dir(None), layer_ids=stage_layers(parts, rank))
     pipe = Pipeline(runner, rank, world)
+    if pipe.tp.rank == 1:  # a TP follower: one step of the leader's, then gone
+        step = runner.step
+
+        def once(*args, **kw):
+            step(*args, **kw)
+            os._exit(3)
+
+        runner.step = once
+        pipe.serve()
     if rank == 1:
         pipe._stage(pipe._recv_batch(pipe._recv_header()[1]))
         os._exit(3)
@@ -25,4 +36,6 @@ def worker(rank: int, world: int) -> None:
 
 
 if __name__ == "__main__":
-    launch(DistConfig(pp_size=2, timeout_s=float(sys.argv[1])), worker)
+    tp = sys.argv[2:] == ["tp"]
+    launch(DistConfig(pp_size=1 if tp else 2, tp_size=2 if tp else 1,
+                      timeout_s=float(sys.argv[1])), worker)  # fmt: skip

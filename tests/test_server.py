@@ -1327,6 +1327,20 @@ def test_pp2_matches_pp1(server: str) -> None:
         wait_idle(pp)
 
 
+def test_tp2_matches_tp1_and_frees_its_blocks(fp32_server: str) -> None:
+    """Two TP ranks (gloo, fp32): the greedy texts of one process, one at a time and batched;
+    a request whose client gives up is aborted, and afterwards no KV block is held."""
+    expected = [greedy(fp32_server, p, 12) for p in PROMPTS]
+    with running_server("-tp", "2", "--max-model-len", str(MAX_LEN), *FP32) as tp:
+        assert [greedy(tp, p, 12) for p in PROMPTS] == expected
+        both = complete(tp, prompt=PROMPTS, max_tokens=12, temperature=0)
+        assert [ch["text"] for ch in both["choices"]] == expected
+        body = {"prompt": PROMPTS[0], "max_tokens": MAX_LEN // 2, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{tp}/v1/completions", json=body, timeout=0.5)
+        wait_idle(tp, timeout=10)
+
+
 # --- batch invariance ----------------------------------------------------------------------------
 
 # 16 prompts of 4 .. ~45 tokens (at most 14 blocks of 4 with the 12 generated tokens)

@@ -1,0 +1,145 @@
+"""Tensor parallelism: every rank's slices put back together are the unsharded model (the
+Engram rows bit for bit); TP = 2 and TP = 2 x PP = 2 over gloo give the greedy tokens of one
+process and logits within 1e-5 of the largest (``check-pp``, whose reference is one process
+without TP); a rank that dies takes the others down; a TP server frees its KV blocks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engramrt.bundled import resolve_model_dir
+from engramrt.commands.check_pp import CheckOptions, check_pp
+from engramrt.engram.layout import EngramLayout
+from engramrt.engram.module import Engram
+from engramrt.engram.table import EngramTable
+from engramrt.model.checkpoint import load_model
+from engramrt.parallel.launch import DistConfig, free_port
+from engramrt.parallel.tensor import TensorParallel
+from tests.model_factory import make_model, save_model
+
+PROMPTS = ["The capital of Bribrinu is", "12 + 7 =", "x"]
+MOE = {"ffn_type": "moe", "n_routed_experts": 4, "num_experts_per_tok": 2,
+       "n_shared_experts": 1, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+       "engram_layer_ids": [0, 1]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model, raw = make_model(seed=9, fp8_tables=True, **MOE)
+    return save_model(model, raw, tmp_path_factory.mktemp("moe"))
+
+
+def _ranks(model_dir: Path, size: int, **kw):
+    return [load_model(model_dir, torch.float32, tp=TensorParallel(r, size), **kw)
+            for r in range(size)]  # fmt: skip
+
+
+# --- the slices (in process: loading needs no process group) ---------------------------------
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("which", ["default", "moe"])
+def test_rank_slices_reassemble_the_model(which: str, size: int, moe_dir: Path) -> None:
+    """Every checkpoint tensor is whole on each rank or split along its shard dimension, the
+    ranks' parts in order (a KV head replicated below ``size`` heads: its copies equal); each
+    rank reads only its slices of the file."""
+    model_dir = resolve_model_dir(None) if which == "default" else moe_dir
+    full = load_model(model_dir, torch.float32)
+    ranks = _ranks(model_dir, size)
+    want = full.state_dict()
+    states = [m.state_dict() for m in ranks]
+    slices = [m.checkpoint_slices() for m in ranks]
+    assert slices[0] and all(s.keys() == slices[0].keys() for s in slices)
+    for name, t in want.items():
+        if name not in slices[0]:
+            for s in states:
+                assert torch.equal(s[name].view(torch.uint8), t.view(torch.uint8)), name
+            continue
+        dim = slices[0][name][0]
+        parts = [s[name] for s in states]
+        if len({tuple(sl[name][1:]) for sl in slices}) < size:  # replicated KV heads
+            parts = list({sl[name][1]: p for sl, p in zip(slices, parts, strict=True)}.values())
+        got = torch.cat(parts, dim=dim)
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
+    shard_bytes = [sum(t.numel() * t.element_size() for t in s.values()) for s in states]
+    assert max(shard_bytes) < sum(t.numel() * t.element_size() for t in want.values())
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_sharded_engram_rows_are_the_unsharded_lookup(size: int) -> None:
+    """Each rank looks up its hash columns in its rows only; the padded concatenation of the
+    ranks' rows (what the all-gather builds) is bitwise the unsharded lookup, fp8 included.
+    Sizes that do not divide the 24 columns leave short (or empty) last parts."""
+    full = load_model(resolve_model_dir(None), torch.float32)
+    g = torch.Generator().manual_seed(size)
+    layout = EngramLayout.from_config(full.cfg.engram)
+    for index, i in enumerate(full.engram_layer_ids):
+        engram = full.layers[str(i)].engram
+        bounds = torch.tensor(layout.column_bounds(index))  # random ids in each column's rows
+        lo, hi = bounds[:-1], bounds[1:]
+        ids = lo + (torch.rand(9, engram.cols, generator=g) * (hi - lo)).long()
+        want = engram.lookup(ids)
+        per = -(-engram.cols // size) * engram.head_dim
+        parts, spans = [], []
+        for r in range(size):
+            shard = Engram(full.cfg.engram, index, tp=TensorParallel(r, size))
+            lo, hi = shard.row_span
+            table = engram.embed
+            shard.embed = EngramTable(table.weight[lo:hi], table.scale[lo:hi], row_start=lo)
+            part = shard.lookup(ids)
+            parts.append(torch.nn.functional.pad(part, (0, per - part.shape[-1])))
+            spans.append(shard.row_span)
+        got = torch.cat(parts, dim=-1)[:, : want.shape[-1]]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        assert spans[0][0] == 0 and spans[-1][1] == engram.embed.num_rows
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+
+
+def test_sizes_that_do_not_divide_name_the_rule() -> None:
+    with pytest.raises(ValueError, match=r"tensor-parallel-size 3 must divide num_attention_"):
+        load_model(resolve_model_dir(None), tp=TensorParallel(0, 3))
+
+
+# --- against one process without TP (gloo, fp32) ------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("which", ["default", "moe"])
+def test_tp2_matches_one_process(which: str, stages: int, moe_dir: Path) -> None:
+    """TP = 2 (and TP = 2 x PP = 2, every partition) against TP = 1, PP = 1: greedy tokens
+    identical over a prefill and 6 decode steps, logits within 1e-5 of the largest; every
+    Engram layer ran on its stage."""
+    model_dir = resolve_model_dir(None) if which == "default" else moe_dir
+    report = check_pp(CheckOptions(model_dir, stages=stages, prompts=PROMPTS, decode_steps=6,
+                                   dist=DistConfig(tp_size=2)))  # fmt: skip
+    assert report["tensor_parallel_size"] == 2 and report["partitions"]
+    for row in report["partitions"]:
+        assert row["error"] is None and row["greedy_tokens_identical"] and row["engram_runs_ok"]
+        assert row["max_abs_dlogit"] < 1e-3
+    assert report["ok"]
+
+
+@pytest.mark.slow
+def test_a_dead_tp_rank_ends_the_group_quickly() -> None:
+    """Two TP ranks of one stage started as torchrun would; the follower dies after one step.
+    The leader must exit with an error within seconds, not wait out its 600 s timeout."""
+    script = Path(__file__).with_name("pp_stage_dies.py")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2", "PYTHONPATH": str(Path(__file__).parent.parent)}  # fmt: skip
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen([sys.executable, str(script), "600", "tp"], env={**env, "RANK": str(r),
+                         "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for r in range(2)
+    ]  # fmt: skip
+    codes = [p.wait(timeout=120) for p in procs]
+    assert codes[1] == 3 and codes[0] != 0
+    assert time.monotonic() - start < 60
