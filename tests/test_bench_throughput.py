@@ -8,7 +8,8 @@ import argparse
 import pytest
 
 from engramrt.cli import main
-from engramrt.commands.bench_throughput import _decode_bytes, _engine, add_arguments
+from engramrt.commands.bench_throughput import _decode_bytes, _options, add_arguments
+from engramrt.commands.serve import build_stage
 
 
 def test_throughput_mode(capsys: pytest.CaptureFixture) -> None:
@@ -56,7 +57,8 @@ def test_latency_mode_reports_bandwidth(capsys: pytest.CaptureFixture) -> None:
 def test_decode_bytes_match_a_count_from_the_config() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
-    engine = _engine(p.parse_args(["--device", "cpu", "--num-gpu-blocks-override", "64"]), 64)
+    args = p.parse_args(["--device", "cpu", "--num-gpu-blocks-override", "64"])
+    engine = build_stage(_options(args, 64))[1]
     c = engine.pipeline.runner.model.cfg
     d, e, hc = c.hidden_size, c.engram, c.hc_mult
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -72,3 +74,16 @@ def test_decode_bytes_match_a_count_from_the_config() -> None:
     kv_bytes = batch * context * c.num_layers * 2 * kv * 2
     rows = batch * e.num_layers * e.n_hash_cols * (e.head_dim + e.head_dim // 32)  # fp8 + e8m0
     assert _decode_bytes(engine, batch, context) == bf16 + fp32 + kv_bytes + rows
+
+
+def test_tensor_parallel_ranks_run_the_benchmark() -> None:
+    """With -tp 2 the driver's engine runs the same requests over two ranks (spawned)."""
+    import subprocess
+    import sys
+
+    argv = ["bench", "throughput", "--device", "cpu", "--batch-size", "3", "--input-len", "8",
+            "--output-len", "5", "-tp", "2"]  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "engramrt", *argv], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "PP 1 x TP 2): 3 requests, 24 prompt + 15 generated tokens" in run.stdout

@@ -4,6 +4,8 @@ Throughput mode follows nano-vllm's protocol (256 requests, input and output len
 100-1024, random token ids, EOS ignored) and prints tokens/s. Latency mode (``--batch-size``)
 runs one batch of equal requests and reports decode tokens/s and the memory traffic a decode step
 must cause (every weight once, the batch's KV cache, the Engram rows it gathers) as achieved GB/s.
+With ``-tp``/``-pp`` the engine drives its ranks as ``serve`` does; the bytes are rank 0's (its
+layers, its slices): the traffic per GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from engramrt.engine.request import SamplingParams
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from engramrt.commands.flags import (
+        add_dist_flags,
         add_engram_memory_flags,
         add_memory_flags,
         add_scheduling_flags,
@@ -42,23 +45,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_memory_flags(p)
     add_scheduling_flags(p)
     add_engram_memory_flags(p)
+    add_dist_flags(p)
     p.add_argument("--seed", type=int, default=0)
 
 
-def _engine(args: argparse.Namespace, max_len: int) -> Engine:
+def _options(args: argparse.Namespace, max_len: int):
     import torch
 
     from engramrt.bundled import resolve_model_dir
-    from engramrt.commands.flags import engram_table_memory
-    from engramrt.commands.serve import ServeOptions, build_stage
-    from engramrt.config import load_json, model_config
-    from engramrt.parallel.partition import resolve_partition
+    from engramrt.commands.flags import dist_config, engram_table_memory, layer_partition
+    from engramrt.commands.serve import ServeOptions
 
     model_dir = resolve_model_dir(args.model)
-    layers = model_config(load_json(model_dir)).num_layers
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    opts = ServeOptions(
-        model_dir=model_dir, partition=resolve_partition(layers, 1, None), served_model_name=["x"],
+    return ServeOptions(
+        model_dir=model_dir, partition=layer_partition(args, model_dir), served_model_name=["x"],
         max_model_len=max_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
@@ -66,10 +67,8 @@ def _engine(args: argparse.Namespace, max_len: int) -> Engine:
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         device=device, dtype=args.dtype, seed=args.seed, async_scheduling=args.async_scheduling,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        table_memory=engram_table_memory(args),
+        table_memory=engram_table_memory(args), dist=dist_config(args, device),
     )  # fmt: skip
-    opts.dist.device = device
-    return build_stage(opts)[1]
 
 
 def _run(engine: Engine, prompts: list[list[int]], outputs: list[int]) -> tuple[float, float]:
@@ -89,16 +88,20 @@ def _run(engine: Engine, prompts: list[list[int]], outputs: list[int]) -> tuple[
 def _decode_bytes(engine: Engine, batch: int, context: int) -> int:
     """What one decode step must read: every weight but the Engram tables, the batch's K/V up to
     ``context`` tokens, and the Engram rows of the batch's tokens."""
-    model = engine.pipeline.runner.model
+    model = engine.pipeline.runner.model  # rank 0's layers and slices
     cfg = model.cfg
     weights = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
                   if ".engram.embed." not in n)  # fmt: skip
     kv_item = next(iter(engine.pipeline.runner.kv.k.values())).element_size()
-    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_item
-    e = cfg.engram
-    table = next(iter(model.layers[str(e.layer_ids[0])].engram.embed.buffers()))
-    row = e.head_dim * table.element_size() + (e.head_dim // 32 if table.element_size() == 1 else 0)
-    return weights + kv + batch * e.num_layers * e.n_hash_cols * row
+    kv = batch * context * len(model.layer_ids) * 2 * model.kv_heads * cfg.head_dim * kv_item
+    rows = 0
+    for i in model.engram_layer_ids:
+        engram = model.layers[str(i)].engram
+        table = engram.embed.weight
+        row = engram.head_dim * table.element_size()
+        row += engram.head_dim // 32 if table.element_size() == 1 else 0  # e8m0 scales
+        rows += (engram.col_span[1] - engram.col_span[0]) * row
+    return weights + kv + batch * rows
 
 
 def random_prompts(rng: random.Random, lens: list[int], vocab: int) -> list[list[int]]:
@@ -138,11 +141,28 @@ def run(args: argparse.Namespace) -> int:
         out_lens = [rng.randint(args.min_output_len, args.max_output_len) for _ in range(prompts_n)]
     if min(in_lens + out_lens, default=0) < 1:
         raise ValueError("input and output lengths must be >= 1")
-    engine = _engine(args, max(i + o for i, o in zip(in_lens, out_lens, strict=True)))
-    r = measure(engine, random_prompts(rng, in_lens, engine.vocab_size), out_lens)
-    print(f"engramrt bench throughput ({Path(str(engine.pipeline.runner.device))}): "
-          f"{prompts_n} requests, {r['prompt_tokens']} prompt + {r['output_tokens']} generated "
-          "tokens")  # fmt: skip
+    from engramrt.parallel.launch import launch
+
+    opts = _options(args, max(i + o for i, o in zip(in_lens, out_lens, strict=True)))
+    launch(opts.dist, _worker, opts, args, rng, in_lens, out_lens)
+    return 0
+
+
+def _worker(rank: int, world: int, opts, args, rng, in_lens, out_lens) -> None:
+    from engramrt.commands.serve import build_stage
+
+    pipe, engine = build_stage(opts, rank, world)
+    if engine is None:
+        pipe.serve()
+        return
+    try:
+        r = measure(engine, random_prompts(rng, in_lens, engine.vocab_size), out_lens)
+    finally:
+        pipe.stop()
+    prompts_n = len(in_lens)
+    print(f"engramrt bench throughput ({Path(str(engine.pipeline.runner.device))}, "
+          f"PP {opts.dist.pp_size} x TP {opts.dist.tp_size}): {prompts_n} requests, "
+          f"{r['prompt_tokens']} prompt + {r['output_tokens']} generated tokens")  # fmt: skip
     print(f"Total time (s): {r['total_s']:.2f}")
     print(f"Throughput (requests/s): {prompts_n / r['total_s']:.2f}")
     print(f"Output token throughput (tok/s): {r['output_tok_s']:.2f}")
@@ -153,4 +173,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"Decode step (ms): {r['decode_step_ms']:.3f}")
         print(f"Bytes per decode step (MB): {r['step_bytes'] / 1e6:.2f}")
         print(f"Achieved bandwidth (GB/s): {r['achieved_gb_s']:.2f}")
-    return 0
