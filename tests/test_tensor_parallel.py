@@ -36,7 +36,7 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_model(model, raw, tmp_path_factory.mktemp("moe"))
 
 
-def _ranks(model_dir: Path, size: int, **kw):
+def _ranks(model_dir: Path, size: int, **kw) -> list:
     return [load_model(model_dir, torch.float32, tp=TensorParallel(r, size), **kw)
             for r in range(size)]  # fmt: skip
 
@@ -44,15 +44,24 @@ def _ranks(model_dir: Path, size: int, **kw):
 # --- the slices (in process: loading needs no process group) ---------------------------------
 
 
-@pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("which", ["default", "moe"])
-def test_rank_slices_reassemble_the_model(which: str, size: int, moe_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("which", "size", "tables"),
+    [("default", 2, "device"), ("default", 4, "device"), ("default", 2, "host"),
+     ("moe", 2, "device"), ("moe", 2, "host")],
+)  # fmt: skip
+def test_rank_slices_reassemble_the_model(which: str, size: int, tables: str, moe_dir) -> None:
     """Every checkpoint tensor is whole on each rank or split along its shard dimension, the
     ranks' parts in order (a KV head replicated below ``size`` heads: its copies equal); each
-    rank reads only its slices of the file."""
+    rank reads only its slices of the file, host-memory tables included (its rows only)."""
     model_dir = resolve_model_dir(None) if which == "default" else moe_dir
     full = load_model(model_dir, torch.float32)
-    ranks = _ranks(model_dir, size)
+    ranks = _ranks(model_dir, size, table_memory=tables)
+    if tables == "host":
+        for m in ranks:
+            for i in m.engram_layer_ids:
+                table = m.layers[str(i)].engram.embed
+                lo, hi = m.layers[str(i)].engram.row_span
+                assert table.host is not None and table.num_rows == hi - lo
     want = full.state_dict()
     states = [m.state_dict() for m in ranks]
     slices = [m.checkpoint_slices() for m in ranks]
