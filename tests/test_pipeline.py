@@ -299,17 +299,19 @@ def test_engram_trace_shows_the_stage_entry_engram(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_torchrun_runs_the_same_flags() -> None:
+@pytest.mark.parametrize("flag", ["-pp", "-tp"])
+def test_torchrun_runs_the_same_flags(flag: str) -> None:
+    """Two ranks under torchrun: two stages, or one stage of two TP ranks."""
     torchrun = Path(sys.executable).with_name("torchrun")
     run = subprocess.run(
         [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "engramrt", "generate",
-         "--prompt", "The quick brown fox", "--max-tokens", "5", "-pp", "2", "--device", "cpu"],
+         "--prompt", "The quick brown fox", "--max-tokens", "5", flag, "2", "--device", "cpu",
+         "--dtype", "float32"],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    single = _cli(
-        "generate", "--prompt", "The quick brown fox", "--max-tokens", "5", "--device", "cpu"
-    )
+    single = _cli("generate", "--prompt", "The quick brown fox", "--max-tokens", "5",
+                  "--device", "cpu", "--dtype", "float32")  # fmt: skip
     assert run.stdout == single.stdout
 
 
