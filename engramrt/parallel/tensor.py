@@ -63,12 +63,14 @@ class TensorParallel:
         per = -(-total // self.size)
         if x.shape[-1] < per:
             x = torch.cat([x, x.new_zeros(*x.shape[:-1], per - x.shape[-1])], dim=-1)
-        host = self._host(x)
-        src = x.cpu() if host else x.contiguous()
-        parts = [torch.empty_like(src) for _ in range(self.size)]
-        dist.all_gather(parts, src, group=self.group)
-        out = torch.cat(parts, dim=-1)[..., :total]
-        return out.to(x.device) if host else out
+        if self._host(x) or not x.is_cuda:  # gloo: a list of parts
+            parts = [torch.empty_like(x, device="cpu") for _ in range(self.size)]
+            dist.all_gather(parts, x.cpu(), group=self.group)
+            stacked = torch.stack(parts).to(x.device)
+        else:  # NCCL: the parts stacked in one buffer (one launch, capturable)
+            stacked = x.new_empty(self.size, *x.shape)
+            dist.all_gather_into_tensor(stacked, x.contiguous(), group=self.group)
+        return stacked.movedim(0, -2).flatten(-2)[..., :total]  # [..., size * per] -> total
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """The leader's ``x`` on every rank (``x``: a buffer of the right shape elsewhere)."""
