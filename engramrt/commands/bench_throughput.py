@@ -67,6 +67,7 @@ def _options(args: argparse.Namespace, max_len: int):
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         device=device, dtype=args.dtype, seed=args.seed, async_scheduling=args.async_scheduling,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        speculative_config=args.speculative_config,
         table_memory=engram_table_memory(args), dist=dist_config(args, device),
     )  # fmt: skip
 

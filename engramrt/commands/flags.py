@@ -133,3 +133,8 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
         help="a prompt computes at most this many tokens a step, so the decode rows that share "
         "the step wait less for it (0: up to --max-num-batched-tokens)",
     )  # fmt: skip
+    p.add_argument(
+        "--speculative-config",
+        help='n-gram (prompt-lookup) speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+    )  # fmt: skip

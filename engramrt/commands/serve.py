@@ -27,6 +27,7 @@ from engramrt.commands.flags import (
 )
 from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engine.engine import Engine, EngineConfig
+from engramrt.engine.speculative import SpecConfig
 from engramrt.kernels.compiles import compilations, count_compilations
 from engramrt.parallel.faults import inject_stage_faults
 from engramrt.parallel.launch import DistConfig, launch, stage_device
@@ -64,6 +65,7 @@ class ServeOptions:
     enable_prefix_caching: bool = True
     async_scheduling: bool = False  # overlap scheduling (one stage only)
     long_prefill_token_threshold: int = 0  # a prompt's tokens per step, at most (0: the budget)
+    speculative_config: str | None = None  # --speculative-config (JSON)
     engram: bool = True  # False: every Engram layer skipped on purpose (an ablation)
     table_memory: str = "auto"  # where the Engram tables live (--engram-table-memory)
     disable_uvicorn_access_log: bool = False
@@ -129,6 +131,9 @@ def check(opts: ServeOptions) -> tuple[ModelConfig, int]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if opts.long_prefill_token_threshold < 0:
         raise ValueError("--long-prefill-token-threshold must be >= 0 (0: off)")
+    spec = SpecConfig.parse(opts.speculative_config)  # a bad one: an error before start-up
+    if spec is not None and opts.async_scheduling:
+        raise ValueError("--speculative-config does not combine with --async-scheduling")
     if opts.async_scheduling and len(opts.partition) > 1:
         raise ValueError("--async-scheduling needs one pipeline stage (-pp 1)")
     if opts.shutdown_timeout < 0 or opts.stage_timeout <= 0:
@@ -182,7 +187,7 @@ def build_stage(
     config = EngineConfig(
         max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, blocks,
         opts.enable_prefix_caching, cfg.eos_token_id, cfg.vocab_size, opts.async_scheduling,
-        opts.long_prefill_token_threshold,
+        opts.long_prefill_token_threshold, SpecConfig.parse(opts.speculative_config),
     )  # fmt: skip
     return pipe, Engine(pipe, runner.tokenizer, config)
 
@@ -354,6 +359,7 @@ def run(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        speculative_config=args.speculative_config,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
         enable_log_requests=args.enable_log_requests,
         max_request_bytes=args.max_request_bytes,

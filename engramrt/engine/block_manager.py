@@ -90,6 +90,16 @@ class BlockManager:
         while len(req.blocks) < self.blocks_for(num_tokens):
             req.blocks.append(self._take())
 
+    def shrink(self, req: Request, num_tokens: int) -> None:
+        """Give back the blocks past ``num_tokens`` (a verify step's rejected drafts): fresh
+        blocks, never registered, so they are simply free again."""
+        while len(req.blocks) > max(self.blocks_for(num_tokens), req.num_hashed_blocks):
+            block = req.blocks.pop()
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                self.free[block] = None
+        req.blocks_sent = min(req.blocks_sent, len(req.blocks))
+
     def register(self, req: Request) -> None:
         """Make the request's newly completed full blocks findable by later prompts: those
         whose tokens the host knows (a pending token is not; the K/V of a launched step may still

@@ -26,6 +26,7 @@ from engramrt.engine.detokenize import OutputText
 from engramrt.engine.grammar import Grammars, token_mask
 from engramrt.engine.request import Logprob, Request, SamplingParams, Status
 from engramrt.engine.scheduler import Scheduler
+from engramrt.engine.speculative import SpecConfig, accepted
 from engramrt.runner.batch import PENDING, PendingResult, StepBatch, StepResult
 
 
@@ -45,6 +46,7 @@ class Row:
     start: int  # from this position
     samples: bool  # the run ends at the request's last token: its sample is the next token
     epoch: int  # the request's preemption count at launch (a preempted run's K/V is gone)
+    drafts: list[int] = field(default_factory=list)  # speculative tokens after the anchor
 
 
 @dataclass
@@ -65,6 +67,7 @@ class EngineConfig:
     model_vocab_size: int | None = None  # the embedding's rows; None: the tokenizer's size
     async_scheduling: bool = False  # overlap scheduling: opt-in until measured on a GPU
     long_prefill_token_threshold: int = 0  # a prompt's tokens per step, at most (0: the budget)
+    speculative: SpecConfig | None = None  # n-gram drafts (``engramrt.engine.speculative``)
 
 
 @dataclass
@@ -99,8 +102,9 @@ class Engine:
         self.tokenizer_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.vocab_size = min(self.tokenizer_size, cfg.model_vocab_size or self.tokenizer_size)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        propose = self._propose if cfg.speculative is not None else None
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.long_prefill_token_threshold)  # fmt: skip
+                                   cfg.long_prefill_token_threshold, propose)  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = 0
         can = bool(getattr(pipeline, "can_overlap", False))
@@ -110,6 +114,12 @@ class Engine:
                 "(with pipeline parallelism the engine schedules synchronously)"
             )
         self.overlap = bool(cfg.async_scheduling)
+        if self.overlap and cfg.speculative is not None:
+            raise ValueError("speculative decoding needs the host's tokens each step: it does "
+                             "not combine with --async-scheduling")  # fmt: skip
+        # history commits of the last step's verify runs, sent with the next step
+        self.commits: list[tuple[int, list[int], int]] = []
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.grammars = Grammars(tokenizer, self.tokenizer_size, cfg.eos_token_id)
         self.in_flight: InFlight | None = None  # the launched step not applied yet (overlap)
 
@@ -209,28 +219,32 @@ class Engine:
         asked = [r.params.prompt_logprobs for r, _ in batch if r.params.prompt_logprobs is not None]
         target_k = max(asked) if asked else None  # prompt tokens are scored only when asked
         tokens, targets, starts, new_blocks, rows, sampling = [], [], [], [], [], []
-        masks = []
+        masks, drafts = [], []
         for req, n in batch:
             starts.append(req.blocks_sent)
             new_blocks.append(req.blocks[req.blocks_sent :])  # usually none: O(new blocks)
             req.blocks_sent = len(req.blocks)
             start = req.num_computed
-            tokens += req.token_ids[start : start + n]
-            unknown = start + n - req.num_tokens  # the pending token, read on the device
-            if unknown > 0:
-                tokens += [PENDING] * unknown
+            if req.drafts:  # a verify run: the anchor (its last token) and the drafts
+                tokens += [req.token_ids[start], *req.drafts]
+            else:
+                tokens += req.token_ids[start : start + n]
+                unknown = start + n - req.num_tokens  # the pending token, read on the device
+                if unknown > 0:
+                    tokens += [PENDING] * unknown
             if target_k is not None:
                 scored = req.params.prompt_logprobs is not None
                 for p in range(start + 1, start + n + 1):  # token p - 1 predicts token p
                     targets.append(req.token_ids[p] if scored and p < req.num_prompt_tokens
                                    else -1)  # fmt: skip
-            samples = start + n == req.num_tokens + req.pending
+            samples = start + n == req.num_tokens + req.pending or bool(req.drafts)
+            drafts.append(len(req.drafts))
             sampling.append(req.params.row(req.num_output_tokens + req.pending, samples))
             if samples and req.needs_host_tokens:
                 mask = token_mask(req, self.vocab_size)
                 if mask is not None:
                     masks.append((len(rows), mask))
-            rows.append(Row(req, n, start, samples, req.num_preemptions))
+            rows.append(Row(req, n, start, samples, req.num_preemptions, req.drafts))
             req.num_computed += n
             req.pending += samples
         step = StepBatch(
@@ -246,7 +260,10 @@ class Engine:
             rebuilds=rebuilds,
             controls=controls,
             masks=masks,
+            drafts=drafts if any(drafts) else None,
+            commits=self.commits,
         )
+        self.commits = []
         launch = getattr(self.pipeline, "launch", None)
         if launch is None:  # a stub with ``step`` only
             return InFlight(rows, PendingResult.ready(self.pipeline.step(step)))
@@ -266,10 +283,11 @@ class Engine:
         a request preempted since keeps a sampled token (it was the next one) but nothing of a
         prompt chunk (it is recomputed)."""
         result = step.result.wait()
-        now, outputs, offset = time.monotonic(), [], 0
-        for i, row in enumerate(step.rows):
-            req, n = row.req, row.n
+        now, outputs, offset, x = time.monotonic(), [], 0, 0
+        for row in step.rows:
+            req, n, i = row.req, row.n, x  # i: the row's first sample
             offset += n
+            x += 1 + len(row.drafts)
             if req.status is Status.FINISHED:
                 continue
             preempted = req.num_preemptions != row.epoch
@@ -281,8 +299,42 @@ class Engine:
             if not row.samples:  # mid-prompt chunk: its sample is not used
                 continue
             req.pending -= 1
-            outputs.append(self._append(req, result, i, now))
+            if row.drafts and not preempted:
+                outputs.append(self._verified(req, row, result, i, now))
+            else:
+                outputs.append(self._append(req, result, i, now))
         return outputs
+
+    def _propose(self, req: Request, limit: int) -> list[int]:
+        """Drafts for a decoding request with nothing that needs its tokens one at a time
+        (grammars, logit controls, logprobs), within max_tokens and the context."""
+        p = req.params
+        if (req.needs_host_tokens or p.logprobs is not None or p.prompt_logprobs is not None
+                or p.controls(self.cfg.eos_token_id) is not None):  # fmt: skip
+            return []
+        room = min(limit, p.max_tokens - req.num_output_tokens - 1,
+                   self.cfg.max_model_len - req.num_tokens)  # fmt: skip
+        return self.cfg.speculative.propose(req.token_ids, room)
+
+    def _verified(self, req: Request, row: Row, result: StepResult, i: int,
+                  now: float) -> RequestOutput:  # fmt: skip
+        """A verify run's outcome: its accepted drafts and the bonus token, in one output; the
+        rejected drafts' positions are computed no more and their spare blocks go back; the
+        history commit (anchor + accepted) goes with the next step."""
+        a = accepted(row.drafts, result.tokens[i : i + 1 + len(row.drafts)])
+        self.spec_drafts += 1
+        self.spec_draft_tokens += len(row.drafts)
+        self.spec_accepted_tokens += a
+        req.num_computed -= len(row.drafts) - a
+        out = None
+        for j in range(a + 1):
+            nxt = self._append(req, result, i + j, now)
+            out = nxt if out is None else out.then(nxt)
+            if nxt.finished:
+                return out
+        self.blocks.shrink(req, req.num_tokens)
+        self.commits.append((req.slot, [req.token_ids[row.start], *row.drafts], a))
+        return out
 
     def _add_prompt_logprobs(
         self, req: Request, result: StepResult, offset: int, n: int, start: int
@@ -364,4 +416,7 @@ class Engine:
             "num_preemptions": s.num_preemptions,
             "prefix_cache_queries": self.blocks.queries,
             "prefix_cache_hits": self.blocks.hits,
+            "spec_decode_num_drafts": self.spec_drafts,
+            "spec_decode_num_draft_tokens": self.spec_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.spec_accepted_tokens,
         }

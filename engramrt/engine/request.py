@@ -114,6 +114,7 @@ class Request:
     num_preemptions: int = 0
     text: OutputText | None = None  # the engine's detokenisation state
     matcher: Any = None  # the grammar's llguidance matcher, for a guided request
+    drafts: list[int] = field(default_factory=list)  # speculative tokens of its scheduled run
 
     @property
     def needs_host_tokens(self) -> bool:

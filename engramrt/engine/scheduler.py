@@ -18,6 +18,7 @@ its pending token is known before it is admitted again (its tokens are recompute
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from engramrt.engine.block_manager import BlockManager
 from engramrt.engine.request import Request, Status
@@ -30,6 +31,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         long_prefill_token_threshold: int = 0,
+        propose: Callable[[Request, int], list[int]] | None = None,
     ):
         if long_prefill_token_threshold < 0:
             raise ValueError(
@@ -43,6 +45,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        # speculative drafts for a decoding request (at most the int given), or None: off
+        self.propose = propose
 
     @property
     def slots_in_use(self) -> int:
@@ -70,6 +74,11 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 continue
+            req.drafts = []
+            if self.propose is not None and n == req.num_tokens - req.num_computed == 1:
+                drafts = self.propose(req, budget - 1)  # KV for them only from free blocks
+                if drafts and self.blocks.can_grow(req, req.num_computed + 1 + len(drafts)):
+                    req.drafts, n = drafts, 1 + len(drafts)
             self.blocks.grow(req, req.num_computed + n)
             batch.append((req, n))
             budget -= n

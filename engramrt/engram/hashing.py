@@ -69,10 +69,12 @@ class EngramHasher:
         run_lens: torch.Tensor,
         start_pos: torch.Tensor,
         check: bool = True,
+        commit: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Prefill or prefill chunks: request b owns the next ``run_lens[b]`` tokens, starting at
         absolute position ``start_pos[b]``. Tokens past ``sum(run_lens)`` are padding. History is
-        committed after all hashes are computed; zero-length runs commit nowhere."""
+        committed after all hashes are computed; zero-length runs commit nowhere, and neither do
+        runs where ``commit`` is 0 (speculative verify runs: ``commit_verify`` follows)."""
         tokens = tokens.long()
         bsz = slots.numel()
         if bsz == 0:
@@ -86,7 +88,8 @@ class EngramHasher:
             s, p = slots.long(), start_pos.long()
             starts = torch.empty_like(lens)
             ids = self.ops.hash(EXTEND, tokens, s, p, lens=lens, starts_out=starts)
-            self.ops.commit(tokens, s, starts, lens, p)  # after every program has read
+            committed = lens if commit is None else lens * commit.long()
+            self.ops.commit(tokens, s, starts, committed, p)  # after every program has read
             return ids
         ends = torch.cumsum(lens, 0)
         t = torch.arange(tokens.numel(), device=tokens.device)
@@ -101,7 +104,8 @@ class EngramHasher:
         if tokens.numel() == 0:  # nothing hashed, so nothing to commit
             return ids
         last = (ends - 1).clamp(min=0)
-        self.history.write(slots, self._commit_rows(src[last], pos[last]), lens > 0)
+        keep = lens > 0 if commit is None else (lens > 0) & commit.bool()
+        self.history.write(slots, self._commit_rows(src[last], pos[last]), keep)
         return ids
 
     def decode(

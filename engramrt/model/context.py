@@ -144,6 +144,8 @@ class ForwardContext:
     dec_req: torch.Tensor | None = None
     dec_lens: torch.Tensor | None = None
     logits_rows: torch.Tensor | None = None  # [B] each run's last token: the rows to sample
+    # [B] 0 for a verify run (anchor + drafts), which commits no history when hashed
+    commit_runs: torch.Tensor | None = None
     hash_ids: torch.Tensor | None = None  # [T, L, (N-1)*H]
     dead: torch.Tensor | None = None  # [T] image tokens
     tracer: Tracer | None = None
@@ -165,13 +167,15 @@ class ForwardContext:
         width: int | None = None,
         pad: GraphShape | None = None,
         last_rows: bool = False,
+        drafts: list[int] | None = None,
         **kw,
     ) -> ForwardContext:
         """Validate on the host, build every tensor there and move them in one copy. Block
         tables are the slots' tables in ``kv`` (``KVCache.set_tables``). ``width`` fixes the
         block-table columns (default: the widest table); ``pad`` pads the step to a captured
         graph's shape (``GraphShape``); ``last_rows``: the logits are wanted at each run's last
-        token only (``logits_rows``), not at every token."""
+        token only (``logits_rows``), not at every token; ``drafts``: the last ``1 + drafts[b]``
+        tokens of run b are sampled (speculative decoding; eager steps only)."""
         bsz, n_tok = len(slots), sum(run_lens)
         if not len(run_lens) == len(start_pos) == bsz:
             raise ValueError("slots, run_lens and start_pos differ in length")
@@ -234,7 +238,16 @@ class ForwardContext:
                        grow(dec[2], extra, 0)]  # fmt: skip
             parts += [*tiles, ids[req], *dec]
         sample_rows = last_rows and not decode
-        if sample_rows:
+        if drafts is not None:
+            if pad is not None:
+                raise ValueError("a step with drafts runs eagerly")
+            tails = np.asarray(drafts, dtype=i64) + 1
+            parts.append((tails == 1).astype(i64))
+            if sample_rows:  # run b's last tails[b] tokens
+                first = np.repeat(qstart[1:] - tails, tails)
+                j = np.arange(tails.sum()) - np.repeat(np.cumsum(tails) - tails, tails)
+                parts.append(np.maximum(first + j, 0))
+        elif sample_rows:
             parts.append(np.maximum(qstart[1:] - 1, 0))
         parts.append(table.reshape(-1))
         # every view starts 16-byte aligned: Triton specialises pointer arguments on it, so a
@@ -256,6 +269,8 @@ class ForwardContext:
             ctx.dec_tok, ctx.dec_req, ctx.dec_lens = views[12:15]
         if sample_rows:
             ctx.logits_rows = views[-2]
+        if drafts is not None:
+            ctx.commit_runs = views[-3 if sample_rows else -2]
         return ctx
 
     def rope(self, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,8 +34,8 @@ def encode_batch(b: StepBatch) -> list[int]:
     separately."""
     tables, targets = b.new_blocks, b.targets
     head = [int(b.return_logits), len(b.slots), int(tables is not None)]
-    head += [int(targets is not None), b.target_k]
-    body = [*b.slots, *b.run_lens, *b.start_pos]
+    head += [int(targets is not None), b.target_k, int(b.drafts is not None)]
+    body = [*b.slots, *b.run_lens, *b.start_pos, *(b.drafts or [])]
     if tables is not None:
         body += b.block_starts or [0] * len(tables)
         body += [len(t) for t in tables] + [x for t in tables for x in t]
@@ -48,9 +48,10 @@ def encode_batch(b: StepBatch) -> list[int]:
 
 
 def decode_batch(v: list[int]) -> StepBatch:
-    ret, n, has_tables, has_targets, target_k = v[:5]
-    v = v[5:]
+    ret, n, has_tables, has_targets, target_k, has_drafts = v[:6]
+    v = v[6:]
     slots, lens, pos, v = v[:n], v[n : 2 * n], v[2 * n : 3 * n], v[3 * n :]
+    drafts, v = (v[:n], v[n:]) if has_drafts else (None, v)
     tables = starts = None
     if has_tables:
         starts, sizes, v, tables = v[:n], v[n : 2 * n], v[2 * n :], []
@@ -62,7 +63,7 @@ def decode_batch(v: list[int]) -> StepBatch:
     controls = [(s, c and Controls.decode(c), p, o) for s, c, p, o in blob]
     masks = [(row, words) for row, words in masks]
     return StepBatch(None, slots, lens, pos, tables, starts, None, bool(ret), targets, target_k,
-                     controls=controls, masks=masks)  # fmt: skip
+                     controls=controls, masks=masks, drafts=drafts)  # fmt: skip
 
 
 class Pipeline:
@@ -264,7 +265,7 @@ class Pipeline:
             self._send(result.logits.float(), 0)
 
     def _recv_result(self, batch: StepBatch) -> StepResult:
-        last, b, t = self._peer(self.world - 1), len(batch.run_lens), batch.num_tokens
+        last, b, t = self._peer(self.world - 1), batch.num_samples, batch.num_tokens
 
         def recv(shape, dtype):
             return self._recv(shape, dtype, last).tolist()

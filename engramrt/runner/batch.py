@@ -89,6 +89,12 @@ class StepBatch:
     controls: list[tuple[int, Controls | None, list[int], list[int]]] = field(default_factory=list)
     # (row, the tokens its grammar allows next as int32 bit words) of guided rows that sample
     masks: list[tuple[int, list[int]]] = field(default_factory=list)
+    # speculative drafts per request (its run is the anchor and them; a token is sampled after
+    # each); None: none in this step
+    drafts: list[int] | None = None
+    # (slot, the anchor and drafts of its last verify run, drafts accepted): history commits of
+    # the previous step's verify runs, applied by the first stage before it hashes
+    commits: list[tuple[int, list[int], int]] = field(default_factory=list)
 
     def rows(self) -> list[SampleRow]:
         return self.sampling if self.sampling is not None else [SampleRow()] * len(self.slots)
@@ -108,10 +114,21 @@ class StepBatch:
     def num_tokens(self) -> int:
         return sum(self.run_lens)
 
+    @property
+    def tails(self) -> list[int]:
+        """Tokens sampled per run: after its last token, and after each draft."""
+        return [1] * len(self.slots) if self.drafts is None else [1 + d for d in self.drafts]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.tails)
+
 
 @dataclass
 class StepResult:
-    tokens: list[int]  # sampled after each request's last token this step (-1: empty run)
+    # sampled after each request's last token this step (-1: empty run); with drafts, after the
+    # anchor and each draft of a run, run after run (``StepBatch.tails``)
+    tokens: list[int]
     logits: torch.Tensor | None = None  # [T, V] fp32 when asked for
     logprobs: list[float] | None = None  # of each sampled token, when any row asked
     top_ids: list[list[int]] | None = None

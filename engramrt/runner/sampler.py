@@ -8,6 +8,9 @@ distribution (before temperature and truncation), as vLLM reports them, and are 
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
+
 import torch
 
 from engramrt.runner.batch import PendingResult, SampleRow, StepBatch, StepResult
@@ -117,6 +120,31 @@ def sample(
     return torch.tensor(sample_tokens(logits, [row] * logits.shape[0], generator))
 
 
+def _samples(batch: StepBatch):
+    """Where each sample's logits are (``ends``: a row per token with full logits, else a row
+    per sample) and its run's row, slot and length, and which run it is: one sample per run, or
+    with drafts one after each of a run's last ``1 + drafts`` tokens (their token indices
+    counted on for seeded noise)."""
+    if batch.drafts is None:
+        n = len(batch.run_lens)
+        if batch.full_logits:  # a row per token: each run's is its last
+            ends = (torch.tensor(batch.run_lens, dtype=torch.int64).cumsum(0) - 1).tolist()
+        else:
+            ends = list(range(n))
+        return ends, batch.rows(), batch.slots, batch.run_lens, range(n)
+    tails, run_rows = batch.tails, batch.rows()
+    if batch.full_logits:
+        ends = [e - t + 1 + j for e, t in zip(itertools.accumulate(batch.run_lens), tails,
+                                              strict=True) for j in range(t)]  # fmt: skip
+    else:
+        ends = list(range(batch.num_samples))
+    owner = [b for b, t in enumerate(tails) for _ in range(t)]
+    rows = [replace(run_rows[b], index=run_rows[b].index + j)
+            for b, t in enumerate(tails) for j in range(t)]  # fmt: skip
+    return (ends, rows, [batch.slots[b] for b in owner], [batch.run_lens[b] for b in owner],
+            owner)  # fmt: skip
+
+
 class Sampler:
     """The last stage's sampler: one token per request from the logits of its last token this
     step, the logprobs the batch asked for, and the prompt-token scores of ``targets``.
@@ -139,12 +167,9 @@ class Sampler:
         and the sampled tokens on the device (``[B]``, -1 for an empty run). Nothing here waits
         on the GPU. ``logits`` may be a CUDA graph's output, so anything kept past this step is
         a copy."""
-        if batch.full_logits:  # a row per token: each run's is its last
-            ends = (torch.tensor(batch.run_lens, dtype=torch.int64).cumsum(0) - 1).tolist()
-        else:  # a row per run (``StageRunner.step(last_only=True)``)
-            ends = list(range(len(batch.run_lens)))
-        live = [i for i, n in enumerate(batch.run_lens) if n > 0]
-        rows, limit, k = batch.rows(), self.token_limit, batch.logprobs_k
+        ends, rows, slots, run_lens, owner = _samples(batch)
+        live = [i for i, n in enumerate(run_lens) if n > 0]
+        limit, k = self.token_limit, batch.logprobs_k
         for slot, controls, prompt, output in batch.controls:
             self.controls.register(slot, controls, prompt, output, logits.shape[-1])
         if batch.return_logits or batch.targets is not None or k is not None:
@@ -158,11 +183,11 @@ class Sampler:
             last = logits[_to(rows_at, logits.device)]  # a copy
         if limit is not None:
             last[:, limit:] = float("-inf")
-        live_slots = [batch.slots[i] for i in live]
+        live_slots = [slots[i] for i in live]
         controlled = self.controls.apply(last, live_slots, [rows[i].index for i in live])
         base = last  # what a row falls back to when its controls leave no token allowed
-        if batch.masks:  # the grammar's mask: both ways
-            at = {row: j for j, row in enumerate(live)}
+        if batch.masks:  # the grammar's mask (a guided run has no drafts): both ways
+            at = {owner[i]: j for j, i in enumerate(live)}  # request -> its sampled row
             masks = [(at[row], words) for row, words in batch.masks]
             base, controlled = apply_token_masks(last, masks), apply_token_masks(controlled, masks)
         if controlled is not last:
@@ -178,7 +203,7 @@ class Sampler:
             tokens[_to(live, logits.device)] = sampled
         parts = {"tokens": tokens}
         if k is not None:  # rows of empty runs are scored on row 0 and ignored by the engine
-            picked = [ends[i] if batch.run_lens[i] else 0 for i in range(len(rows))]
+            picked = [ends[i] if run_lens[i] else 0 for i in range(len(rows))]
             parts["logprobs"], parts["top_ids"], parts["top_logprobs"] = token_logprobs_device(
                 logits[_to(picked, logits.device)], tokens.clamp(min=0), k
             )

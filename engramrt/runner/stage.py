@@ -246,7 +246,7 @@ class StageRunner:
         if not self.is_last:
             return out
         pending, tokens = self.sampler.launch(out, batch)
-        if self.last_token is not None:
+        if self.last_token is not None and batch.drafts is None:  # (drafts: no overlap)
             live = [i for i, n in enumerate(batch.run_lens) if n > 0]
             if len(live) != len(batch.run_lens):
                 tokens = tokens[live]
@@ -277,12 +277,14 @@ class StageRunner:
                 tokens = [0 if t == PENDING else t for t in tokens]
             if self.hasher is not None:  # a TP follower takes the leader's hash ids
                 self.hasher.validate(tokens, batch.slots, batch.run_lens)
+                self._commit_verified(batch.commits)
                 for slot, before in batch.rebuilds:
                     self.hasher.rebuild(slot, before)
         if batch.new_blocks is not None:
             self.kv.set_tables(batch.slots, batch.block_starts, batch.new_blocks)
         graphs, shape = self.graphs, None
-        if graphs is not None:
+        drafts = batch.drafts if batch.drafts is not None and any(batch.drafts) else None
+        if graphs is not None and drafts is None:  # a verify step runs eagerly
             shape = graphs.shape_for(batch.run_lens, not last_only, self.tracer)
         ctx = ForwardContext.for_runs(
             batch.slots, batch.run_lens, batch.start_pos, self.kv,
@@ -290,6 +292,7 @@ class StageRunner:
             # a mixed graph's prefill kernel strides the table by its static width
             width=graphs.width if shape and not shape.decode else None, pad=shape,
             last_rows=shape is not None or (last_only and self.is_last), tracer=self.tracer,
+            drafts=drafts,
         )  # fmt: skip
         if shape is not None:
             out, ran = graphs.replay(ctx, shape, carry)
@@ -333,7 +336,8 @@ class StageRunner:
                 ids = self.hasher.decode(t, ctx.slot_ids, ctx.positions, ctx.num_real, check=False)
             else:
                 lens = ctx.query_start.diff()
-                ids = self.hasher.extend(t, ctx.slot_ids, lens, ctx.start_pos_t, check=False)
+                ids = self.hasher.extend(t, ctx.slot_ids, lens, ctx.start_pos_t, check=False,
+                                         commit=ctx.commit_runs)  # fmt: skip
             dead = self.hasher.is_dead(t)
             if tp.size == 1:
                 return ids, dead
@@ -341,6 +345,20 @@ class StageRunner:
             like = Carry.empty(self.model, len(t))
             ids, dead = like.hash_ids, like.dead
         return tp.broadcast(ids), tp.broadcast(dead.to(torch.uint8)).bool()
+
+    def _commit_verified(self, commits: list[tuple[int, list[int], int]]) -> None:
+        """The history commits of the previous step's verify runs: each block's anchor and
+        accepted drafts (``engramrt.engine.speculative``)."""
+        if not commits:
+            return
+        width = max(len(block) for _, block, _ in commits)
+        blocks = [block + [0] * (width - len(block)) for _, block, _ in commits]
+        dev = self.device
+        self.hasher.commit_verify(
+            to_device(torch.tensor(blocks, dtype=torch.int64).flatten(), dev),
+            to_device(torch.tensor([slot for slot, _, _ in commits]), dev),
+            to_device(torch.tensor([n for _, _, n in commits]), dev),
+        )
 
 
 def warm_up_plan(max_tokens: int, slots: int, max_len: int) -> list[list[int]]:

@@ -21,6 +21,9 @@ _COUNTERS = {
     "num_preemptions": "Requests preempted (recomputed) for lack of KV blocks.",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "spec_decode_num_drafts": "Speculative verify runs (a request's drafts of one step).",
+    "spec_decode_num_draft_tokens": "Draft tokens proposed.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
 }
 
 

@@ -1,0 +1,79 @@
+"""Speculative decoding with n-gram (prompt-lookup) drafts, vLLM's ``--speculative-config``.
+
+A decoding request whose last ``n`` tokens (``prompt_lookup_max`` down to ``prompt_lookup_min``)
+occurred earlier in its own tokens proposes the ``k`` tokens that followed that occurrence. The
+step computes the anchor (its last sampled token) and the drafts as one run and samples a token
+after each of them; the drafts are accepted while they equal those samples, and the sample after
+the last accepted one (the bonus) is kept too. A draft is a point mass, so "sample from the
+target, accept while equal" is exactly the rejection-sampling rule (accept with probability
+p(draft); on rejection, draw from p without the draft): greedy output is token for token the
+output without speculation, and sampled output keeps the target distribution.
+
+The Engram history must advance by the anchor and the accepted drafts only (SPEC: history
+commits): a verify run commits nothing when it is hashed, and the next step's first stage
+commits ``1 + accepted`` tokens of the block (``EngramHasher.commit_verify``), never the bonus,
+which is the next anchor, and never a rejected draft.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @classmethod
+    def parse(cls, text: str | None) -> SpecConfig | None:
+        """vLLM's JSON: ``{"method": "ngram", "num_speculative_tokens": K,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2}``."""
+        if not text:
+            return None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        method = raw.pop("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"--speculative-config method {method!r}: only 'ngram' is supported")
+        unknown = sorted(set(raw) - {"num_speculative_tokens", "prompt_lookup_max",
+                                     "prompt_lookup_min"})  # fmt: skip
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {unknown}")
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("--speculative-config needs num_speculative_tokens")
+        cfg = cls(**{k: int(v) for k, v in raw.items()})
+        if cfg.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        return cfg
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to ``min(k, limit)`` drafts: what followed the latest earlier occurrence of the
+        longest suffix of ``tokens`` (``prompt_lookup_max`` .. ``prompt_lookup_min`` long)."""
+        k = min(self.num_speculative_tokens, limit)
+        if k <= 0:
+            return []
+        for n in range(min(self.prompt_lookup_max, len(tokens) - 1), self.prompt_lookup_min - 1,
+                       -1):  # fmt: skip
+            tail = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):  # latest occurrence first
+                if tokens[start : start + n] == tail:
+                    return tokens[start + n : start + n + k]
+        return []
+
+
+def accepted(drafts: list[int], sampled: list[int]) -> int:
+    """How many drafts equal the tokens sampled before them (``sampled[i]`` follows the anchor
+    and drafts ``< i``)."""
+    a = 0
+    while a < len(drafts) and sampled[a] == drafts[a]:
+        a += 1
+    return a

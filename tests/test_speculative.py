@@ -1,0 +1,217 @@
+"""Speculative decoding with n-gram drafts: the proposer against a brute-force search; greedy
+output with speculation equals the output without it, token for token, under continuous
+batching, chunked prefill, prefix caching and preemption, and across two pipeline stages; the
+Engram history at every hash equals the history of the same tokens decoded one by one (a row
+rebuilt from them); seeded sampling draws the same tokens; spare blocks go back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.engine.engine import Engine, EngineConfig
+from engramrt.engine.request import SamplingParams
+from engramrt.engine.speculative import SpecConfig, accepted
+from engramrt.engram.history import NgramHistory
+from engramrt.parallel.pipeline import Pipeline
+from engramrt.runner.stage import StageRunner
+from tests.server_fixture import running_server
+
+WORDS = "the capital of Bribrinu is Mokmok and 12 + 7 = 19 while rivers run".split()
+
+
+@pytest.fixture(scope="module")
+def runner() -> StageRunner:
+    return StageRunner.load(DEFAULT_MODEL_DIR, 8, 256, "cpu", "float32", num_blocks=0)
+
+
+# --- the proposer ------------------------------------------------------------------------------
+
+
+def _brute(tokens: list[int], k: int, hi: int, lo: int) -> list[int]:
+    """Every earlier occurrence of every suffix length, the longest length and latest
+    occurrence winning."""
+    best = None
+    for n in range(lo, hi + 1):
+        if n >= len(tokens):
+            continue
+        tail = tuple(tokens[-n:])
+        hits = [s for s in range(len(tokens) - n) if tuple(tokens[s : s + n]) == tail]
+        if hits:
+            best = (n, max(hits))
+    if best is None:
+        return []
+    n, s = best
+    return tokens[s + n : s + n + k]
+
+
+def test_proposals_match_a_brute_force_search() -> None:
+    rng = random.Random(0)
+    for _ in range(3000):
+        toks = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        lo = rng.randrange(1, 4)
+        cfg = SpecConfig(rng.randrange(1, 6), lo + rng.randrange(3), lo)
+        limit = rng.randrange(0, 7)
+        want = _brute(toks, min(cfg.num_speculative_tokens, limit), cfg.prompt_lookup_max, lo)
+        assert cfg.propose(toks, limit) == want, (toks, cfg, limit)
+
+
+def test_acceptance_and_config() -> None:
+    assert accepted([5, 6, 7], [5, 6, 9, 1]) == 2 and accepted([5], [4, 5]) == 0
+    assert accepted([1, 2], [1, 2, 3]) == 2
+    cfg = SpecConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert cfg == SpecConfig(3, 4, 2) and SpecConfig.parse(None) is None
+    for bad, rule in [
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "only 'ngram'"),
+        ('{"num_speculative_tokens": 0}', ">= 1"),
+        ("[1]", "JSON object"),
+        ('{"num_speculative_tokens": 2, "prompt_lookup_min": 5}', "<="),
+        ('{"num_speculative_tokens": 2, "x": 1}', "unknown keys"),
+        ("{", "not JSON"),
+    ]:
+        with pytest.raises(ValueError, match=rule):
+            SpecConfig.parse(bad)
+
+
+# --- the engine --------------------------------------------------------------------------------
+
+
+def _engine(runner: StageRunner, spec: SpecConfig | None, **kw) -> Engine:
+    cfg = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "block_size": 4, "num_blocks": 256,
+           "enable_prefix_caching": True, **kw}  # fmt: skip
+    runner.allocate_kv(8, 256, cfg["block_size"], cfg["num_blocks"])
+    return Engine(Pipeline(runner), runner.tokenizer,
+                  EngineConfig(256, eos_token_id=runner.model.cfg.eos_token_id, speculative=spec,
+                               **cfg))  # fmt: skip
+
+
+def _prompts(runner: StageRunner, n: int, seed: int) -> list[list[int]]:
+    """Random word salads, half of them a phrase repeated (drafts get accepted there)."""
+    rng, enc = random.Random(seed), runner.tokenizer
+    out = []
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randrange(2, 12))]
+        text = " ".join(words * (3 if i % 2 else 1))
+        out.append([runner.model.cfg.bos_token_id, *enc.encode(text).ids])
+    return out
+
+
+def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], check=None):
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    out = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def _watch_history(runner: StageRunner, engine: Engine, seen: list[int]) -> None:
+    """Before every hash: each run's history row equals the row rebuilt from the tokens before
+    the run (what decoding them one by one commits)."""
+    hasher = runner.hasher
+    extend, decode = hasher.extend, hasher.decode
+
+    def expected(slot: int, start: int) -> torch.Tensor:
+        (req,) = [r for r in engine.scheduler.running if r.slot == slot]
+        oracle = NgramHistory(1, hasher.n)
+        oracle.rebuild(0, req.token_ids[:start])
+        return oracle.table[0]
+
+    def check(slots, starts) -> None:
+        for slot, start in zip(slots.tolist(), starts.tolist(), strict=True):
+            assert torch.equal(hasher.history.table[slot].cpu(), expected(slot, start)), slot
+            seen.append(slot)
+
+    def checked_extend(tokens, slots, lens, start_pos, **kw):
+        live = lens > 0
+        check(slots[live], start_pos[live])
+        return extend(tokens, slots, lens, start_pos, **kw)
+
+    def checked_decode(tokens, slots, positions, num_real=None, **kw):
+        check(slots[: len(tokens) if num_real is None else num_real], positions)
+        return decode(tokens, slots, positions, num_real, **kw)
+
+    hasher.extend, hasher.decode = checked_extend, checked_decode
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"max_num_batched_tokens": 8},  # chunked prefill beside verify runs
+     {"num_blocks": 40, "block_size": 4},  # preemption: too few blocks for four requests
+     {"max_num_seqs": 2}],  # continuous batching: requests admitted while others verify
+    ids=["plain", "chunked", "preempting", "admitting"],
+)  # fmt: skip
+def test_greedy_with_speculation_equals_without(runner: StageRunner, kw: dict) -> None:
+    prompts = _prompts(runner, 6, seed=len(kw))
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for _ in prompts]
+    want = _run(_engine(runner, None, **kw), prompts, params)
+    engine = _engine(runner, SpecConfig(4), **kw)
+    seen: list[int] = []
+    _watch_history(runner, engine, seen)
+    try:
+        got = _run(engine, prompts, params)
+    finally:
+        del runner.hasher.extend, runner.hasher.decode  # the class's methods again
+    assert got == want
+    stats = engine.stats()
+    assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert seen and engine.blocks.num_free == engine.cfg.num_blocks  # every block back
+    if "num_blocks" in kw:
+        assert stats["num_preemptions"] > 0
+
+
+def test_seeded_sampling_draws_the_same_tokens(runner: StageRunner) -> None:
+    """A seeded row's noise is keyed by its output index, and a verify run samples output i
+    from the same logits as decoding does: the drawn tokens are the same."""
+    prompts = _prompts(runner, 4, seed=7)
+    params = [SamplingParams(max_tokens=24, temperature=0.3, top_p=0.95, seed=11 + i,
+                             ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+    want = _run(_engine(runner, None), prompts, params)
+    engine = _engine(runner, SpecConfig(3))
+    assert _run(engine, prompts, params) == want
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_requests_that_need_each_token_get_no_drafts(runner: StageRunner) -> None:
+    """Logprobs, penalties, grammars: no drafts for them, the same output."""
+    prompts = _prompts(runner, 2, seed=3)[1:] * 2
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.5),
+    ]
+    want = _run(_engine(runner, None), prompts, params)
+    engine = _engine(runner, SpecConfig(4))
+    assert _run(engine, prompts, params) == want
+    assert engine.stats()["spec_decode_num_drafts"] == 0
+
+
+@pytest.mark.slow
+def test_two_stages_with_speculation_answer_as_one_without() -> None:
+    """Two pipeline stages (the verify run's hash ids travel in the carry, its commit stays on
+    the first stage) against one process without speculation, over HTTP."""
+    import httpx
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    prompt = "The capital of Bribrinu is Mokmok. The capital of Bribrinu is Mokmok. The capital"
+    body = {"prompt": [prompt, "12 + 7 = 19. 12 + 7 = 19. 12 +"], "max_tokens": 16,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    texts = {}
+    for name, flags in {"plain": (), "pp2": ("--speculative-config", spec, "-pp", "2")}.items():
+        with running_server("--dtype", "float32", "--max-model-len", "256", *flags) as base:
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            texts[name] = [c["text"] for c in r.json()["choices"]]
+            m = httpx.get(f"{base}/metrics", timeout=30).text
+            if name == "pp2":
+                line = next(
+                    x
+                    for x in m.splitlines()
+                    if x.startswith("engramrt:spec_decode_num_accepted_tokens_total")
+                )
+                assert float(line.split()[-1]) > 0
+    assert texts["pp2"] == texts["plain"]
