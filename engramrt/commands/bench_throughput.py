@@ -46,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_scheduling_flags(p)
     add_engram_memory_flags(p)
     add_dist_flags(p)
+    p.add_argument(
+        "--prompt-kind", choices=["random", "repeat"], default="random",
+        help="repeat: a random 16-token phrase repeated to the input length (a workload where "
+        "n-gram drafts can be right)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -105,8 +110,13 @@ def _decode_bytes(engine: Engine, batch: int, context: int) -> int:
     return weights + kv + batch * rows
 
 
-def random_prompts(rng: random.Random, lens: list[int], vocab: int) -> list[list[int]]:
+def random_prompts(
+    rng: random.Random, lens: list[int], vocab: int, kind: str = "random"
+) -> list[list[int]]:
     special = 6  # the bundled tokenizer's special tokens come first
+    if kind == "repeat":
+        phrases = [[rng.randrange(special, vocab) for _ in range(16)] for _ in lens]
+        return [(p * -(-n // 16))[:n] for p, n in zip(phrases, lens, strict=True)]
     return [[rng.randrange(special, vocab) for _ in range(n)] for n in lens]
 
 
@@ -157,7 +167,8 @@ def _worker(rank: int, world: int, opts, args, rng, in_lens, out_lens) -> None:
         pipe.serve()
         return
     try:
-        r = measure(engine, random_prompts(rng, in_lens, engine.vocab_size), out_lens)
+        prompts = random_prompts(rng, in_lens, engine.vocab_size, args.prompt_kind)
+        r = measure(engine, prompts, out_lens)
     finally:
         pipe.stop()
     prompts_n = len(in_lens)
@@ -174,3 +185,13 @@ def _worker(rank: int, world: int, opts, args, rng, in_lens, out_lens) -> None:
         print(f"Decode step (ms): {r['decode_step_ms']:.3f}")
         print(f"Bytes per decode step (MB): {r['step_bytes'] / 1e6:.2f}")
         print(f"Achieved bandwidth (GB/s): {r['achieved_gb_s']:.2f}")
+    stats = engine.stats()
+    if stats["spec_decode_num_drafts"]:
+        drafted, taken = (
+            stats["spec_decode_num_draft_tokens"],
+            stats["spec_decode_num_accepted_tokens"],
+        )
+        print(
+            f"Speculative drafts: {drafted} tokens in {stats['spec_decode_num_drafts']} runs, "
+            f"{taken} accepted ({100 * taken / drafted:.1f}%)"
+        )

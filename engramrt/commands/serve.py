@@ -178,6 +178,9 @@ def build_stage(
     runner.warm_up(opts.max_num_batched_tokens)  # kernel variants compiled now, not mid-serving
     if device.type == "cuda" and not opts.enforce_eager:
         runner.capture_graphs(opts.max_num_seqs, opts.max_num_batched_tokens)
+        if opts.speculative_config and driver:
+            print("engramrt: speculative verify steps run eagerly (steps without drafts replay "
+                  "CUDA graphs)", flush=True)  # fmt: skip
     if driver and counting and compilations():
         print(f"engramrt: {compilations()} Triton kernel variants compiled at start-up",
               flush=True)  # fmt: skip
