@@ -215,3 +215,19 @@ def test_two_stages_with_speculation_answer_as_one_without() -> None:
                 )
                 assert float(line.split()[-1]) > 0
     assert texts["pp2"] == texts["plain"]
+
+
+@pytest.mark.slow
+def test_generate_with_speculation_over_two_stages() -> None:
+    """``generate`` runs its request through the engine: with drafts over two stages it
+    prints what one process prints without them."""
+    import subprocess
+    import sys
+
+    args = ["generate", "--prompt", "12 + 7 = 19. 12 + 7 = 19. 12 + 7 = 19. 12 +",
+            "--max-tokens", "16", "--device", "cpu", "--dtype", "float32"]  # fmt: skip
+    spec = ["--speculative-config", '{"num_speculative_tokens": 3}', "-pp", "2"]
+    outs = [subprocess.run([sys.executable, "-m", "engramrt", *args, *extra], text=True,
+                           capture_output=True, timeout=180) for extra in ([], spec)]  # fmt: skip
+    assert all(o.returncode == 0 for o in outs), outs[1].stderr
+    assert outs[0].stdout.strip() and outs[0].stdout == outs[1].stdout

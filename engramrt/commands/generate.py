@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engramrt.bundled import resolve_model_dir
@@ -20,12 +20,15 @@ from engramrt.commands.flags import (
     resolve_device,
 )
 from engramrt.config import ModelConfig, load_json, model_config
+from engramrt.engine.engine import Engine, EngineConfig
+from engramrt.engine.request import SamplingParams
+from engramrt.engine.speculative import SpecConfig
 from engramrt.model.trace import EngramTrace, EngramUpdateStats, fanout
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.prompts import PromptEncoder
-from engramrt.runner.batch import SampleRow, StepBatch
+from engramrt.runner.batch import SampleRow
 from engramrt.runner.stage import StageRunner
 
 
@@ -44,31 +47,30 @@ def generate(
     prompt: str,
     max_tokens: int = 32,
     sampling: SampleRow | None = None,
+    speculative: SpecConfig | None = None,
 ) -> Generation:
-    """Greedy (the default) or sampled completion of ``prompt`` in slot 0; the pipeline's last
-    stage samples."""
+    """Greedy (the default) or sampled completion of ``prompt``: one request through the
+    engine (the same scheduling and sampling as ``serve``), the prompt in one step; the
+    pipeline's last stage samples. The EOS that ends it is not part of the output."""
     row = sampling or SampleRow()
     runner = pipeline.runner
-    cfg = runner.model.cfg
-    prompt_ids = prompt_tokens(prompts, cfg, prompt, max_tokens, runner.kv.max_len, row)
+    cfg, kv = runner.model.cfg, runner.kv
+    prompt_ids = prompt_tokens(prompts, cfg, prompt, max_tokens, kv.max_len, row)
+    engine = Engine(pipeline, runner.tokenizer, EngineConfig(
+        kv.max_len, 1, kv.max_len, kv.block_size, kv.num_blocks, False, cfg.eos_token_id,
+        cfg.vocab_size, speculative=speculative,
+    ))  # fmt: skip
+    params = SamplingParams(max_tokens=max_tokens, temperature=row.temperature, top_p=row.top_p,
+                            seed=row.seed)  # fmt: skip
     start = time.perf_counter()
-
-    def rows() -> list[SampleRow]:
-        return [replace(row, index=len(out))]
-
-    out: list[int] = []
-    first = StepBatch(prompt_ids, [0], [len(prompt_ids)], [0], sampling=rows(), rebuilds=[(0, [])])
-    nxt = pipeline.step(first).tokens[0]
-    finish = "length"
-    while True:
-        if nxt == cfg.eos_token_id:
-            finish = "stop"
-            break
-        out.append(nxt)
-        if len(out) == max_tokens:
-            break
-        pos = len(prompt_ids) + len(out) - 1
-        nxt = pipeline.step(StepBatch([nxt], [0], [1], [pos], sampling=rows())).tokens[0]
+    engine.add_request("0", prompt_ids, params)
+    out, finish = [], "length"
+    while engine.has_work():
+        for o in engine.step():
+            out += o.new_token_ids
+            finish = o.finish_reason or finish
+    if finish == "stop" and out[-1:] == [cfg.eos_token_id]:
+        out.pop()
     seconds = time.perf_counter() - start
     return Generation(prompt_ids, out, prompts.tokenizer.decode(out), finish, seconds)
 
@@ -116,11 +118,13 @@ class GenerateOptions:
     trace_path: str | None = None
     engram_stats: bool = False
     table_memory: str = "auto"  # where the Engram tables live (--engram-table-memory)
+    speculative_config: str | None = None  # --speculative-config (JSON)
 
 
 def run_generate(opts: GenerateOptions) -> None:
     cfg = model_config(load_json(opts.model_dir))  # check what can be checked before starting
     row = SampleRow(opts.temperature, opts.top_p, seed=opts.seed)
+    SpecConfig.parse(opts.speculative_config)  # a bad one: an error before any stage starts
     prompt_tokens(
         PromptEncoder.load(opts.model_dir),
         cfg,
@@ -150,7 +154,8 @@ def _worker(rank: int, world: int, opts: GenerateOptions) -> None:
         row = SampleRow(opts.temperature, opts.top_p, seed=opts.seed)
         try:
             prompts = PromptEncoder.load(opts.model_dir, runner.tokenizer)
-            out = generate(pipe, prompts, opts.prompt, opts.max_tokens, row)
+            spec = SpecConfig.parse(opts.speculative_config)
+            out = generate(pipe, prompts, opts.prompt, opts.max_tokens, row, spec)
         finally:
             pipe.stop()
         print(out.text, flush=True)
@@ -189,6 +194,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--engram-stats", action="store_true", help="print each Engram's update RMS and reach"
     )
     p.add_argument("--engram-trace", metavar="PATH", help="JSON lines of stage/Engram checksums")
+    p.add_argument("--speculative-config", help="n-gram drafts, as on serve (vLLM's JSON)")
     add_dist_flags(p)
 
 
@@ -208,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         trace_path=args.engram_trace,
         engram_stats=args.engram_stats,
         table_memory=engram_table_memory(args),
+        speculative_config=args.speculative_config,
     )
     run_generate(opts)
     return 0
