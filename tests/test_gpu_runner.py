@@ -283,6 +283,36 @@ def test_triton_mixed_padding_writes_and_reads_nothing(run_lens, start_pos) -> N
     assert torch.equal(vd, vc)
 
 
+@pytest.mark.parametrize(("requests", "drafts"), [(3, 3), (5, 3), (8, 1)])
+def test_padded_verify_step_equals_unpadded(model, requests: int, drafts: int) -> None:
+    """A verify step (every run an anchor and ``drafts`` drafts, sampled after every token)
+    padded to a verify graph's shape: the eager step's logits at every token, no history
+    committed by either (verify runs commit later, through ``commit_verify``), the same K/V,
+    and the padded runs (K + 1 tokens each, reading slot 0) write and commit nothing."""
+    rng = random.Random(requests * 10 + drafts)
+    plain, padded = new_session(model, 6), new_session(model, 6)
+    slots = [3, 1, 2]
+    seqs = _prefill([plain, padded], rng, slots)
+    rows = plain.hasher.history.num_slots  # the row past them is a scratch (sink) row
+    before = plain.hasher.history.table[:rows].clone()
+    shape = GraphShape(False, requests * (drafts + 1), requests, drafts)
+    lens, pos = [drafts + 1] * 3, [len(q) for q in seqs]
+    nxt = [rng.randrange(6, 1024) for _ in range(sum(lens))]
+    want = plain.step(StepBatch(nxt, slots, lens, pos, drafts=[drafts] * 3), last_only=True)
+    ctx = ForwardContext.for_runs(
+        slots, lens, pos, padded.kv, "cpu", nxt, padded.kv.blocks_per_seq, shape,
+        last_rows=True, drafts=[drafts] * 3,
+    )  # fmt: skip
+    assert shape.fits(lens) and not shape.fits([1, *lens[1:]])
+    got = padded.forward(ctx, None)
+    assert want.shape[0] == sum(lens) and got.shape[0] == shape.tokens
+    torch.testing.assert_close(got[: sum(lens)], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[: sum(lens)].argmax(-1), want.argmax(-1))
+    for s in (plain, padded):
+        assert torch.equal(s.hasher.history.table[:rows], before)
+    assert_padding_left_no_trace(padded, plain, model.layer_ids)
+
+
 # --- CUDA graphs (GPU) ---------------------------------------------------------------------
 
 
@@ -419,6 +449,11 @@ def test_graph_output_rows_count_every_captured_shape() -> None:
     assert [s.tokens for s in shapes] == decode + mixed
     assert output_rows(shapes, True) == sum(decode) + sum(min(64, t) for t in mixed)
     assert output_rows(shapes, False) == sum(decode) + sum(mixed)
+    verify = [s for s in graph_shapes(64, 2048, 4) if s.verify]  # a logit row per token
+    assert [(s.tokens, s.requests) for s in verify] == [(5 * b, b) for b in decode]
+    assert output_rows(graph_shapes(64, 2048, 4), True) == output_rows(shapes, True) + sum(
+        5 * b for b in decode
+    )
 
 
 def test_graphs_need_the_triton_kernels(model, capsys) -> None:

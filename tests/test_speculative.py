@@ -18,7 +18,6 @@ from engramrt.engine.speculative import SpecConfig, accepted
 from engramrt.engram.history import NgramHistory
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.runner.stage import StageRunner
-from tests.server_fixture import running_server
 
 WORDS = "the capital of Bribrinu is Mokmok and 12 + 7 = 19 while rivers run".split()
 
@@ -196,6 +195,8 @@ def test_two_stages_with_speculation_answer_as_one_without() -> None:
     the first stage) against one process without speculation, over HTTP."""
     import httpx
 
+    from tests.server_fixture import running_server
+
     spec = '{"method": "ngram", "num_speculative_tokens": 4}'
     prompt = "The capital of Bribrinu is Mokmok. The capital of Bribrinu is Mokmok. The capital"
     body = {"prompt": [prompt, "12 + 7 = 19. 12 + 7 = 19. 12 +"], "max_tokens": 16,
@@ -231,3 +232,29 @@ def test_generate_with_speculation_over_two_stages() -> None:
                            capture_output=True, timeout=180) for extra in ([], spec)]  # fmt: skip
     assert all(o.returncode == 0 for o in outs), outs[1].stderr
     assert outs[0].stdout.strip() and outs[0].stdout == outs[1].stdout
+
+
+@pytest.mark.gpu
+def test_verify_graphs_give_the_output_without_speculation() -> None:
+    """On a GPU, every decoding row padded to K drafts so verify steps replay their CUDA
+    graphs: greedy output token for token that of the engine without speculation (graphs
+    too), and most verify steps replay a graph."""
+
+    def engine(spec: SpecConfig | None) -> tuple[Engine, list]:
+        r = StageRunner.load(DEFAULT_MODEL_DIR, 8, 256, "cuda", "float32", num_blocks=0)
+        r.allocate_kv(8, 256, 16, 128)
+        r.capture_graphs(8, 256, spec.num_speculative_tokens if spec else 0)
+        replays, real = [], r.graphs.replay
+        r.graphs.replay = lambda h, s, c: replays.append(s) or real(h, s, c)
+        cfg = EngineConfig(256, 8, 256, 16, 128, True, r.model.cfg.eos_token_id,
+                           speculative=spec, uniform_drafts=spec is not None)  # fmt: skip
+        return Engine(Pipeline(r), r.tokenizer, cfg), replays
+
+    runner = StageRunner.load(DEFAULT_MODEL_DIR, 1, 64, "cpu", num_blocks=0)
+    prompts = _prompts(runner, 6, seed=2)
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for _ in prompts]
+    want = _run(engine(None)[0], prompts, params)
+    spec, replays = engine(SpecConfig(3))
+    assert _run(spec, prompts, params) == want
+    verify = [s for s in replays if s.verify == 3]
+    assert len(verify) > 10 and spec.stats()["spec_decode_num_accepted_tokens"] > 0

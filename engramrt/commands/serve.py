@@ -105,7 +105,9 @@ def kv_blocks(runner: StageRunner, opts: ServeOptions, cfg: ModelConfig, max_len
     graph_rows = 0 if opts.enforce_eager else max(opts.max_num_seqs, min(tokens, MAX_GRAPH_TOKENS))
     outputs = 0
     if not opts.enforce_eager:
-        shapes = graph_shapes(opts.max_num_seqs, opts.max_num_batched_tokens)
+        spec = SpecConfig.parse(opts.speculative_config)
+        verify = spec.num_speculative_tokens if spec is not None else 0
+        shapes = graph_shapes(opts.max_num_seqs, opts.max_num_batched_tokens, verify)
         if runner.is_last:
             row = cfg.vocab_size * 4  # fp32 logits
         else:
@@ -176,11 +178,14 @@ def build_stage(
               f"({gib:.2f} GiB on stage 0)", flush=True)  # fmt: skip
     counting = count_compilations()
     runner.warm_up(opts.max_num_batched_tokens)  # kernel variants compiled now, not mid-serving
+    spec = SpecConfig.parse(opts.speculative_config)
+    verify = spec.num_speculative_tokens if spec is not None else 0
     if device.type == "cuda" and not opts.enforce_eager:
-        runner.capture_graphs(opts.max_num_seqs, opts.max_num_batched_tokens)
-        if opts.speculative_config and driver:
-            print("engramrt: speculative verify steps run eagerly (steps without drafts replay "
-                  "CUDA graphs)", flush=True)  # fmt: skip
+        runner.capture_graphs(opts.max_num_seqs, opts.max_num_batched_tokens, verify)
+        if spec is not None and driver:
+            print(f"engramrt: verify steps of {verify} drafts a row replay CUDA graphs (each "
+                  f"decoding row is given {verify}: a lookup that finds fewer repeats its last "
+                  "token); others run eagerly", flush=True)  # fmt: skip
     if driver and counting and compilations():
         print(f"engramrt: {compilations()} Triton kernel variants compiled at start-up",
               flush=True)  # fmt: skip
@@ -190,7 +195,7 @@ def build_stage(
     config = EngineConfig(
         max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, blocks,
         opts.enable_prefix_caching, cfg.eos_token_id, cfg.vocab_size, opts.async_scheduling,
-        opts.long_prefill_token_threshold, SpecConfig.parse(opts.speculative_config),
+        opts.long_prefill_token_threshold, spec, uniform_drafts=runner.graphs is not None,
     )  # fmt: skip
     return pipe, Engine(pipe, runner.tokenizer, config)
 

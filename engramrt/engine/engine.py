@@ -68,6 +68,9 @@ class EngineConfig:
     async_scheduling: bool = False  # overlap scheduling: opt-in until measured on a GPU
     long_prefill_token_threshold: int = 0  # a prompt's tokens per step, at most (0: the budget)
     speculative: SpecConfig | None = None  # n-gram drafts (``engramrt.engine.speculative``)
+    # every decoding row gets exactly K drafts where room allows (a lookup that finds fewer is
+    # padded with its last token), so verify steps replay the runner's verify graphs
+    uniform_drafts: bool = False
 
 
 @dataclass
@@ -314,7 +317,11 @@ class Engine:
             return []
         room = min(limit, p.max_tokens - req.num_output_tokens - 1,
                    self.cfg.max_model_len - req.num_tokens)  # fmt: skip
-        return self.cfg.speculative.propose(req.token_ids, room)
+        drafts = self.cfg.speculative.propose(req.token_ids, room)
+        k = self.cfg.speculative.num_speculative_tokens
+        if self.cfg.uniform_drafts and room >= k:  # any token is a valid guess
+            drafts += [(drafts or req.token_ids)[-1]] * (k - len(drafts))
+        return drafts
 
     def _verified(self, req: Request, row: Row, result: StepResult, i: int,
                   now: float) -> RequestOutput:  # fmt: skip

@@ -27,12 +27,15 @@ class GraphShape:
     decode: bool
     tokens: int
     requests: int
+    verify: int = 0  # a verify graph: every run is an anchor and this many drafts
 
     @property
     def tiles(self) -> int:
         return 0 if self.decode else self.tokens // PREFILL_TILE + self.requests
 
     def fits(self, run_lens: list[int]) -> bool:
+        if self.verify:
+            return len(run_lens) <= self.requests and all(n == 1 + self.verify for n in run_lens)
         if self.decode:
             return len(run_lens) <= self.requests and all(n == 1 for n in run_lens)
         return len(run_lens) <= self.requests and sum(run_lens) <= self.tokens
@@ -218,7 +221,7 @@ class ForwardContext:
             rows, req = grow(rows, extra_t, -1), grow(req, extra_t, 0)
             ids, pos0, ctx_lens = (grow(a, extra_r, 0) for a in (ids, pos0, ctx_lens))
             table = grow(table, extra_r, 0)
-            step = 1 if decode else 0
+            step = 1 if decode else pad.verify + 1 if pad.verify else 0
             qstart = np.concatenate([qstart, qstart[-1] + step * np.arange(1, extra_r + 1)])
             bsz = pad.requests
         # the block table goes last, so a graph's static buffer (sized for the widest table)
@@ -238,9 +241,14 @@ class ForwardContext:
                        grow(dec[2], extra, 0)]  # fmt: skip
             parts += [*tiles, ids[req], *dec]
         sample_rows = last_rows and not decode
-        if drafts is not None:
+        verifying = drafts is not None or (pad is not None and pad.verify > 0)
+        if pad is not None and pad.verify:  # every run verifies (padded ones too: no commit)
+            parts.append(np.zeros(bsz, dtype=i64))
+            parts.append(np.arange(len(toks), dtype=i64))  # a sample after every token
+            sample_rows = True
+        elif drafts is not None:
             if pad is not None:
-                raise ValueError("a step with drafts runs eagerly")
+                raise ValueError("a step with drafts replays a verify graph or none")
             tails = np.asarray(drafts, dtype=i64) + 1
             parts.append((tails == 1).astype(i64))
             if sample_rows:  # run b's last tails[b] tokens
@@ -269,7 +277,7 @@ class ForwardContext:
             ctx.dec_tok, ctx.dec_req, ctx.dec_lens = views[12:15]
         if sample_rows:
             ctx.logits_rows = views[-2]
-        if drafts is not None:
+        if verifying:
             ctx.commit_runs = views[-3 if sample_rows else -2]
         return ctx
 

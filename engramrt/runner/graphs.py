@@ -10,7 +10,10 @@ the static inputs. Everything a kernel's launch depends on is fixed by the shape
 request counts, the prefill kernel's tile count (padded tiles walk nothing), the hash kernel's
 request bucket. Padding (``ForwardContext.for_runs``) commits no history, writes no K/V and
 attends to no keys. A mixed graph returns logits at each run's last token only (what the
-sampler reads); a step that wants every token's logits (prompt logprobs) runs eagerly.
+sampler reads); a step that wants every token's logits (prompt logprobs) runs eagerly. With
+speculative decoding, verify steps of K drafts per run (``GraphShape.verify``) are captured by
+batch size too: every run is K + 1 tokens, commits no history when hashed, and is sampled
+after every token.
 
 The Python that runs only at capture time (the fail-closed Engram bookkeeping) is recorded then
 and reported on every replay, since a replay runs exactly the captured kernels.
@@ -50,19 +53,25 @@ def token_sizes(max_tokens: int) -> list[int]:
     return [*sizes, max_tokens] if max_tokens >= 2 else []
 
 
-def graph_shapes(max_batch: int, max_tokens: int) -> list[GraphShape]:
+def graph_shapes(max_batch: int, max_tokens: int, verify: int = 0) -> list[GraphShape]:
     """What ``StepGraphs`` captures: decode steps by batch size, then mixed steps by token
-    count (up to ``max_batch`` requests each)."""
+    count (up to ``max_batch`` requests each), then verify steps of ``verify`` drafts a run
+    (speculative decoding; 0: none) by batch size."""
     sizes = batch_sizes(max_batch)
     shapes = [GraphShape(True, b, b) for b in sizes]
     mixed = token_sizes(min(max_tokens, MAX_GRAPH_TOKENS))
-    return shapes + [GraphShape(False, t, min(sizes[-1], t)) for t in mixed]
+    shapes += [GraphShape(False, t, min(sizes[-1], t)) for t in mixed]
+    if verify:
+        shapes += [GraphShape(False, b * (verify + 1), b, verify) for b in sizes
+                   if b * (verify + 1) <= min(max_tokens, MAX_GRAPH_TOKENS)]  # fmt: skip
+    return shapes
 
 
 def output_rows(shapes: list[GraphShape], last_stage: bool) -> int:
     """Rows of the outputs the captured graphs keep (each its own, outside the shared pool):
-    logits at each request on the last stage, a carry per token elsewhere."""
-    return sum(s.requests if last_stage else s.tokens for s in shapes)
+    logits at each request on the last stage (at each token of a verify graph), a carry per
+    token elsewhere."""
+    return sum(s.requests if last_stage and not s.verify else s.tokens for s in shapes)
 
 
 class StepGraphs:
@@ -75,6 +84,7 @@ class StepGraphs:
         max_tokens: int = 0,
         last_stage: bool = True,
         carry_for: Callable[[int], Carry] | None = None,
+        verify: int = 0,
     ):
         """Decode graphs up to ``max_batch`` requests and mixed graphs up to ``max_tokens``
         tokens (0: none). ``carry_for(t)``: static carry inputs of ``t`` rows on a later
@@ -85,7 +95,7 @@ class StepGraphs:
             raise ValueError(f"the largest graph batch must be >= 1, got {max_batch}")
         self.forward, self.kv, self.device, self.carry_for = forward, kv, device, carry_for
         self.last_stage = last_stage
-        self.shapes = graph_shapes(min(max_batch, kv.num_blocks), max_tokens)
+        self.shapes = graph_shapes(min(max_batch, kv.num_blocks), max_tokens, verify)
         self.sizes = [s.requests for s in self.shapes if s.decode]
         self.width = kv.blocks_per_seq
         self.graphs: dict[GraphShape, tuple] = {}  # shape -> (graph, ctx, outputs, carry, ran)
@@ -95,17 +105,25 @@ class StepGraphs:
             self.graphs[shape] = self._capture(shape, pool)
             pool = self.graphs[shape][0].pool()
 
-    def shape_for(self, run_lens: list[int], full_logits: bool, tracer) -> GraphShape | None:
+    def shape_for(
+        self, run_lens: list[int], full_logits: bool, tracer, drafts: list[int] | None = None
+    ) -> GraphShape | None:
         """The smallest captured shape this step fits, or None (eager): no tracer (a trace
-        needs eager tensors), and a mixed step only when the logits of each run's last token
-        are enough. Every block table fits the static buffer: the cache's tables are that
-        wide."""
+        needs eager tensors), a mixed step only when the logits of each run's last token
+        are enough, a step with drafts only when every run has the verify graphs' count. Every
+        block table fits the static buffer: the cache's tables are that wide."""
         if tracer is not None or not run_lens:
             return None
+        if drafts is not None:
+            k = drafts[0]
+            if full_logits or any(d != k for d in drafts):
+                return None
+            return next((s for s in self.shapes if s.verify == k and s.fits(run_lens)), None)
         decode = all(n == 1 for n in run_lens)
         if not decode and full_logits and self.last_stage:
             return None
-        return next((s for s in self.shapes if s.decode == decode and s.fits(run_lens)), None)
+        plain = (s for s in self.shapes if not s.verify and s.decode == decode)
+        return next((s for s in plain if s.fits(run_lens)), None)
 
     @torch.inference_mode()  # no autograd state kept alive by the captured outputs
     def _capture(self, shape: GraphShape, pool):
@@ -141,5 +159,5 @@ class StepGraphs:
                 dst[:n_tok].copy_(src)
         graph.replay()
         if isinstance(out, torch.Tensor):  # logits: one row per request (per token in decode)
-            return out[: len(host.slots)], ran
+            return out[: n_tok if shape.verify else len(host.slots)], ran
         return out.head(n_tok), ran

@@ -153,10 +153,10 @@ class StageRunner:
         self.kv = None  # the old cache goes before the new one is allocated
         self.kv = new_kv_cache(self.model, num_slots, max_len, block_size, num_blocks)
 
-    def capture_graphs(self, max_batch: int, max_tokens: int = 0) -> None:
-        """Capture decode steps up to ``max_batch`` requests and mixed steps up to
-        ``max_tokens`` tokens (``StepGraphs``; CUDA only). The reference MoE routes with
-        data-dependent shapes, so MoE models stay eager."""
+    def capture_graphs(self, max_batch: int, max_tokens: int = 0, verify: int = 0) -> None:
+        """Capture decode steps up to ``max_batch`` requests, mixed steps up to ``max_tokens``
+        tokens and verify steps of ``verify`` drafts a run (``StepGraphs``; CUDA only). The
+        reference MoE routes with data-dependent shapes, so MoE models stay eager."""
         if self.model.cfg.ffn_type == "moe":
             print("engramrt: MoE routing is not graph-capturable yet; decoding eagerly", flush=True)
             return
@@ -169,7 +169,7 @@ class StageRunner:
             return
         carry_for = None if self.is_first else (lambda n: Carry.empty(self.model, n, torch.zeros))
         self.graphs = StepGraphs(self.forward, self.kv, self.device, max_batch, max_tokens,
-                                 self.is_last, carry_for)  # fmt: skip
+                                 self.is_last, carry_for, verify)  # fmt: skip
 
     @torch.inference_mode()
     def profile_memory(self, tokens: int, max_len: int, block_size: int, rows: int):
@@ -284,8 +284,8 @@ class StageRunner:
             self.kv.set_tables(batch.slots, batch.block_starts, batch.new_blocks)
         graphs, shape = self.graphs, None
         drafts = batch.drafts if batch.drafts is not None and any(batch.drafts) else None
-        if graphs is not None and drafts is None:  # a verify step runs eagerly
-            shape = graphs.shape_for(batch.run_lens, not last_only, self.tracer)
+        if graphs is not None:
+            shape = graphs.shape_for(batch.run_lens, not last_only, self.tracer, drafts)
         ctx = ForwardContext.for_runs(
             batch.slots, batch.run_lens, batch.start_pos, self.kv,
             "cpu" if shape else self.device, batch.tokens,
