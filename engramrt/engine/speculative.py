@@ -20,6 +20,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -61,12 +64,14 @@ class SpecConfig:
         k = min(self.num_speculative_tokens, limit)
         if k <= 0:
             return []
+        seq = np.asarray(tokens, dtype=np.int64)  # one vectorised scan per suffix length
         for n in range(min(self.prompt_lookup_max, len(tokens) - 1), self.prompt_lookup_min - 1,
                        -1):  # fmt: skip
-            tail = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):  # latest occurrence first
-                if tokens[start : start + n] == tail:
-                    return tokens[start + n : start + n + k]
+            windows = sliding_window_view(seq[:-1], n)  # every earlier start
+            hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+            if hits.size:  # the latest occurrence
+                start = int(hits[-1])
+                return tokens[start + n : start + n + k]
         return []
 
 
