@@ -14,6 +14,7 @@ dev=${DEVICE:-cuda}  # DEVICE=cpu runs the same over gloo, to try the script
 parts=${PARTS:-check trace serve}  # which sections to run
 log() { echo "== $*" | tee -a "$out/summary.txt"; }
 want() { [[ " $parts " == *" $1 "* ]]; }
+. "$(dirname "$0")/serve_lib.sh"
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt"
 nvidia-smi topo -m > "$out/topo.txt" 2>&1
@@ -66,18 +67,12 @@ want serve && for pp in 2 1; do
   python3 -m engramrt serve "$model" --port $port --device "$dev" -pp $pp --pp-layer-partition $part \
     --max-num-seqs 64 --max-model-len 2048 > "$out/serve-pp$pp.log" 2>&1 &
   pid=$!
-  for _ in $(seq 300); do
-    curl -sf localhost:$port/health >/dev/null && break
-    kill -0 $pid 2>/dev/null || { log "server PP=$pp died"; tail -20 "$out/serve-pp$pp.log"; break; }
-    sleep 1
-  done
+  wait_healthy $port $pid "$out/serve-pp$pp.log" || log "server PP=$pp died"
   python3 benchmarks/greedy_outputs.py get --port $port --out "$out/greedy-pp$pp.json"
   for conc in ${CONCS:-1 16}; do
     log "bench serve PP=$pp ($part), max concurrency $conc"
-    python3 -m engramrt bench serve --port $port --num-prompts $((conc > 1 ? ${NUM_PROMPTS:-128} : ${NUM_PROMPTS:-128} / 4)) \
-      --random-input-len 256 --random-output-len 64 --ignore-eos --max-concurrency $conc \
-      --disable-tqdm --save-result --result-dir "$out" --result-filename "bench-pp$pp-c$conc.json" \
-      | sed -n '/Serving Benchmark Result/,/^=*$/p' | tee -a "$out/summary.txt"
+    bench_serve $port $conc $((conc > 1 ? ${NUM_PROMPTS:-128} : ${NUM_PROMPTS:-128} / 4)) "$out" \
+      "bench-pp$pp-c$conc.json" | tee -a "$out/summary.txt"
   done
   kill $pid; wait $pid 2>/dev/null
   port=$((port + 1))

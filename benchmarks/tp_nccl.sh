@@ -14,6 +14,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 parts=${PARTS:-check decode offline serve}
 log() { echo "== $*" | tee -a "$out/summary.txt"; }
 want() { [[ " $parts " == *" $1 "* ]]; }
+. "$(dirname "$0")/serve_lib.sh"
 model() { [ -f /tmp/m$1/config.json ] || python3 benchmarks/make_models.py --preset $1 \
   --out /tmp/m$1 --device cuda 2>&1 | tail -1 | tee -a "$out/summary.txt"; }
 
@@ -66,18 +67,12 @@ want serve && model 4b && port=8600 && for tp in 2 1; do
   python3 -m engramrt serve /tmp/m4b --port $port --device cuda --dtype bfloat16 -tp $tp \
     --max-num-seqs 64 --max-model-len 2048 > "$out/serve-tp$tp.log" 2>&1 &
   pid=$!
-  for _ in $(seq 300); do
-    curl -sf localhost:$port/health > /dev/null && break
-    kill -0 $pid 2>/dev/null || { log "server TP=$tp died"; tail -20 "$out/serve-tp$tp.log"; break; }
-    sleep 1
-  done
+  wait_healthy $port $pid "$out/serve-tp$tp.log" || log "server TP=$tp died"
   python3 benchmarks/greedy_outputs.py get --port $port --out "$out/greedy-tp$tp.json"
   for conc in 1 16; do
     log "bench serve TP=$tp, max concurrency $conc"
-    timeout 300 python3 -m engramrt bench serve --port $port --num-prompts $((conc > 1 ? 128 : 32)) \
-      --random-input-len 256 --random-output-len 64 --ignore-eos --max-concurrency $conc \
-      --disable-tqdm --save-result --result-dir "$out" --result-filename "serve-tp$tp-c$conc.json" \
-      | sed -n '/Serving Benchmark Result/,/^=*$/p' | tee -a "$out/summary.txt"
+    bench_serve $port $conc $((conc > 1 ? 128 : 32)) "$out" "serve-tp$tp-c$conc.json" \
+      | tee -a "$out/summary.txt"
   done
   kill $pid; wait $pid 2>/dev/null
   port=$((port + 1))

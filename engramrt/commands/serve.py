@@ -79,6 +79,17 @@ class ServeOptions:
     seed: int = 0
     dist: DistConfig = field(default_factory=DistConfig)
 
+    @property
+    def speculative(self) -> SpecConfig | None:
+        """``--speculative-config`` parsed (a bad one: a ValueError naming the rule)."""
+        return SpecConfig.parse(self.speculative_config)
+
+    @property
+    def verify_drafts(self) -> int:
+        """Drafts a row of the verify graphs (0: no speculation)."""
+        spec = self.speculative
+        return spec.num_speculative_tokens if spec is not None else 0
+
 
 def kv_blocks(runner: StageRunner, opts: ServeOptions, cfg: ModelConfig, max_len: int) -> int:
     """``--num-gpu-blocks-override``; else a byte budget (``--kv-cache-memory-bytes``, or a
@@ -105,9 +116,7 @@ def kv_blocks(runner: StageRunner, opts: ServeOptions, cfg: ModelConfig, max_len
     graph_rows = 0 if opts.enforce_eager else max(opts.max_num_seqs, min(tokens, MAX_GRAPH_TOKENS))
     outputs = 0
     if not opts.enforce_eager:
-        spec = SpecConfig.parse(opts.speculative_config)
-        verify = spec.num_speculative_tokens if spec is not None else 0
-        shapes = graph_shapes(opts.max_num_seqs, opts.max_num_batched_tokens, verify)
+        shapes = graph_shapes(opts.max_num_seqs, opts.max_num_batched_tokens, opts.verify_drafts)
         if runner.is_last:
             row = cfg.vocab_size * 4  # fp32 logits
         else:
@@ -133,8 +142,7 @@ def check(opts: ServeOptions) -> tuple[ModelConfig, int]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if opts.long_prefill_token_threshold < 0:
         raise ValueError("--long-prefill-token-threshold must be >= 0 (0: off)")
-    spec = SpecConfig.parse(opts.speculative_config)  # a bad one: an error before start-up
-    if spec is not None and opts.async_scheduling:
+    if opts.speculative is not None and opts.async_scheduling:  # a bad one: an error already
         raise ValueError("--speculative-config does not combine with --async-scheduling")
     if opts.async_scheduling and len(opts.partition) > 1:
         raise ValueError("--async-scheduling needs one pipeline stage (-pp 1)")
@@ -178,8 +186,7 @@ def build_stage(
               f"({gib:.2f} GiB on stage 0)", flush=True)  # fmt: skip
     counting = count_compilations()
     runner.warm_up(opts.max_num_batched_tokens)  # kernel variants compiled now, not mid-serving
-    spec = SpecConfig.parse(opts.speculative_config)
-    verify = spec.num_speculative_tokens if spec is not None else 0
+    spec, verify = opts.speculative, opts.verify_drafts
     if device.type == "cuda" and not opts.enforce_eager:
         runner.capture_graphs(opts.max_num_seqs, opts.max_num_batched_tokens, verify)
         if spec is not None and driver:
