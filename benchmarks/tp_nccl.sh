@@ -2,16 +2,21 @@
 # Issue 21 on a two-GPU machine, in sections (PARTS, default all): "check" check-pp over NCCL at
 # TP = 2, PP = 1 against one GPU and PP = 2 (every partition still bitwise), fp32 and bf16, on the
 # pp8 preset; "decode" bench throughput latency mode at bs 1 and 64 on the 4b preset, TP = 2 vs
-# one GPU vs PP = 2, plus the NCCL all-reduce time of a step's sizes; "offline" nano-vllm's
-# protocol TP = 2 vs one GPU, and TP = 2 with host tables; "serve" serve -tp 2 vs one GPU with
-# bench serve at concurrency 1 and 16 and the greedy outputs of both compared.
+# one GPU vs PP = 2, and the NCCL kernels' share of a step (benchmarks/tp_profile.py);
+# "offline" nano-vllm's protocol TP = 2 vs one GPU, and TP = 2 with host tables; "serve" serve
+# -tp 2 vs one GPU with bench serve at concurrency 1 and 16 (bf16) and the greedy outputs of
+# both compared (fp32: tokens must match; bf16: reported).
 #   bash benchmarks/tp_nccl.sh OUT_DIR
+# A dry run of the script on one GPU: BACKEND=gloo PRESET=pp8 (two ranks share the GPU over
+# gloo, eagerly; the profile runs one rank) proves the commands, not the numbers.
 set -uo pipefail
 out=${1:-/tmp/tp_nccl}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 parts=${PARTS:-check decode offline serve}
+big=${PRESET:-4b}
+backend=${BACKEND:+--distributed-backend $BACKEND}
 log() { echo "== $*" | tee -a "$out/summary.txt"; }
 want() { [[ " $parts " == *" $1 "* ]]; }
 . "$(dirname "$0")/serve_lib.sh"
@@ -25,58 +30,57 @@ python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count(), to
 want check && model pp8 && for dtype in float32 bfloat16; do
   for stages in 1 2; do
     tp=$([ $stages = 1 ] && echo 2 || echo 1)
-    log "check-pp --stages $stages -tp $tp --dtype $dtype (NCCL, 2 GPUs)"
+    log "check-pp --stages $stages -tp $tp --dtype $dtype (${BACKEND:-nccl}, 2 ranks)"
     timeout 300 python3 -m engramrt check-pp --model /tmp/mpp8 --device cuda --stages $stages \
-      -tp $tp --dtype $dtype --decode-steps 16 --rtol 1 --json "$out/check-$stages-$dtype.json" \
+      -tp $tp $backend --dtype $dtype --decode-steps 16 --rtol 1 \
+      --json "$out/check-$stages-$dtype.json" \
       2>"$out/check-$stages-$dtype.err" | tail -4 | tee -a "$out/summary.txt"
   done
 done
 
 bench() {  # tag flags...
   local tag=$1; shift
-  timeout 400 python3 -m engramrt bench throughput --model /tmp/m4b --device cuda \
-    --dtype bfloat16 "$@" > "$out/$tag.txt" 2> "$out/$tag.err"
+  timeout 400 python3 -m engramrt bench throughput --model /tmp/m$big --device cuda \
+    --dtype bfloat16 $backend "$@" > "$out/$tag.txt" 2> "$out/$tag.err"
   echo "$tag: $(grep -E 'Output token throughput|Decode step|Achieved' "$out/$tag.txt" | tr '\n' ' ')" \
     | tee -a "$out/summary.txt"
 }
-want decode && model 4b && for bs in 1 64; do
+want decode && model $big && for bs in 1 64; do
   for cfg in "tp2:-tp 2" "tp1:" "pp2:-pp 2"; do
     bench "decode-${cfg%%:*}-bs$bs" --batch-size $bs --input-len 128 --output-len 128 ${cfg#*:}
   done
 done
-want decode && log "NCCL all-reduce of one decode step's sizes (bf16 [bs, 3072])" &&
-timeout 120 torchrun --standalone --nproc-per-node 2 - <<'EOF' 2>&1 | tee -a "$out/summary.txt"
-import os, torch, torch.distributed as dist
-dist.init_process_group("nccl"); r = dist.get_rank(); torch.cuda.set_device(r)
-for bs in (1, 64):
-    x = torch.randn(bs, 3072, dtype=torch.bfloat16, device="cuda")
-    for _ in range(20): dist.all_reduce(x)
-    torch.cuda.synchronize(); s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    s.record()
-    for _ in range(200): dist.all_reduce(x)
-    e.record(); torch.cuda.synchronize()
-    if r == 0: print(f"bs {bs}: {s.elapsed_time(e) / 200 * 1e3:.1f} us an all-reduce; a 4b step has 72")
-dist.destroy_process_group()
-EOF
+ranks=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 2 || echo 1)
+want decode && for bs in 1 64; do
+  log "the NCCL kernels' share of a TP decode step (profile, $ranks ranks, bs $bs)"
+  timeout 200 torchrun --standalone --nproc-per-node $ranks benchmarks/tp_profile.py \
+    --model /tmp/m$big --batch-size $bs 2>>"$out/profile.err" | tail -1 | tee -a "$out/summary.txt"
+done
 
-want offline && model 4b && for cfg in "tp2:-tp 2" "tp1:" "tp2-host:-tp 2 --engram-table-memory host"; do
+want offline && model $big && for cfg in "tp2:-tp 2" "tp1:" "tp2-host:-tp 2 --engram-table-memory host"; do
   bench "offline-${cfg%%:*}" ${cfg#*:}
 done
 
-want serve && model 4b && port=8600 && for tp in 2 1; do
-  python3 -m engramrt serve /tmp/m4b --port $port --device cuda --dtype bfloat16 -tp $tp \
-    --max-num-seqs 64 --max-model-len 2048 > "$out/serve-tp$tp.log" 2>&1 &
-  pid=$!
-  wait_healthy $port $pid "$out/serve-tp$tp.log" || log "server TP=$tp died"
-  python3 benchmarks/greedy_outputs.py get --port $port --out "$out/greedy-tp$tp.json"
-  for conc in 1 16; do
-    log "bench serve TP=$tp, max concurrency $conc"
-    bench_serve $port $conc $((conc > 1 ? 128 : 32)) "$out" "serve-tp$tp-c$conc.json" \
-      | tee -a "$out/summary.txt"
+want serve && model $big && port=8600 && for tp in 2 1; do
+  for dtype in bfloat16 float32; do  # bf16 for speed; fp32 for the greedy outputs' equality
+    tag=tp$tp-$dtype
+    python3 -m engramrt serve /tmp/m$big --port $port --device cuda --dtype $dtype \
+      -tp $tp $backend --max-num-seqs 64 --max-model-len 2048 > "$out/serve-$tag.log" 2>&1 &
+    pid=$!
+    wait_healthy $port $pid "$out/serve-$tag.log" || log "server $tag died"
+    python3 benchmarks/greedy_outputs.py get --port $port --out "$out/greedy-$tag.json"
+    for conc in 1 16; do
+      [ $dtype = bfloat16 ] || break
+      log "bench serve TP=$tp, max concurrency $conc"
+      bench_serve $port $conc $((conc > 1 ? 128 : 32)) "$out" "serve-tp$tp-c$conc.json" \
+        | tee -a "$out/summary.txt"
+    done
+    kill $pid; wait $pid 2>/dev/null
+    port=$((port + 1))
   done
-  kill $pid; wait $pid 2>/dev/null
-  port=$((port + 1))
 done
-want serve && log "greedy outputs, TP=1 vs TP=2" &&
-python3 benchmarks/greedy_outputs.py compare "$out/greedy-tp1.json" "$out/greedy-tp2.json" \
-  | tee -a "$out/summary.txt"
+want serve && for dtype in float32 bfloat16; do
+  log "greedy outputs, TP=1 vs TP=2, $dtype"
+  python3 benchmarks/greedy_outputs.py compare "$out/greedy-tp1-$dtype.json" \
+    "$out/greedy-tp2-$dtype.json" | tee -a "$out/summary.txt"
+done

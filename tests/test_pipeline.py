@@ -12,12 +12,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from engramrt.bundled import resolve_model_dir
 from engramrt.cli import main
 from engramrt.commands.check_pp import (
     RAISE_ENV,
     CheckOptions,
+    _flip_gap,
     check_pp,
     choose_partitions,
     format_report,
@@ -221,6 +223,24 @@ def test_check_pp_on_default_model_passes_and_catches_a_skipped_engram(tmp_path)
     rows = {line.split()[0]: line for line in bad.stdout.splitlines()[1:-1]}
     assert "MISMATCH" in rows["1,3"] and "MISMATCH" in rows["2,2"]  # stage 1 starts on Engram
     assert rows["3,1"].endswith(" ok")  # no Engram at that stage's entry: nothing skipped
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-3, 0.05, 1.0])
+def test_flip_gap_bounds_rounding_flips(eps: float) -> None:
+    """Greedy tokens of the reference's logits plus noise of at most ``eps`` flip only where
+    the reference's two tokens lie within 2 eps; the gap reported is the largest of those
+    (brute force over every row), None without flips."""
+    g = torch.Generator().manual_seed(int(eps * 1000))
+    ref = [torch.randn(5, 40, generator=g) for _ in range(6)]
+    noisy = [r + (torch.rand(r.shape, generator=g) * 2 - 1) * eps for r in ref]
+    want, got = ([x.argmax(-1).tolist() for x in xs] for xs in (ref, noisy))
+    gaps = [float(r[i, w[i]] - r[i, o[i]]) for r, w, o in zip(ref, want, got, strict=True)
+            for i in range(5) if w[i] != o[i]]  # fmt: skip
+    gap = _flip_gap(got, want, ref)
+    assert gap == (max(gaps) if gaps else None)
+    assert gap is None or 0 < gap <= 2 * eps
+    if eps == 0.0:
+        assert gap is None
 
 
 def test_check_pp_in_process_reports_a_raising_stage(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -152,3 +152,71 @@ def test_a_dead_tp_rank_ends_the_group_quickly() -> None:
     codes = [p.wait(timeout=120) for p in procs]
     assert codes[1] == 3 and codes[0] != 0
     assert time.monotonic() - start < 60
+
+
+# --- NCCL collectives inside CUDA graphs (GPU) -----------------------------------------------
+
+
+@pytest.mark.gpu
+def test_nccl_collectives_replay_in_cuda_graphs(monkeypatch) -> None:
+    """A one-rank NCCL group makes every collective of a TP step (embedding and row-parallel
+    all-reduces, Engram and logit all-gathers, the hash-id broadcast) a real NCCL launch; the
+    decode graphs captured with them give the logits and history of the model without a group,
+    stepped eagerly (one rank's sum and concatenation are the identity: bitwise)."""
+    import random
+
+    import torch.distributed as dist
+
+    from engramrt.engram import load_hasher
+    from engramrt.parallel import tensor
+    from engramrt.runner.batch import StepBatch
+    from engramrt.runner.stage import StageRunner, new_kv_cache
+
+    calls: dict[str, int] = {}
+    for name in ("all_reduce", "all_gather_into_tensor", "broadcast"):
+        real = getattr(dist, name)
+        monkeypatch.setattr(tensor.dist, name, lambda *a, _r=real, _n=name, **k: (
+            calls.__setitem__(_n, calls.get(_n, 0) + 1), _r(*a, **k))[1])  # fmt: skip
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model_dir, slots = resolve_model_dir(None), 9
+        one = TensorParallel(0, 1, dist.group.WORLD, 0)
+
+        def runner(tp: TensorParallel) -> StageRunner:
+            model = load_model(model_dir, torch.float32, "cuda", tp=tp)
+            hasher, tok = load_hasher(model_dir, slots, "cuda")
+            return StageRunner(model, hasher, new_kv_cache(model, slots, 64), tok)
+
+        eager, graphed = runner(tensor.SINGLE), runner(one)
+        graphed.capture_graphs(8)
+        assert {"all_reduce", "all_gather_into_tensor", "broadcast"} <= calls.keys()
+        rng = random.Random(7)
+        picked = rng.sample(range(1, slots), 5)
+        prompts = [[rng.randrange(6, 1000) for _ in range(rng.randint(2, 9))] for _ in picked]
+        first = StepBatch([t for p in prompts for t in p], picked, [len(p) for p in prompts],
+                          [0] * len(picked))  # fmt: skip
+        for r in (eager, graphed):
+            r.step(first)
+        pos = [len(p) for p in prompts]
+        for _ in range(4):
+            nxt = [rng.randrange(6, 1000) for _ in picked]
+            batch = StepBatch(nxt, picked, [1] * len(picked), pos)
+            want, got = eager.step(batch), graphed.step(batch)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # padded GEMMs may
+            assert torch.equal(got.argmax(-1), want.argmax(-1))  # round differently
+            pos = [p + 1 for p in pos]
+        assert torch.equal(graphed.hasher.history.table, eager.hasher.history.table)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_over_nccl_matches_one_gpu() -> None:
+    """Two GPUs, NCCL, decode steps in CUDA graphs: TP = 2 gives one GPU's greedy tokens."""
+    two = DistConfig(tp_size=2, device="cuda")
+    report = check_pp(CheckOptions(resolve_model_dir(None), stages=1, prompts=PROMPTS,
+                                   decode_steps=6, dist=two))  # fmt: skip
+    assert report["partitions"] and report["ok"]
+    for row in report["partitions"]:
+        assert row["error"] is None and row["greedy_tokens_identical"] and row["engram_runs_ok"]

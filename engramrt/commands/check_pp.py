@@ -261,6 +261,7 @@ def _failed(parts: list[int], error: str) -> dict:
         "engram_runs_ok": None,
         "max_abs_dlogit": None,
         "greedy_tokens_identical": None,
+        "flip_gap": None,
         "ok": False,
         "error": error,
     }
@@ -287,9 +288,21 @@ def _compare(opts, parts, per_stage, logits, tokens, ref_logits, ref_tokens) -> 
         "engram_runs_ok": all(ran_ok),
         "max_abs_dlogit": delta,
         "greedy_tokens_identical": same_tokens,
+        "flip_gap": _flip_gap(tokens, ref_tokens, ref_logits),
         "ok": all(ran_ok) and same_tokens and close,
         "error": None,
     }
+
+
+def _flip_gap(tokens, ref_tokens, ref_logits) -> float | None:
+    """Where a greedy token differs (the inputs are the reference's), the largest gap between
+    the two tokens' reference logits: a flip within ``max_abs_dlogit`` is a near-tie that
+    rounding decided, a larger one is a wrong logit. None when no token differs."""
+    gaps = [float(ref[row, want] - ref[row, got])
+            for step, ref in enumerate(ref_logits)
+            for row, (got, want) in enumerate(zip(tokens[step], ref_tokens[step], strict=True))
+            if got != want]  # fmt: skip
+    return max(gaps) if gaps else None
 
 
 def format_report(report: dict) -> str:
@@ -311,6 +324,11 @@ def format_report(report: dict) -> str:
             f"{r['max_abs_dlogit']:>13.3g} "
             f"{'identical' if r['greedy_tokens_identical'] else 'DIFFER':>14}  "
             f"{'ok' if r['ok'] else 'MISMATCH'}"
+            + (
+                f" (tokens flip where the reference's gap is {r['flip_gap']:.3g})"
+                if r.get("flip_gap") is not None
+                else ""
+            )
         )
     failed = sum(r["error"] is not None for r in report["partitions"])
     bad = sum(not r["ok"] for r in report["partitions"]) - failed

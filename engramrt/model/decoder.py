@@ -164,7 +164,7 @@ class EngramMHCModel(nn.Module):
         """The stream ``[T, hc, D]`` (the embedding in every copy) and the first pre-mix. Under
         tensor parallelism each rank embeds the tokens of its vocabulary slice and -0.0 for the
         others (the additive identity), so the all-reduce rebuilds each row bit for bit."""
-        if self.tp.size == 1:
+        if self.tp.solo:
             x = self.embed(tokens)
         else:
             local = tokens - self.vocab_start

@@ -10,6 +10,9 @@ rebuilds is bitwise what one process computes; an all-reduce changes the summati
 
 Under gloo a CUDA tensor makes the round trip through host memory (gloo's own CUDA paths are
 not in every build), which also lets two ranks share one GPU, where NCCL refuses.
+
+The collectives run whenever there is a group, even of one rank: on one GPU a one-rank NCCL
+group puts the same NCCL launches into captured CUDA graphs as two GPUs do.
 """
 
 from __future__ import annotations
@@ -41,12 +44,17 @@ class TensorParallel:
         lo = min(n, self.rank * per)
         return lo, min(n, lo + per), per
 
+    @property
+    def solo(self) -> bool:
+        """No group: nothing to exchange."""
+        return self.group is None
+
     def _host(self, x: torch.Tensor) -> bool:
         return x.is_cuda and dist.get_backend(self.group) == "gloo"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group (in place where the backend allows)."""
-        if self.size == 1:
+        if self.solo:
             return x
         if self._host(x):
             y = x.cpu()
@@ -58,7 +66,7 @@ class TensorParallel:
     def gather(self, x: torch.Tensor, total: int) -> torch.Tensor:
         """The ranks' ``padded_span`` parts of the last dimension, concatenated and cut to
         ``total`` (every rank gets the whole)."""
-        if self.size == 1:
+        if self.solo:
             return x
         per = -(-total // self.size)
         if x.shape[-1] < per:
@@ -74,7 +82,7 @@ class TensorParallel:
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """The leader's ``x`` on every rank (``x``: a buffer of the right shape elsewhere)."""
-        if self.size == 1:
+        if self.solo:
             return x
         if self._host(x):
             y = x.cpu()

@@ -339,7 +339,7 @@ class StageRunner:
                 ids = self.hasher.extend(t, ctx.slot_ids, lens, ctx.start_pos_t, check=False,
                                          commit=ctx.commit_runs)  # fmt: skip
             dead = self.hasher.is_dead(t)
-            if tp.size == 1:
+            if tp.solo:
                 return ids, dead
         else:
             like = Carry.empty(self.model, len(t))
