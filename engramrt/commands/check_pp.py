@@ -194,7 +194,6 @@ def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str)
     """``rank``: this process's stage; with TP each stage is ``tp`` ranks, and the reference
     is one process without TP (on the driver)."""
     tp = tensor.current()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world * tp.size)))
     n = len(prompts)
     driver = rank == 0 and tp.rank == 0
     if driver:

@@ -149,6 +149,9 @@ def _spawned(rank: int, cfg: DistConfig, addr: str, port: int, worker: Worker, a
 
 
 def _run(rank: int, cfg: DistConfig, worker: Worker, args) -> None:
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it; spawned ranks share the cores
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     if cfg.device == "cuda":
         torch.cuda.set_device(stage_device(cfg))
     dist.init_process_group(
