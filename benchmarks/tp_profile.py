@@ -4,8 +4,9 @@ sums the NCCL kernels' GPU time against all kernels' and against the step's wall
 
     torchrun --standalone --nproc-per-node 2 benchmarks/tp_profile.py --model /tmp/m4b
 
-With one process the group still has one rank, so every collective is a real (one-rank)
-NCCL launch: what the launches cost without any peer to wait for.
+With one process the group has one rank: the collectives go through torch's NCCL process
+group, but NCCL launches no kernel for one rank (the profile shows none), so the figures are
+the step's own.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def worker(rank: int, world: int) -> None:
         runner.step = once
         pipe.serve()
     if rank == 1:
-        pipe._stage(pipe._recv_batch(pipe._recv_header()[1]))
+        pipe._stage(pipe._recv_batch(*pipe._recv_header()[1:]))
         os._exit(3)
     pipe.step(StepBatch([0, 7, 8, 9], [0], [4], [0]))
     pipe.step(StepBatch([10], [0], [1], [4]))  # rank 1 is gone by now: this must fail, not hang

@@ -13,7 +13,8 @@ from engramrt.commands.generate import prompt_tokens
 from engramrt.config import load_json, model_config
 from engramrt.engram import load_hasher
 from engramrt.engram.token_map import load_tokenizer
-from engramrt.parallel.pipeline import Pipeline, decode_batch, encode_batch
+from engramrt.parallel import pipeline
+from engramrt.parallel.pipeline import Pipeline
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import MAX_LOGPROBS, SampleRow, StepBatch
 from engramrt.runner.logit_controls import Controls
@@ -144,19 +145,24 @@ def test_prompt_limits() -> None:
         prompt_tokens(enc, small, "hello", 1, 100, SampleRow())
 
 
-def test_step_message_round_trip_keeps_every_field_exactly() -> None:
-    """What one stage encodes, the next decodes unchanged; seeds stay exact integers. Tokens
-    and history rebuilds stay on the first stage."""
-    rows = [SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4, False), SampleRow(seed=2**63 - 1)]
+@pytest.mark.parametrize("with_tokens", [False, True])
+def test_step_message_round_trip_keeps_every_field_exactly(with_tokens: bool) -> None:
+    """What one stage encodes, the next decodes unchanged: seeds stay exact integers, sampling
+    floats exact bits; the tokens travel only to a first stage's TP followers (history
+    rebuilds stay on the first stage's leader)."""
+    rows = [
+        SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4, False),
+        SampleRow(seed=2**63 - 1, min_p=1e-300),
+    ]
     controls = Controls(0.5, -0.25, 1.3, {7: -100.0, 2: 0.1}, 3, [1, 9], [2, 7, 8], [4])
-    batch = StepBatch(None, [3, 1], [2, 0], [5, 9], [[4, 7], [2]], [1, 0], rows, True, [11, -1], 2,
-                      controls=[(3, controls, [5, 6], [7]), (1, None, [], [])],
+    tokens = [9, 2**40, 0] if with_tokens else None
+    batch = StepBatch(tokens, [3, 1], [2, 1], [5, 9], [[4, 7], [2]], [1, 0], rows, True,
+                      [11, -1, 4], 2, controls=[(3, controls, [5, 6], [7]), (1, None, [], [])],
                       masks=[(0, [5, -(2**31), 2**31 - 1])])  # fmt: skip
-    back = decode_batch(encode_batch(batch))
-    back.sampling = [
-        SampleRow.from_parts(r.floats(), r.ints()) for r in rows
-    ]  # the float/int split the wire uses
-    assert back == batch
+    n, message = pipeline.encode_step(batch, with_tokens)
+    ints = pipeline.decode_batch(pipeline.encode_batch(batch))
+    assert ints == dataclasses.replace(batch, tokens=None, sampling=None)
+    assert pipeline.decode_step(message, n, with_tokens) == batch
 
 
 def test_sampler_never_returns_ids_past_the_tokenizer(session: StageRunner) -> None:

@@ -159,10 +159,11 @@ def test_a_dead_tp_rank_ends_the_group_quickly() -> None:
 
 @pytest.mark.gpu
 def test_nccl_collectives_replay_in_cuda_graphs(monkeypatch) -> None:
-    """A one-rank NCCL group makes every collective of a TP step (embedding and row-parallel
-    all-reduces, Engram and logit all-gathers, the hash-id broadcast) a real NCCL launch; the
-    decode graphs captured with them give the logits and history of the model without a group,
-    stepped eagerly (one rank's sum and concatenation are the identity: bitwise)."""
+    """A one-rank NCCL group sends every collective of a TP step (embedding and row-parallel
+    all-reduces, Engram and logit all-gathers, the hash-id broadcast) through torch's NCCL
+    process group inside the capture; the decode graphs give the logits and history of the
+    model without a group, stepped eagerly. (With one rank NCCL itself launches no kernel: that
+    part needs two GPUs, ``test_tp2_over_nccl_matches_one_gpu``.)"""
     import random
 
     import torch.distributed as dist

@@ -26,6 +26,7 @@ from engramrt.runner.logit_controls import Controls
 from engramrt.runner.stage import StageRunner
 
 _STEP, _STOP = 0, 1
+_INTS, _FLOATS = 5, 3  # a sampling row's parts (``SampleRow.ints``, ``SampleRow.floats``)
 
 
 def encode_batch(b: StepBatch) -> list[int]:
@@ -45,6 +46,28 @@ def encode_batch(b: StepBatch) -> list[int]:
     blob = json.dumps([controls, b.masks]).encode()
     body += [len(blob), *blob]  # rare (admissions): bytes as integers is simple enough
     return head + body
+
+
+def encode_step(b: StepBatch, with_tokens: bool) -> tuple[int, list[int]]:
+    """A step as one message (one send, one host sync on the other side): the batch's integers,
+    its sampling rows (floats as their int64 bits) and, for a TP follower of the first stage,
+    the tokens; with where the batch's integers end."""
+    body, rows = encode_batch(b), b.rows()
+    floats = torch.tensor([r.floats() for r in rows], dtype=torch.float64).view(torch.int64)
+    message = body + [x for r in rows for x in r.ints()] + floats.flatten().tolist()
+    return len(body), message + (b.tokens if with_tokens else [])
+
+
+def decode_step(message: list[int], n: int, with_tokens: bool) -> StepBatch:
+    batch = decode_batch(message[:n])
+    b, v = len(batch.slots), message[n:]
+    ints = [v[i : i + _INTS] for i in range(0, b * _INTS, _INTS)]
+    bits = torch.tensor(v[b * _INTS : b * (_INTS + _FLOATS)], dtype=torch.int64)
+    floats = bits.view(torch.float64).view(b, _FLOATS).tolist()
+    batch.sampling = [SampleRow.from_parts(f, i) for f, i in zip(floats, ints, strict=True)]
+    if with_tokens:
+        batch.tokens = v[b * (_INTS + _FLOATS) :]
+    return batch
 
 
 def decode_batch(v: list[int]) -> StepBatch:
@@ -116,7 +139,7 @@ class Pipeline:
     def _release(self) -> None:
         """A stop message down the pipeline, and to this stage's TP followers."""
         if not self.is_last:
-            self._send_header(_STOP, 0)
+            self._send_header(_STOP, 0, 0)
         if self.tp.size > 1:
             self._share(_STOP)
 
@@ -127,23 +150,21 @@ class Pipeline:
             self._follow()
             return
         while True:
-            kind, n = self._recv_header()
+            kind, n, size = self._recv_header()
             if kind == _STOP:
                 self._release()
                 return
-            self._stage(self._recv_batch(n))
+            self._stage(self._recv_batch(n, size))
 
     def _follow(self) -> None:
         """A TP follower: the leader's steps on this rank's slices, until it says stop."""
         while True:
-            kind, n = self._bcast((2,), torch.int64).tolist()
+            kind, n, size = self._bcast((3,), torch.int64).tolist()
             if kind == _STOP:
                 return
-            batch = self._bcast_batch(n)
+            batch = decode_step(self._bcast((size,), torch.int64).tolist(), n, self.rank == 0)
             carry = None
-            if self.rank == 0:
-                batch.tokens = self._bcast((batch.num_tokens,), torch.int64).tolist()
-            else:
+            if self.rank != 0:
                 like = Carry.empty(self.runner.model, batch.num_tokens)
                 carry = Carry(*(self._bcast(t.shape, t.dtype) for t in like.tensors()))
             self.runner.step(batch, carry, last_only=not batch.full_logits)
@@ -180,27 +201,14 @@ class Pipeline:
     def _share(self, kind: int, batch: StepBatch | None = None, carry: Carry | None = None):
         """The leader's half of ``_follow``."""
         if kind == _STOP:
-            self._bcast((2,), torch.int64, torch.tensor([_STOP, 0]))
+            self._bcast((3,), torch.int64, torch.tensor([_STOP, 0, 0]))
             return
-        body, rows = encode_batch(batch), batch.rows()
-        self._bcast((2,), torch.int64, torch.tensor([_STEP, len(body)]))
-        self._bcast((len(body),), torch.int64, torch.tensor(body))
-        self._bcast((len(rows), 5), torch.int64, torch.tensor([r.ints() for r in rows]))
-        self._bcast((len(rows), 3), torch.float64, torch.tensor([r.floats() for r in rows],
-                                                                dtype=torch.float64))  # fmt: skip
-        if carry is None:
-            self._bcast((batch.num_tokens,), torch.int64, torch.tensor(batch.tokens))
-        else:
+        n, message = encode_step(batch, carry is None)
+        self._bcast((3,), torch.int64, torch.tensor([_STEP, n, len(message)]))
+        self._bcast((len(message),), torch.int64, torch.tensor(message))
+        if carry is not None:
             for t in carry.tensors():
                 self._bcast(t.shape, t.dtype, t)
-
-    def _bcast_batch(self, n: int) -> StepBatch:
-        batch = decode_batch(self._bcast((n,), torch.int64).tolist())
-        b = len(batch.slots)
-        ints = self._bcast((b, 5), torch.int64).tolist()
-        floats = self._bcast((b, 3), torch.float64).tolist()
-        batch.sampling = [SampleRow.from_parts(f, i) for f, i in zip(floats, ints, strict=True)]
-        return batch
 
     # --- messages ------------------------------------------------------------------------
 
@@ -223,28 +231,21 @@ class Pipeline:
     def _send_values(self, values: list, dtype: torch.dtype, dst: int) -> None:
         self._send(torch.tensor(values, dtype=dtype), dst)
 
-    def _send_header(self, kind: int, n: int) -> None:
-        self._send_values([kind, n], torch.int64, self._peer(self.rank + 1))
+    def _send_header(self, kind: int, n: int, size: int) -> None:
+        self._send_values([kind, n, size], torch.int64, self._peer(self.rank + 1))
 
-    def _recv_header(self) -> tuple[int, int]:
-        kind, n = self._recv((2,), torch.int64, self._peer(self.rank - 1)).tolist()
-        return kind, n
+    def _recv_header(self) -> tuple[int, int, int]:
+        kind, n, size = self._recv((3,), torch.int64, self._peer(self.rank - 1)).tolist()
+        return kind, n, size
 
     def _send_batch(self, batch: StepBatch) -> None:
-        body, rows, dst = encode_batch(batch), batch.rows(), self._peer(self.rank + 1)
-        self._send_header(_STEP, len(body))
-        self._send_values(body, torch.int64, dst)
-        self._send_values([r.ints() for r in rows], torch.int64, dst)
-        self._send_values([r.floats() for r in rows], torch.float64, dst)
+        n, message = encode_step(batch, False)
+        self._send_header(_STEP, n, len(message))
+        self._send_values(message, torch.int64, self._peer(self.rank + 1))
 
-    def _recv_batch(self, n: int) -> StepBatch:
-        src = self._peer(self.rank - 1)
-        batch = decode_batch(self._recv((n,), torch.int64, src).tolist())
-        b = len(batch.slots)
-        ints = self._recv((b, 5), torch.int64, src).tolist()
-        floats = self._recv((b, 3), torch.float64, src).tolist()
-        batch.sampling = [SampleRow.from_parts(f, i) for f, i in zip(floats, ints, strict=True)]
-        return batch
+    def _recv_batch(self, n: int, size: int) -> StepBatch:
+        message = self._recv((size,), torch.int64, self._peer(self.rank - 1)).tolist()
+        return decode_step(message, n, False)
 
     def _recv_carry(self, t: int) -> Carry:
         src, like = self._peer(self.rank - 1), Carry.empty(self.runner.model, 0)

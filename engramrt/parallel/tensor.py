@@ -12,7 +12,8 @@ Under gloo a CUDA tensor makes the round trip through host memory (gloo's own CU
 not in every build), which also lets two ranks share one GPU, where NCCL refuses.
 
 The collectives run whenever there is a group, even of one rank: on one GPU a one-rank NCCL
-group puts the same NCCL launches into captured CUDA graphs as two GPUs do.
+group takes the capture path of two GPUs through torch's process group (NCCL itself has no
+work for one rank).
 """
 
 from __future__ import annotations
