@@ -5,15 +5,12 @@ set -euo pipefail
 out=${1:-/tmp/serve_bench}; shift || true
 devices=${*:-cpu $(python3 -c 'import torch; print("cuda" if torch.cuda.is_available() else "")')}
 mkdir -p "$out"
+. "$(dirname "$0")/serve_lib.sh"
 port=8431
 for dev in $devices; do
   python3 -m engramrt serve --port $port --device "$dev" --max-num-seqs 64 > "$out/serve-$dev.log" 2>&1 &
   pid=$!
-  for _ in $(seq 120); do
-    curl -sf localhost:$port/health >/dev/null && break
-    kill -0 $pid 2>/dev/null || { echo "server on $dev died:"; tail -5 "$out/serve-$dev.log"; exit 1; }
-    sleep 1
-  done
+  wait_healthy $port $pid "$out/serve-$dev.log" || exit 1
   for conc in 1 16 64; do
     echo "== device $dev, max concurrency $conc"
     python3 -m engramrt bench serve --port $port --num-prompts $((conc * 4 > 32 ? conc * 4 : 32)) \

@@ -24,11 +24,8 @@ python3 -m engramrt serve $model --port $port --device cuda --dtype bfloat16 \
   --max-num-seqs 128 --max-model-len 2048 "$@" > "$out/serve.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null' EXIT
-for _ in $(seq 300); do
-  curl -sf localhost:$port/health > /dev/null && break
-  kill -0 $pid 2>/dev/null || { echo "server died:"; tail -20 "$out/serve.log"; exit 1; }
-  sleep 1
-done
+. "$(dirname "$0")/serve_lib.sh"
+wait_healthy $port $pid "$out/serve.log" || exit 1
 rss=$(ps -o rss= -p $pid | awk '{printf "%.2f GiB", $1 / 2^20}')
 echo "start-up: $(python3 -c "import time; print(round(time.time() - $launched, 1))") s to" \
   "/health; server RSS $rss"
