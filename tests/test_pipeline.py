@@ -25,7 +25,7 @@ from engramrt.commands.check_pp import (
     format_report,
 )
 from engramrt.parallel.faults import FAULT_ENV
-from engramrt.parallel.launch import free_port
+from engramrt.parallel.launch import DistConfig, free_port, launch
 from engramrt.parallel.partition import (
     ENV,
     PartitionError,
@@ -353,3 +353,20 @@ def test_a_dead_stage_ends_the_others_quickly() -> None:
     elapsed = time.monotonic() - start
     assert codes[1] == 3 and codes[0] != 0
     assert elapsed < 60
+
+
+def _threads_of(stage: int, stages: int, out_dir: str) -> None:
+    Path(out_dir, str(stage)).write_text(str(torch.get_num_threads()))
+
+
+@pytest.mark.parametrize("omp", [None, "1"])
+def test_spawned_ranks_share_the_cores(omp: str | None, tmp_path: Path, monkeypatch) -> None:
+    """Each spawned rank takes cpu_count / world threads (two ranks at the default of all cores
+    spin against each other), unless OMP_NUM_THREADS says otherwise."""
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    launch(DistConfig(pp_size=2), _threads_of, str(tmp_path))
+    want = int(omp) if omp else max(1, (os.cpu_count() or 1) // 2)
+    assert [int((tmp_path / str(s)).read_text()) for s in range(2)] == [want, want]
