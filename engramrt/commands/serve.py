@@ -172,7 +172,8 @@ def build_stage(
         table_memory=opts.table_memory,
     )  # fmt: skip
     inject_stage_faults(runner, rank)  # test-only, from the environment (A/B arms)
-    driver = rank == 0 and runner.model.tp.rank == 0
+    pipe = Pipeline(runner, rank, world)
+    driver = pipe.is_driver
     if not opts.engram:
         runner.model.disable_engram()
         if driver:
@@ -196,8 +197,7 @@ def build_stage(
     if driver and counting and compilations():
         print(f"engramrt: {compilations()} Triton kernel variants compiled at start-up",
               flush=True)  # fmt: skip
-    pipe = Pipeline(runner, rank, world)
-    if not pipe.is_driver:
+    if not driver:
         return pipe, None
     config = EngineConfig(
         max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, blocks,

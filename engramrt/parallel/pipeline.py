@@ -31,8 +31,8 @@ _INTS, _FLOATS = 5, 3  # a sampling row's parts (``SampleRow.ints``, ``SampleRow
 
 def encode_batch(b: StepBatch) -> list[int]:
     """The integers later stages need (not the tokens, not the rebuilds: those stay on the
-    first stage; the last stage's logit controls as JSON bytes); the sampling rows travel
-    separately."""
+    first stage; the last stage's logit controls as JSON bytes); ``encode_step`` adds the
+    sampling rows (and a first-stage follower's tokens)."""
     tables, targets = b.new_blocks, b.targets
     head = [int(b.return_logits), len(b.slots), int(tables is not None)]
     head += [int(targets is not None), b.target_k, int(b.drafts is not None)]

@@ -163,7 +163,7 @@ class StageRunner:
         if not use_triton(self.device):  # the torch reference attention is not capturable
             print("engramrt: CUDA graphs need the Triton kernels; decoding eagerly", flush=True)
             return
-        if self.model.tp.size > 1 and dist.get_backend(self.model.tp.group) != "nccl":
+        if not self.model.tp.solo and dist.get_backend(self.model.tp.group) != "nccl":
             print("engramrt: tensor parallelism over gloo cannot be captured in CUDA graphs; "
                   "decoding eagerly", flush=True)  # fmt: skip
             return
