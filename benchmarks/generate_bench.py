@@ -11,10 +11,10 @@ import argparse
 import torch
 
 from engramrt.bundled import resolve_model_dir
-from engramrt.commands.generate import generate
-from engramrt.parallel.pipeline import Pipeline
+from engramrt.commands.generate import GenerateOptions, generate
+from engramrt.config import load_json, model_config
+from engramrt.engine.build import build_stage
 from engramrt.prompts import PromptEncoder
-from engramrt.runner.stage import StageRunner
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and the Engram"
 
@@ -31,11 +31,12 @@ def main() -> None:
     )
     for device in devices:
         for dtype in ("float32", "bfloat16"):
-            runner = StageRunner.load(model_dir, device=device, dtype=dtype)
-            pipe = Pipeline(runner)
-            prompts = PromptEncoder.load(model_dir, runner.tokenizer)
-            generate(pipe, prompts, PROMPT, 4)  # warm-up
-            out = generate(pipe, prompts, PROMPT, args.max_tokens)
+            layers = model_config(load_json(model_dir)).num_layers
+            opts = GenerateOptions(model_dir, [layers], device=device, dtype=dtype)
+            engine = build_stage(opts)[1]
+            prompts = PromptEncoder.load(model_dir, engine.tokenizer)
+            generate(engine, prompts, PROMPT, 4)  # warm-up
+            out = generate(engine, prompts, PROMPT, args.max_tokens)
             ref = out.token_ids if ref is None else ref
             same = next(
                 (i for i, (a, b) in enumerate(zip(out.token_ids, ref, strict=False)) if a != b),

@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.hash_bench import copy_bandwidth_gbs, median_us
-from engramrt.commands.bench_throughput import _engine, add_arguments, measure, random_prompts
+from engramrt.commands.bench_throughput import add_arguments, local_engine, measure, random_prompts
 from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams
 
@@ -48,7 +48,7 @@ def engine_for(model: str, max_len: int, device: str, *flags: str) -> Engine:
     add_arguments(p)
     args = p.parse_args(["--model", model, "--device", device, "--max-num-seqs", "256",
                          "--max-num-batched-tokens", "8192", *flags])  # fmt: skip
-    return _engine(args, max_len)
+    return local_engine(args, max_len)
 
 
 @contextlib.contextmanager

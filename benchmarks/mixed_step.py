@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from engramrt.commands.bench_throughput import _engine, add_arguments
+from engramrt.commands.bench_throughput import add_arguments, local_engine
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 
@@ -58,7 +58,7 @@ def main() -> None:
     add_arguments(p)
     args = p.parse_args(["--model", a.model, "--device", "cuda", "--dtype", "bfloat16",
                          "--max-num-seqs", "128", "--max-num-batched-tokens", "2048"])  # fmt: skip
-    runner = _engine(args, 2048).pipeline.runner
+    runner = local_engine(args, 2048).pipeline.runner
     b, ctx = a.rows, a.context
     kv = runner.kv  # slot s on its own fixed blocks (the warm-up left scratch tables)
     kv.set_tables(list(range(b + 1)), None, [kv.slot_table(s) for s in range(b + 1)])

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from engramrt.server import app as app_mod
 from engramrt.server.serving import ServerConfig
-from tests.server_fixture import server_fixture
+from tests.support.server_fixture import server_fixture
 
 
 class _Stub:

@@ -8,8 +8,7 @@ import argparse
 import pytest
 
 from engramrt.cli import main
-from engramrt.commands.bench_throughput import _decode_bytes, _options, add_arguments
-from engramrt.commands.serve import build_stage
+from engramrt.commands.bench_throughput import _decode_bytes, add_arguments, local_engine
 
 
 def test_throughput_mode(capsys: pytest.CaptureFixture) -> None:
@@ -58,7 +57,7 @@ def test_decode_bytes_match_a_count_from_the_config() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(["--device", "cpu", "--num-gpu-blocks-override", "64"])
-    engine = build_stage(_options(args, 64))[1]
+    engine = local_engine(args, 64)
     c = engine.pipeline.runner.model.cfg
     d, e, hc = c.hidden_size, c.engram, c.hc_mult
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

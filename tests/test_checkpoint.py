@@ -30,8 +30,8 @@ from engramrt.model.context import ForwardContext
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner, new_kv_cache
-from tests.fp8_oracle import e4m3_value
-from tests.model_factory import make_model, make_raw_config, save_model
+from tests.support.fp8_oracle import e4m3_value
+from tests.support.model_factory import make_model, make_raw_config, save_model
 
 # Includes the pad id 2, repeats (shared n-grams), the last vocab id and the image id 5.
 TOKENS = [0, 17, 300, 2, 2, 1023, 44, 17, 300, 2, 9, 5, 61, 17, 300, 8]

@@ -15,7 +15,7 @@ from engramrt.config import engram_config, load_json
 from engramrt.engram import load_hasher
 from engramrt.engram.layout import EngramLayout
 from engramrt.engram.token_map import build_token_map, load_tokenizer
-from tests.hash_oracle import oracle_ids
+from tests.support.hash_oracle import oracle_ids
 
 
 def _oracle(tokens: list[int]) -> list[list[list[int]]]:

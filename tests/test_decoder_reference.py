@@ -20,7 +20,7 @@ from engramrt.engram.layout import EngramLayout
 from engramrt.engram.token_map import build_token_map, load_tokenizer
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner, new_kv_cache
-from tests.model_factory import make_model
+from tests.support.model_factory import make_model
 
 T = 7
 TOKENS = [17, 402, 88, 17, 402, 951, 33]  # a repeated bigram, no image token (id 5)

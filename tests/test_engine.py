@@ -14,7 +14,7 @@ from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.request import Logprob, SamplingParams
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.runner.stage import StageRunner
-from tests.engine_factory import bos_encoder, build_engine
+from tests.support.engine_factory import bos_encoder, build_engine
 
 MAX_LEN = 256
 MAX_SLOTS = 8
@@ -431,7 +431,7 @@ def test_a_tokenizer_larger_than_the_model_cannot_kill_the_engine() -> None:
     the tokenizer knows but the embedding has no row for is a ValueError naming both sizes,
     and the engine keeps serving (it used to die in the embedding lookup)."""
     from engramrt.engram import load_hasher
-    from tests.model_factory import make_model
+    from tests.support.model_factory import make_model
 
     model, _ = make_model(seed=3, vocab_size=600)
     hasher, tok = load_hasher(resolve_model_dir(None), 2)

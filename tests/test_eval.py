@@ -16,12 +16,12 @@ from fastapi import FastAPI
 from engramrt.bundled import resolve_model_dir
 from engramrt.cli import build_parser
 from engramrt.commands import evaluate
-from engramrt.commands.generate import generate
-from engramrt.parallel.pipeline import Pipeline
+from engramrt.commands.generate import GenerateOptions, generate
+from engramrt.engine.build import build_stage
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
-from tests.server_fixture import free_port
+from tests.support.server_fixture import free_port
 
 
 def _stub_app() -> FastAPI:
@@ -180,11 +180,12 @@ def test_ab_arms_start_their_servers(tmp_path, capsys) -> None:
     server) for half the items and wrong for the rest: the Engram-on arm scores exactly half;
     the table has the off arm beside it."""
     model = resolve_model_dir(None)
-    runner = StageRunner.load(model, 1, 128, "cpu", "float32")
-    prompts = PromptEncoder.load(model, runner.tokenizer)
+    opts = GenerateOptions(model, [4], max_model_len=128, dtype="float32")
+    engine = build_stage(opts)[1]
+    prompts = PromptEncoder.load(model, engine.tokenizer)
     rows = []
     for i, text in enumerate(["The quick brown fox", "Hello there", "In a garden", "Rivers"]):
-        out = generate(Pipeline(runner), prompts, text, max_tokens=6).text
+        out = generate(engine, prompts, text, max_tokens=6).text
         rows.append({"prompt": text, "answer": out if i % 2 == 0 else out + " x", "stop": []})
     tasks = _write(tmp_path / "t.jsonl", rows)
     args = build_parser().parse_args(

@@ -18,8 +18,8 @@ from engramrt.model.layers import apply_rope, rope_tables
 from engramrt.runner.batch import SampleRow, StepBatch
 from engramrt.runner.sampler import sample_tokens
 from engramrt.runner.stage import StageRunner, new_kv_cache
-from tests.kernel_env import kernel_device, triton_runs
-from tests.model_factory import make_model
+from tests.support.kernel_env import kernel_device, triton_runs
+from tests.support.model_factory import make_model
 
 
 def new_session(model, slots: int) -> StageRunner:

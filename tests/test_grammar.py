@@ -18,8 +18,8 @@ from engramrt.runner.batch import SampleRow, StepBatch
 from engramrt.runner.logit_controls import Controls
 from engramrt.runner.sampler import Sampler, apply_token_masks
 from engramrt.runner.stage import StageRunner
-from tests.engine_factory import build_engine
-from tests.kernel_env import ENGINE_DEVICES
+from tests.support.engine_factory import build_engine
+from tests.support.kernel_env import ENGINE_DEVICES
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "ok"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},

@@ -1,6 +1,6 @@
 """EngramHasher (extend / decode / verify) and its n-gram history vs a brute-force oracle.
 
-Every expected value comes from ``tests/hash_oracle.py`` (on Python integers) or from
+Every expected value comes from ``tests/support/hash_oracle.py`` (on Python integers) or from
 a stated invariant (chunking, batching, rebuild); nothing is hard-coded.
 """
 
@@ -18,8 +18,13 @@ import torch
 from engramrt.config import EngramConfig
 from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.layout import EngramLayout, search_primes
-from tests.hash_oracle import oracle_history, oracle_ids, oracle_pad_ids, oracle_position_ids
-from tests.kernel_env import interpreter_on
+from tests.support.hash_oracle import (
+    oracle_history,
+    oracle_ids,
+    oracle_pad_ids,
+    oracle_position_ids,
+)
+from tests.support.kernel_env import interpreter_on
 
 V = 300  # tokenizer size = len(token_map)
 K = 240  # compressed vocab; smaller than V so compressed ids collide

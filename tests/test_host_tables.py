@@ -23,7 +23,7 @@ from engramrt.commands.flags import add_engram_memory_flags, engram_table_memory
 from engramrt.engram.host_memory import HostMapping, choose_placement, huge_page_share
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
-from tests.kernel_env import triton_runs
+from tests.support.kernel_env import triton_runs
 
 
 def _tables(runner: StageRunner) -> list:

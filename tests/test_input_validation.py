@@ -11,6 +11,7 @@ import torch
 from engramrt.bundled import DEFAULT_MODEL_DIR
 from engramrt.commands.generate import prompt_tokens
 from engramrt.config import load_json, model_config
+from engramrt.engine.request import check_context_length
 from engramrt.engram import load_hasher
 from engramrt.engram.token_map import load_tokenizer
 from engramrt.parallel import pipeline
@@ -19,7 +20,7 @@ from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import MAX_LOGPROBS, SampleRow, StepBatch
 from engramrt.runner.logit_controls import Controls
 from engramrt.runner.stage import StageRunner, new_kv_cache
-from tests.model_factory import make_model
+from tests.support.model_factory import make_model
 
 
 @pytest.fixture(scope="module")
@@ -132,17 +133,26 @@ def test_sampling_parameters_are_checked(row: SampleRow) -> None:
 def test_prompt_limits() -> None:
     cfg = model_config(load_json(DEFAULT_MODEL_DIR))
     enc = PromptEncoder.load(DEFAULT_MODEL_DIR)
-    ids = prompt_tokens(enc, cfg, "hello", 1, 100, SampleRow())
+    ids = prompt_tokens(enc, cfg, "hello")
     assert ids == load_tokenizer(DEFAULT_MODEL_DIR).encode("hello").ids  # add_bos_token: false
-    n = len(ids)
-    assert prompt_tokens(enc, cfg, "hello", 100 - n + 1, 100, SampleRow()) == ids  # fits exactly
-    with pytest.raises(ValueError, match="maximum context length 100"):
-        prompt_tokens(enc, cfg, "hello", 100 - n + 2, 100, SampleRow())
     with pytest.raises(ValueError, match="no tokens"):
-        prompt_tokens(enc, cfg, "", 4, 100, SampleRow())
+        prompt_tokens(enc, cfg, "")
     small = dataclasses.replace(cfg, vocab_size=max(ids))  # a tokenizer larger than the model
     with pytest.raises(ValueError, match=f"past the model's vocab_size {max(ids)}"):
-        prompt_tokens(enc, small, "hello", 1, 100, SampleRow())
+        prompt_tokens(enc, small, "hello")
+
+
+@pytest.mark.parametrize("limit", [1, 2, 7, 100])
+def test_one_context_length_rule(limit: int) -> None:
+    """The rule the server, the engine and ``generate`` share: prompt + max_tokens fit."""
+    for n in range(1, limit + 3):
+        for mt in range(-1, limit + 2):
+            fits = n + mt <= limit and mt >= 0
+            if fits:
+                check_context_length(n, mt, limit)
+            else:
+                with pytest.raises(ValueError, match=f"maximum context length is {limit}"):
+                    check_context_length(n, mt, limit)
 
 
 @pytest.mark.parametrize("with_tokens", [False, True])
@@ -219,6 +229,9 @@ def test_empty_stop_strings_are_ignored() -> None:
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must lie in"),
         (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must lie in"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
+        (["--async-scheduling", "-pp", "2"], "--async-scheduling needs one pipeline stage"),
+        (["--async-scheduling", "-tp", "2"], "--async-scheduling needs one pipeline stage"),
     ],
 )
 def test_serve_rejects_bad_engine_flags(flags, message, capsys) -> None:

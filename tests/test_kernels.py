@@ -13,7 +13,7 @@ import torch
 from engramrt.engram.module import engram_gate, gate_from_dot
 from engramrt.engram.table import EngramTable
 from engramrt.kernels import FORCE_TORCH_ENV
-from tests.kernel_env import kernel_device, triton_runs
+from tests.support.kernel_env import kernel_device, triton_runs
 
 pytestmark = [
     pytest.mark.triton,

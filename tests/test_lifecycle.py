@@ -17,9 +17,10 @@ import httpx
 import pytest
 
 from engramrt.bundled import resolve_model_dir
-from engramrt.commands.serve import ServeOptions, _serve_http, build_stage
+from engramrt.commands.serve import ServeOptions, _serve_http
+from engramrt.engine.build import build_stage
 from engramrt.parallel.launch import free_port
-from tests.server_fixture import start_server, stop_server
+from tests.support.server_fixture import start_server, stop_server
 
 
 class Stream(threading.Thread):
@@ -132,8 +133,9 @@ def test_engine_death_exits_1() -> None:
     /health to 503 and makes the server return exit status 1, instead of serving 503s for
     ever; the same path a lost stage takes."""
     model_dir = resolve_model_dir(None)
-    opts = ServeOptions(model_dir, [4], ["m"], port=free_port(), max_model_len=256,
-                        dtype="float32", disable_uvicorn_access_log=True)  # fmt: skip
+    opts = ServeOptions(model_dir, [4], max_model_len=256, dtype="float32",
+                        served_model_name=["m"], port=free_port(),
+                        disable_uvicorn_access_log=True)  # fmt: skip
     _, engine = build_stage(opts)
 
     def broken(batch):

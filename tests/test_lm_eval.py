@@ -23,7 +23,7 @@ from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
 from engramrt.config import load_json, model_config
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
-from tests.server_fixture import running_server
+from tests.support.server_fixture import running_server
 
 pytest.importorskip("lm_eval")  # the test extra installs lm-eval[api]
 pytestmark = pytest.mark.slow  # a server process

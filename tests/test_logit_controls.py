@@ -15,8 +15,8 @@ from engramrt.bundled import resolve_model_dir
 from engramrt.engine.request import SamplingParams
 from engramrt.runner.logit_controls import Controls, LogitControls, restate
 from engramrt.runner.stage import StageRunner
-from tests.engine_factory import build_engine
-from tests.kernel_env import ENGINE_DEVICES
+from tests.support.engine_factory import build_engine
+from tests.support.kernel_env import ENGINE_DEVICES
 
 V = 37
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engramrt import mhc
-from tests.kernel_env import kernel_device, triton_runs
+from tests.support.kernel_env import kernel_device, triton_runs
 
 pytestmark = [
     pytest.mark.triton,

@@ -15,7 +15,7 @@ from engramrt.model.context import ForwardContext
 from engramrt.model.trace import EngramUpdateStats
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner, new_kv_cache
-from tests.model_factory import make_model
+from tests.support.model_factory import make_model
 
 
 def new_session(model, slots: int = 4) -> StageRunner:

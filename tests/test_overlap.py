@@ -16,7 +16,7 @@ from engramrt.engine.request import SamplingParams
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.runner.batch import StepBatch, StepResult
 from engramrt.runner.stage import StageRunner
-from tests.engine_factory import bos_encoder, build_engine
+from tests.support.engine_factory import bos_encoder, build_engine
 from tests.test_engine import TEXTS, Result, absorb, assert_idle, drain
 
 MAX_LEN = 128
@@ -267,10 +267,8 @@ def test_overlap_with_cuda_graphs_equals_synchronous(encode, session) -> None:
     vocab = session.tokenizer.get_vocab_size()
 
     def engine(overlap: bool) -> Engine:
-        kv, eos = runner.kv, runner.model.cfg.eos_token_id
-        cfg = EngineConfig(MAX_LEN, MAX_SLOTS, 64, kv.block_size, kv.num_blocks, True, eos,
-                           async_scheduling=overlap)  # fmt: skip
-        return Engine(Pipeline(runner), runner.tokenizer, cfg)
+        return build_engine(runner, MAX_LEN, MAX_SLOTS, MAX_SLOTS, 64, overlap=overlap,
+                            allocate=False)  # fmt: skip
 
     probe = run_all(engine(False), random_requests(encode, vocab, 2, None))
     stop_token = next(r.ids[2] for r in probe.values() if len(r.ids) > 3)
@@ -279,3 +277,22 @@ def test_overlap_with_cuda_graphs_equals_synchronous(encode, session) -> None:
     over = run_all(engine(True), reqs)
     for rid in reqs:
         assert_same(over[rid], sync[rid], rid)
+
+
+@pytest.mark.parametrize(
+    ("flags", "on"),
+    [([], True), (["--no-async-scheduling"], False), (["--async-scheduling"], True),
+     (["-pp", "2"], False), (["-tp", "2"], False),
+     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], False)],
+)  # fmt: skip
+def test_overlap_is_the_default_wherever_outputs_are_the_same(flags: list[str], on: bool) -> None:
+    """As vLLM: overlap scheduling is on unless asked off, or where it cannot give the same
+    outputs (several stages or ranks, speculative decoding)."""
+    import argparse
+
+    from engramrt.commands.bench_throughput import add_arguments, options
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    opts = options(p.parse_args(["--device", "cpu", *flags]), 64)
+    assert opts.overlap is on

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernel_env import kernel_device, triton_runs
+from tests.support.kernel_env import kernel_device, triton_runs
 
 pytestmark = [
     pytest.mark.triton,

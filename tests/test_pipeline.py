@@ -36,7 +36,7 @@ from engramrt.parallel.partition import (
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.carry import Carry
 from engramrt.runner.stage import StageRunner, new_kv_cache
-from tests.model_factory import make_model, save_model
+from tests.support.model_factory import make_model, save_model
 
 PROMPTS = ["The Engram hashes every token of this prompt, twice over.", "Hi there", "x"]
 
@@ -339,7 +339,7 @@ def test_torchrun_runs_the_same_flags(flag: str) -> None:
 def test_a_dead_stage_ends_the_others_quickly() -> None:
     """Two ranks started as torchrun would (no supervising parent); rank 1 dies after one
     step. Rank 0 must exit with an error within seconds, not wait out its 600 s timeout."""
-    script = Path(__file__).with_name("pp_stage_dies.py")
+    script = Path(__file__).parent / "support" / "pp_stage_dies.py"
     port = str(free_port())
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
            "PYTHONPATH": str(Path(__file__).parent.parent)}  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engramrt.model.layers import apply_rope, rope_tables
-from tests.kernel_env import kernel_device, triton_runs
+from tests.support.kernel_env import kernel_device, triton_runs
 
 
 def oracle(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

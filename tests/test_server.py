@@ -28,8 +28,8 @@ from engramrt.engram.token_map import load_tokenizer
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
-from tests.offsets_oracle import check_text_offsets
-from tests.server_fixture import running_server, server_fixture, start_server, stop_server
+from tests.support.offsets_oracle import check_text_offsets
+from tests.support.server_fixture import running_server, server_fixture, start_server, stop_server
 
 pytestmark = pytest.mark.slow  # every test talks to a server process
 
@@ -907,7 +907,7 @@ def test_start_line_after_binding_and_access_log() -> None:
     ends the server with an error and no start line."""
     import socket
 
-    from tests.server_fixture import REPO, start_server, stop_server
+    from tests.support.server_fixture import REPO, start_server, stop_server
 
     for flags, logged in (((), True), (("--disable-uvicorn-access-log",), False)):
         base, proc = start_server(*flags)

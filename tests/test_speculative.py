@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from engramrt.bundled import DEFAULT_MODEL_DIR
-from engramrt.engine.engine import Engine, EngineConfig
+from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams
 from engramrt.engine.speculative import SpecConfig, accepted
 from engramrt.engram.history import NgramHistory
-from engramrt.parallel.pipeline import Pipeline
 from engramrt.runner.stage import StageRunner
+from tests.support.engine_factory import build_engine
 
 WORDS = "the capital of Bribrinu is Mokmok and 12 + 7 = 19 while rivers run".split()
 
@@ -79,12 +79,8 @@ def test_acceptance_and_config() -> None:
 
 
 def _engine(runner: StageRunner, spec: SpecConfig | None, **kw) -> Engine:
-    cfg = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "block_size": 4, "num_blocks": 256,
-           "enable_prefix_caching": True, **kw}  # fmt: skip
-    runner.allocate_kv(8, 256, cfg["block_size"], cfg["num_blocks"])
-    return Engine(Pipeline(runner), runner.tokenizer,
-                  EngineConfig(256, eos_token_id=runner.model.cfg.eos_token_id, speculative=spec,
-                               **cfg))  # fmt: skip
+    cfg = {"max_num_seqs": 4, "max_num_batched_tokens": 64, **kw}
+    return build_engine(runner, 256, 8, speculative=spec, **cfg)
 
 
 def _prompts(runner: StageRunner, n: int, seed: int) -> list[list[int]]:
@@ -195,7 +191,7 @@ def test_two_stages_with_speculation_answer_as_one_without() -> None:
     the first stage) against one process without speculation, over HTTP."""
     import httpx
 
-    from tests.server_fixture import running_server
+    from tests.support.server_fixture import running_server
 
     spec = '{"method": "ngram", "num_speculative_tokens": 4}'
     prompt = "The capital of Bribrinu is Mokmok. The capital of Bribrinu is Mokmok. The capital"
@@ -246,9 +242,7 @@ def test_verify_graphs_give_the_output_without_speculation() -> None:
         r.capture_graphs(8, 256, spec.num_speculative_tokens if spec else 0)
         replays, real = [], r.graphs.replay
         r.graphs.replay = lambda h, s, c: replays.append(s) or real(h, s, c)
-        cfg = EngineConfig(256, 8, 256, 16, 128, True, r.model.cfg.eos_token_id,
-                           speculative=spec, uniform_drafts=spec is not None)  # fmt: skip
-        return Engine(Pipeline(r), r.tokenizer, cfg), replays
+        return build_engine(r, 256, 8, 8, 256, speculative=spec, allocate=False), replays
 
     runner = StageRunner.load(DEFAULT_MODEL_DIR, 1, 64, "cpu", num_blocks=0)
     prompts = _prompts(runner, 6, seed=2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engramrt.model.layers import MLP, silu_mul
-from tests.kernel_env import kernel_device, triton_runs
+from tests.support.kernel_env import kernel_device, triton_runs
 
 
 def oracle(gate_up: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from engramrt.config import EngramConfig
 from engramrt.engram.layout import EngramLayout, search_primes
 from engramrt.engram.table import EngramTable, dequantize_rows, shard_row_range
-from tests.fp8_oracle import e4m3_value, e8m0_value
+from tests.support.fp8_oracle import e4m3_value, e8m0_value
 
 BLOCK = 32
 NAN_BYTES = (0x7F, 0xFF)

@@ -22,7 +22,7 @@ from engramrt.engram.table import EngramTable
 from engramrt.model.checkpoint import load_model
 from engramrt.parallel.launch import DistConfig, free_port
 from engramrt.parallel.tensor import TensorParallel
-from tests.model_factory import make_model, save_model
+from tests.support.model_factory import make_model, save_model
 
 PROMPTS = ["The capital of Bribrinu is", "12 + 7 =", "x"]
 MOE = {"ffn_type": "moe", "n_routed_experts": 4, "num_experts_per_tok": 2,
@@ -140,7 +140,7 @@ def test_tp2_matches_one_process(which: str, stages: int, moe_dir: Path) -> None
 def test_a_dead_tp_rank_ends_the_group_quickly() -> None:
     """Two TP ranks of one stage started as torchrun would; the follower dies after one step.
     The leader must exit with an error within seconds, not wait out its 600 s timeout."""
-    script = Path(__file__).with_name("pp_stage_dies.py")
+    script = Path(__file__).parent / "support" / "pp_stage_dies.py"
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2", "PYTHONPATH": str(Path(__file__).parent.parent)}  # fmt: skip
     start = time.monotonic()

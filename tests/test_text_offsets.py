@@ -11,7 +11,7 @@ import pytest
 from engramrt.bundled import DEFAULT_MODEL_DIR
 from engramrt.engram.token_map import load_tokenizer
 from engramrt.server.responses import TextOffsets
-from tests.offsets_oracle import check_text_offsets
+from tests.support.offsets_oracle import check_text_offsets
 
 TOK = load_tokenizer(DEFAULT_MODEL_DIR)
 BOS = TOK.token_to_id("<｜begin▁of▁sentence｜>")

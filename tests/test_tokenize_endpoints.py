@@ -20,7 +20,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engramrt.bundled import resolve_model_dir
-from tests.server_fixture import running_server
+from tests.support.server_fixture import running_server
 
 pytestmark = pytest.mark.slow  # a server process
 

@@ -63,7 +63,7 @@ def test_step_buffer_views_are_16_byte_aligned() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_serving_after_warm_up_compiles_nothing() -> None:
-    from engramrt.commands.bench_throughput import _engine, add_arguments
+    from engramrt.commands.bench_throughput import add_arguments, local_engine
     from engramrt.engine.request import SamplingParams
     from engramrt.kernels.compiles import compilations, count_compilations, recent
 
@@ -73,7 +73,7 @@ def test_serving_after_warm_up_compiles_nothing() -> None:
     add_arguments(p)
     args = p.parse_args(["--device", "cuda", "--max-num-seqs", "8",
                          "--max-num-batched-tokens", "96"])  # fmt: skip
-    engine = _engine(args, 512)  # loads, profiles, warms up, captures graphs
+    engine = local_engine(args, 512)  # loads, profiles, warms up, captures graphs
     before = compilations()
     rng = random.Random(1)
     lens = [1, 2, 3, 5, 16, 17, 31, 47, 64, 95, 130, 257, 300, 411]

@@ -15,6 +15,7 @@ import random
 import time
 from pathlib import Path
 
+from engramrt.engine.build import EngineOptions, build_stage, options_from_args
 from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams
 
@@ -54,27 +55,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _options(args: argparse.Namespace, max_len: int):
-    import torch
-
+def options(args: argparse.Namespace, max_len: int) -> EngineOptions:
+    """The engine these flags ask for, sized for requests of ``max_len`` tokens (no prefix
+    caching: random prompts share nothing, and a benchmark must not reuse its own warm-up)."""
     from engramrt.bundled import resolve_model_dir
-    from engramrt.commands.flags import dist_config, engram_table_memory, layer_partition
-    from engramrt.commands.serve import ServeOptions
+    from engramrt.commands.flags import resolve_device
 
-    model_dir = resolve_model_dir(args.model)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return ServeOptions(
-        model_dir=model_dir, partition=layer_partition(args, model_dir), served_model_name=["x"],
-        max_model_len=max_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=False,
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        device=device, dtype=args.dtype, seed=args.seed, async_scheduling=args.async_scheduling,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        speculative_config=args.speculative_config,
-        table_memory=engram_table_memory(args), dist=dist_config(args, device),
-    )  # fmt: skip
+    return options_from_args(args, resolve_model_dir(args.model),
+                             device=resolve_device(args.device), max_model_len=max_len,
+                             enable_prefix_caching=False)  # fmt: skip
+
+
+def local_engine(args: argparse.Namespace, max_len: int) -> Engine:
+    """The engine of ``options`` with every stage in this process (the benchmarks' entry)."""
+    return build_stage(options(args, max_len))[1]
 
 
 def _run(engine: Engine, prompts: list[list[int]], outputs: list[int]) -> tuple[float, float]:
@@ -154,14 +148,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("input and output lengths must be >= 1")
     from engramrt.parallel.launch import launch
 
-    opts = _options(args, max(i + o for i, o in zip(in_lens, out_lens, strict=True)))
+    opts = options(args, max(i + o for i, o in zip(in_lens, out_lens, strict=True)))
     launch(opts.dist, _worker, opts, args, rng, in_lens, out_lens)
     return 0
 
 
 def _worker(rank: int, world: int, opts, args, rng, in_lens, out_lens) -> None:
-    from engramrt.commands.serve import build_stage
-
     pipe, engine = build_stage(opts, rank, world)
     if engine is None:
         pipe.serve()

@@ -123,10 +123,10 @@ def add_memory_flags(p: argparse.ArgumentParser) -> None:
 def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
     """Overlap scheduling and the prompt-chunk cap (vLLM's flag names)."""
     p.add_argument(
-        "--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="prepare and launch step N+1 while the GPU runs step N; the host reads a step's "
-        "tokens one step late (one pipeline stage only; off by default until measured on a "
-        "GPU)",
+        "tokens one step late (same outputs). Default: on with one pipeline stage of one rank "
+        "and no speculative decoding, off otherwise",
     )  # fmt: skip
     p.add_argument(
         "--long-prefill-token-threshold", type=int, default=0,

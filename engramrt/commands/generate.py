@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engramrt.bundled import resolve_model_dir
@@ -14,22 +14,15 @@ from engramrt.commands.flags import (
     add_dist_flags,
     add_engram_memory_flags,
     add_model_flag,
-    dist_config,
-    engram_table_memory,
-    layer_partition,
     resolve_device,
 )
-from engramrt.config import ModelConfig, load_json, model_config
-from engramrt.engine.engine import Engine, EngineConfig
-from engramrt.engine.request import SamplingParams
-from engramrt.engine.speculative import SpecConfig
+from engramrt.config import ModelConfig
+from engramrt.engine.build import EngineOptions, build_stage, check, options_from_args
+from engramrt.engine.engine import Engine
+from engramrt.engine.request import SamplingParams, check_context_length
 from engramrt.model.trace import EngramTrace, EngramUpdateStats, fanout
-from engramrt.parallel.launch import DistConfig, launch, stage_device
-from engramrt.parallel.partition import stage_layers
-from engramrt.parallel.pipeline import Pipeline
+from engramrt.parallel.launch import launch
 from engramrt.prompts import PromptEncoder
-from engramrt.runner.batch import SampleRow
-from engramrt.runner.stage import StageRunner
 
 
 @dataclass
@@ -42,26 +35,16 @@ class Generation:
 
 
 def generate(
-    pipeline: Pipeline,
-    prompts: PromptEncoder,
-    prompt: str,
-    max_tokens: int = 32,
-    sampling: SampleRow | None = None,
-    speculative: SpecConfig | None = None,
-) -> Generation:
+    engine: Engine, prompts: PromptEncoder, prompt: str, max_tokens: int = 32,
+    params: SamplingParams | None = None,
+) -> Generation:  # fmt: skip
     """Greedy (the default) or sampled completion of ``prompt``: one request through the
-    engine (the same scheduling and sampling as ``serve``), the prompt in one step; the
-    pipeline's last stage samples. The EOS that ends it is not part of the output."""
-    row = sampling or SampleRow()
-    runner = pipeline.runner
-    cfg, kv = runner.model.cfg, runner.kv
-    prompt_ids = prompt_tokens(prompts, cfg, prompt, max_tokens, kv.max_len, row)
-    engine = Engine(pipeline, runner.tokenizer, EngineConfig(
-        kv.max_len, 1, kv.max_len, kv.block_size, kv.num_blocks, False, cfg.eos_token_id,
-        cfg.vocab_size, speculative=speculative,
-    ))  # fmt: skip
-    params = SamplingParams(max_tokens=max_tokens, temperature=row.temperature, top_p=row.top_p,
-                            seed=row.seed)  # fmt: skip
+    engine (the same scheduling and sampling as ``serve``); the pipeline's last stage samples.
+    The EOS that ends it is not part of the output."""
+    params = params or SamplingParams(temperature=0.0)
+    params = replace(params, max_tokens=max_tokens)
+    cfg = engine.pipeline.runner.model.cfg
+    prompt_ids = prompt_tokens(prompts, cfg, prompt)
     start = time.perf_counter()
     engine.add_request("0", prompt_ids, params)
     out, finish = [], "length"
@@ -75,18 +58,9 @@ def generate(
     return Generation(prompt_ids, out, prompts.tokenizer.decode(out), finish, seconds)
 
 
-def prompt_tokens(
-    prompts: PromptEncoder,
-    cfg: ModelConfig,
-    prompt: str,
-    max_tokens: int,
-    limit: int,
-    row: SampleRow,
-) -> list[int]:
-    """The prompt's ids as the tokenizer config says, after checking every parameter."""
-    row.validate()
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+def prompt_tokens(prompts: PromptEncoder, cfg: ModelConfig, prompt: str) -> list[int]:
+    """The prompt's ids as the tokenizer config says (the engine checks them and the lengths
+    when the request is built)."""
     ids = prompts.text(prompt)
     if not ids:
         raise ValueError("the prompt has no tokens")
@@ -96,74 +70,61 @@ def prompt_tokens(
             f"past the model's vocab_size {cfg.vocab_size} (the tokenizer has "
             f"{prompts.tokenizer.get_vocab_size(with_added_tokens=True)} tokens)"
         )
-    if len(ids) + max_tokens - 1 > limit:  # the last sampled token is never fed back
-        raise ValueError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-            f"maximum context length {limit}"
-        )
     return ids
 
 
 @dataclass
-class GenerateOptions:
-    model_dir: Path
-    prompt: str
-    partition: list[int]
+class GenerateOptions(EngineOptions):
+    """One request, eagerly: no warm-up, no graphs, a cache of one context."""
+
+    prompt: str = ""
     max_tokens: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int = 0
-    dtype: str | None = None
-    dist: DistConfig = field(default_factory=DistConfig)
     trace_path: str | None = None
     engram_stats: bool = False
-    table_memory: str = "auto"  # where the Engram tables live (--engram-table-memory)
-    speculative_config: str | None = None  # --speculative-config (JSON)
+    max_num_seqs: int = 1
+    enforce_eager: bool = True
+    warm_up: bool = False
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, seed=self.seed)  # fmt: skip
 
 
 def run_generate(opts: GenerateOptions) -> None:
-    cfg = model_config(load_json(opts.model_dir))  # check what can be checked before starting
-    row = SampleRow(opts.temperature, opts.top_p, seed=opts.seed)
-    SpecConfig.parse(opts.speculative_config)  # a bad one: an error before any stage starts
-    prompt_tokens(
-        PromptEncoder.load(opts.model_dir),
-        cfg,
-        opts.prompt,
-        opts.max_tokens,
-        cfg.max_position_embeddings,
-        row,
-    )
+    """Everything that can be checked is checked before any stage starts."""
+    cfg, max_len = check(opts)
+    opts.params.validate(cfg.vocab_size, cfg.eos_token_id)
+    if opts.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {opts.max_tokens}")
+    ids = prompt_tokens(PromptEncoder.load(opts.model_dir), cfg, opts.prompt)
+    check_context_length(len(ids), opts.max_tokens, max_len)
     launch(opts.dist, _worker, opts)
 
 
 def _worker(rank: int, world: int, opts: GenerateOptions) -> None:
-    device = stage_device(opts.dist)
-    layers = stage_layers(opts.partition, rank)
-    runner = StageRunner.load(
-        opts.model_dir, device=device, dtype=opts.dtype, layer_ids=layers, seed=opts.seed,
-        table_memory=opts.table_memory,
-    )  # fmt: skip
-    pipe = Pipeline(runner, rank, world)
+    pipe, engine = build_stage(opts, rank, world)
+    runner = pipe.runner
     leader = pipe.tp.rank == 0  # a stage's trace and statistics: its leader's (all agree)
     if opts.trace_path and pipe.is_driver:
         Path(opts.trace_path).write_text("")  # before any stage can have written
     trace = EngramTrace(opts.trace_path, rank) if opts.trace_path and leader else None
     stats = EngramUpdateStats() if opts.engram_stats and leader else None
     runner.tracer = fanout(trace, stats)
-    if pipe.is_driver:
-        row = SampleRow(opts.temperature, opts.top_p, seed=opts.seed)
+    if engine is not None:
         try:
             prompts = PromptEncoder.load(opts.model_dir, runner.tokenizer)
-            spec = SpecConfig.parse(opts.speculative_config)
-            out = generate(pipe, prompts, opts.prompt, opts.max_tokens, row, spec)
+            out = generate(engine, prompts, opts.prompt, opts.max_tokens, opts.params)
         finally:
             pipe.stop()
         print(out.text, flush=True)
         n = len(out.token_ids)
         print(
             f"[{len(out.prompt_ids)} prompt + {n} generated tokens, "
-            f"finish_reason={out.finish_reason}, {n / out.seconds:.1f} tok/s on {device}, "
-            f"{world} stage(s) {opts.partition} x TP {pipe.tp.size}]",
+            f"finish_reason={out.finish_reason}, {n / out.seconds:.1f} tok/s on "
+            f"{runner.device}, {world} stage(s) {opts.partition} x TP {pipe.tp.size}]",
             file=sys.stderr,
         )
     else:
@@ -201,20 +162,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model_dir = resolve_model_dir(args.model)
-    opts = GenerateOptions(
-        model_dir=model_dir,
-        prompt=args.prompt,
-        partition=layer_partition(args, model_dir),
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        dtype=args.dtype,
-        dist=dist_config(args, device),
-        trace_path=args.engram_trace,
-        engram_stats=args.engram_stats,
-        table_memory=engram_table_memory(args),
-        speculative_config=args.speculative_config,
-    )
+    opts = options_from_args(
+        args, model_dir, device=device, cls=GenerateOptions, prompt=args.prompt,
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        trace_path=args.engram_trace, engram_stats=args.engram_stats,
+    )  # fmt: skip
     run_generate(opts)
     return 0

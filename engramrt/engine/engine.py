@@ -24,7 +24,13 @@ from tokenizers import Tokenizer
 from engramrt.engine.block_manager import BlockManager
 from engramrt.engine.detokenize import OutputText
 from engramrt.engine.grammar import Grammars, token_mask
-from engramrt.engine.request import Logprob, Request, SamplingParams, Status
+from engramrt.engine.request import (
+    Logprob,
+    Request,
+    SamplingParams,
+    Status,
+    check_context_length,
+)
 from engramrt.engine.scheduler import Scheduler
 from engramrt.engine.speculative import SpecConfig, accepted
 from engramrt.runner.batch import PENDING, PendingResult, StepBatch, StepResult
@@ -143,13 +149,8 @@ class Engine:
                 f"tokenizer has {self.tokenizer_size} tokens, the model's embedding "
                 f"{self.cfg.model_vocab_size or self.tokenizer_size} rows)"
             )
+        check_context_length(len(prompt_ids), params.max_tokens, self.cfg.max_model_len)
         total = len(prompt_ids) + params.max_tokens
-        if total > self.cfg.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.cfg.max_model_len} tokens. However, "
-                f"you requested {total} tokens ({len(prompt_ids)} in the messages, "
-                f"{params.max_tokens} in the completion)."
-            )
         if self.blocks.blocks_for(total) > self.cfg.num_blocks:
             raise ValueError(
                 f"{total} tokens need {self.blocks.blocks_for(total)} KV blocks; the cache has "

@@ -73,6 +73,18 @@ class SamplingParams:
             )
 
 
+def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
+    """The context-length rule (vLLM's, with its message): the prompt and every token the
+    request may sample fit in ``max_model_len``."""
+    total = prompt_len + max_tokens
+    if total > max_model_len or max_tokens < 0:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {total} tokens ({prompt_len} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion."
+        )
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -18,7 +18,7 @@ which is the next anchor, and never a rejected draft.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -57,6 +57,10 @@ class SpecConfig:
         if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         return cfg
+
+    def to_json(self) -> str:
+        """vLLM's spelling, which ``parse`` reads back."""
+        return json.dumps({"method": "ngram", **asdict(self)})
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to ``min(k, limit)`` drafts: what followed the latest earlier occurrence of the

@@ -78,6 +78,10 @@ class KVCache:
         self.tables[:fixed] = np.arange(fixed * per).reshape(fixed, per)
         self.table_lens[:fixed] = per
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
     def set_tables(
         self, slots: list[int], starts: list[int] | None, blocks: list[list[int]]
     ) -> None:

@@ -195,8 +195,7 @@ class StageRunner:
         del logits
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
-        cache_bytes = sum(t.numel() * t.element_size() for t in (*self.kv.k.values(),
-                                                              *self.kv.v.values()))  # fmt: skip
+        cache_bytes = self.kv.nbytes
         self.kv = None
         if self.hasher is not None:
             self.hasher.history.table.zero_()  # the profile's history rows mean nothing

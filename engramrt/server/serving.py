@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engramrt.engine.async_engine import AsyncEngine
 from engramrt.engine.engine import RequestOutput
-from engramrt.engine.request import Logprob, Request, SamplingParams
+from engramrt.engine.request import Logprob, Request, SamplingParams, check_context_length
 from engramrt.prompts import PromptEncoder
 from engramrt.server.metrics import Metrics
 from engramrt.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -170,14 +170,10 @@ class Server:
                 raise ApiError(
                     400, "max_tokens 0 needs echo (the prompt alone)", param="max_tokens"
                 )
-            if len(prompt) + mt > limit or mt < 0:
-                raise ApiError(
-                    400,
-                    f"This model's maximum context length is {limit} tokens. However, you "
-                    f"requested {len(prompt) + mt} tokens ({len(prompt)} in the messages, {mt} "
-                    "in the completion). Please reduce the length of the messages or completion.",
-                    param="max_tokens",
-                )
+            try:
+                check_context_length(len(prompt), mt, limit)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="max_tokens") from None
             for j in range(req.n):
                 params = SamplingParams(
                     max_tokens=mt,

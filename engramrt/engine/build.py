@@ -1,0 +1,241 @@
+"""The one assembly point: every command, test and benchmark builds its stages and engine here.
+
+``EngineOptions`` holds what an engine is made of (model, limits, memory, scheduling,
+parallelism) under vLLM's flag names; ``check`` validates it once; ``build_stage`` loads this
+rank's stage, sizes and allocates its KV cache, compiles and captures, and on the driving rank
+returns the ``Engine`` that ``engine_for`` wires to the pipeline. A rule about limits lives here
+or in ``Engine.new_request`` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engramrt.config import ModelConfig, load_json, model_config
+from engramrt.engine.engine import Engine, EngineConfig
+from engramrt.engine.speculative import SpecConfig
+from engramrt.kernels.compiles import compilations, count_compilations
+from engramrt.parallel.faults import inject_stage_faults
+from engramrt.parallel.launch import DistConfig, stage_device
+from engramrt.parallel.partition import stage_layers
+from engramrt.parallel.pipeline import Pipeline
+from engramrt.runner.carry import Carry
+from engramrt.runner.graphs import MAX_GRAPH_TOKENS, graph_shapes, output_rows
+from engramrt.runner.kv_budget import (
+    CPU_KV_BYTES,
+    blocks_from_bytes,
+    blocks_from_profile,
+    kv_block_bytes,
+    stages_per_gpu,
+)
+from engramrt.runner.stage import StageRunner
+
+
+@dataclass
+class EngineOptions:
+    model_dir: Path
+    partition: list[int]
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None  # default: by --gpu-memory-utilization on CUDA
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    # overlap scheduling; None: on wherever it gives the same outputs (one stage of one rank,
+    # no speculation), as vLLM's default
+    async_scheduling: bool | None = None
+    long_prefill_token_threshold: int = 0  # a prompt's tokens per step, at most (0: the budget)
+    speculative_config: str | None = None  # --speculative-config (JSON)
+    engram: bool = True  # False: every Engram layer skipped on purpose (an ablation)
+    table_memory: str = "auto"  # where the Engram tables live (--engram-table-memory)
+    device: str = "cpu"
+    dtype: str | None = None
+    seed: int = 0
+    dist: DistConfig = field(default_factory=DistConfig)
+    warm_up: bool = True  # compile every mixed-step kernel variant before the first request
+
+    @property
+    def speculative(self) -> SpecConfig | None:
+        """``--speculative-config`` parsed (a bad one: a ValueError naming the rule)."""
+        return SpecConfig.parse(self.speculative_config)
+
+    @property
+    def verify_drafts(self) -> int:
+        """Drafts a row of the verify graphs (0: no speculation)."""
+        spec = self.speculative
+        return spec.num_speculative_tokens if spec is not None else 0
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the engine schedules step N+1 before it reads step N's tokens."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        one = len(self.partition) == 1 and self.dist.tp_size == 1
+        return one and self.speculative is None
+
+
+def options_from_args(
+    args: argparse.Namespace, model_dir: Path, cls: type[EngineOptions] = EngineOptions, **fields
+) -> EngineOptions:
+    """The ``cls`` (``EngineOptions`` or a command's extension of it) that the shared flags
+    (``engramrt.commands.flags``) ask for; ``fields`` set or override the rest."""
+    from engramrt.commands.flags import dist_config, engram_table_memory, layer_partition
+
+    device = fields.pop("device", None) or args.device
+    taken = {
+        name: getattr(args, name)
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "num_gpu_blocks_override", "kv_cache_memory_bytes", "enforce_eager",
+                     "gpu_memory_utilization", "async_scheduling", "long_prefill_token_threshold",
+                     "speculative_config", "dtype", "seed", "enable_prefix_caching")
+        if hasattr(args, name)
+    }  # fmt: skip
+    return cls(
+        model_dir=model_dir, partition=layer_partition(args, model_dir), device=device,
+        table_memory=engram_table_memory(args), dist=dist_config(args, device),
+        **{**taken, **fields},
+    )  # fmt: skip
+
+
+def check(opts: EngineOptions) -> tuple[ModelConfig, int]:
+    """Every engine option checked before any stage starts: the model's config and the
+    context length in force."""
+    cfg = model_config(load_json(opts.model_dir))
+    max_len = cfg.max_position_embeddings if opts.max_model_len is None else opts.max_model_len
+    if not 1 <= max_len <= cfg.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_len} must lie in [1, {cfg.max_position_embeddings}] "
+            "(the model's max_position_embeddings)"
+        )
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if getattr(opts, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.long_prefill_token_threshold < 0:
+        raise ValueError("--long-prefill-token-threshold must be >= 0 (0: off)")
+    if opts.speculative is not None and opts.async_scheduling:  # a bad one: an error already
+        raise ValueError("--speculative-config does not combine with --async-scheduling")
+    if opts.async_scheduling and (len(opts.partition) > 1 or opts.dist.tp_size > 1):
+        raise ValueError("--async-scheduling needs one pipeline stage of one rank (-pp 1 -tp 1)")
+    if not 0 < opts.gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"--gpu-memory-utilization must lie in (0, 1], got {opts.gpu_memory_utilization}"
+        )
+    return cfg, max_len
+
+
+def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_len: int) -> int:
+    """``--num-gpu-blocks-override``; else a byte budget (``--kv-cache-memory-bytes``, or a
+    default off GPU) over all the model's layers, capped at what ``max_num_seqs`` full-length
+    sequences could use; else, on CUDA, what ``--gpu-memory-utilization`` leaves after a
+    profiled forward of the largest batch the scheduler can form. Stages spawned onto one GPU
+    split it."""
+    if opts.num_gpu_blocks_override is not None:
+        return opts.num_gpu_blocks_override
+    model = runner.model  # the cache's own dtype, as loaded
+
+    def per_block(layers: int) -> int:
+        return kv_block_bytes(opts.block_size, model.kv_heads, cfg.head_dim,
+                              model.dtype.itemsize, layers)  # fmt: skip
+
+    if runner.device.type != "cuda" or opts.kv_cache_memory_bytes is not None:
+        cap = opts.max_num_seqs * -(-max_len // opts.block_size)
+        budget = opts.kv_cache_memory_bytes or CPU_KV_BYTES
+        return blocks_from_bytes(budget, per_block(cfg.num_layers), cap)
+    tokens = max(1, min(opts.max_num_batched_tokens, max_len * opts.max_num_seqs))
+    profile = runner.profile_memory(tokens, max_len, opts.block_size, opts.max_num_seqs)
+    share = stages_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
+    # the graphs' pool: about a forward of the largest captured step; and their outputs
+    graph_rows = 0 if opts.enforce_eager else max(opts.max_num_seqs, min(tokens, MAX_GRAPH_TOKENS))
+    outputs = 0
+    if not opts.enforce_eager:
+        shapes = graph_shapes(opts.max_num_seqs, opts.max_num_batched_tokens, opts.verify_drafts)
+        if runner.is_last:
+            row = cfg.vocab_size * 4  # fp32 logits
+        else:
+            row = sum(
+                t[0].numel() * t.element_size() for t in Carry.empty(runner.model, 1).tensors()
+            )
+        outputs = output_rows(shapes, runner.is_last) * row
+    return blocks_from_profile(profile, opts.gpu_memory_utilization,
+                               per_block(len(model.layer_ids)), share, graph_rows,
+                               outputs)  # fmt: skip
+
+
+def build_stage(
+    opts: EngineOptions, rank: int = 0, world: int = 1
+) -> tuple[Pipeline, Engine | None]:
+    """This rank's stage, and on the driving rank the engine that drives the pipeline."""
+    cfg, max_len = check(opts)
+    device = stage_device(opts.dist)
+    runner = StageRunner.load(
+        opts.model_dir, opts.max_num_seqs, max_len, device, opts.dtype,
+        stage_layers(opts.partition, rank), opts.block_size, num_blocks=0, seed=opts.seed,
+        table_memory=opts.table_memory,
+    )  # fmt: skip
+    inject_stage_faults(runner, rank)  # test-only, from the environment (A/B arms)
+    pipe = Pipeline(runner, rank, world)
+    driver = pipe.is_driver
+    if not opts.engram:
+        runner.model.disable_engram()
+        if driver:
+            log("--engram off: every Engram layer is skipped (an ablation)")
+    blocks = _agree(kv_blocks(runner, opts, cfg, max_len), device)
+    runner.allocate_kv(opts.max_num_seqs, max_len, opts.block_size, blocks)
+    if driver and device.type == "cuda":
+        gib = runner.kv.nbytes / 2**30
+        log(f"KV cache {blocks} blocks = {blocks * opts.block_size} tokens ({gib:.2f} GiB on "
+            "stage 0)")  # fmt: skip
+    counting = count_compilations()
+    if opts.warm_up:
+        runner.warm_up(opts.max_num_batched_tokens)  # kernel variants compiled now
+    verify = opts.verify_drafts
+    if device.type == "cuda" and not opts.enforce_eager:
+        runner.capture_graphs(opts.max_num_seqs, opts.max_num_batched_tokens, verify)
+        if verify and driver:
+            log(f"verify steps of {verify} drafts a row replay CUDA graphs (each decoding row is "
+                f"given {verify}: a lookup that finds fewer repeats its last token); others run "
+                "eagerly")  # fmt: skip
+    if driver and counting and compilations():
+        log(f"{compilations()} Triton kernel variants compiled at start-up")
+    if not driver:
+        return pipe, None
+    return pipe, engine_for(pipe, opts, cfg, max_len)
+
+
+def engine_for(pipe: Pipeline, opts: EngineOptions, cfg: ModelConfig, max_len: int) -> Engine:
+    """The engine over a pipeline whose driving stage has its KV cache."""
+    kv = pipe.runner.kv
+    config = EngineConfig(
+        max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, kv.num_blocks,
+        opts.enable_prefix_caching, cfg.eos_token_id, cfg.vocab_size,
+        opts.overlap and (bool(opts.async_scheduling) or pipe.can_overlap),
+        opts.long_prefill_token_threshold, opts.speculative,
+        uniform_drafts=pipe.runner.graphs is not None,
+    )  # fmt: skip
+    return Engine(pipe, pipe.runner.tokenizer, config)
+
+
+def log(line: str) -> None:
+    """A start-up line: stderr, so that what a command prints stays its output."""
+    print(f"engramrt: {line}", file=sys.stderr, flush=True)
+
+
+def _agree(blocks: int, device: torch.device) -> int:
+    """Every rank gets the smallest rank's block count: rank 0's block manager hands out ids
+    that all ranks' caches must hold."""
+    if not dist.is_initialized():
+        return blocks
+    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([blocks], dtype=torch.int64, device=where)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

@@ -1,0 +1,44 @@
+"""Engines over one preloaded ``StageRunner`` for the engine tests, wired by the assembly point
+(``engramrt.engine.build.engine_for``): each call gives the runner a fresh KV cache of the asked
+size (so engines built one after another do not share blocks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engramrt.engine.build import EngineOptions, engine_for
+from engramrt.engine.engine import Engine
+from engramrt.engine.speculative import SpecConfig
+from engramrt.parallel.pipeline import Pipeline
+from engramrt.runner.stage import StageRunner
+
+
+def build_engine(
+    session: StageRunner,
+    max_len: int,
+    slots: int,
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 256,
+    block_size: int = 4,
+    num_blocks: int = 256,
+    prefix_caching: bool = True,
+    overlap: bool = False,
+    speculative: SpecConfig | None = None,
+    allocate: bool = True,
+) -> Engine:
+    """``allocate=False`` keeps the runner's cache (one with captured graphs)."""
+    assert max_num_seqs <= slots
+    if allocate:
+        session.allocate_kv(slots, max_len, block_size, num_blocks)
+    opts = EngineOptions(
+        Path(), [len(session.model.layer_ids)], max_len, max_num_seqs, max_num_batched_tokens,
+        session.kv.block_size, enable_prefix_caching=prefix_caching, async_scheduling=overlap,
+        speculative_config=None if speculative is None else speculative.to_json(),
+    )  # fmt: skip
+    return engine_for(Pipeline(session), opts, session.model.cfg, max_len)
+
+
+def bos_encoder(session: StageRunner):
+    """Text -> [BOS, *ids], the prompts these tests run."""
+    bos = session.model.cfg.bos_token_id
+    return lambda text: [bos, *session.tokenizer.encode(text).ids]
