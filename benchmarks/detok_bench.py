@@ -6,6 +6,7 @@ did before) against ``IncrementalDecoder``, per token, at several output lengths
 
 from __future__ import annotations
 
+import argparse
 import random
 import time
 
@@ -15,11 +16,14 @@ from engramrt.engram import load_tokenizer
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024])
+    args = ap.parse_args()
     tok = load_tokenizer(resolve_model_dir(None))
     rng = random.Random(0)
     print("| output tokens | full re-decode (us/token) | incremental (us/token) | ratio |")
     print("|---:|---:|---:|---:|")
-    for n in (128, 512, 1024):
+    for n in args.lengths:
         seqs = [[rng.randrange(6, 1024) for _ in range(n)] for _ in range(32)]
         t0 = time.perf_counter()
         for ids in seqs:

@@ -24,8 +24,8 @@ import torch
 from benchmarks.engram_kernels import events_us, graph_us
 from benchmarks.hash_bench import copy_bandwidth_gbs
 from engramrt.kernels import mhc_fused
-from engramrt.mhc import hc_mixes, hc_post, hc_pre, hc_split_sinkhorn
 from engramrt.model.layers import rms_norm
+from engramrt.model.mhc import hc_mixes, hc_post, hc_pre, hc_split_sinkhorn
 
 HIDDEN, HC, ITERS, HC_EPS, NORM_EPS = 3072, 4, 20, 1e-6, 1e-20
 TOKENS = (1, 16, 64, 256)

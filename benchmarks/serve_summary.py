@@ -6,8 +6,8 @@ latency distribution (what a median hides: the share of time spent in gaps above
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 import numpy as np
 
@@ -27,5 +27,7 @@ def summary(path: str) -> dict:
 
 
 if __name__ == "__main__":
-    for p in sys.argv[1:]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", help="bench serve --save-result files")
+    for p in ap.parse_args().results:
         print(json.dumps(summary(p)))

@@ -17,7 +17,7 @@ import sys
 PROBE = """
 import json, resource, sys, torch
 from engramrt.model.checkpoint import load_model
-from engramrt.parallel.tensor import TensorParallel
+from engramrt.tensor_parallel import TensorParallel
 model_dir, rank, size, tables = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.ones(1)  # the interpreter and torch, before the load
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

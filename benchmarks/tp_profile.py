@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from engramrt.parallel import tensor
+from engramrt import tensor_parallel
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 
@@ -39,7 +39,7 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     world = dist.get_world_size()
-    tp = tensor.join(rank, world, world) if world > 1 else tensor.TensorParallel(
+    tp = tensor_parallel.join(rank, world, world) if world > 1 else tensor_parallel.TensorParallel(
         0, 1, dist.group.WORLD, 0)  # fmt: skip
     bs, steps = args.batch_size, args.steps
     runner = StageRunner.load(args.model, bs + 1, args.input_len + 3 * steps + 8, "cuda",

@@ -1,5 +1,7 @@
-"""The package's shape: no import cycles among engramrt's modules (function-level imports
-count too: a module that needs its own caller belongs elsewhere, ARCHITECTURE.md)."""
+"""The package's shape: imports point down the documented layers (ARCHITECTURE.md, "Package
+map"), and there are no import cycles among engramrt's modules (function-level imports count
+too: a module that needs its own caller belongs elsewhere). Imports under ``TYPE_CHECKING`` are
+type hints, not dependencies."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, path in files.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in runtime_nodes(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -44,6 +46,47 @@ def import_graph() -> dict[str, set[str]]:
                 if target and target != mod and not mod.startswith(target + "."):
                     graph[mod].add(target)
     return graph
+
+
+def runtime_nodes(tree: ast.AST):
+    """Every node but those under ``if TYPE_CHECKING:``."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+# The documented layers, top to bottom: a module imports only from its own layer's packages
+# and the layers below. ``engramrt/__init__`` re-exports the public names and stands outside.
+LAYERS = [
+    ["engramrt.__main__", "engramrt.cli"],
+    ["engramrt.commands"],
+    ["engramrt.server", "engramrt.bundled"],
+    ["engramrt.engine"],
+    ["engramrt.parallel"],
+    ["engramrt.runner"],
+    ["engramrt.prompts"],
+    ["engramrt.model"],
+    ["engramrt.engram"],
+    ["engramrt.kernels"],
+    ["engramrt.config", "engramrt.transfer", "engramrt.tensor_parallel"],
+]
+
+
+def layer_of(module: str) -> int:
+    for i, packages in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in packages):
+            return i
+    raise AssertionError(f"{module} is in no documented layer (tests/test_architecture.py)")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, targets in graph.items() if a != "engramrt"
+                  for b in targets if layer_of(b) < layer_of(a))  # fmt: skip
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -98,3 +141,15 @@ def test_no_import_cycles() -> None:
     graph = import_graph()
     assert "engramrt.runner.stage" in graph and graph["engramrt.runner.stage"]
     assert cycles(graph) == []
+
+
+def test_imports_point_down_the_layers() -> None:
+    graph = import_graph()
+    assert upward_imports(graph) == []
+    # the checker sees a planted upward import, and skips type-only ones
+    planted = {**graph, "engramrt.kernels.tiles": {"engramrt.runner.stage"}}
+    assert upward_imports(planted) == [("engramrt.kernels.tiles", "engramrt.runner.stage")]
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import engramrt.cli\n"
+    found = [n for n in runtime_nodes(ast.parse(src)) if isinstance(n, ast.Import)]
+    assert [a.name for n in found for a in n.names] == []
+    assert "engramrt.model.mhc" in graph and "engramrt.tensor_parallel" in graph

@@ -3,7 +3,7 @@
 The reference reads only parameters (the state dict) and hash ids; it re-implements embedding
 expansion, Engram lookup + gate, hc mixes / Sinkhorn split / collapse / expand, RMSNorm, GQA
 attention with rotate-half RoPE, SwiGLU or MoE, and the final collapse + norm + head, without
-calling any engramrt forward or engramrt.mhc function.
+calling any engramrt forward or engramrt.model.mhc function.
 """
 
 from __future__ import annotations

@@ -413,7 +413,7 @@ def test_fused_sinkhorn_matches_torch(tokens: int, hc: int, iters: int) -> None:
     """Random mixes, scales and biases: the kernel's pre/post/comb equal the torch reference to
     fp32 rounding, and comb's columns sum to one as the last step makes them."""
     from engramrt.kernels.mhc_sinkhorn import split_sinkhorn
-    from engramrt.mhc import hc_split_sinkhorn
+    from engramrt.model.mhc import hc_split_sinkhorn
 
     g = torch.Generator().manual_seed(tokens * hc + iters)
     mixes = torch.randn(tokens, (2 + hc) * hc, generator=g) * 3

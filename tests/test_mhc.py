@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engramrt.mhc import first_pre, hc_mixes, hc_post, hc_pre, hc_split_sinkhorn
+from engramrt.model.mhc import first_pre, hc_mixes, hc_post, hc_pre, hc_split_sinkhorn
 
 EPS = 1e-6  # hc_eps
 

@@ -1,5 +1,5 @@
 """The fused mHC kernels (``engramrt.kernels.mhc_fused``) against the torch reference entry
-points of ``engramrt.mhc``, and a decoder block run both ways. On a CPU the kernels run in
+points of ``engramrt.model.mhc``, and a decoder block run both ways. On a CPU the kernels run in
 Triton's interpreter, whose fp32 -> bf16 cast truncates where a GPU rounds to nearest: bf16
 outputs are compared in ulps (1 for a value rounded once, 2 for the norm of a rounded row)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engramrt import mhc
+from engramrt.model import mhc
 from tests.support.kernel_env import kernel_device, triton_runs
 
 pytestmark = [

@@ -21,7 +21,7 @@ from engramrt.engram.module import Engram
 from engramrt.engram.table import EngramTable
 from engramrt.model.checkpoint import load_model
 from engramrt.parallel.launch import DistConfig, free_port
-from engramrt.parallel.tensor import TensorParallel
+from engramrt.tensor_parallel import TensorParallel
 from tests.support.model_factory import make_model, save_model
 
 PROMPTS = ["The capital of Bribrinu is", "12 + 7 =", "x"]
@@ -168,15 +168,15 @@ def test_nccl_collectives_replay_in_cuda_graphs(monkeypatch) -> None:
 
     import torch.distributed as dist
 
+    from engramrt import tensor_parallel
     from engramrt.engram import load_hasher
-    from engramrt.parallel import tensor
     from engramrt.runner.batch import StepBatch
     from engramrt.runner.stage import StageRunner, new_kv_cache
 
     calls: dict[str, int] = {}
     for name in ("all_reduce", "all_gather_into_tensor", "broadcast"):
         real = getattr(dist, name)
-        monkeypatch.setattr(tensor.dist, name, lambda *a, _r=real, _n=name, **k: (
+        monkeypatch.setattr(tensor_parallel.dist, name, lambda *a, _r=real, _n=name, **k: (
             calls.__setitem__(_n, calls.get(_n, 0) + 1), _r(*a, **k))[1])  # fmt: skip
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -188,7 +188,7 @@ def test_nccl_collectives_replay_in_cuda_graphs(monkeypatch) -> None:
             hasher, tok = load_hasher(model_dir, slots, "cuda")
             return StageRunner(model, hasher, new_kv_cache(model, slots, 64), tok)
 
-        eager, graphed = runner(tensor.SINGLE), runner(one)
+        eager, graphed = runner(tensor_parallel.SINGLE), runner(one)
         graphed.capture_graphs(8)
         assert {"all_reduce", "all_gather_into_tensor", "broadcast"} <= calls.keys()
         rng = random.Random(7)

@@ -15,7 +15,8 @@ import random
 import time
 from pathlib import Path
 
-from engramrt.engine.build import EngineOptions, build_stage, options_from_args
+from engramrt.commands.flags import options_from_args
+from engramrt.engine.build import EngineOptions, build_stage
 from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams
 

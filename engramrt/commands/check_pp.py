@@ -20,19 +20,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engramrt import tensor_parallel
 from engramrt.bundled import resolve_model_dir
 from engramrt.commands.flags import DEVICES, DTYPES, add_dist_flags, add_model_flag, dist_config
 from engramrt.config import load_json, model_config
-from engramrt.parallel import tensor
 from engramrt.parallel.faults import inject_stage_faults
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import all_partitions, stage_layers
 from engramrt.parallel.pipeline import Pipeline
-from engramrt.parallel.tensor import TensorParallel
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import StepBatch, StepResult
 from engramrt.runner.carry import Carry
 from engramrt.runner.stage import StageRunner
+from engramrt.tensor_parallel import TensorParallel
 
 DEFAULT_PROMPTS = [
     "The Engram hashes every token of this prompt.",
@@ -193,11 +193,11 @@ def _load_stage(opts: CheckOptions, parts: list[int], rank: int, n: int) -> Cont
 def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str) -> None:
     """``rank``: this process's stage; with TP each stage is ``tp`` ranks, and the reference
     is one process without TP (on the driver)."""
-    tp = tensor.current()
+    tp = tensor_parallel.current()
     n = len(prompts)
     driver = rank == 0 and tp.rank == 0
     if driver:
-        full = _runner(opts, list(range(sum(partitions[0]))), n, tensor.SINGLE)
+        full = _runner(opts, list(range(sum(partitions[0]))), n, tensor_parallel.SINGLE)
         ref_logits, ref_tokens = _scenario(Pipeline(full), prompts, opts.decode_steps, None)
     rows = []
     for parts in partitions:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from engramrt.config import load_json, model_config
+from engramrt.engine.build import EngineOptions
 from engramrt.parallel.launch import DistConfig
 from engramrt.parallel.partition import resolve_partition
 
@@ -137,4 +138,25 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         help='n-gram (prompt-lookup) speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+    )  # fmt: skip
+
+
+def options_from_args(
+    args: argparse.Namespace, model_dir: Path, cls: type[EngineOptions] = EngineOptions, **fields
+) -> EngineOptions:
+    """The ``cls`` (``EngineOptions`` or a command's extension of it) that the shared flags
+    (``engramrt.commands.flags``) ask for; ``fields`` set or override the rest."""
+    device = fields.pop("device", None) or args.device
+    taken = {
+        name: getattr(args, name)
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "num_gpu_blocks_override", "kv_cache_memory_bytes", "enforce_eager",
+                     "gpu_memory_utilization", "async_scheduling", "long_prefill_token_threshold",
+                     "speculative_config", "dtype", "seed", "enable_prefix_caching")
+        if hasattr(args, name)
+    }  # fmt: skip
+    return cls(
+        model_dir=model_dir, partition=layer_partition(args, model_dir), device=device,
+        table_memory=engram_table_memory(args), dist=dist_config(args, device),
+        **{**taken, **fields},
     )  # fmt: skip

@@ -14,10 +14,11 @@ from engramrt.commands.flags import (
     add_dist_flags,
     add_engram_memory_flags,
     add_model_flag,
+    options_from_args,
     resolve_device,
 )
 from engramrt.config import ModelConfig
-from engramrt.engine.build import EngineOptions, build_stage, check, options_from_args
+from engramrt.engine.build import EngineOptions, build_stage, check
 from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams, check_context_length
 from engramrt.model.trace import EngramTrace, EngramUpdateStats, fanout

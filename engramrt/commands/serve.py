@@ -16,9 +16,10 @@ from engramrt.commands.flags import (
     add_engram_memory_flags,
     add_memory_flags,
     add_scheduling_flags,
+    options_from_args,
     resolve_device,
 )
-from engramrt.engine.build import EngineOptions, build_stage, check, options_from_args
+from engramrt.engine.build import EngineOptions, build_stage, check
 from engramrt.engine.engine import Engine
 from engramrt.parallel.launch import launch
 from engramrt.parallel.liveness import Heartbeat, StageWatch

@@ -9,7 +9,6 @@ or in ``Engine.new_request`` and nowhere else.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass, field
@@ -82,29 +81,6 @@ class EngineOptions:
             return self.async_scheduling
         one = len(self.partition) == 1 and self.dist.tp_size == 1
         return one and self.speculative is None
-
-
-def options_from_args(
-    args: argparse.Namespace, model_dir: Path, cls: type[EngineOptions] = EngineOptions, **fields
-) -> EngineOptions:
-    """The ``cls`` (``EngineOptions`` or a command's extension of it) that the shared flags
-    (``engramrt.commands.flags``) ask for; ``fields`` set or override the rest."""
-    from engramrt.commands.flags import dist_config, engram_table_memory, layer_partition
-
-    device = fields.pop("device", None) or args.device
-    taken = {
-        name: getattr(args, name)
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "num_gpu_blocks_override", "kv_cache_memory_bytes", "enforce_eager",
-                     "gpu_memory_utilization", "async_scheduling", "long_prefill_token_threshold",
-                     "speculative_config", "dtype", "seed", "enable_prefix_caching")
-        if hasattr(args, name)
-    }  # fmt: skip
-    return cls(
-        model_dir=model_dir, partition=layer_partition(args, model_dir), device=device,
-        table_memory=engram_table_memory(args), dist=dist_config(args, device),
-        **{**taken, **fields},
-    )  # fmt: skip
 
 
 def check(opts: EngineOptions) -> tuple[ModelConfig, int]:

@@ -13,9 +13,12 @@ the main stream (``record_stream``) so their memory is not reused early.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from engramrt.model.context import ForwardContext
+if TYPE_CHECKING:
+    from engramrt.model.context import ForwardContext
 
 
 def host_engrams(model) -> list:

@@ -19,7 +19,7 @@ a few KiB and the step is launch-bound. Here:
 - ``_post_kernel``, grid ``(T, cdiv(D, BLOCK_D))``: ``out_k = post_k * y + sum_j comb[j][k] *
   residual_j`` in fp32, rounded once.
 
-Same formulas and order of operations as the torch reference in ``engramrt.mhc``; reduction
+Same formulas and order of operations as the torch reference in ``engramrt.model.mhc``; reduction
 trees differ, so the results match it to fp32 rounding (and a rounded output to an ulp), not
 bitwise.
 """
@@ -279,7 +279,7 @@ def mhc_pre(
     norm_eps: float,
     keep_collapsed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``engramrt.mhc.mhc_pre`` for a power-of-two ``hc``, in two launches:
+    """``engramrt.model.mhc.mhc_pre`` for a power-of-two ``hc``, in two launches:
     (normed, pre, post, comb, collapsed or None)."""
     normed, collapsed, part = _first_launch(x, pre_prev, norm_weight, norm_eps, keep_collapsed, fn)
     tokens = x.shape[0]
@@ -298,14 +298,14 @@ def mhc_pre(
 def collapse_norm(
     x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float
 ) -> torch.Tensor:
-    """``engramrt.mhc.collapse_norm`` in one launch (collapse programs only)."""
+    """``engramrt.model.mhc.collapse_norm`` in one launch (collapse programs only)."""
     return _first_launch(x, pre, norm_weight, norm_eps, False, None)[0]
 
 
 def mhc_post(
     y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
-    """``engramrt.mhc.hc_post`` in one launch."""
+    """``engramrt.model.mhc.hc_post`` in one launch."""
     residual = residual.contiguous()
     tokens, hc, dim = residual.shape
     out = torch.empty_like(residual)

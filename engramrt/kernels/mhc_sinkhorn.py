@@ -3,8 +3,8 @@
 In torch, ``hc_split_sinkhorn`` is about 4 small kernels per Sinkhorn iteration, 20 iterations,
 twice per layer: on a GPU that is thousands of launches a decode step, each doing almost nothing.
 Here one program holds ``BLOCK_T`` tokens' hc x hc matrices in registers for all iterations.
-Same formulas and order of operations as ``engramrt.mhc.hc_split_sinkhorn``; exp and the 4-term
-sums may round differently, so it matches the torch path to fp32 rounding, not bitwise.
+Same formulas and order of operations as ``engramrt.model.mhc.hc_split_sinkhorn``; exp and the
+4-term sums may round differently, so it matches the torch path to fp32 rounding, not bitwise.
 """
 
 from __future__ import annotations

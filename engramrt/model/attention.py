@@ -19,7 +19,7 @@ from engramrt.config import ModelConfig
 from engramrt.kernels import use_triton
 from engramrt.model.context import ForwardContext
 from engramrt.model.layers import StackedLinear, apply_rope
-from engramrt.parallel.tensor import SINGLE, TensorParallel
+from engramrt.tensor_parallel import SINGLE, TensorParallel
 
 
 def kv_head_span(kv_heads: int, tp: TensorParallel) -> tuple[int, int]:

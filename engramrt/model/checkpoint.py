@@ -27,7 +27,7 @@ from engramrt.engram.host_memory import HostMapping, mapping_bytes
 from engramrt.engram.module import dequantize_blocks
 from engramrt.engram.table import EngramTable
 from engramrt.model.decoder import EngramMHCModel
-from engramrt.parallel.tensor import SINGLE, TensorParallel
+from engramrt.tensor_parallel import SINGLE, TensorParallel
 
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

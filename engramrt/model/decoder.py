@@ -14,11 +14,11 @@ from engramrt.config import ModelConfig
 from engramrt.engram import prefetch
 from engramrt.engram.module import Engram
 from engramrt.engram.table import EngramTable
-from engramrt.mhc import PreMix, collapse_norm, first_pre, mhc_post, mhc_pre
 from engramrt.model.attention import Attention
 from engramrt.model.context import ForwardContext
 from engramrt.model.layers import MLP, MoE, RMSNorm
-from engramrt.parallel.tensor import SINGLE, TensorParallel
+from engramrt.model.mhc import PreMix, collapse_norm, first_pre, mhc_post, mhc_pre
+from engramrt.tensor_parallel import SINGLE, TensorParallel
 
 
 def _hc_params(cfg: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engramrt.kernels import use_triton
-from engramrt.parallel.tensor import SINGLE, TensorParallel
+from engramrt.tensor_parallel import SINGLE, TensorParallel
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

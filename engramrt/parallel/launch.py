@@ -2,7 +2,7 @@
 (rank = stage * tp_size + tp_rank). Under torchrun this process is one rank (torch's
 environment variables say which); otherwise it spawns one process per rank on this machine. A
 rank that fails takes the others down with it instead of leaving them waiting. The worker is
-called with its stage and the number of stages; ``tensor.current()`` says its TP place."""
+called with its stage and the number of stages; ``tensor_parallel.current()`` says its TP place."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engramrt.parallel import tensor
+from engramrt import tensor_parallel
 
 Worker = Callable[..., None]  # worker(rank, world, *args)
 
@@ -161,9 +161,9 @@ def _run(rank: int, cfg: DistConfig, worker: Worker, args) -> None:
         timeout=timedelta(seconds=cfg.timeout_s),
     )
     try:
-        tensor.join(rank, cfg.world, cfg.tp_size)
+        tensor_parallel.join(rank, cfg.world, cfg.tp_size)
         worker(rank // cfg.tp_size, cfg.pp_size, *args)
         dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
-        tensor.reset()
+        tensor_parallel.reset()
         dist.destroy_process_group()

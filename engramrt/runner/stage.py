@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
+from engramrt import tensor_parallel
 from engramrt.engram import load_hasher, load_tokenizer, prefetch
 from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.host_memory import check_reads, choose_placement, describe
@@ -28,13 +29,12 @@ from engramrt.model.checkpoint import engram_table_bytes, load_model
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.model.trace import Tracer
-from engramrt.parallel import tensor
-from engramrt.parallel.tensor import TensorParallel
 from engramrt.runner.batch import PENDING, PendingResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
 from engramrt.runner.graphs import StepGraphs
 from engramrt.runner.kv_budget import MemoryProfile
 from engramrt.runner.sampler import Sampler, sample_tokens
+from engramrt.tensor_parallel import TensorParallel
 from engramrt.transfer import to_device
 
 
@@ -108,9 +108,9 @@ class StageRunner:
         """``num_blocks=0`` loads without a KV cache (``allocate_kv`` gives it one later).
         ``table_memory``: where the Engram tables live (``auto``, ``device``, ``host``;
         ``engramrt.engram.host_memory``); said in a log line when the stage has any. ``tp``:
-        this rank's slice of its stage (default: this process's place, ``tensor.current``);
+        this rank's slice of its stage (default: this process's place, ``tensor_parallel.current``);
         only the leader of the first stage hashes."""
-        tp = tp or tensor.current()
+        tp = tp or tensor_parallel.current()
         placement = table_memory
         if table_memory == "auto":
             size = engram_table_bytes(model_dir, layer_ids) // tp.size
