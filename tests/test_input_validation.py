@@ -14,10 +14,18 @@ from engramrt.config import load_json, model_config
 from engramrt.engine.request import check_context_length
 from engramrt.engram import load_hasher
 from engramrt.engram.token_map import load_tokenizer
-from engramrt.parallel import pipeline
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.prompts import PromptEncoder
-from engramrt.runner.batch import MAX_LOGPROBS, SampleRow, StepBatch
+from engramrt.runner.batch import (
+    MAX_LOGPROBS,
+    SampleRow,
+    StepBatch,
+    StepResult,
+    decode_batch,
+    decode_result,
+    encode_batch,
+    encode_result,
+)
 from engramrt.runner.logit_controls import Controls
 from engramrt.runner.stage import StageRunner, new_kv_cache
 from tests.support.model_factory import make_model
@@ -157,22 +165,38 @@ def test_one_context_length_rule(limit: int) -> None:
 
 @pytest.mark.parametrize("with_tokens", [False, True])
 def test_step_message_round_trip_keeps_every_field_exactly(with_tokens: bool) -> None:
-    """What one stage encodes, the next decodes unchanged: seeds stay exact integers, sampling
-    floats exact bits; the tokens travel only to a first stage's TP followers (history
-    rebuilds stay on the first stage's leader)."""
+    """What one stage encodes, the next decodes unchanged, every field by name: seeds stay
+    exact integers, sampling floats exact bits; the tokens travel only to a first stage's TP
+    followers, and history rebuilds and verify commits stay on the first stage's leader."""
     rows = [
         SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4, False),
         SampleRow(seed=2**63 - 1, min_p=1e-300),
     ]
     controls = Controls(0.5, -0.25, 1.3, {7: -100.0, 2: 0.1}, 3, [1, 9], [2, 7, 8], [4])
-    tokens = [9, 2**40, 0] if with_tokens else None
-    batch = StepBatch(tokens, [3, 1], [2, 1], [5, 9], [[4, 7], [2]], [1, 0], rows, True,
-                      [11, -1, 4], 2, controls=[(3, controls, [5, 6], [7]), (1, None, [], [])],
-                      masks=[(0, [5, -(2**31), 2**31 - 1])])  # fmt: skip
-    n, message = pipeline.encode_step(batch, with_tokens)
-    ints = pipeline.decode_batch(pipeline.encode_batch(batch))
-    assert ints == dataclasses.replace(batch, tokens=None, sampling=None)
-    assert pipeline.decode_step(message, n, with_tokens) == batch
+    batch = StepBatch([9, 2**40, 0], [3, 1], [2, 1], [5, 9], [[4, 7], [2]], [1, 0], rows, True,
+                      [11, -1, 4], 2, rebuilds=[(3, [1, 2])],
+                      controls=[(3, controls, [5, 6], [7]), (1, None, [], [])],
+                      masks=[(0, [5, -(2**31), 2**31 - 1])], drafts=[1, 0],
+                      commits=[(1, [4, 5], 1)])  # fmt: skip
+    got = decode_batch(encode_batch(batch, with_tokens))
+    want = dataclasses.replace(batch, tokens=batch.tokens if with_tokens else None, rebuilds=[],
+                               commits=[])  # fmt: skip
+    assert got == want
+    # every field is compared: a field the codec dropped would differ from a changed batch
+    for name in (f.name for f in dataclasses.fields(StepBatch)):
+        if name not in ("tokens", "rebuilds", "commits"):
+            assert getattr(got, name) == getattr(batch, name), name
+
+
+def test_result_message_round_trip() -> None:
+    result = StepResult([3, -1], None, [-0.1, float("-inf")], [[1, 2], [0, 0]],
+                        [[-0.5, -1e-30], [0.0, -7.25]], [float("nan"), -2.0], [[1], [2]],
+                        [[-1.0], [-3.0]])  # fmt: skip
+    got = decode_result(encode_result(result))
+    assert got.tokens == result.tokens and got.top_ids == result.top_ids
+    for name in ("logprobs", "top_logprobs", "target_logprobs", "target_top_logprobs"):
+        a, b = (torch.tensor(getattr(r, name), dtype=torch.float64) for r in (got, result))
+        assert torch.equal(a.view(torch.int64), b.view(torch.int64)), name  # exact bits
 
 
 def test_sampler_never_returns_ids_past_the_tokenizer(session: StageRunner) -> None:

@@ -1,11 +1,13 @@
 """What one step asks of the stages (``StepBatch``, with each request's ``SampleRow``) and what
 the last stage answers (``StepResult``). The engine builds a batch; the pipeline carries it to
-every stage."""
+every stage in the one wire codec below (msgpack by field name, through msgspec: a new field
+travels with no codec change, and a typed decode rebuilds the same dataclasses)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import msgspec
 import torch
 
 from engramrt.runner.logit_controls import Controls
@@ -42,20 +44,6 @@ class SampleRow:
             raise ValueError(f"logprobs must lie in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must lie in [0, 2**63), got {self.seed}")
-
-    def floats(self) -> list[float]:
-        return [self.temperature, self.top_p, self.min_p]
-
-    def ints(self) -> list[int]:
-        seed = -1 if self.seed is None else self.seed
-        k = -1 if self.logprobs is None else self.logprobs
-        return [self.top_k, seed, self.index, k, int(self.final)]
-
-    @classmethod
-    def from_parts(cls, f: list[float], i: list[int]) -> SampleRow:
-        (t, p, m), (k, seed, index, lp, final) = f, i
-        lp = None if lp < 0 else lp
-        return cls(t, p, k, m, None if seed < 0 else seed, index, lp, bool(final))
 
 
 @dataclass
@@ -186,3 +174,33 @@ class PendingResult:
             result.target_top_logprobs = h["target_top_logprobs"]
         self.result = result
         return result
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_BATCH = msgspec.msgpack.Decoder(StepBatch)
+_RESULT = msgspec.msgpack.Decoder(StepResult)
+
+
+def encode_batch(batch: StepBatch, with_tokens: bool) -> torch.Tensor:
+    """The step for another rank, as bytes: the first stage's own business (history rebuilds
+    and verify commits, which only its hasher applies) stays behind, and the tokens too unless
+    the receiver embeds them (a TP follower of the first stage)."""
+    wire = replace(batch, tokens=batch.tokens if with_tokens else None, rebuilds=[], commits=[])
+    return _as_tensor(_ENCODER.encode(wire))
+
+
+def decode_batch(buf: torch.Tensor) -> StepBatch:
+    return _BATCH.decode(buf.cpu().numpy().tobytes())
+
+
+def encode_result(result: StepResult) -> torch.Tensor:
+    """A result's lists as bytes; its logits (a tensor) travel apart, raw."""
+    return _as_tensor(_ENCODER.encode(replace(result, logits=None)))
+
+
+def decode_result(buf: torch.Tensor) -> StepResult:
+    return _RESULT.decode(buf.cpu().numpy().tobytes())
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
