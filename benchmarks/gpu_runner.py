@@ -211,7 +211,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     ap.add_argument("--device", default="cuda", help="cpu: try the script, numbers mean nothing")
     ap.add_argument("--max-len", type=int, default=8192)
-    ap.add_argument("--async-scheduling", action="store_true", help="overlap host and GPU")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                    help="overlap host and GPU (default: the engine's, on)")  # fmt: skip
     args = ap.parse_args()
     dev = args.device
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
@@ -220,9 +221,13 @@ def main() -> None:
         res["copy_gb_s"] = copy_bandwidth_gbs(dev)
     res["matmul_tflops"] = matmul_tflops(dev, 8192 if dev == "cuda" else 512)
     t0 = time.perf_counter()
-    flags = ["--async-scheduling"] if args.async_scheduling else []
+    flags = (
+        []
+        if args.async_scheduling is None
+        else ["--async-scheduling" if args.async_scheduling else "--no-async-scheduling"]
+    )
     engine = engine_for(args.model, args.max_len, dev, *flags)
-    res["async_scheduling"] = args.async_scheduling
+    res["async_scheduling"] = engine.overlap
     res["load_s"] = time.perf_counter() - t0
     res["kv_blocks"] = engine.cfg.num_blocks
     save(args.out, res)

@@ -25,6 +25,25 @@ TINY_RUNS = [
     ("host_step.py", ["--requests", "4", "--contexts", "64", "--steps", "2"]),
     ("detok_bench.py", ["--lengths", "8"]),
     ("generate_bench.py", ["--max-tokens", "2"]),
+    (
+        "engine_core.py",
+        [
+            "--model",
+            "engramrt/bundled/tiny",
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--rounds",
+            "1",
+            "--out",
+            "/dev/null",
+        ],
+    ),
 ]
 
 # one interpreter runs every script in turn (torch is imported once), as ``__main__``
