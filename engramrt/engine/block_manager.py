@@ -98,7 +98,6 @@ class BlockManager:
             self.ref[block] -= 1
             if self.ref[block] == 0:
                 self.free[block] = None
-        req.blocks_sent = min(req.blocks_sent, len(req.blocks))
 
     def register(self, req: Request) -> None:
         """Make the request's newly completed full blocks findable by later prompts: those

@@ -16,6 +16,7 @@ loop waits for the step it just launched.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -131,6 +132,9 @@ class Engine:
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.grammars = Grammars(tokenizer, self.tokenizer_size, cfg.eos_token_id)
         self.in_flight: InFlight | None = None  # the launched step not applied yet (overlap)
+        # how many of a running request's blocks the stages' copy of its table holds (the
+        # step message's bookkeeping, not the block manager's; gone with the request)
+        self.blocks_sent: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
 
     # --- requests ------------------------------------------------------------------------
 
@@ -217,7 +221,7 @@ class Engine:
         if not batch:
             return None
         for req in admitted:  # a new slot: the stages' table for it is sent whole
-            req.blocks_sent = 0
+            self.blocks_sent[req] = 0
         rebuilds = [(req.slot, req.token_ids[: req.num_computed]) for req in admitted]
         controls = [self._controls(req) for req in admitted]
         asked = [r.params.prompt_logprobs for r, _ in batch if r.params.prompt_logprobs is not None]
@@ -225,9 +229,11 @@ class Engine:
         tokens, targets, starts, new_blocks, rows, sampling = [], [], [], [], [], []
         masks, drafts = [], []
         for req, n in batch:
-            starts.append(req.blocks_sent)
-            new_blocks.append(req.blocks[req.blocks_sent :])  # usually none: O(new blocks)
-            req.blocks_sent = len(req.blocks)
+            # a verify step's rejected drafts may have given blocks back since the last send
+            sent = min(self.blocks_sent[req], len(req.blocks))
+            starts.append(sent)
+            new_blocks.append(req.blocks[sent:])  # usually none: O(new blocks)
+            self.blocks_sent[req] = len(req.blocks)
             start = req.num_computed
             if req.drafts:  # a verify run: the anchor (its last token) and the drafts
                 tokens += [req.token_ids[start], *req.drafts]

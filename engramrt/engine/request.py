@@ -118,7 +118,6 @@ class Request:
     pending: int = 0
     slot: int | None = None  # Engram history slot while running
     blocks: list[int] = field(default_factory=list)
-    blocks_sent: int = 0  # how many of ``blocks`` the stages' copy of the block table holds
     num_hashed_blocks: int = 0  # prefix-cache bookkeeping: full blocks already registered
     prefix_key: bytes | None = None  # the chain key of the last registered block
     first_token_time: float | None = None
