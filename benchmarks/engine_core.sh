@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# Issue 31 on one H200, in one device call per part (wheels of the server stack in .whl, carried):
+# Issue 31 on one H200, in one device call per part. The GPU image lacks msgspec and the server
+# stack: download cp312 manylinux wheels into .whl (ignored by git) and carry it, then install
+# with pip --target /tmp/site and PYTHONPATH (the device tool's README): msgspec, fastapi,
+# starlette, pydantic, pydantic_core, annotated-types, typing-inspection, annotated-doc, uvicorn,
+# openai, jiter, sniffio, distro, opentelemetry-api, llguidance (1.6.1 has an x86_64 cp312 wheel).
 #   PART=a  the whole `-m "gpu or triton"` selection
 #   PART=b  benchmarks/engine_core.py on the 1B preset (bs 64 and 256, 512 in / 128 out: decode
 #           step against GPU kernel time, overlap off and on, alternated); serving the 1B preset
