@@ -14,9 +14,10 @@ import torch
 from engramrt.bundled import resolve_model_dir
 from engramrt.engine.grammar import GrammarSpec
 from engramrt.engine.request import SamplingParams
-from engramrt.runner.batch import SampleRow, StepBatch
+from engramrt.runner.batch import NewRequest, StepBatch
 from engramrt.runner.logit_controls import Controls
 from engramrt.runner.sampler import Sampler, apply_token_masks
+from engramrt.runner.slots import SlotTable
 from engramrt.runner.stage import StageRunner
 from tests.support.engine_factory import build_engine
 from tests.support.kernel_env import ENGINE_DEVICES
@@ -91,11 +92,12 @@ def test_grammar_wins_over_min_tokens(session) -> None:
         for o in engine.step():
             text, reason = text + o.new_text, o.finish_reason or reason
     assert text in {"ab", "cd"} and reason == "stop"
-    sampler = Sampler(torch.device("cpu"))
+    sampler = Sampler(SlotTable(torch.device("cpu"), None, True))
     eos, vocab = 1, 64
     only_eos = [1 << eos, 0]
-    batch = StepBatch([5], [0], [1], [0], sampling=[SampleRow()],
-                      controls=[(0, Controls(min_tokens=5, min_tokens_ids=[eos]), [], [])],
+    controls = Controls(min_tokens=5, min_tokens_ids=[eos])
+    batch = StepBatch([5], [0], [1], [0], admitted=[NewRequest(0, [5], 1, 0, controls=controls)],
                       masks=[(0, only_eos)])  # fmt: skip
+    sampler.slots.admit(batch.admitted, vocab)
     pending, _ = sampler.launch(torch.randn(1, vocab), batch)
     assert pending.wait().tokens == [eos]

@@ -18,6 +18,7 @@ from engramrt.parallel.pipeline import Pipeline
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import (
     MAX_LOGPROBS,
+    NewRequest,
     SampleRow,
     StepBatch,
     StepResult,
@@ -168,23 +169,25 @@ def test_step_message_round_trip_keeps_every_field_exactly(with_tokens: bool) ->
     """What one stage encodes, the next decodes unchanged, every field by name: seeds stay
     exact integers, sampling floats exact bits; the tokens travel only to a first stage's TP
     followers, and history rebuilds and verify commits stay on the first stage's leader."""
-    rows = [
-        SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4, False),
-        SampleRow(seed=2**63 - 1, min_p=1e-300),
-    ]
     controls = Controls(0.5, -0.25, 1.3, {7: -100.0, 2: 0.1}, 3, [1, 9], [2, 7, 8], [4])
-    batch = StepBatch([9, 2**40, 0], [3, 1], [2, 1], [5, 9], [[4, 7], [2]], [1, 0], rows, True,
-                      [11, -1, 4], 2, rebuilds=[(3, [1, 2])],
-                      controls=[(3, controls, [5, 6], [7]), (1, None, [], [])],
+    admitted = [
+        NewRequest(3, [5, 6, 7], 2, 1, SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4, False),
+                   controls),
+        NewRequest(1, [8, 9], 2, 0, SampleRow(seed=2**63 - 1, min_p=1e-300)),
+    ]  # fmt: skip
+    batch = StepBatch([9, 2**40, 0], [3, 1], [2, 1], [5, 9], [[4, 7], [2]], [1, 0], admitted,
+                      [4, 0], [False, True], True, [11, -1, 4], 2,
                       masks=[(0, [5, -(2**31), 2**31 - 1])], drafts=[1, 0],
                       commits=[(1, [4, 5], 1)])  # fmt: skip
     got = decode_batch(encode_batch(batch, with_tokens))
-    want = dataclasses.replace(batch, tokens=batch.tokens if with_tokens else None, rebuilds=[],
-                               commits=[])  # fmt: skip
+    # the second request's tokens stay on the first stage (no penalties need them further on)
+    kept = [admitted[0], dataclasses.replace(admitted[1], tokens=[])]
+    want = dataclasses.replace(batch, tokens=batch.tokens if with_tokens else None,
+                               admitted=kept, commits=[])  # fmt: skip
     assert got == want
     # every field is compared: a field the codec dropped would differ from a changed batch
     for name in (f.name for f in dataclasses.fields(StepBatch)):
-        if name not in ("tokens", "rebuilds", "commits"):
+        if name not in ("tokens", "admitted", "commits"):
             assert getattr(got, name) == getattr(batch, name), name
 
 
@@ -205,7 +208,9 @@ def test_sampler_never_returns_ids_past_the_tokenizer(session: StageRunner) -> N
     limit = session.tokenizer.get_vocab_size(with_added_tokens=True)
     logits = torch.zeros(1, limit + 50)
     logits[0, limit + 7] = 100.0  # the model's favourite is a padding id
-    batch = StepBatch([5], [0], [1], [0], sampling=[SampleRow(temperature=1.0, seed=3, logprobs=2)])
+    row = SampleRow(temperature=1.0, seed=3, logprobs=2)
+    batch = StepBatch([5], [0], [1], [0], admitted=[NewRequest(0, [5], 1, 0, row)])
+    session.slots.admit(batch.admitted, logits.shape[-1])
     result = session.sampler(logits, batch)
     assert 0 <= result.tokens[0] < limit
     assert all(i < limit for i in result.top_ids[0])

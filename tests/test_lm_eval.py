@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
 from engramrt.config import load_json, model_config
-from engramrt.runner.batch import StepBatch
+from engramrt.runner.batch import NewRequest, StepBatch
 from engramrt.runner.stage import StageRunner
 from tests.support.server_fixture import running_server
 
@@ -118,7 +118,9 @@ def oracle() -> tuple[Tokenizer, Callable[[list[int]], torch.Tensor]]:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            logits = runner.step(StepBatch(ids, [0], [len(ids)], [0], rebuilds=[(0, [])]))
+            logits = runner.step(
+                StepBatch(ids, [0], [len(ids)], [0], admitted=[NewRequest(0, ids, len(ids), 0)])
+            )
         finally:
             torch.set_num_threads(threads)
         return torch.log_softmax(logits.double(), dim=-1)

@@ -26,7 +26,7 @@ from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
 from engramrt.config import load_json, model_config
 from engramrt.engram.token_map import load_tokenizer
 from engramrt.prompts import PromptEncoder
-from engramrt.runner.batch import StepBatch
+from engramrt.runner.batch import NewRequest, StepBatch
 from engramrt.runner.stage import StageRunner
 from tests.support.offsets_oracle import check_text_offsets
 from tests.support.server_fixture import running_server, server_fixture, start_server, stop_server
@@ -534,7 +534,9 @@ def oracle():
     runner = StageRunner.load(resolve_model_dir(None), 1, MAX_LEN, "cpu", "float32")
 
     def logprobs(ids: list[int]) -> torch.Tensor:
-        logits = runner.step(StepBatch(ids, [0], [len(ids)], [0], rebuilds=[(0, [])]))
+        logits = runner.step(
+            StepBatch(ids, [0], [len(ids)], [0], admitted=[NewRequest(0, ids, len(ids), 0)])
+        )
         return torch.log_softmax(logits.double()[:, :VOCAB], dim=-1)
 
     return logprobs

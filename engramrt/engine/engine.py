@@ -34,7 +34,7 @@ from engramrt.engine.request import (
 )
 from engramrt.engine.scheduler import Scheduler
 from engramrt.engine.speculative import SpecConfig, accepted
-from engramrt.runner.batch import PENDING, PendingResult, StepBatch, StepResult
+from engramrt.runner.batch import PENDING, NewRequest, PendingResult, StepBatch, StepResult
 
 
 class Runs(Protocol):
@@ -222,11 +222,10 @@ class Engine:
             return None
         for req in admitted:  # a new slot: the stages' table for it is sent whole
             self.blocks_sent[req] = 0
-        rebuilds = [(req.slot, req.token_ids[: req.num_computed]) for req in admitted]
-        controls = [self._controls(req) for req in admitted]
+        new = [self._new_request(req) for req in admitted]
         asked = [r.params.prompt_logprobs for r, _ in batch if r.params.prompt_logprobs is not None]
         target_k = max(asked) if asked else None  # prompt tokens are scored only when asked
-        tokens, targets, starts, new_blocks, rows, sampling = [], [], [], [], [], []
+        tokens, targets, starts, new_blocks, rows, index, final = [], [], [], [], [], [], []
         masks, drafts = [], []
         for req, n in batch:
             # a verify step's rejected drafts may have given blocks back since the last send
@@ -249,7 +248,8 @@ class Engine:
                                    else -1)  # fmt: skip
             samples = start + n == req.num_tokens + req.pending or bool(req.drafts)
             drafts.append(len(req.drafts))
-            sampling.append(req.params.row(req.num_output_tokens + req.pending, samples))
+            index.append(req.num_output_tokens + req.pending)
+            final.append(samples)
             if samples and req.needs_host_tokens:
                 mask = token_mask(req, self.vocab_size)
                 if mask is not None:
@@ -264,11 +264,11 @@ class Engine:
             [r.start for r in rows],
             new_blocks=new_blocks,
             block_starts=starts,
-            sampling=sampling,
+            admitted=new,
+            sample_index=index,
+            final=final,
             targets=targets if target_k is not None else None,
             target_k=target_k or 0,
-            rebuilds=rebuilds,
-            controls=controls,
             masks=masks,
             drafts=drafts if any(drafts) else None,
             commits=self.commits,
@@ -279,13 +279,12 @@ class Engine:
             return InFlight(rows, PendingResult.ready(self.pipeline.step(step)))
         return InFlight(rows, launch(step))
 
-    def _controls(self, req: Request) -> tuple:
-        """A request's registration with the sampler on admission: its logit controls and, for
-        penalties, the tokens it has (the output ones too when it resumes after preemption)."""
-        c = req.params.controls(self.cfg.eos_token_id)
-        if c is None or not c.needs_tokens:
-            return req.slot, c, [], []
-        return req.slot, c, req.prompt_ids, req.output_ids
+    def _new_request(self, req: Request) -> NewRequest:
+        """A request taking its slot: everything the stages keep for it, sent once (a resumed
+        preempted request brings its outputs too: penalties count them)."""
+        controls = req.params.controls(self.cfg.eos_token_id)
+        return NewRequest(req.slot, list(req.token_ids), req.num_prompt_tokens,
+                          req.num_computed, req.params.row(0), controls)  # fmt: skip
 
     def _apply(self, step: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them. Rows of requests that finished or

@@ -47,19 +47,40 @@ class SampleRow:
 
 
 @dataclass
+class NewRequest:
+    """A request taking a slot this step (fresh, a prefix-cache hit, resumed after preemption),
+    whole: what the stages keep per slot until it leaves (``engramrt.runner.slots``). It crosses
+    once; later steps carry only its runs and what changed."""
+
+    slot: int
+    tokens: list[int]  # every token the host has: the prompt, then the outputs so far
+    num_prompt: int  # how many of ``tokens`` are the prompt
+    num_computed: int  # tokens before this step's run: its history is rebuilt from them
+    sampling: SampleRow = field(default_factory=SampleRow)  # its parameters (``index`` unused)
+    controls: Controls | None = None  # its logit controls (None: none asked)
+
+    @property
+    def needs_tokens_on_last_stage(self) -> bool:
+        """Penalties read the prompt and the outputs; nothing else past the first stage does."""
+        return self.controls is not None and self.controls.needs_tokens
+
+
+@dataclass
 class StepBatch:
     """Request ``b`` computes ``run_lens[b]`` tokens from position ``start_pos[b]`` in history
     and KV slot ``slots[b]``. ``tokens`` are needed on the first stage only; a token
     ``PENDING`` is the one its slot sampled in the previous step, which the host has not read
     yet (overlap scheduling; only where one stage both hashes and samples).
 
-    Every stage keeps each slot's block table from step to step (``KVCache.set_tables``), so a
-    step carries only what changed: request ``b``'s table becomes its first ``block_starts[b]``
-    blocks (default 0: all of it is given) followed by ``new_blocks[b]``; without
-    ``new_blocks`` the tables stay as they are (by default each slot's fixed blocks).
-    ``rebuilds`` are (slot, the tokens before this step's run) of requests whose history row
-    must be set from their tokens before hashing (a fresh request, a prefix-cache hit, a resumed
-    preempted request): the first stage, the history's one owner, applies them."""
+    What a slot keeps from step to step crosses once: ``admitted`` requests take their slots
+    before the step runs (history rebuilt from their tokens on the first stage, sampling
+    parameters and logit controls kept on the last; ``engramrt.runner.slots``). A slot no
+    request was admitted to samples greedily. The rest are deltas: request ``b``'s block table
+    becomes its first ``block_starts[b]`` blocks (default 0: all of it is given) followed by
+    ``new_blocks[b]`` (without ``new_blocks`` the tables stay as they are: by default each
+    slot's fixed blocks); ``sample_index[b]`` is which output token its sample is (keys seeded
+    noise and ``min_tokens``; default 0) and ``final[b]`` whether the engine keeps it (False: a
+    mid-prompt chunk; default True)."""
 
     tokens: list[int] | None
     slots: list[int]
@@ -67,14 +88,12 @@ class StepBatch:
     start_pos: list[int]
     new_blocks: list[list[int]] | None = None
     block_starts: list[int] | None = None
-    sampling: list[SampleRow] | None = None  # per request; None: greedy
+    admitted: list[NewRequest] = field(default_factory=list)
+    sample_index: list[int] | None = None
+    final: list[bool] | None = None
     return_logits: bool = False
     targets: list[int] | None = None  # per token: the next-token id to score (-1: none)
     target_k: int = 0  # top-k alternatives reported with each scored target
-    rebuilds: list[tuple[int, list[int]]] = field(default_factory=list)
-    # (slot, controls or None, prompt ids, output ids) of each request admitted this step: the
-    # last stage's sampler keeps them per slot (``engramrt.runner.logit_controls``)
-    controls: list[tuple[int, Controls | None, list[int], list[int]]] = field(default_factory=list)
     # (row, the tokens its grammar allows next as int32 bit words) of guided rows that sample
     masks: list[tuple[int, list[int]]] = field(default_factory=list)
     # speculative drafts per request (its run is the anchor and them; a token is sampled after
@@ -83,14 +102,6 @@ class StepBatch:
     # (slot, the anchor and drafts of its last verify run, drafts accepted): history commits of
     # the previous step's verify runs, applied by the first stage before it hashes
     commits: list[tuple[int, list[int], int]] = field(default_factory=list)
-
-    def rows(self) -> list[SampleRow]:
-        return self.sampling if self.sampling is not None else [SampleRow()] * len(self.slots)
-
-    @property
-    def logprobs_k(self) -> int | None:
-        ks = [r.logprobs for r in self.rows() if r.logprobs is not None]
-        return max(ks) if ks else None
 
     @property
     def full_logits(self) -> bool:
@@ -182,10 +193,14 @@ _RESULT = msgspec.msgpack.Decoder(StepResult)
 
 
 def encode_batch(batch: StepBatch, with_tokens: bool) -> torch.Tensor:
-    """The step for another rank, as bytes: the first stage's own business (history rebuilds
-    and verify commits, which only its hasher applies) stays behind, and the tokens too unless
-    the receiver embeds them (a TP follower of the first stage)."""
-    wire = replace(batch, tokens=batch.tokens if with_tokens else None, rebuilds=[], commits=[])
+    """The step for another rank, as bytes: the first stage's own business (the admitted
+    requests' tokens, unless penalties need them on the last stage, and the verify commits:
+    only its hasher reads them) stays behind, and the step's tokens too unless the receiver
+    embeds them (a TP follower of the first stage)."""
+    admitted = [a if a.needs_tokens_on_last_stage else replace(a, tokens=[])
+                for a in batch.admitted]  # fmt: skip
+    wire = replace(batch, tokens=batch.tokens if with_tokens else None, admitted=admitted,
+                   commits=[])  # fmt: skip
     return _as_tensor(_ENCODER.encode(wire))
 
 

@@ -9,12 +9,14 @@ distribution (before temperature and truncation), as vLLM reports them, and are 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
 from engramrt.runner.batch import PendingResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.logit_controls import LogitControls
+from engramrt.runner.slots import SlotTable
 from engramrt.transfer import to_device
 
 _SEED_STRIDE = 1_000_003
@@ -26,24 +28,31 @@ def _to(values: list, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     return to_device(torch.tensor(values, dtype=dtype), device)
 
 
-def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Temperature, then top-k, min-p and top-p truncation, each row with its own values."""
-    dev, vocab = logits.device, logits.shape[-1]
+def _columns(rows: list[SampleRow], device: torch.device) -> torch.Tensor:
+    """``[n, 4]`` (temperature, top_p, min_p, top_k) of host rows, in one copy."""
+    values = [[r.temperature, r.top_p, r.min_p, float(r.top_k)] for r in rows]
+    return _to(values, device, torch.float32).view(-1, 4)
 
-    def col(values, dtype=torch.float32) -> torch.Tensor:
-        return _to(values, dev, dtype)[:, None]
 
-    probs = torch.softmax(logits.float() / col([r.temperature for r in rows]), dim=-1)
+def _filtered_probs(
+    logits: torch.Tensor, rows: list[SampleRow], params: torch.Tensor
+) -> torch.Tensor:
+    """Temperature, then top-k, min-p and top-p truncation, each row with its own values
+    (``params``: the rows' ``[n, 4]`` columns on the device; ``rows`` decide on the host which
+    truncations any row asks for)."""
+    vocab = logits.shape[-1]
+    probs = torch.softmax(logits.float() / params[:, 0:1], dim=-1)
     ks = [r.top_k if r.top_k < vocab else 0 for r in rows]
     if any(ks):
-        k = col(ks, torch.int64)
+        k = params[:, 3:4].to(torch.int64)
+        k = k.masked_fill(k >= vocab, 0)
         kth = probs.topk(max(ks), dim=-1).values.gather(1, (k - 1).clamp(min=0))
         probs = probs.masked_fill((k > 0) & (probs < kth), 0.0)
     if any(r.min_p > 0 for r in rows):
-        floor = col([r.min_p for r in rows]) * probs.max(-1, keepdim=True).values
+        floor = params[:, 2:3] * probs.max(-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     if any(r.top_p < 1 for r in rows):
-        top_p = col([r.top_p for r in rows])
+        top_p = params[:, 1:2]
         sorted_p, order = probs.sort(dim=-1, descending=True)
         outside = sorted_p.cumsum(-1) - sorted_p >= top_p * sorted_p.sum(-1, keepdim=True)
         outside &= top_p < 1  # the top one always stays; rows without top-p keep everything
@@ -61,15 +70,22 @@ def sample_tokens(
 
 
 def sample_tokens_device(
-    logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    generator: torch.Generator | None,
+    params_of: Callable[[list[int]], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``sample_tokens`` left on the device: ``[B]`` int64, nothing read back."""
+    """``sample_tokens`` left on the device: ``[B]`` int64, nothing read back. ``params_of``
+    gives the device columns of the rows at the given indices (default: copied from ``rows``;
+    the sampler gathers them by slot)."""
     tokens = logits.argmax(-1)
     hot = [i for i, r in enumerate(rows) if r.temperature >= GREEDY_BELOW]  # vanishing: argmax
     if hot:
         dev = logits.device
         hot_at = _to(hot, dev) if len(hot) < len(rows) else slice(None)
-        probs = _filtered_probs(logits[hot_at], [rows[i] for i in hot])
+        hot_rows = [rows[i] for i in hot]
+        params = params_of(hot) if params_of is not None else _columns(hot_rows, dev)
+        probs = _filtered_probs(logits[hot_at], hot_rows, params)
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(hot) if rows[i].seed is None]
         if unseeded:
@@ -120,19 +136,19 @@ def sample(
     return torch.tensor(sample_tokens(logits, [row] * logits.shape[0], generator))
 
 
-def _samples(batch: StepBatch):
+def _samples(batch: StepBatch, run_rows: list[SampleRow]):
     """Where each sample's logits are (``ends``: a row per token with full logits, else a row
     per sample) and its run's row, slot and length, and which run it is: one sample per run, or
     with drafts one after each of a run's last ``1 + drafts`` tokens (their token indices
-    counted on for seeded noise)."""
+    counted on for seeded noise). ``run_rows``: each run's sampling row."""
     if batch.drafts is None:
         n = len(batch.run_lens)
         if batch.full_logits:  # a row per token: each run's is its last
             ends = (torch.tensor(batch.run_lens, dtype=torch.int64).cumsum(0) - 1).tolist()
         else:
             ends = list(range(n))
-        return ends, batch.rows(), batch.slots, batch.run_lens, range(n)
-    tails, run_rows = batch.tails, batch.rows()
+        return ends, run_rows, batch.slots, batch.run_lens, range(n)
+    tails = batch.tails
     if batch.full_logits:
         ends = [e - t + 1 + j for e, t in zip(itertools.accumulate(batch.run_lens), tails,
                                               strict=True) for j in range(t)]  # fmt: skip
@@ -151,10 +167,14 @@ class Sampler:
     ``token_limit`` masks head rows past the tokenizer (DeepSeek pads its vocab), so a padding
     id is never sampled or reported. ``seed`` drives the rows that carry no seed of their own."""
 
-    def __init__(self, device: torch.device, seed: int = 0, token_limit: int | None = None):
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+    def __init__(self, slots: SlotTable, seed: int = 0, token_limit: int | None = None):
+        self.slots = slots  # the stage's: sampling parameters and logit controls by slot
+        self.generator = torch.Generator(device=slots.device).manual_seed(seed)
         self.token_limit = token_limit
-        self.controls = LogitControls(device)
+
+    @property
+    def controls(self) -> LogitControls:
+        return self.slots.controls
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: StepBatch) -> StepResult:
@@ -167,11 +187,10 @@ class Sampler:
         and the sampled tokens on the device (``[B]``, -1 for an empty run). Nothing here waits
         on the GPU. ``logits`` may be a CUDA graph's output, so anything kept past this step is
         a copy."""
-        ends, rows, slots, run_lens, owner = _samples(batch)
+        ends, rows, slots, run_lens, owner = _samples(batch, self.slots.rows(batch))
         live = [i for i, n in enumerate(run_lens) if n > 0]
-        limit, k = self.token_limit, batch.logprobs_k
-        for slot, controls, prompt, output in batch.controls:
-            self.controls.register(slot, controls, prompt, output, logits.shape[-1])
+        asked = [r.logprobs for r in rows if r.logprobs is not None]
+        limit, k = self.token_limit, max(asked) if asked else None
         if batch.return_logits or batch.targets is not None or k is not None:
             logits = logits.clone()  # kept or scored whole: mask every row
             if limit is not None:
@@ -194,7 +213,11 @@ class Sampler:
             dead = torch.isinf(controlled).all(-1, keepdim=True)
             controlled = torch.where(dead, base, controlled)
         last = controlled
-        sampled = sample_tokens_device(last, [rows[i] for i in live], self.generator)
+        live_rows = [rows[i] for i in live]
+        sampled = sample_tokens_device(
+            last, live_rows, self.generator,
+            lambda at: self.slots.gather([live_slots[j] for j in at]),
+        )  # fmt: skip
         self.controls.count(live_slots, [rows[i].final for i in live], sampled)
         if len(live) == len(rows):
             tokens = sampled

@@ -34,6 +34,7 @@ from engramrt.runner.carry import Carry
 from engramrt.runner.graphs import StepGraphs
 from engramrt.runner.kv_budget import MemoryProfile
 from engramrt.runner.sampler import Sampler, sample_tokens
+from engramrt.runner.slots import SlotTable
 from engramrt.tensor_parallel import TensorParallel
 from engramrt.transfer import to_device
 
@@ -72,6 +73,8 @@ class StageRunner:
     engram_ran: Counter[int] = field(default_factory=Counter)
     graphs: StepGraphs | None = None
     sampler: Sampler | None = field(init=False, default=None)  # the last stage's
+    # what the request in each slot leaves on this stage (``engramrt.runner.slots``)
+    slots: SlotTable = field(init=False)
     # the token each history slot sampled last (a stage that is both first and last): a step's
     # token ``PENDING`` stands for it, so the next step can be launched before the host has
     # read the sampled tokens (overlap scheduling)
@@ -82,10 +85,11 @@ class StageRunner:
     def __post_init__(self) -> None:
         if self.device.type == "cuda" and prefetch.host_engrams(self.model):
             self.prefetcher = prefetch.Prefetch(self.model, self.device)
+        self.slots = SlotTable(self.device, self.hasher, self.model.head is not None)
         if self.model.head is not None:
             tok = self.tokenizer
             limit = tok.get_vocab_size(with_added_tokens=True) if tok is not None else None
-            self.sampler = Sampler(self.device, self.seed, limit)
+            self.sampler = Sampler(self.slots, self.seed, limit)
             if self.hasher is not None:
                 slots = self.hasher.history.num_slots
                 self.last_token = torch.zeros(slots, dtype=torch.int64, device=self.device)
@@ -277,8 +281,7 @@ class StageRunner:
             if self.hasher is not None:  # a TP follower takes the leader's hash ids
                 self.hasher.validate(tokens, batch.slots, batch.run_lens)
                 self._commit_verified(batch.commits)
-                for slot, before in batch.rebuilds:
-                    self.hasher.rebuild(slot, before)
+        self.slots.admit(batch.admitted, self.model.cfg.vocab_size)
         if batch.new_blocks is not None:
             self.kv.set_tables(batch.slots, batch.block_starts, batch.new_blocks)
         graphs, shape = self.graphs, None
