@@ -3,7 +3,7 @@ Engram inputs, and which Engram layers ran (so a skipped one is an error, not si
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -183,7 +183,84 @@ class ForwardContext:
         graph's shape (``GraphShape``); ``last_rows``: the logits are wanted at each run's last
         token only (``logits_rows``), not at every token; ``drafts``: the last ``1 + drafts[b]``
         tokens of run b are sampled (speculative decoding; eager steps only)."""
-        bsz, n_tok = len(slots), sum(run_lens)
+        runs = _Runs.of(slots, run_lens, start_pos, kv, tokens, width)
+        decode = all(n == 1 for n in run_lens) if pad is None else pad.decode
+        if pad is not None:
+            runs = runs.padded(pad, decode)
+        parts = runs.common()
+        if not decode:  # prompt chunks in tiles, one-token runs for the decode kernel
+            parts.update(runs.mixed(pad))
+        sample_rows = last_rows and not decode
+        if pad is not None and pad.verify:  # every run verifies (padded ones too: no commit)
+            parts["commit_runs"] = np.zeros(runs.bsz, dtype=np.int64)
+            parts["logits_rows"] = np.arange(len(runs.toks), dtype=np.int64)  # a sample a token
+        elif drafts is not None:
+            if pad is not None:
+                raise ValueError("a step with drafts replays a verify graph or none")
+            parts.update(runs.verify(drafts, sample_rows))
+        elif sample_rows:
+            parts["logits_rows"] = np.maximum(runs.qstart[1:] - 1, 0)
+        # the block table goes last, so a graph's static buffer (sized for the widest table)
+        # takes any narrower step as a prefix copy; kernels read the width from ``table_width``
+        parts["block_table"] = runs.table.reshape(-1)
+        flat, views = _pack(parts, device)
+        views["block_table"] = views["block_table"].view(runs.bsz, runs.width)
+        tiles = views.pop("tile_req", None), views.pop("tile_m0", None)
+        return cls(list(slots), list(run_lens), list(start_pos), kv, flat, decode=decode,
+                   tiles=None if tiles[0] is None else tiles, **views, **kw)  # fmt: skip
+
+    def rope(self, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's rotary cos/sin rows, computed by the first layer that asks (in a CUDA
+        graph: once per replay, not once per layer)."""
+        key = (head_dim, theta)
+        if key not in self.step_cache:
+            self.step_cache[key] = rope_tables(self.positions, head_dim, theta)
+        return self.step_cache[key]
+
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A mixed step's one-token runs: token rows, block tables, context lengths."""
+        if "decode_rows" not in self.step_cache:
+            table = self.block_table[self.dec_req]
+            self.step_cache["decode_rows"] = (self.dec_tok, table, self.dec_lens)
+        return self.step_cache["decode_rows"]
+
+    def engram_inputs(self, layer_id: int, index: int) -> torch.Tensor:
+        if self.hash_ids is None:
+            raise RuntimeError(f"layer {layer_id} owns an Engram but the forward got no hash ids")
+        return self.hash_ids[:, index]
+
+    def trace(self, event: str, layer_id: int, tensor: torch.Tensor) -> None:
+        if self.tracer is not None:
+            self.tracer(event, layer_id, tensor)
+
+
+def _grow(a: np.ndarray, by: int, value: int) -> np.ndarray:
+    return np.concatenate([a, np.full((by, *a.shape[1:]), value, dtype=np.int64)])
+
+
+@dataclass
+class _Runs:
+    """A step's runs as host arrays, checked against the cache: the pieces ``for_runs`` packs."""
+
+    real: int  # runs before padding
+    bsz: int
+    width: int
+    ids: np.ndarray  # [B] slots
+    lens: np.ndarray  # [B] run lengths
+    pos0: np.ndarray  # [B] start positions
+    req: np.ndarray  # [T] each token's run
+    qstart: np.ndarray  # [B + 1]
+    positions: np.ndarray  # [T]
+    rows: np.ndarray  # [T] cache rows (-1: padding, written nowhere)
+    toks: np.ndarray  # [T]
+    ctx_lens: np.ndarray  # [B]
+    table: np.ndarray  # [B, W]
+    run_lens: list[int]
+    start_pos: list[int]
+
+    @classmethod
+    def of(cls, slots, run_lens, start_pos, kv: KVCache, tokens, width) -> _Runs:
+        bsz = len(slots)
         if not len(run_lens) == len(start_pos) == bsz:
             raise ValueError("slots, run_lens and start_pos differ in length")
         i64 = np.int64
@@ -209,102 +286,75 @@ class ForwardContext:
         positions = pos0[req] + np.arange(len(req), dtype=i64) - qstart[req]
         rows = table[req, positions // kv.block_size] * kv.block_size + positions % kv.block_size
         toks = np.asarray(tokens if tokens is not None else np.zeros(len(req)), dtype=i64)
-        ctx_lens = pos0 + lens
-        decode = all(n == 1 for n in run_lens) if pad is None else pad.decode
-        if pad is not None:
-            pad.check(run_lens)
-            extra_t, extra_r = pad.tokens - n_tok, pad.requests - bsz
+        return cls(bsz, bsz, width, ids, lens, pos0, req, qstart, positions, rows, toks,
+                   pos0 + lens, table, list(run_lens), list(start_pos))  # fmt: skip
 
-            def grow(a: np.ndarray, by: int, value: int) -> np.ndarray:
-                return np.concatenate([a, np.full((by, *a.shape[1:]), value, dtype=i64)])
-
-            # a padded token is written nowhere (cache row -1), hashes as padding and commits
-            # nothing; a padded request has no keys (context 0) and, in a decode graph, owns
-            # one padded token at slot 0, in a mixed graph none (a run of 0 tokens)
-            toks, positions = grow(toks, extra_t, 0), grow(positions, extra_t, 0)
-            rows, req = grow(rows, extra_t, -1), grow(req, extra_t, 0)
-            ids, pos0, ctx_lens = (grow(a, extra_r, 0) for a in (ids, pos0, ctx_lens))
-            table = grow(table, extra_r, 0)
-            step = 1 if decode else pad.verify + 1 if pad.verify else 0
-            qstart = np.concatenate([qstart, qstart[-1] + step * np.arange(1, extra_r + 1)])
-            bsz = pad.requests
-        # the block table goes last, so a graph's static buffer (sized for the widest table)
-        # takes any narrower step as a prefix copy; kernels read the width from ``table_width``
-        parts = [toks, ids, positions, rows, ctx_lens, qstart, pos0, np.array([len(slots)]),
-                 np.array([width])]  # fmt: skip
-        if not decode:  # prompt chunks in tiles, one-token runs for the decode kernel
-            long = [n if n > 1 else 0 for n in run_lens]
-            tiles = [np.asarray(v, dtype=i64) for v in prefill_tiles(long, start_pos)]
-            one = np.flatnonzero(lens == 1)
-            dec = [qstart[one], one, ctx_lens[one]]
-            if pad is not None:  # tiles past every run walk nothing; entries past the real
-                tiles = [grow(tiles[0], pad.tiles - len(tiles[0]), 0),  # ones have no keys
-                         grow(tiles[1], pad.tiles - len(tiles[1]), NO_TILE)]  # fmt: skip
-                extra = pad.requests - len(one)
-                dec = [grow(dec[0], extra, len(toks)), grow(dec[1], extra, 0),
-                       grow(dec[2], extra, 0)]  # fmt: skip
-            parts += [*tiles, ids[req], *dec]
-        sample_rows = last_rows and not decode
-        verifying = drafts is not None or (pad is not None and pad.verify > 0)
-        if pad is not None and pad.verify:  # every run verifies (padded ones too: no commit)
-            parts.append(np.zeros(bsz, dtype=i64))
-            parts.append(np.arange(len(toks), dtype=i64))  # a sample after every token
-            sample_rows = True
-        elif drafts is not None:
-            if pad is not None:
-                raise ValueError("a step with drafts replays a verify graph or none")
-            tails = np.asarray(drafts, dtype=i64) + 1
-            parts.append((tails == 1).astype(i64))
-            if sample_rows:  # run b's last tails[b] tokens
-                first = np.repeat(qstart[1:] - tails, tails)
-                j = np.arange(tails.sum()) - np.repeat(np.cumsum(tails) - tails, tails)
-                parts.append(np.maximum(first + j, 0))
-        elif sample_rows:
-            parts.append(np.maximum(qstart[1:] - 1, 0))
-        parts.append(table.reshape(-1))
-        # every view starts 16-byte aligned: Triton specialises pointer arguments on it, so a
-        # view at an odd int64 offset (odd token or request counts) would compile another
-        # variant of each kernel that reads it, in the middle of serving
-        sizes = [len(a) for a in parts]
-        offsets = np.cumsum([0] + [n + n % 2 for n in sizes])
-        host = np.zeros(int(offsets[-1]), dtype=i64)
-        for a, o in zip(parts, offsets, strict=False):
-            host[o : o + len(a)] = a
-        flat = to_device(torch.from_numpy(host), device)  # asynchronous: see engramrt.transfer
-        views = [flat[o : o + n] for o, n in zip(offsets, sizes, strict=False)]
-        ctx = cls(
-            list(slots), list(run_lens), list(start_pos), kv, flat, *views[:4],
-            views[-1].view(bsz, width), *views[4:9], decode=decode, **kw,
+    def padded(self, pad: GraphShape, decode: bool) -> _Runs:
+        """The runs padded to a captured graph's shape: a padded token is written nowhere
+        (cache row -1), hashes as padding and commits nothing; a padded request has no keys
+        (context 0) and, in a decode graph, owns one padded token at slot 0, in a mixed graph
+        none (a run of 0 tokens)."""
+        pad.check(self.run_lens)
+        extra_t, extra_r = pad.tokens - len(self.toks), pad.requests - self.bsz
+        step = 1 if decode else pad.verify + 1 if pad.verify else 0
+        qstart = np.concatenate([self.qstart, self.qstart[-1] + step * np.arange(1, extra_r + 1)])
+        return replace(
+            self, bsz=pad.requests, qstart=qstart,
+            toks=_grow(self.toks, extra_t, 0), positions=_grow(self.positions, extra_t, 0),
+            rows=_grow(self.rows, extra_t, -1), req=_grow(self.req, extra_t, 0),
+            ids=_grow(self.ids, extra_r, 0), pos0=_grow(self.pos0, extra_r, 0),
+            ctx_lens=_grow(self.ctx_lens, extra_r, 0), table=_grow(self.table, extra_r, 0),
         )  # fmt: skip
-        if not decode:
-            ctx.tiles, ctx.token_slots = (views[9], views[10]), views[11]
-            ctx.dec_tok, ctx.dec_req, ctx.dec_lens = views[12:15]
+
+    def common(self) -> dict[str, np.ndarray]:
+        return {
+            "tokens": self.toks, "slot_ids": self.ids, "positions": self.positions,
+            "slot_mapping": self.rows, "context_lens": self.ctx_lens, "query_start": self.qstart,
+            "start_pos_t": self.pos0, "num_real": np.array([self.real]),
+            "table_width": np.array([self.width]),
+        }  # fmt: skip
+
+    def mixed(self, pad: GraphShape | None) -> dict[str, np.ndarray]:
+        """A mixed step's prefill tiles, each token's slot and its one-token runs (for the
+        decode kernel). In a graph, tiles past every run walk nothing and entries past the
+        real one-token runs have no keys."""
+        i64 = np.int64
+        long = [n if n > 1 else 0 for n in self.run_lens]
+        tile_req, tile_m0 = (np.asarray(v, dtype=i64)
+                             for v in prefill_tiles(long, self.start_pos))  # fmt: skip
+        one = np.flatnonzero(self.lens == 1)
+        dec_tok, dec_req, dec_lens = self.qstart[one], one, self.ctx_lens[one]
+        if pad is not None:
+            tile_req = _grow(tile_req, pad.tiles - len(tile_req), 0)
+            tile_m0 = _grow(tile_m0, pad.tiles - len(tile_m0), NO_TILE)
+            extra = pad.requests - len(one)
+            dec_tok = _grow(dec_tok, extra, len(self.toks))
+            dec_req, dec_lens = _grow(dec_req, extra, 0), _grow(dec_lens, extra, 0)
+        return {"tile_req": tile_req, "tile_m0": tile_m0, "token_slots": self.ids[self.req],
+                "dec_tok": dec_tok, "dec_req": dec_req, "dec_lens": dec_lens}  # fmt: skip
+
+    def verify(self, drafts: list[int], sample_rows: bool) -> dict[str, np.ndarray]:
+        """An eager step with drafts: which runs commit history when hashed (none with drafts)
+        and, with ``sample_rows``, run b's last ``1 + drafts[b]`` tokens as logits rows."""
+        tails = np.asarray(drafts, dtype=np.int64) + 1
+        parts = {"commit_runs": (tails == 1).astype(np.int64)}
         if sample_rows:
-            ctx.logits_rows = views[-2]
-        if verifying:
-            ctx.commit_runs = views[-3 if sample_rows else -2]
-        return ctx
+            first = np.repeat(self.qstart[1:] - tails, tails)
+            j = np.arange(tails.sum()) - np.repeat(np.cumsum(tails) - tails, tails)
+            parts["logits_rows"] = np.maximum(first + j, 0)
+        return parts
 
-    def rope(self, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's rotary cos/sin rows, computed by the first layer that asks (in a CUDA
-        graph: once per replay, not once per layer)."""
-        key = (head_dim, theta)
-        if key not in self.step_cache:
-            self.step_cache[key] = rope_tables(self.positions, head_dim, theta)
-        return self.step_cache[key]
 
-    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A mixed step's one-token runs: token rows, block tables, context lengths."""
-        if "decode_rows" not in self.step_cache:
-            table = self.block_table[self.dec_req]
-            self.step_cache["decode_rows"] = (self.dec_tok, table, self.dec_lens)
-        return self.step_cache["decode_rows"]
-
-    def engram_inputs(self, layer_id: int, index: int) -> torch.Tensor:
-        if self.hash_ids is None:
-            raise RuntimeError(f"layer {layer_id} owns an Engram but the forward got no hash ids")
-        return self.hash_ids[:, index]
-
-    def trace(self, event: str, layer_id: int, tensor: torch.Tensor) -> None:
-        if self.tracer is not None:
-            self.tracer(event, layer_id, tensor)
+def _pack(parts: dict[str, np.ndarray], device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Every part back to back in one int64 buffer, moved in one copy; a view of it by name.
+    Every view starts 16-byte aligned: Triton specialises pointer arguments on it, so a view at
+    an odd int64 offset (odd token or request counts) would compile another variant of each
+    kernel that reads it, in the middle of serving."""
+    sizes = [len(a) for a in parts.values()]
+    offsets = np.cumsum([0] + [n + n % 2 for n in sizes])
+    host = np.zeros(int(offsets[-1]), dtype=np.int64)
+    for a, o in zip(parts.values(), offsets, strict=False):
+        host[o : o + len(a)] = a
+    flat = to_device(torch.from_numpy(host), device)  # asynchronous: see engramrt.transfer
+    views = {name: flat[o : o + n] for name, o, n in zip(parts, offsets, sizes, strict=False)}
+    return flat, views
