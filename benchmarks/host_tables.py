@@ -28,7 +28,7 @@ def compare(runners: list[StageRunner], seed: int, last_only: bool) -> bool:
     batch = StepBatch(toks, list(range(8)), lens, [0] * 8)
     pos, same = list(lens), True
     for _ in range(6):
-        outs = [r.step(batch, last_only=last_only) for r in runners]
+        outs = [r.compute(batch, last_only=last_only) for r in runners]
         same &= all(torch.equal(outs[0], o) for o in outs[1:])
         batch = StepBatch([rng.randrange(6, vocab) for _ in range(8)], list(range(8)), [1] * 8,
                           list(pos))  # fmt: skip
@@ -41,14 +41,14 @@ def decode_ms(runners: list[StageRunner], bsz: int, rounds: int = 10) -> list[fl
     times: list[list[float]] = [[] for _ in runners]
     for r in runners:
         for _ in range(20):
-            r.step(batch, last_only=True)
+            r.compute(batch, last_only=True)
     torch.cuda.synchronize()
     for _ in range(rounds):
         for i, r in enumerate(runners):
             for _ in range(200 // rounds):
                 start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                 start.record()
-                r.step(batch, last_only=True)
+                r.compute(batch, last_only=True)
                 end.record()
                 torch.cuda.synchronize()
                 times[i].append(start.elapsed_time(end))

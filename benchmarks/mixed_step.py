@@ -5,7 +5,7 @@ from CUDA graphs and run eagerly, in one process. The ratio mixed / pure decode 
 
     python benchmarks/mixed_step.py --model /tmp/m1b --out mixed.json [--rows 64] [--context 512]
 
-Times are the stage's forward (``StageRunner.step``, logits at each run's last token), GPU
+Times are the stage's forward (``StageRunner.compute``, logits at each run's last token), GPU
 time between CUDA events around each call, median of 20 after 3 warm-ups; sampling excluded.
 """
 
@@ -29,7 +29,7 @@ def step_ms(runner: StageRunner, batch: StepBatch, reps: int = 20) -> float:
     for i in range(reps + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        runner.step(batch, last_only=True)
+        runner.compute(batch, last_only=True)
         end.record()
         torch.cuda.synchronize()
         if i >= 3:

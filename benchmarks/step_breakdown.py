@@ -21,7 +21,7 @@ from benchmarks.gpu_runner import engine_for
 from engramrt.engine.request import SamplingParams
 from engramrt.model.context import ForwardContext
 from engramrt.runner import graphs as graphs_mod
-from engramrt.runner.batch import PendingResult
+from engramrt.runner.batch import DeviceResult
 
 
 def main() -> None:
@@ -56,10 +56,10 @@ def main() -> None:
 
     replay = graphs_mod.StepGraphs.replay
     graphs_mod.StepGraphs.replay = timed("replay_call", on_gpu("graph", replay))
-    sampler = runner.sampler  # the step launches it; the host waits in PendingResult.wait
+    sampler = runner.sampler  # the step launches it; the host waits in DeviceResult.wait
     sampler.launch = timed("sampler_launch", on_gpu("sampler", sampler.launch))
-    pending_wait = PendingResult.wait
-    PendingResult.wait = timed("wait_for_tokens", pending_wait)
+    pending_wait = DeviceResult.wait
+    DeviceResult.wait = timed("wait_for_tokens", pending_wait)
     ForwardContext.for_runs = classmethod(timed("step_buffer", ForwardContext.for_runs.__func__))
     runner.hasher.validate = timed("validate_ids", runner.hasher.validate)
     rng = random.Random(0)

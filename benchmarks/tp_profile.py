@@ -48,7 +48,8 @@ def main() -> None:
     rng = random.Random(0)
     slots, vocab = list(range(1, bs + 1)), runner.model.cfg.vocab_size
     prompt = [rng.randrange(10, vocab) for _ in range(bs * args.input_len)]
-    logits = runner.step(StepBatch(prompt, slots, [args.input_len] * bs, [0] * bs), last_only=True)
+    first = StepBatch(prompt, slots, [args.input_len] * bs, [0] * bs)
+    logits = runner.compute(first, last_only=True)
     pos = [args.input_len] * bs
 
     def decode(n: int) -> float:
@@ -57,7 +58,7 @@ def main() -> None:
         start = time.perf_counter()
         for _ in range(n):
             nxt = logits.argmax(-1).tolist()  # the leader's tokens: identical on every rank
-            logits = runner.step(StepBatch(nxt, slots, [1] * bs, pos))
+            logits = runner.compute(StepBatch(nxt, slots, [1] * bs, pos))
             pos = [p + 1 for p in pos]
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / n

@@ -57,7 +57,7 @@ def _hasher(model_dir: Path) -> EngramHasher:
 
 def _logits(model: EngramMHCModel, model_dir: Path, tokens: list[int] = TOKENS) -> torch.Tensor:
     session = StageRunner(model, _hasher(model_dir), new_kv_cache(model, 1))
-    return session.step(StepBatch(tokens, [0], [len(tokens)], [0]))
+    return session.compute(StepBatch(tokens, [0], [len(tokens)], [0]))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ def build(seed: int = 0, **overrides):
 
 def engramrt_logits(model, raw, tokens: list[int]) -> torch.Tensor:
     session = StageRunner(model, new_hasher(raw), new_kv_cache(model, 1))
-    return session.step(StepBatch(tokens, [0], [len(tokens)], [0]))
+    return session.compute(StepBatch(tokens, [0], [len(tokens)], [0]))
 
 
 def reference_hash_ids(raw: dict, tokens: list[int]) -> torch.Tensor:

@@ -114,7 +114,7 @@ def test_engram_off_runs_no_engram_layer() -> None:
     on = StageRunner.load(resolve_model_dir(None), 1, 64, "cpu", "float32")
     off = StageRunner.load(resolve_model_dir(None), 1, 64, "cpu", "float32")
     off.model.disable_engram()
-    a, b = (r.step(StepBatch([5, 6, 7, 8], [0], [4], [0], new_blocks=[[0]])) for r in (on, off))
+    a, b = (r.compute(StepBatch([5, 6, 7, 8], [0], [4], [0], new_blocks=[[0]])) for r in (on, off))
     assert set(on.engram_ran) == set(on.model.engram_layer_ids) and not off.engram_ran
     assert not torch.equal(a, b)
 
@@ -166,8 +166,8 @@ def test_the_stage_entry_fault_reaches_served_stages(monkeypatch, capsys) -> Non
     assert not inject_stage_faults(plain, 0) and inject_stage_faults(faulty, 1)
     assert "FAULT INJECTED" in capsys.readouterr().err
     batch = StepBatch([5, 6, 7, 8], [0], [4], [0], new_blocks=[[0]])
-    carry = stage([0]).step(batch)
-    out = {name: r.step(batch, carry).x for name, r in
+    carry = stage([0]).compute(batch)
+    out = {name: r.compute(batch, carry).x for name, r in
            (("plain", plain), ("faulty", faulty), ("skipped", skipped))}  # fmt: skip
     assert torch.equal(out["faulty"], out["skipped"])
     assert not torch.equal(out["faulty"], out["plain"])

@@ -35,7 +35,7 @@ def model():
 def _prefill(sessions: list[StageRunner], rng: random.Random, slots: list[int]) -> list[list[int]]:
     prompts = [[rng.randrange(6, 1024) for _ in range(rng.randint(1, 9))] for _ in slots]
     for s in sessions:
-        s.step(
+        s.compute(
             StepBatch(
                 [t for p in prompts for t in p], slots, [len(p) for p in prompts], [0] * len(slots)
             )
@@ -55,7 +55,7 @@ def test_padded_decode_equals_unpadded(model, pad_to: int) -> None:
     for _ in range(3):
         nxt = [rng.randrange(6, 1024) for _ in slots]
         pos = [len(q) for q in seqs]
-        want = plain.step(StepBatch(nxt, slots, [1] * 3, pos))
+        want = plain.compute(StepBatch(nxt, slots, [1] * 3, pos))
         ctx = ForwardContext.for_runs(
             slots, [1] * 3, pos, padded.kv, "cpu", nxt,
             width=padded.kv.blocks_per_seq, pad=GraphShape(True, pad_to, pad_to),
@@ -108,8 +108,8 @@ def test_padded_mixed_step_equals_unpadded(model, tokens: int, requests: int, ke
         pos = [len(q) for q in seqs]
         batch = StepBatch(nxt, slots, lens, pos)
         ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
-        want = full.step(batch)[ends]
-        rows = last.step(batch, last_only=True)  # a GEMM of fewer rows may round differently
+        want = full.compute(batch)[ends]
+        rows = last.compute(batch, last_only=True)  # a GEMM of fewer rows may round differently
         torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)
         ctx = ForwardContext.for_runs(
             slots, lens, pos, padded.kv, "cpu", nxt, padded.kv.blocks_per_seq, shape,
@@ -298,7 +298,7 @@ def test_padded_verify_step_equals_unpadded(model, requests: int, drafts: int) -
     shape = GraphShape(False, requests * (drafts + 1), requests, drafts)
     lens, pos = [drafts + 1] * 3, [len(q) for q in seqs]
     nxt = [rng.randrange(6, 1024) for _ in range(sum(lens))]
-    want = plain.step(StepBatch(nxt, slots, lens, pos, drafts=[drafts] * 3), last_only=True)
+    want = plain.compute(StepBatch(nxt, slots, lens, pos, drafts=[drafts] * 3), last_only=True)
     ctx = ForwardContext.for_runs(
         slots, lens, pos, padded.kv, "cpu", nxt, padded.kv.blocks_per_seq, shape,
         last_rows=True, drafts=[drafts] * 3,
@@ -336,8 +336,8 @@ def test_graph_replay_equals_eager_for_every_size() -> None:
         for _ in range(3):
             nxt = [rng.randrange(6, 1024) for _ in slots]
             pos = [len(q) for q in seqs]
-            want = eager.step(StepBatch(nxt, slots, [1] * n, pos))
-            got = graphed.step(StepBatch(nxt, slots, [1] * n, pos))
+            want = eager.compute(StepBatch(nxt, slots, [1] * n, pos))
+            got = graphed.compute(StepBatch(nxt, slots, [1] * n, pos))
             assert torch.equal(got.argmax(-1), want.argmax(-1))  # padded matmuls may round
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # differently
             for q, t in zip(seqs, nxt, strict=True):
@@ -384,8 +384,8 @@ def test_mixed_graph_replay_equals_eager() -> None:
         pos = [len(seqs[s - 1]) for s in pick]
         batch = StepBatch(nxt, pick, lens, pos)
         ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
-        want = eager.step(batch)[ends]
-        got = graphed.step(batch, last_only=True)
+        want = eager.compute(batch)[ends]
+        got = graphed.compute(batch, last_only=True)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         at = 0
@@ -398,7 +398,7 @@ def test_mixed_graph_replay_equals_eager() -> None:
         torch.testing.assert_close(graphed.kv.k[i], eager.kv.k[i], rtol=1e-5, atol=1e-5)
     n = len(replays)
     last = StepBatch([7, 8], [1], [2], [len(seqs[0])])  # every token's logits: eager
-    torch.testing.assert_close(graphed.step(last), eager.step(last), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(graphed.compute(last), eager.compute(last), rtol=1e-5, atol=1e-5)
     assert len(replays) == n
     assert graphed.engram_ran == eager.engram_ran
 
@@ -435,7 +435,7 @@ def test_loaded_models_carry_no_autograd_state() -> None:
 
     s = StageRunner.load(resolve_model_dir(None))
     assert not any(p.requires_grad for p in s.model.parameters())
-    out = s.step(StepBatch([7, 8, 9], [0], [3], [0]))
+    out = s.compute(StepBatch([7, 8, 9], [0], [3], [0]))
     assert not out.requires_grad
 
 

@@ -41,7 +41,7 @@ def _steps(
     pos = [len(p) for p in prompts]
     for _ in range(4):
         for i, r in enumerate(runners):
-            out[i].append(r.step(batch, last_only=last_only))
+            out[i].append(r.compute(batch, last_only=last_only))
         nxt = [rng.randrange(6, 1000) for _ in range(2)]
         batch = StepBatch(nxt, [0, 1], [1, 1], list(pos))
         pos = [p + 1 for p in pos]

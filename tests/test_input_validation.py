@@ -42,7 +42,7 @@ def session() -> StageRunner:
 @pytest.mark.parametrize("table", [[-2, 0], [0, 10**6]])
 def test_block_ids_outside_the_cache_are_rejected(session: StageRunner, table: list[int]) -> None:
     with pytest.raises(ValueError, match="block table .* outside"):
-        session.step(StepBatch([7, 8], [0], [2], [0], new_blocks=[table]))
+        session.compute(StepBatch([7, 8], [0], [2], [0], new_blocks=[table]))
 
 
 def test_block_table_updates_are_checked(session: StageRunner) -> None:

@@ -118,7 +118,7 @@ def oracle() -> tuple[Tokenizer, Callable[[list[int]], torch.Tensor]]:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            logits = runner.step(
+            logits = runner.compute(
                 StepBatch(ids, [0], [len(ids)], [0], admitted=[NewRequest(0, ids, len(ids), 0)])
             )
         finally:

@@ -22,7 +22,7 @@ def test_tiny_preset_loads_and_runs(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(script), "--preset", "tiny", "--out", str(tmp_path),
                     "--device", "cpu"], check=True)  # fmt: skip
     s = StageRunner.load(tmp_path, dtype="float32")
-    logits = s.step(StepBatch([0, 40, 41, 42], [0], [4], [0]))
+    logits = s.compute(StepBatch([0, 40, 41, 42], [0], [4], [0]))
     assert logits.shape == (4, s.model.cfg.vocab_size) and bool(logits.isfinite().all())
     assert s.model.layers["0"].engram.embed.scale is not None  # fp8 tables
 

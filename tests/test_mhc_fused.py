@@ -193,7 +193,7 @@ def test_model_fused_equals_torch(monkeypatch) -> None:
         hasher = EngramHasher(EngramLayout.from_config(cfg), tmap, 1, DEV)
         session = StageRunner(model, hasher, new_kv_cache(model, 1))
         session.tracer = lambda event, _, t: seen.append(t) if event == "attn_collapse_in" else 0
-        logits = session.step(StepBatch(TOKENS, [0], [len(TOKENS)], [0]))
+        logits = session.compute(StepBatch(TOKENS, [0], [len(TOKENS)], [0]))
         return logits, seen
 
     want, want_seen = run(fused=False)

@@ -29,7 +29,7 @@ def model():
 
 
 def full_logits(model, tokens: list[int]) -> torch.Tensor:
-    return new_session(model, 1).step(StepBatch(tokens, [0], [len(tokens)], [0]))
+    return new_session(model, 1).compute(StepBatch(tokens, [0], [len(tokens)], [0]))
 
 
 @pytest.mark.parametrize("prompt_len", [1, 2, 5, 11])
@@ -42,10 +42,10 @@ def test_incremental_decode_equals_full_recompute(model, prompt_len: int) -> Non
     cuts = sorted(rng.sample(range(1, prompt_len), min(prompt_len - 1, 2)))
     bounds = [0, *cuts, prompt_len]
     for a, b in zip(bounds, bounds[1:], strict=False):
-        got = s.step(StepBatch(tokens[a:b], [1], [b - a], [a]))
+        got = s.compute(StepBatch(tokens[a:b], [1], [b - a], [a]))
         torch.testing.assert_close(got, full_logits(model, tokens[:b])[a:b], rtol=1e-4, atol=1e-4)
     for p in range(prompt_len, len(tokens)):
-        got = s.step(StepBatch([tokens[p]], [1], [1], [p]))
+        got = s.compute(StepBatch([tokens[p]], [1], [1], [p]))
         torch.testing.assert_close(
             got, full_logits(model, tokens[: p + 1])[-1:], rtol=1e-4, atol=1e-4
         )
@@ -59,7 +59,7 @@ def test_batched_requests_equal_alone(model) -> None:
     s = new_session(model, 4)
     slots = [3, 0, 2]
     flat = [t for p in prompts for t in p]
-    got = s.step(StepBatch(flat, slots, [len(p) for p in prompts], [0, 0, 0]))
+    got = s.compute(StepBatch(flat, slots, [len(p) for p in prompts], [0, 0, 0]))
     start = 0
     for p in prompts:
         want = full_logits(model, p)
@@ -68,7 +68,7 @@ def test_batched_requests_equal_alone(model) -> None:
     seqs = [list(p) for p in prompts]
     for _ in range(3):
         nxt = [rng.randrange(6, 1024) for _ in seqs]
-        got = s.step(StepBatch(nxt, slots, [1, 1, 1], [len(q) for q in seqs]))
+        got = s.compute(StepBatch(nxt, slots, [1, 1, 1], [len(q) for q in seqs]))
         for i, q in enumerate(seqs):
             q.append(nxt[i])
             torch.testing.assert_close(
@@ -100,7 +100,7 @@ def test_skipped_engram_is_an_error() -> None:
     m, _ = make_model(seed=2, num_hidden_layers=3, engram_layer_ids=[0, 2])
     m.layers["2"].engram = None
     with pytest.raises(RuntimeError, match=r"Engram layers \[2\] did not run"):
-        new_session(m, 1).step(StepBatch([7, 8, 9], [0], [3], [0]))
+        new_session(m, 1).compute(StepBatch([7, 8, 9], [0], [3], [0]))
 
 
 def test_engram_ablation_changes_logits() -> None:
@@ -123,7 +123,7 @@ def test_engram_update_is_visible_on_default_model() -> None:
     stats = EngramUpdateStats()
     ids = s.tokenizer.encode("The Engram hashes every token of this prompt.").ids
     s.tracer = stats
-    s.step(StepBatch(ids, [0], [len(ids)], [0]))
+    s.compute(StepBatch(ids, [0], [len(ids)], [0]))
     summary = stats.summary()
     assert sorted(summary) == list(s.model.cfg.engram.layer_ids)
     for row in summary.values():

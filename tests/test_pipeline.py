@@ -134,7 +134,7 @@ def test_later_stage_without_carry_raises() -> None:
     stage = _stage_of(model, [1, 2])
     session = StageRunner(stage, None, new_kv_cache(stage, 1))
     with pytest.raises(RuntimeError, match="stage starting at layer 1 needs the stream"):
-        session.step(StepBatch(None, [0], [2], [0]))
+        session.compute(StepBatch(None, [0], [2], [0]))
 
 
 def _stage_of(model, layers: list[int]):
@@ -159,15 +159,15 @@ def test_stage_carry_hand_off_is_exact_in_process() -> None:
     hasher, _ = load_hasher(DEFAULT_MODEL_DIR, 1)
     whole = StageRunner(model, hasher, new_kv_cache(model, 1))
     tokens = [0, 55, 66, 77, 88]
-    want = whole.step(StepBatch(tokens, [0], [5], [0]))
+    want = whole.compute(StepBatch(tokens, [0], [5], [0]))
     hasher2, _ = load_hasher(DEFAULT_MODEL_DIR, 1)
     first = StageRunner(_stage_of(model, [0]), hasher2, None)
     second = StageRunner(_stage_of(model, [1, 2, 3]), None, None)
     for s in (first, second):
         s.allocate_kv(1, None, 16, None)
-    carry = first.step(StepBatch(tokens, [0], [5], [0]))
+    carry = first.compute(StepBatch(tokens, [0], [5], [0]))
     assert isinstance(carry, Carry) and carry.pre.dtype.is_floating_point
-    got = second.step(StepBatch(None, [0], [5], [0]), carry)
+    got = second.compute(StepBatch(None, [0], [5], [0]), carry)
     assert got.equal(want) and second.engram_ran == Counter([1, 2])
 
 

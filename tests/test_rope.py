@@ -110,6 +110,6 @@ def test_tables_computed_once_per_forward(monkeypatch) -> None:
     from engramrt.runner.stage import StageRunner
 
     runner = StageRunner.load(resolve_model_dir(None), dtype="float32")
-    runner.step(StepBatch([5, 6, 7], [0], [3], [0], new_blocks=[[0]]))
-    runner.step(StepBatch([8], [0], [1], [3], new_blocks=[[]], block_starts=[1]))
+    runner.compute(StepBatch([5, 6, 7], [0], [3], [0], new_blocks=[[0]]))
+    runner.compute(StepBatch([8], [0], [1], [3], new_blocks=[[]], block_starts=[1]))
     assert [c.tolist() for c in calls] == [[0, 1, 2], [3]]

@@ -535,14 +535,14 @@ def test_pending_tokens_count_as_present() -> None:
     s.add(a)
     batch, admitted = s.schedule()
     assert pairs(batch) == [("a", 3)] and admitted == [a]
-    a.num_computed, a.pending = 3, 1  # launched; its token not read yet
+    a.num_computed, a.unread = 3, 1  # launched; its token not read yet
     assert pairs(s.schedule()[0]) == [("a", 1)]  # the pending token, from the device
-    a.num_computed, a.pending = 4, 2  # both outputs on the way: max_tokens is reached
+    a.num_computed, a.unread = 4, 2  # both outputs on the way: max_tokens is reached
     assert s.schedule() == ([], [])
-    a.pending = 1
+    a.unread = 1
     s.preempt(a)
     assert s.schedule() == ([], [])  # not admitted while its token is in flight
     a.token_ids.append(4)
-    a.pending = 0
+    a.unread = 0
     batch, admitted = s.schedule()
     assert admitted == [a] and pairs(batch) == [("a", 4)]

@@ -534,7 +534,7 @@ def oracle():
     runner = StageRunner.load(resolve_model_dir(None), 1, MAX_LEN, "cpu", "float32")
 
     def logprobs(ids: list[int]) -> torch.Tensor:
-        logits = runner.step(
+        logits = runner.compute(
             StepBatch(ids, [0], [len(ids)], [0], admitted=[NewRequest(0, ids, len(ids), 0)])
         )
         return torch.log_softmax(logits.double()[:, :VOCAB], dim=-1)

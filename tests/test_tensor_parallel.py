@@ -197,12 +197,12 @@ def test_nccl_collectives_replay_in_cuda_graphs(monkeypatch) -> None:
         first = StepBatch([t for p in prompts for t in p], picked, [len(p) for p in prompts],
                           [0] * len(picked))  # fmt: skip
         for r in (eager, graphed):
-            r.step(first)
+            r.compute(first)
         pos = [len(p) for p in prompts]
         for _ in range(4):
             nxt = [rng.randrange(6, 1000) for _ in picked]
             batch = StepBatch(nxt, picked, [1] * len(picked), pos)
-            want, got = eager.step(batch), graphed.step(batch)
+            want, got = eager.compute(batch), graphed.compute(batch)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # padded GEMMs may
             assert torch.equal(got.argmax(-1), want.argmax(-1))  # round differently
             pos = [p + 1 for p in pos]

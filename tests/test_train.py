@@ -52,7 +52,7 @@ def test_saved_checkpoint_serves(tmp_path) -> None:
     served = StageRunner.load(out, 1, 64, "cpu", "float32")
     table = served.model.layers["1"].engram.embed
     assert table.weight.dtype == torch.float8_e4m3fn
-    logits = served.step(StepBatch([5, 6, 7], [0], [3], [0], new_blocks=[[0]]))
+    logits = served.compute(StepBatch([5, 6, 7], [0], [3], [0], new_blocks=[[0]]))
     assert torch.isfinite(logits).all()
     hasher, _ = load_hasher(out, 1, "cpu")
     ids = torch.tensor([5, 6, 7])

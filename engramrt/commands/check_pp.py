@@ -142,11 +142,11 @@ class ContainedStage:
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 
-    def step(self, batch: StepBatch, carry: Carry | None = None, **kw):
+    def compute(self, batch: StepBatch, carry: Carry | None = None, **kw):
         """A TP follower's step (its output stays on the rank)."""
         if self.error is None:
             try:
-                return self.runner.step(batch, carry, **kw)
+                return self.runner.compute(batch, carry, **kw)
             except Exception as exc:  # noqa: BLE001 - reported in the partition's row
                 self.error = _error(exc)
         return None
@@ -178,7 +178,7 @@ def _load_stage(opts: CheckOptions, parts: list[int], rank: int, n: int) -> Cont
     runner = _runner(opts, stage_layers(parts, rank), n)
     inject_stage_faults(runner, rank)
     if fault:  # the second step (the first decode) raises
-        step, calls = runner.step, []
+        step, calls = runner.compute, []
 
         def failing(batch: StepBatch, carry: Carry | None = None, **kw):
             calls.append(batch)
@@ -186,7 +186,7 @@ def _load_stage(opts: CheckOptions, parts: list[int], rank: int, n: int) -> Cont
                 raise RuntimeError(f"injected fault ({RAISE_ENV}) on stage {rank}")
             return step(batch, carry, **kw)
 
-        runner.step = failing
+        runner.compute = failing
     return ContainedStage(runner)
 
 

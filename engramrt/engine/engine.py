@@ -34,12 +34,12 @@ from engramrt.engine.request import (
 )
 from engramrt.engine.scheduler import Scheduler
 from engramrt.engine.speculative import SpecConfig, accepted
-from engramrt.runner.batch import PENDING, NewRequest, PendingResult, StepBatch, StepResult
+from engramrt.runner.batch import PENDING, DeviceResult, NewRequest, StepBatch, StepResult
 
 
 class Runs(Protocol):
     """What the engine drives: the pipeline on rank 0 (or a stub, in the host benchmark). A
-    pipeline that can overlap also has ``launch(batch) -> PendingResult`` and ``can_overlap``."""
+    pipeline that can overlap also has ``launch(batch) -> DeviceResult`` and ``can_overlap``."""
 
     def step(self, batch: StepBatch) -> StepResult: ...
 
@@ -59,7 +59,7 @@ class Row:
 @dataclass
 class InFlight:
     rows: list[Row]
-    result: PendingResult
+    result: DeviceResult
 
 
 @dataclass
@@ -191,8 +191,10 @@ class Engine:
         have all finished or been aborted is left alone: the next step discards it)."""
         if self.scheduler.has_work():
             return True
-        step = self.in_flight
-        return step is not None and any(r.req.status is not Status.FINISHED for r in step.rows)
+        launched = self.in_flight
+        return launched is not None and any(
+            r.req.status is not Status.FINISHED for r in launched.rows
+        )
 
     # --- one step ------------------------------------------------------------------------
 
@@ -217,17 +219,18 @@ class Engine:
     def _launch(self) -> InFlight | None:
         """Schedule (a running request's pending token counts as present), build the batch and
         launch it; the positions, blocks and pending counts it implies are taken at once."""
-        batch, admitted = self.scheduler.schedule()
-        if not batch:
+        scheduled, admitted = self.scheduler.schedule()
+        if not scheduled:
             return None
         for req in admitted:  # a new slot: the stages' table for it is sent whole
             self.blocks_sent[req] = 0
         new = [self._new_request(req) for req in admitted]
-        asked = [r.params.prompt_logprobs for r, _ in batch if r.params.prompt_logprobs is not None]
+        asked = [r.params.prompt_logprobs for r, _ in scheduled
+                 if r.params.prompt_logprobs is not None]  # fmt: skip
         target_k = max(asked) if asked else None  # prompt tokens are scored only when asked
         tokens, targets, starts, new_blocks, rows, index, final = [], [], [], [], [], [], []
         masks, drafts = [], []
-        for req, n in batch:
+        for req, n in scheduled:
             # a verify step's rejected drafts may have given blocks back since the last send
             sent = min(self.blocks_sent[req], len(req.blocks))
             starts.append(sent)
@@ -246,9 +249,9 @@ class Engine:
                 for p in range(start + 1, start + n + 1):  # token p - 1 predicts token p
                     targets.append(req.token_ids[p] if scored and p < req.num_prompt_tokens
                                    else -1)  # fmt: skip
-            samples = start + n == req.num_tokens + req.pending or bool(req.drafts)
+            samples = start + n == req.num_tokens + req.unread or bool(req.drafts)
             drafts.append(len(req.drafts))
-            index.append(req.num_output_tokens + req.pending)
+            index.append(req.num_output_tokens + req.unread)
             final.append(samples)
             if samples and req.needs_host_tokens:
                 mask = token_mask(req, self.vocab_size)
@@ -256,11 +259,11 @@ class Engine:
                     masks.append((len(rows), mask))
             rows.append(Row(req, n, start, samples, req.num_preemptions, req.drafts))
             req.num_computed += n
-            req.pending += samples
-        step = StepBatch(
+            req.unread += samples
+        batch = StepBatch(
             tokens,
-            [req.slot for req, _ in batch],
-            [n for _, n in batch],
+            [req.slot for req, _ in scheduled],
+            [n for _, n in scheduled],
             [r.start for r in rows],
             new_blocks=new_blocks,
             block_starts=starts,
@@ -276,8 +279,8 @@ class Engine:
         self.commits = []
         launch = getattr(self.pipeline, "launch", None)
         if launch is None:  # a stub with ``step`` only
-            return InFlight(rows, PendingResult.ready(self.pipeline.step(step)))
-        return InFlight(rows, launch(step))
+            return InFlight(rows, DeviceResult.ready(self.pipeline.step(batch)))
+        return InFlight(rows, launch(batch))
 
     def _new_request(self, req: Request) -> NewRequest:
         """A request taking its slot: everything the stages keep for it, sent once (a resumed
@@ -286,14 +289,14 @@ class Engine:
         return NewRequest(req.slot, list(req.token_ids), req.num_prompt_tokens,
                           req.num_computed, req.params.row(0), controls)  # fmt: skip
 
-    def _apply(self, step: InFlight) -> list[RequestOutput]:
+    def _apply(self, launched: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them. Rows of requests that finished or
         were aborted since it was launched are discarded (their extra token was never theirs);
         a request preempted since keeps a sampled token (it was the next one) but nothing of a
         prompt chunk (it is recomputed)."""
-        result = step.result.wait()
+        result = launched.result.wait()
         now, outputs, offset, x = time.monotonic(), [], 0, 0
-        for row in step.rows:
+        for row in launched.rows:
             req, n, i = row.req, row.n, x  # i: the row's first sample
             offset += n
             x += 1 + len(row.drafts)
@@ -307,7 +310,7 @@ class Engine:
             self.blocks.register(req)
             if not row.samples:  # mid-prompt chunk: its sample is not used
                 continue
-            req.pending -= 1
+            req.unread -= 1
             if row.drafts and not preempted:
                 outputs.append(self._verified(req, row, result, i, now))
             else:

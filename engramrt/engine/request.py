@@ -115,7 +115,7 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the cache or on the way (a launched step)
     # sampled tokens of launched steps that the host has not read yet (overlap scheduling: at
     # most 1 when a step is scheduled); they count as present for positions, KV and max_tokens
-    pending: int = 0
+    unread: int = 0
     slot: int | None = None  # Engram history slot while running
     blocks: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # prefix-cache bookkeeping: full blocks already registered
@@ -151,7 +151,7 @@ class Request:
     @property
     def length_capped(self) -> bool:
         """Its pending tokens reach max_tokens: it must not be scheduled again."""
-        return self.num_output_tokens + self.pending >= self.params.max_tokens
+        return self.num_output_tokens + self.unread >= self.params.max_tokens
 
     @property
     def num_output_tokens(self) -> int:

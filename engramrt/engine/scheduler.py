@@ -10,7 +10,7 @@ gives back its blocks and slot and later recomputes its tokens (its Engram histo
 from them when it is admitted again).
 
 With overlap scheduling a running request may have a sampled token the host has not read yet
-(``Request.pending``): it counts as present (the next run computes it from the device), a request
+(``Request.unread``): it counts as present (the next run computes it from the device), a request
 whose pending tokens reach max_tokens is not scheduled again, and a preempted request waits until
 its pending token is known before it is admitted again (its tokens are recomputed from the host).
 """
@@ -66,7 +66,7 @@ class Scheduler:
                 continue
             if req.length_capped:  # its last token is on the way: it finishes when applied
                 continue
-            n = min(req.num_tokens + req.pending - req.num_computed, budget, self.chunk)
+            n = min(req.num_tokens + req.unread - req.num_computed, budget, self.chunk)
             while not self.blocks.can_grow(req, req.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -84,7 +84,7 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and self.free_slots:
             req = self.waiting[0]
-            if req.pending:  # preempted with a token in flight: admitted once it is known
+            if req.unread:  # preempted with a token in flight: admitted once it is known
                 break
             if len(self.running) >= self.max_num_seqs or not self.blocks.can_admit(req):
                 break

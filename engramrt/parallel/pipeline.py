@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engramrt.runner.batch import (
-    PendingResult,
+    DeviceResult,
     StepBatch,
     StepResult,
     decode_batch,
@@ -69,12 +69,12 @@ class Pipeline:
         ``PENDING`` tokens): only with one stage of one rank, which samples where it hashes."""
         return self.world == 1 and self.tp.size == 1 and self.runner.last_token is not None
 
-    def launch(self, batch: StepBatch) -> PendingResult:
+    def launch(self, batch: StepBatch) -> DeviceResult:
         """``step`` without waiting for the sampled tokens where the pipeline has one stage;
         with several, the step's messages make it synchronous (overlap scheduling is off)."""
         if self.world == 1 and self.tp.size == 1:
             return self.runner.launch(batch)
-        return PendingResult.ready(self.step(batch))
+        return DeviceResult.ready(self.step(batch))
 
     def stop(self) -> None:
         """Release the other ranks (their ``serve`` returns)."""
@@ -112,7 +112,7 @@ class Pipeline:
             if self.rank != 0:
                 like = Carry.empty(self.runner.model, batch.num_tokens)
                 carry = Carry(*(self._bcast(t.shape, t.dtype) for t in like.tensors()))
-            self.runner.step(batch, carry, last_only=not batch.full_logits)
+            self.runner.compute(batch, carry, last_only=not batch.full_logits)
 
     # --- one stage of one step -----------------------------------------------------------
 

@@ -137,7 +137,7 @@ class StepResult:
     target_top_logprobs: list[list[float]] | None = None
 
 
-class PendingResult:
+class DeviceResult:
     """A step's ``StepResult`` while the device may still be computing it (overlap scheduling).
 
     The sampler's outputs are device tensors; on a GPU each is copied ``non_blocking`` into
@@ -163,7 +163,7 @@ class PendingResult:
             self.event.record(torch.cuda.current_stream(devices[0]))
 
     @classmethod
-    def ready(cls, result: StepResult) -> PendingResult:
+    def ready(cls, result: StepResult) -> DeviceResult:
         return cls(result=result)
 
     def wait(self) -> StepResult:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from engramrt.runner.batch import PendingResult, SampleRow, StepBatch, StepResult
+from engramrt.runner.batch import DeviceResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.logit_controls import LogitControls
 from engramrt.runner.slots import SlotTable
 from engramrt.transfer import to_device
@@ -182,7 +182,7 @@ class Sampler:
         return self.launch(logits, batch)[0].wait()
 
     @torch.inference_mode()
-    def launch(self, logits: torch.Tensor, batch: StepBatch) -> tuple[PendingResult, torch.Tensor]:
+    def launch(self, logits: torch.Tensor, batch: StepBatch) -> tuple[DeviceResult, torch.Tensor]:
         """Sample on the device and start copying the results to the host: the pending result,
         and the sampled tokens on the device (``[B]``, -1 for an empty run). Nothing here waits
         on the GPU. ``logits`` may be a CUDA graph's output, so anything kept past this step is
@@ -235,5 +235,5 @@ class Sampler:
             lp, ids, tops = token_logprobs_device(logits, targets, batch.target_k)
             parts["target_logprobs"], parts["target_top_ids"] = lp, ids
             parts["target_top_logprobs"] = tops
-        pending = PendingResult(parts, logits if batch.return_logits else None, batch.targets)
+        pending = DeviceResult(parts, logits if batch.return_logits else None, batch.targets)
         return pending, tokens

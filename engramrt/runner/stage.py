@@ -29,7 +29,7 @@ from engramrt.model.checkpoint import engram_table_bytes, load_model
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.model.trace import Tracer
-from engramrt.runner.batch import PENDING, PendingResult, SampleRow, StepBatch, StepResult
+from engramrt.runner.batch import PENDING, DeviceResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
 from engramrt.runner.graphs import StepGraphs
 from engramrt.runner.kv_budget import MemoryProfile
@@ -192,7 +192,7 @@ class StageRunner:
         carry = None if self.is_first else Carry.empty(self.model, tokens, torch.zeros)
         fake = [self.model.cfg.bos_token_id or 0] * tokens if self.is_first else None
         batch = StepBatch(fake, list(range(len(runs))), runs, [0] * len(runs), new_blocks=tables)
-        logits = self.step(batch, carry)
+        logits = self.compute(batch, carry)
         if self.is_last:  # the sampler's temporaries at the largest batch
             n = min(tokens, rows)
             sample_tokens(logits[:n], [SampleRow(temperature=1.0, top_p=0.9)] * n, None)
@@ -229,7 +229,7 @@ class StageRunner:
             carry = None if self.is_first else Carry.empty(self.model, tokens, torch.zeros)
             fake = [self.model.cfg.bos_token_id or 0] * tokens if self.is_first else None
             slots = list(range(len(runs)))
-            self.step(StepBatch(fake, slots, runs, [0] * len(runs), new_blocks=tables), carry)
+            self.compute(StepBatch(fake, slots, runs, [0] * len(runs), new_blocks=tables), carry)
         torch.cuda.synchronize(self.device)
         if self.hasher is not None:
             self.hasher.history.table.zero_()
@@ -238,14 +238,14 @@ class StageRunner:
         """One step on this stage: the ``Carry`` for the next stage, or on the last stage what
         it sampled."""
         out = self.launch(batch, carry)
-        return out.wait() if isinstance(out, PendingResult) else out
+        return out.wait() if isinstance(out, DeviceResult) else out
 
     @torch.inference_mode()
-    def launch(self, batch: StepBatch, carry: Carry | None = None) -> Carry | PendingResult:
-        """``run`` without waiting for the sampled tokens: on the last stage a ``PendingResult``.
+    def launch(self, batch: StepBatch, carry: Carry | None = None) -> Carry | DeviceResult:
+        """``run`` without waiting for the sampled tokens: on the last stage a ``DeviceResult``.
         The sampled tokens are also written to ``last_token`` (their slots' entries) on the
         stream, after the sampler: a later step's ``PENDING`` tokens read them there."""
-        out = self.step(batch, carry, last_only=not batch.full_logits)
+        out = self.compute(batch, carry, last_only=not batch.full_logits)
         if not self.is_last:
             return out
         pending, tokens = self.sampler.launch(out, batch)
@@ -258,7 +258,7 @@ class StageRunner:
         return pending
 
     @torch.inference_mode()
-    def step(
+    def compute(
         self, batch: StepBatch, carry: Carry | None = None, last_only: bool = False
     ) -> torch.Tensor | Carry:
         """Logits ``[T, V]`` on the last stage (``last_only``: ``[B, V]``, at each run's last

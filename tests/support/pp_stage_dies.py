@@ -20,13 +20,13 @@ def worker(rank: int, world: int) -> None:
     runner = StageRunner.load(resolve_model_dir(None), layer_ids=stage_layers(parts, rank))
     pipe = Pipeline(runner, rank, world)
     if pipe.tp.rank == 1:  # a TP follower: one step of the leader's, then gone
-        step = runner.step
+        step = runner.compute
 
         def once(*args, **kw):
             step(*args, **kw)
             os._exit(3)
 
-        runner.step = once
+        runner.compute = once
         pipe.serve()
     if rank == 1:
         pipe._stage(pipe._recv_batch(*pipe._recv_header()[1:]))
