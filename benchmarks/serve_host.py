@@ -1,5 +1,6 @@
 """The HTTP server's own cost per streamed token, without a GPU: the real server (uvicorn,
-FastAPI, the engine thread) around an engine whose model is a stub that sleeps for a fixed "GPU
+FastAPI, the engine loop on a thread of the server's process, as under torchrun; ``engramrt
+serve`` otherwise gives it a process of its own) around an engine whose model is a stub that sleeps for a fixed "GPU
 step" (releasing the GIL, as waiting on a GPU does) and samples a fixed token. ``engramrt bench
 serve`` streams at a given concurrency from another process. Reported: the client's median TPOT
 against the engine's median decode step measured inside the server (stub sleep + the engine's
@@ -26,7 +27,7 @@ import uvicorn
 
 from benchmarks.host_step import TOKEN
 from engramrt.bundled import DEFAULT_MODEL_DIR
-from engramrt.engine.async_engine import AsyncEngine
+from engramrt.engine.client import EngineClient
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.request import SamplingParams
 from engramrt.engram import load_tokenizer
@@ -79,7 +80,8 @@ def alone(gpu_ms: float, rows: int, in_len: int, out_len: int) -> float:
 def served(args: argparse.Namespace) -> dict:
     eng, model = engine(args.gpu_ms, args.concurrency, args.input_len, args.output_len)
     prompts = PromptEncoder.load(DEFAULT_MODEL_DIR, eng.tokenizer)
-    server = Server(AsyncEngine(eng), prompts, ServerConfig(["stub"], eng.cfg.max_model_len))
+    client = EngineClient.in_thread(eng, eng.tokenizer)
+    server = Server(client, prompts, ServerConfig(["stub"], eng.cfg.max_model_len))
     config = uvicorn.Config(create_app(server), port=args.port, log_level="warning")
     http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, daemon=True)

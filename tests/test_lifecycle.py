@@ -19,7 +19,9 @@ import pytest
 from engramrt.bundled import resolve_model_dir
 from engramrt.commands.serve import ServeOptions, _serve_http
 from engramrt.engine.build import build_stage
+from engramrt.engine.client import EngineClient
 from engramrt.parallel.launch import free_port
+from engramrt.prompts import PromptEncoder
 from tests.support.server_fixture import start_server, stop_server
 
 
@@ -142,8 +144,10 @@ def test_engine_death_exits_1() -> None:
         raise RuntimeError("injected step failure")
 
     engine.pipeline.step = engine.pipeline.launch = broken  # launch: overlap scheduling
+    client = EngineClient.in_thread(engine, engine.tokenizer)
+    prompts = PromptEncoder.load(model_dir, engine.tokenizer)
     result: dict[str, int] = {}
-    server = threading.Thread(target=lambda: result.update(code=_serve_http(opts, engine)))
+    server = threading.Thread(target=lambda: result.update(code=_serve_http(opts, client, prompts)))
     server.start()
     base = f"http://127.0.0.1:{opts.port}"
     deadline = time.monotonic() + 30

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from dataclasses import dataclass, field
 
@@ -20,11 +19,12 @@ from engramrt.commands.flags import (
     resolve_device,
 )
 from engramrt.engine.build import EngineOptions, build_stage, check
-from engramrt.engine.engine import Engine
-from engramrt.parallel.launch import launch
-from engramrt.parallel.liveness import Heartbeat, StageWatch
-from engramrt.parallel.pipeline import Pipeline
+from engramrt.engine.client import EngineClient, EngineDead
+from engramrt.engine.core import describe, serve_stage
+from engramrt.parallel.launch import launch, under_torchrun
+from engramrt.parallel.liveness import StageWatch
 from engramrt.prompts import PromptEncoder
+from engramrt.server.lifecycle import log
 
 
 @dataclass
@@ -51,84 +51,71 @@ def check_serve(opts: ServeOptions) -> None:
 
 
 def run_serve(opts: ServeOptions) -> None:
+    """The engine in a process of its own (which launches the stages), HTTP in this one. Under
+    torchrun every rank is started for us: rank 0 serves HTTP with the engine loop on a thread
+    of its own (the same loop and messages)."""
     check_serve(opts)
-    launch(opts.dist, _worker, opts)
+    if under_torchrun():
+        launch(opts.dist, _torchrun_worker, opts)
+        return
+    prompts = PromptEncoder.load(opts.model_dir)
+    try:
+        client = EngineClient.spawn(opts, prompts.tokenizer)
+    except EngineDead as exc:
+        log(str(exc))
+        raise SystemExit(1) from None
+    code = _serve_http(opts, client, prompts)
+    if code:
+        raise SystemExit(code)
 
 
-def _worker(rank: int, world: int, opts: ServeOptions) -> None:
+def _torchrun_worker(rank: int, world: int, opts: ServeOptions) -> None:
     pipe, engine = build_stage(opts, rank, world)
     if engine is None:
-        _serve_stage(pipe, opts)
+        serve_stage(pipe, opts)
         return
+    client = EngineClient.in_thread(engine, engine.tokenizer, describe(pipe, engine, opts))
+    watch = StageWatch(opts.stage_timeout, client.fail) if world > 1 else None
     try:
-        code = _serve_http(opts, engine)
-    except BaseException:
-        pipe.stop()  # a failed start (the port is taken, say): release the other stages
-        raise
+        code = _serve_http(opts, client, PromptEncoder.load(opts.model_dir, engine.tokenizer))
+    finally:
+        if watch is not None:
+            watch.stop()
     if code == 0:
         pipe.stop()
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    if opts.dist.world > 1:
-        os._exit(code)  # a hung stage would hold the stop message and teardown barrier for ever
-    raise SystemExit(code)
+    os._exit(code)  # a hung stage would hold the stop message and teardown barrier for ever
 
 
-def _serve_stage(pipe: Pipeline, opts: ServeOptions) -> None:
-    """A later stage: rank 0 owns the server's life (it drains, then stops the stages), so
-    signals that reach the whole process group do not take this stage away mid-drain."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    first = sum(opts.partition[: pipe.rank])
-    last = first + opts.partition[pipe.rank] - 1
-    tp = f", TP rank {pipe.tp.rank} of {pipe.tp.size}" if pipe.tp.size > 1 else ""
-    print(f"engramrt: stage {pipe.rank} of {pipe.world}{tp} (layers {first}-{last}) ready, "
-          f"pid {os.getpid()}", flush=True)  # fmt: skip
-    beat = Heartbeat()
-    try:
-        pipe.serve()
-    finally:
-        beat.stop()
-
-
-def _serve_http(opts: ServeOptions, engine: Engine) -> int:
-    """Serve until a signal (exit status 0) or the engine's death (1)."""
+def _serve_http(opts: ServeOptions, client: EngineClient, prompts: PromptEncoder) -> int:
+    """Serve until a signal (exit status 0) or the engine's death (1); the engine is stopped
+    on every way out (a failed start too: the port is taken, say)."""
     import uvicorn
 
-    from engramrt.engine.async_engine import AsyncEngine
     from engramrt.server.app import Server, ServerConfig, create_app
     from engramrt.server.lifecycle import EngineServer
 
-    runner, max_len = engine.pipeline.runner, engine.cfg.max_model_len
-    blocks = engine.cfg.num_blocks
-    prompts = PromptEncoder.load(opts.model_dir, runner.tokenizer)
-    server = Server(
-        AsyncEngine(engine), prompts,
-        ServerConfig(opts.served_model_name, max_len, opts.api_key, opts.max_request_bytes,
-                     opts.enable_log_requests),
-    )  # fmt: skip
-    ready = (
-        f"serving {opts.served_model_name[0]} ({opts.model_dir}) at "
-        f"http://{opts.host}:{opts.port}/v1 | {runner.device}, {runner.model.dtype}, "
-        f"{len(opts.partition)} stage(s) {opts.partition} x TP {opts.dist.tp_size}, {blocks} KV "
-        f"blocks of "
-        f"{opts.block_size} tokens, max_model_len {max_len}"
-    )
-    config = uvicorn.Config(
-        create_app(server), host=opts.host, port=opts.port,
-        log_level="warning" if opts.disable_uvicorn_access_log else "info",
-        access_log=not opts.disable_uvicorn_access_log, timeout_graceful_shutdown=5,
-    )  # fmt: skip
-    http = EngineServer(config, server, ready, opts.shutdown_timeout)
-    many = opts.dist.world > 1
-    watch = StageWatch(opts.stage_timeout, server.engine.fail) if many else None
     try:
+        server = Server(
+            client, prompts,
+            ServerConfig(opts.served_model_name, client.limits.max_model_len, opts.api_key,
+                         opts.max_request_bytes, opts.enable_log_requests),
+        )  # fmt: skip
+        ready = (
+            f"serving {opts.served_model_name[0]} ({opts.model_dir}) at "
+            f"http://{opts.host}:{opts.port}/v1 | {client.description}"
+        )
+        config = uvicorn.Config(
+            create_app(server), host=opts.host, port=opts.port,
+            log_level="warning" if opts.disable_uvicorn_access_log else "info",
+            access_log=not opts.disable_uvicorn_access_log, timeout_graceful_shutdown=5,
+        )  # fmt: skip
+        http = EngineServer(config, server, ready, opts.shutdown_timeout)
         http.run()
     finally:
-        if watch is not None:
-            watch.stop()
-        server.engine.shutdown()
+        client.shutdown()
     return http.exit_code
 
 

@@ -28,9 +28,9 @@ from engramrt.engine.grammar import Grammars, token_mask
 from engramrt.engine.request import (
     Logprob,
     Request,
+    RequestLimits,
     SamplingParams,
     Status,
-    check_context_length,
 )
 from engramrt.engine.scheduler import Scheduler
 from engramrt.engine.speculative import SpecConfig, accepted
@@ -107,10 +107,10 @@ class RequestOutput:
 class Engine:
     def __init__(self, pipeline: Runs, tokenizer: Tokenizer, cfg: EngineConfig):
         self.pipeline, self.tokenizer, self.cfg = pipeline, tokenizer, cfg
-        # ids must index both the tokenizer (Engram token map) and the embedding: a tokenizer
-        # larger than the model's vocab_size must not let one request crash the engine
         self.tokenizer_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.vocab_size = min(self.tokenizer_size, cfg.model_vocab_size or self.tokenizer_size)
+        self.limits = RequestLimits(self.tokenizer_size, cfg.model_vocab_size, cfg.max_model_len,
+                                    cfg.num_blocks, cfg.block_size, cfg.eos_token_id)  # fmt: skip
+        self.vocab_size = self.limits.vocab_size
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         propose = self._propose if cfg.speculative is not None else None
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -141,25 +141,9 @@ class Engine:
     def new_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> Request:
-        """The one validation of a request, with the numbers in every ValueError. Needs no
-        engine state, so the server calls it on its own thread, at the boundary."""
-        params.validate(self.vocab_size, self.cfg.eos_token_id)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size}) (the "
-                f"tokenizer has {self.tokenizer_size} tokens, the model's embedding "
-                f"{self.cfg.model_vocab_size or self.tokenizer_size} rows)"
-            )
-        check_context_length(len(prompt_ids), params.max_tokens, self.cfg.max_model_len)
-        total = len(prompt_ids) + params.max_tokens
-        if self.blocks.blocks_for(total) > self.cfg.num_blocks:
-            raise ValueError(
-                f"{total} tokens need {self.blocks.blocks_for(total)} KV blocks; the cache has "
-                f"{self.cfg.num_blocks}"
-            )
+        """A validated request (``RequestLimits.check``) with its grammar's matcher. Needs no
+        engine state, so an in-process caller may call it on its own thread."""
+        self.limits.check(prompt_ids, params)
         req = Request(request_id, prompt_ids, params)
         if params.grammar is not None:
             req.matcher = self.grammars.matcher(params.grammar)
@@ -435,4 +419,6 @@ class Engine:
             "spec_decode_num_drafts": self.spec_drafts,
             "spec_decode_num_draft_tokens": self.spec_draft_tokens,
             "spec_decode_num_accepted_tokens": self.spec_accepted_tokens,
+            "prompt_tokens": self.prompt_tokens_total,
+            "generation_tokens": self.generation_tokens_total,
         }

@@ -85,6 +85,45 @@ def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int) -
         )
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may ask of an engine: the one validation of a request, at the boundary
+    (the server's process holds a copy; the engine checks again when it builds the request)."""
+
+    tokenizer_size: int
+    model_vocab_size: int | None  # the embedding's rows; None: the tokenizer's size
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    eos_token_id: int | None
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids must index both the tokenizer (Engram token map) and the embedding: a tokenizer
+        larger than the model's vocab_size must not let one request crash the engine."""
+        return min(self.tokenizer_size, self.model_vocab_size or self.tokenizer_size)
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Every rule a request must meet, with the numbers in each ValueError."""
+        params.validate(self.vocab_size, self.eos_token_id)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size}) (the "
+                f"tokenizer has {self.tokenizer_size} tokens, the model's embedding "
+                f"{self.model_vocab_size or self.tokenizer_size} rows)"
+            )
+        check_context_length(len(prompt_ids), params.max_tokens, self.max_model_len)
+        total = len(prompt_ids) + params.max_tokens
+        blocks = -(-total // self.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(
+                f"{total} tokens need {blocks} KV blocks; the cache has {self.num_blocks}"
+            )
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

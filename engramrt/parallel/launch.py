@@ -60,8 +60,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cfg: DistConfig, worker: Worker, *args) -> None:
-    """Run ``worker(stage, stages, *args)`` on every rank."""
+def launch(cfg: DistConfig, worker: Worker, *args, forward_signals: bool = True) -> None:
+    """Run ``worker(stage, stages, *args)`` on every rank. ``forward_signals``: a launcher of
+    several ranks passes SIGTERM/SIGINT on to rank 0 (the driver decides how to stop); False
+    where another process owns the stop (the server's, for the engine's process)."""
     if cfg.pp_size < 1 or cfg.tp_size < 1:
         raise ValueError("--pipeline-parallel-size and --tensor-parallel-size must be >= 1")
     if cfg.device == "cuda":
@@ -95,7 +97,8 @@ def launch(cfg: DistConfig, worker: Worker, *args) -> None:
             join=False,
         )
         stop = _ForwardStop(ctx.processes[0].pid)
-        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)
+                    if forward_signals}  # fmt: skip
         try:
             while not ctx.join(timeout=1, grace_period=2):
                 pass

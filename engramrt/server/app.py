@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import engramrt
-from engramrt.engine.async_engine import EngineClosed, EngineDead
+from engramrt.engine.client import EngineClosed, EngineDead
 from engramrt.server import schema, tokenization
 from engramrt.server.protocol import (
     ChatCompletionRequest,

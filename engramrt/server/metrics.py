@@ -1,13 +1,13 @@
 """Prometheus metrics with vLLM's names under an ``engramrt:`` prefix, plus Engram history slots.
-Engine gauges and counters are read at scrape time; latencies are observed per request."""
+Engine gauges and counters are read at scrape time (as of the engine's last message); latencies
+are observed per request."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engramrt.engine.engine import Engine
-from engramrt.kernels.compiles import compilations
+from engramrt.engine.client import EngineClient
 
 P = "engramrt:"
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -28,7 +28,7 @@ _COUNTERS = {
 
 
 class _EngineCollector:
-    def __init__(self, engine: Engine, model: str):
+    def __init__(self, engine: EngineClient, model: str):
         self.engine, self.model = engine, model
 
     def collect(self):
@@ -39,12 +39,12 @@ class _EngineCollector:
             yield g
         counters = {
             **{k: (v, stats[k]) for k, v in _COUNTERS.items()},
-            "prompt_tokens": ("Prompt tokens processed.", self.engine.prompt_tokens_total),
-            "generation_tokens": ("Tokens generated.", self.engine.generation_tokens_total),
+            "prompt_tokens": ("Prompt tokens processed.", stats["prompt_tokens"]),
+            "generation_tokens": ("Tokens generated.", stats["generation_tokens"]),
             "triton_compilations": (
-                "Triton kernel variants compiled in this process, start-up included (one after "
-                "start-up stalls a step).",
-                compilations(),
+                "Triton kernel variants compiled in the engine's process, start-up included "
+                "(one after start-up stalls a step).",
+                stats["triton_compilations"],
             ),
         }
         for name, (doc, value) in counters.items():
@@ -54,7 +54,7 @@ class _EngineCollector:
 
 
 class Metrics:
-    def __init__(self, engine: Engine, model: str):
+    def __init__(self, engine: EngineClient, model: str):
         self.model = model
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model))

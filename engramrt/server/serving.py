@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
-from engramrt.engine.async_engine import AsyncEngine
+from engramrt.engine.client import EngineClient
 from engramrt.engine.engine import RequestOutput
 from engramrt.engine.request import Logprob, Request, SamplingParams, check_context_length
 from engramrt.prompts import PromptEncoder
@@ -101,9 +101,9 @@ class Server:
     """The engine, tokenizer and config behind the app, and the only place that hands requests
     to the engine (``new_request`` while building them, ``generate`` while running them)."""
 
-    def __init__(self, engine: AsyncEngine, prompts: PromptEncoder, cfg: ServerConfig):
+    def __init__(self, engine: EngineClient, prompts: PromptEncoder, cfg: ServerConfig):
         self.engine, self.prompts, self.tok, self.cfg = engine, prompts, prompts.tokenizer, cfg
-        self.metrics = Metrics(engine.engine, cfg.model_names[0])
+        self.metrics = Metrics(engine, cfg.model_names[0])
         self.created = int(time.time())
 
     # --- building requests ----------------------------------------------------------------
@@ -198,7 +198,7 @@ class Server:
                     grammar=grammar,
                 )
                 try:
-                    request = self.engine.engine.new_request(uuid.uuid4().hex, prompt, params)
+                    request = self.engine.new_request(uuid.uuid4().hex, prompt, params)
                 except ValueError as exc:
                     raise ApiError(400, str(exc)) from None
                 out.append(Choice(i * req.n + j, request, text))

@@ -1,0 +1,275 @@
+"""The server's side of the engine: an asyncio interface over the connection to the engine loop
+(``engramrt.engine.core``), which runs in a process of its own (``spawn``) or on a thread
+(``in_thread``).
+
+Requests are validated here, at the boundary (``new_request``: the engine's ``RequestLimits``,
+sent once when it is ready), and sent as they come; outputs come back on a reader thread and go
+to one asyncio queue per request. If the engine dies (a step raised, a stage stopped answering,
+its process went away) or someone outside declares it dead (``fail``), every waiting request
+gets the error and ``error`` is set (``/health`` then reports 503 and the server exits 1).
+``close`` and ``drain`` are the graceful stop: no new requests, the running ones finish or, at
+the deadline, end with finish reason ``abort``; ``shutdown`` then stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import secrets
+import sys
+import threading
+from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection, Listener, Pipe
+
+from engramrt.engine.core import (
+    ENCODER,
+    FROM_ENGINE,
+    Abort,
+    Add,
+    Died,
+    Outputs,
+    Ready,
+    Rejected,
+    Steps,
+    Stop,
+    engine_main,
+    run_core,
+)
+from engramrt.engine.engine import RequestOutput
+from engramrt.engine.grammar import Grammars
+from engramrt.engine.request import Request, RequestLimits, SamplingParams
+
+# The reader thread shares the GIL with the event loop, which streams each token of every
+# request. A thread that wants the GIL back (the reader, a step's outputs ready) waits up to
+# Python's switch interval (5 ms by default) while the loop runs Python: longer than a decode
+# step. ENGRAMRT_SWITCH_INTERVAL (seconds) overrides it, for comparisons.
+SWITCH_INTERVAL = 0.0005
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class EngineClosed(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
+class EngineClient:
+    def __init__(self, conn: Connection, worker: threading.Thread | mp.Process,
+                 tokenizer=None):  # fmt: skip
+        """``conn``: connected to a loop that has said ``Ready``. ``tokenizer``: for compiling
+        grammars at the boundary (their errors are 400s here, not failures in the engine)."""
+        interval = os.environ.get("ENGRAMRT_SWITCH_INTERVAL", str(SWITCH_INTERVAL))
+        try:
+            interval = float(interval)
+        except ValueError:
+            msg = f"ENGRAMRT_SWITCH_INTERVAL must be seconds, got {interval!r}"
+            raise ValueError(msg) from None
+        self.conn, self.worker = conn, worker
+        ready = FROM_ENGINE.decode(conn.recv_bytes())
+        if isinstance(ready, Died):
+            raise EngineDead(f"the engine failed to start: {ready.error}")
+        assert isinstance(ready, Ready), ready
+        self.limits: RequestLimits = ready.limits
+        self.description = ready.description
+        self._stats: dict[str, float] = ready.stats
+        self.grammars = None
+        if tokenizer is not None:
+            self.grammars = Grammars(tokenizer, self.limits.tokenizer_size,
+                                     self.limits.eos_token_id)  # fmt: skip
+        self._old_interval = sys.getswitchinterval()  # given back by ``shutdown``
+        sys.setswitchinterval(interval)
+        self.error: BaseException | None = None
+        self.closed = False
+        self._send_lock = threading.Lock()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._reader = threading.Thread(target=self._read, name="engramrt-outputs", daemon=True)
+        self._reader.start()
+
+    # --- starting the loop -----------------------------------------------------------------
+
+    @classmethod
+    def in_thread(cls, engine: Steps, tokenizer=None, description: str = "") -> EngineClient:
+        """The loop on a thread of this process, over a pipe."""
+        mine, theirs = Pipe()
+        worker = threading.Thread(target=_serve_then_close, args=(engine, theirs, description),
+                                  name="engramrt-engine", daemon=True)  # fmt: skip
+        worker.start()
+        return cls(mine, worker, tokenizer)
+
+    @classmethod
+    def spawn(cls, opts, tokenizer=None) -> EngineClient:
+        """The engine in a process of its own (``engine_main``), which connects back here."""
+        authkey = secrets.token_bytes(32)
+        with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+            proc = mp.get_context("spawn").Process(
+                target=engine_main, args=(opts, listener.address, authkey), name="engramrt-engine"
+            )
+            proc.start()
+            conn = _accept(listener, proc)
+        return cls(conn, proc, tokenizer)
+
+    # --- requests ------------------------------------------------------------------------
+
+    def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        """The one validation of a request, here at the boundary (a ValueError is a 400): the
+        engine's limits, and a grammar compiled once to see that it can be."""
+        self.limits.check(prompt_ids, params)
+        if params.grammar is not None and self.grammars is not None:
+            self.grammars.matcher(params.grammar)
+        return Request(request_id, prompt_ids, params)
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Outputs until the request finishes; leaving early (a disconnect) aborts it."""
+        if self.error is not None:
+            raise EngineDead(f"the engine has stopped: {self.error}")
+        if self.closed:
+            raise EngineClosed("the server is shutting down")
+        rid = request.id
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = (asyncio.get_running_loop(), q)
+        if self.error is not None:  # died between the check above and registering the queue
+            self._queues.pop(rid, None)
+            raise EngineDead(f"the engine has stopped: {self.error}")
+        self._send(Add(rid, request.prompt_ids, request.params))
+        finished, after = False, None
+        try:
+            while True:
+                item = after if after is not None else await q.get()
+                after = None
+                if isinstance(item, ValueError):
+                    raise item
+                if isinstance(item, BaseException):
+                    raise EngineDead(f"the engine failed: {item}") from item
+                # a caller behind the engine (a busy event loop) takes every output waiting as
+                # one: its per-output cost (a stream chunk) then shrinks as the load grows
+                while not item.finished and not q.empty():
+                    after = q.get_nowait()
+                    if not isinstance(after, RequestOutput):
+                        break
+                    item, after = item.then(after), None
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self._send(Abort(rid))
+
+    @property
+    def num_running(self) -> int:
+        """Requests whose caller is still waiting for outputs."""
+        return len(self._queues)
+
+    def stats(self) -> dict[str, float]:
+        """The engine's gauges and counters as of its last message."""
+        return self._stats
+
+    # --- stopping ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.closed = True
+
+    async def drain(self, timeout: float, force: threading.Event | None = None) -> int:
+        """After ``close``: wait up to ``timeout`` seconds (or until ``force`` is set) for the
+        running requests to finish, then end the rest with finish reason ``abort``; how many
+        were aborted."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._queues and self.error is None and loop.time() < deadline:
+            if force is not None and force.is_set():
+                break
+            await asyncio.sleep(0.05)
+        left = list(self._queues)
+        for rid in left:
+            self._send(Abort(rid, notify=True))
+        grace = loop.time() + 5.0  # their last outputs are on the way
+        while self._queues and self.error is None and loop.time() < grace:
+            await asyncio.sleep(0.01)
+        return len(left)
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine dead from outside."""
+        self._die(EngineDead(reason))
+
+    def shutdown(self, timeout: float = 15.0) -> None:
+        """Stop the loop and wait for it (a dead one is not waited for long: it may be stuck
+        waiting for a stage); the engine's process is killed if it does not end in time."""
+        self._send(Stop())
+        self.worker.join(timeout=timeout if self.error is None else 2.0)
+        if isinstance(self.worker, mp.process.BaseProcess) and self.worker.is_alive():
+            self.worker.kill()
+            self.worker.join(timeout=5)
+        self.conn.close()
+        sys.setswitchinterval(self._old_interval)
+
+    # --- the connection ------------------------------------------------------------------
+
+    def _send(self, message) -> None:
+        data = ENCODER.encode(message)
+        with self._send_lock:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # the engine is gone; the reader reports it
+                pass
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = FROM_ENGINE.decode(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                self._die(EngineDead("the engine's process exited"))
+                return
+            if isinstance(message, Outputs):
+                self._stats = message.stats
+                self._deliver_all([(out.request_id, out) for out in message.outputs])
+            elif isinstance(message, Rejected):
+                self._deliver_all([(message.request_id, ValueError(message.error))])
+            elif isinstance(message, Died):
+                self._die(EngineDead(message.error))
+                return
+
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """One wake-up of each event loop for a whole step's outputs (a wake-up per output
+        costs a syscall and a loop iteration each, per token of every running request)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, item in items:
+            target = self._queues.get(rid)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
+
+    def _die(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+            self._deliver_all([(rid, exc) for rid in list(self._queues)])
+
+
+def _serve_then_close(engine: Steps, conn: Connection, description: str) -> None:
+    try:
+        run_core(engine, conn, description)
+    finally:
+        conn.close()  # the client's reader sees the end
+
+
+def _accept(listener: Listener, proc: mp.Process) -> Connection:
+    """The engine's connection once it has loaded; an error if its process ends first."""
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(listener.accept()), daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.5)
+        if waiter.is_alive() and not proc.is_alive():
+            raise EngineDead(f"the engine's process exited with status {proc.exitcode} while "
+                             "starting (its log above says why)")  # fmt: skip
+    if not got:
+        raise EngineDead("the engine's process could not connect")
+    return got[0]
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in puts:
+        q.put_nowait(item)

@@ -1,0 +1,226 @@
+"""The engine loop on the far side of one connection (vLLM v1's engine core, at engramrt's size).
+
+The server's process does HTTP, tokenisation and the OpenAI wire format; the engine's process
+schedules, drives the pipeline's stages and applies their tokens, with an interpreter of its
+own (no GIL shared with the event loop). They talk over one ``multiprocessing`` connection in
+messages of msgspec's msgpack, by field name: the standard library's connection frames bytes
+over a socket and has ``poll``, which is all one client and one engine need (vLLM's ZeroMQ
+sockets buy many peers and I/O threads, which one engine does not use), and msgspec is the
+codec the stages already speak (``runner/batch.py``).
+
+``run_core`` is the loop. The server's process starts it in a process of its own
+(``engine_main``: the stages are launched from there), or on a thread of its own for a caller
+in one process (``EngineClient.in_thread``: tests, a benchmark, ranks started by torchrun):
+the same loop and messages either way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection
+from typing import Protocol
+
+import msgspec
+
+from engramrt.engine.engine import RequestOutput
+from engramrt.engine.request import Request, RequestLimits, SamplingParams
+from engramrt.kernels.compiles import compilations
+
+# --- the messages --------------------------------------------------------------------------
+
+
+class Add(msgspec.Struct, tag=True):
+    """A request the server validated (``RequestLimits.check``); the engine builds it again
+    (its grammar's matcher lives with the engine)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+    notify: bool = False  # a shutdown's abort: the caller still gets a last output
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag=True):
+    limits: RequestLimits
+    description: str  # the engine's side of the server's start line
+    stats: dict[str, float]
+
+
+class Outputs(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+    stats: dict[str, float]
+
+
+class Rejected(msgspec.Struct, tag=True):
+    request_id: str
+    error: str
+
+
+class Died(msgspec.Struct, tag=True):
+    error: str
+
+
+ToEngine = Add | Abort | Stop
+FromEngine = Ready | Outputs | Rejected | Died
+ENCODER = msgspec.msgpack.Encoder()
+TO_ENGINE = msgspec.msgpack.Decoder(ToEngine)
+FROM_ENGINE = msgspec.msgpack.Decoder(FromEngine)
+
+
+class Steps(Protocol):
+    """What the loop drives: an ``Engine`` (or a stub in tests)."""
+
+    limits: RequestLimits
+
+    def new_request(self, request_id: str, prompt_ids: list[int], params) -> Request: ...
+    def add(self, req: Request) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def has_work(self) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+    def stats(self) -> dict[str, float]: ...
+
+
+# --- the loop ------------------------------------------------------------------------------
+
+
+def run_core(engine: Steps, conn: Connection, description: str = "") -> None:
+    """Serve ``conn`` until the client says stop or goes away. Messages are applied between
+    steps; with nothing to run the loop sleeps in ``poll``. An exception is sent to the
+    client (``Died``) before it propagates."""
+    send = _sender(conn)
+    try:
+        send(Ready(engine.limits, description, _stats(engine)))
+        while True:
+            idle = not engine.has_work()
+            outputs: list[RequestOutput] = []
+            while conn.poll(None if idle and not outputs else 0):
+                message = TO_ENGINE.decode(conn.recv_bytes())
+                if isinstance(message, Stop):
+                    return
+                outputs += _apply(engine, message, send)
+                idle = False
+            if engine.has_work():
+                outputs += engine.step()
+            send(Outputs(outputs, _stats(engine)))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the client is gone: nobody to serve
+    except BaseException as exc:
+        try:
+            send(Died(f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        raise
+
+
+def _apply(engine: Steps, message: Add | Abort, send) -> list[RequestOutput]:
+    if isinstance(message, Abort):
+        engine.abort(message.request_id)
+        if message.notify:
+            return [RequestOutput(message.request_id, [], "", finished=True,
+                                  finish_reason="abort")]  # fmt: skip
+        return []
+    try:
+        engine.add(engine.new_request(message.request_id, message.prompt_ids, message.params))
+    except ValueError as exc:  # an id in use, or a request the server should have refused
+        send(Rejected(message.request_id, str(exc)))
+    return []
+
+
+def _stats(engine: Steps) -> dict[str, float]:
+    return {**engine.stats(), "triton_compilations": compilations()}
+
+
+def _sender(conn: Connection) -> Callable[[msgspec.Struct], None]:
+    def send(message: msgspec.Struct) -> None:
+        conn.send_bytes(ENCODER.encode(message))
+
+    return send
+
+
+# --- the engine's process ------------------------------------------------------------------
+
+
+def engine_main(opts, address, authkey: bytes) -> None:
+    """The engine's process: it launches the stages (one rank, or a process per rank) and on
+    the driving rank builds the engine, connects to the server and runs the loop. Signals are
+    the server's to act on: it drains, then says stop."""
+    from engramrt.parallel.launch import launch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        launch(opts.dist, _rank_main, opts, address, authkey, forward_signals=False)
+    except ValueError as exc:  # bad input found while loading: one line, not a traceback
+        print(f"engramrt: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _rank_main(rank: int, world: int, opts, address, authkey: bytes) -> None:
+    from engramrt.engine.build import build_stage
+    from engramrt.parallel.liveness import StageWatch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    pipe, engine = build_stage(opts, rank, world)
+    if engine is None:
+        serve_stage(pipe, opts)
+        return
+    conn = Client(address, authkey=authkey)
+    send = _sender(conn)
+
+    def hung(reason: str) -> None:
+        # a stage that stopped answering holds this loop in a receive for ever: tell the
+        # server and leave (the launcher then takes the other stages down)
+        try:
+            send(Died(reason))
+        finally:
+            os._exit(1)
+
+    watch = StageWatch(opts.stage_timeout, hung) if opts.dist.world > 1 else None
+    try:
+        run_core(engine, conn, describe(pipe, engine, opts))
+    finally:
+        if watch is not None:
+            watch.stop()
+        pipe.stop()
+        conn.close()
+
+
+def serve_stage(pipe, opts) -> None:
+    """A stage that does not drive: the driver owns the server's life (it drains, then stops
+    the stages), so signals that reach the whole process group do not take this stage away
+    mid-drain; it beats for the driver's watch."""
+    from engramrt.parallel.liveness import Heartbeat
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    first = sum(opts.partition[: pipe.rank])
+    last = first + opts.partition[pipe.rank] - 1
+    tp = f", TP rank {pipe.tp.rank} of {pipe.tp.size}" if pipe.tp.size > 1 else ""
+    print(f"engramrt: stage {pipe.rank} of {pipe.world}{tp} (layers {first}-{last}) ready, "
+          f"pid {os.getpid()}", flush=True)  # fmt: skip
+    beat = Heartbeat()
+    try:
+        pipe.serve()
+    finally:
+        beat.stop()
+
+
+def describe(pipe, engine, opts) -> str:
+    """The engine's side of the server's start line."""
+    runner = pipe.runner
+    return (
+        f"{runner.device}, {runner.model.dtype}, {len(opts.partition)} stage(s) "
+        f"{opts.partition} x TP {opts.dist.tp_size}, {engine.cfg.num_blocks} KV blocks of "
+        f"{opts.block_size} tokens, max_model_len {engine.cfg.max_model_len}"
+    )

@@ -1,0 +1,208 @@
+"""The server's side of the engine loop (``EngineClient``) and the loop itself over its
+connection (``engine.core``): a caller that falls behind the engine receives every output
+waiting for it as one (so a busy event loop sends one stream chunk, not one per token), with the
+tokens, text and logprobs of the parts in order; an error after them still comes after them;
+the messages round-trip by field name; a request the engine refuses, an engine that raises and
+an engine that goes away all reach the waiting caller."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from engramrt.engine.client import EngineClient, EngineDead
+from engramrt.engine.engine import RequestOutput
+from engramrt.engine.request import Logprob, Request, RequestLimits, SamplingParams
+
+LIMITS = RequestLimits(100, None, 64, 16, 4, None)
+
+
+class Idle:
+    """An engine with nothing to step: outputs come only from the test."""
+
+    limits = LIMITS
+
+    def new_request(self, rid: str, prompt_ids: list[int], params) -> Request:
+        return Request(rid, prompt_ids, params)
+
+    def has_work(self) -> bool:
+        return False
+
+    def add(self, req) -> None:
+        pass
+
+    def abort(self, rid: str) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def step(self) -> list:
+        return []
+
+
+def outputs(rng: random.Random, n: int, finish: bool) -> list[RequestOutput]:
+    outs = []
+    for i in range(n):
+        ids = [rng.randrange(1000) for _ in range(rng.randint(0, 2))]
+        lps = [Logprob(-rng.random(), [t], [-rng.random()]) for t in ids]
+        last = finish and i == n - 1
+        outs.append(RequestOutput("r", ids, "".join(chr(97 + t % 26) for t in ids), lps,
+                                  [None] if i == 0 else None, last, "stop" if last else None,
+                                  3, i + 1))  # fmt: skip
+    return outs
+
+
+async def _consume(engine: EngineClient, batches: list[list]) -> tuple[list, BaseException | None]:
+    """Deliver each batch at once (as one engine step does) once the caller waits, and take
+    one output after each (an empty batch: only what is already waiting)."""
+    got, gen = [], engine.generate(Request("r", [1, 2], SamplingParams()))
+    pending = asyncio.ensure_future(gen.__anext__())
+    error = None
+    for batch in batches:
+        while "r" not in engine._queues:
+            await asyncio.sleep(0)
+        engine._deliver_all([("r", item) for item in batch])
+        try:
+            got.append(await pending)
+        except EngineDead as exc:
+            error = exc
+            break
+        pending = asyncio.ensure_future(gen.__anext__())
+    else:
+        pending.cancel()
+    await gen.aclose()
+    return got, error
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_caller_behind_the_engine_gets_waiting_outputs_as_one(seed: int) -> None:
+    rng = random.Random(seed)
+    engine = EngineClient.in_thread(Idle())
+    try:
+        outs = outputs(rng, 7, finish=True)
+        cut = sorted(rng.sample(range(1, 7), 2))
+        batches = [outs[: cut[0]], outs[cut[0] : cut[1]], outs[cut[1] :]]
+        got, error = asyncio.run(_consume(engine, batches))
+    finally:
+        engine.shutdown()
+    assert error is None and len(got) == 3  # the first of each batch waited for the rest
+    for batch, out in zip(batches, got, strict=True):
+        assert out.new_token_ids == [t for o in batch for t in o.new_token_ids]
+        assert out.new_text == "".join(o.new_text for o in batch)
+        assert out.new_logprobs == [lp for o in batch for lp in o.new_logprobs]
+        assert out.num_output_tokens == batch[-1].num_output_tokens
+    assert got[0].prompt_logprobs == [None] and got[-1].finished
+    assert got[-1].finish_reason == "stop"
+
+
+def test_an_error_after_waiting_outputs_comes_after_them() -> None:
+    engine = EngineClient.in_thread(Idle())
+    try:
+        outs = outputs(random.Random(9), 3, finish=False)
+        got, error = asyncio.run(_consume(engine, [[*outs, RuntimeError("boom")], []]))
+    finally:
+        engine.shutdown()
+    assert [o.new_token_ids for o in got] == [[t for o in outs for t in o.new_token_ids]]
+    assert isinstance(error, EngineDead) and "boom" in str(error)
+
+
+def test_shutdown_gives_back_the_switch_interval() -> None:
+    import sys
+
+    before = sys.getswitchinterval()
+    engine = EngineClient.in_thread(Idle())
+    assert sys.getswitchinterval() != before or before == 0.0005
+    engine.shutdown()
+    assert sys.getswitchinterval() == before
+
+
+class Scripted(Idle):
+    """An engine whose steps give the outputs (or raise the errors) the test scripts."""
+
+    def __init__(self, script: list):
+        self.script, self.added = list(script), []
+
+    def add(self, req) -> None:
+        if req.id == "taken":
+            raise ValueError("request id 'taken' is already in use")
+        self.added.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.script) and bool(self.added)
+
+    def step(self) -> list:
+        item = self.script.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+async def _collect(client: EngineClient, rid: str) -> tuple[list, BaseException | None]:
+    got = []
+    try:
+        async for out in client.generate(Request(rid, [3, 4, 5], SamplingParams(max_tokens=2))):
+            got.append(out)
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        return got, exc
+    return got, None
+
+
+def test_outputs_cross_the_connection_by_field_name() -> None:
+    lp = Logprob(-0.5, [7, 8], [-0.5, -1.25])
+    first = RequestOutput("r", [7], "seven", [lp], [None, lp], False, None, 3, 1)
+    last = RequestOutput("r", [9], " nine", [], None, True, "length", 3, 2)
+    engine = Scripted([[first], [last]])
+    client = EngineClient.in_thread(engine)
+    try:
+        got, error = asyncio.run(_collect(client, "r"))
+        assert error is None
+        assert [o.new_token_ids for o in got] in ([[7], [9]], [[7, 9]])
+        merged = got[0] if len(got) == 1 else got[0].then(got[1])
+        assert merged == first.then(last)
+        # the request crossed whole: its prompt and parameters as sent
+        (req,) = engine.added
+        assert req.prompt_ids == [3, 4, 5] and req.params == SamplingParams(max_tokens=2)
+        assert client.num_running == 0
+    finally:
+        client.shutdown()
+
+
+def test_a_refused_request_is_a_value_error_and_the_engine_lives_on() -> None:
+    engine = Scripted([[RequestOutput("r", [1], "a", finished=True, finish_reason="stop")]])
+    client = EngineClient.in_thread(engine)
+    try:
+        _, error = asyncio.run(_collect(client, "taken"))
+        assert isinstance(error, ValueError) and "already in use" in str(error)
+        got, error = asyncio.run(_collect(client, "r"))
+        assert error is None and got[-1].finished and client.error is None
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_engine_that_raises_fails_the_waiting_caller_and_reports_itself_dead() -> None:
+    client = EngineClient.in_thread(Scripted([RuntimeError("step exploded")]))
+    try:
+        _, error = asyncio.run(_collect(client, "r"))
+        assert isinstance(error, EngineDead) and "step exploded" in str(error)
+        assert client.error is not None
+        _, late = asyncio.run(_collect(client, "late"))
+        assert isinstance(late, EngineDead) and "stopped" in str(late)
+    finally:
+        client.shutdown()
+
+
+def test_the_boundary_checks_the_engines_limits() -> None:
+    client = EngineClient.in_thread(Idle())
+    try:
+        with pytest.raises(ValueError, match="maximum context length is 64"):
+            client.new_request("x", [1] * 60, SamplingParams(max_tokens=5))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            client.new_request("x", [100], SamplingParams(max_tokens=1))
+        req = client.new_request("x", [1] * 59, SamplingParams(max_tokens=5))
+        assert req.prompt_ids == [1] * 59
+    finally:
+        client.shutdown()
