@@ -1,11 +1,11 @@
 """The HTTP server's own cost per streamed token, without a GPU: the real server (uvicorn,
 FastAPI, the engine loop on a thread of the server's process, as under torchrun; ``engramrt
-serve`` otherwise gives it a process of its own) around an engine whose model is a stub that sleeps for a fixed "GPU
-step" (releasing the GIL, as waiting on a GPU does) and samples a fixed token. ``engramrt bench
-serve`` streams at a given concurrency from another process. Reported: the client's median TPOT
-against the engine's median decode step measured inside the server (stub sleep + the engine's
-host work + whatever the event loop took from it through the GIL) and against the same engine
-stepping alone (no server).
+serve`` otherwise gives the loop a process of its own) around an engine whose model is a stub
+that sleeps for a fixed "GPU step" (releasing the GIL, as waiting on a GPU does) and samples a
+fixed token. ``engramrt bench serve`` streams at a given concurrency from another process.
+Reported: the client's median TPOT against the engine's median decode step measured inside the
+server (stub sleep + the engine's host work + whatever the event loop took from it through the
+GIL) and against the same engine stepping alone (no server).
 
     python benchmarks/serve_host.py [--concurrency 64] [--gpu-ms 3] [--prompts 256]
 """
