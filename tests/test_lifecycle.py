@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -162,3 +163,32 @@ def test_engine_death_exits_1() -> None:
     assert r.status_code == 503 and "injected step failure" in r.json()["error"]["message"]
     server.join(30)
     assert not server.is_alive() and result["code"] == 1
+
+
+@pytest.mark.slow
+def test_serve_under_torchrun_answers_as_one_process_and_stops_on_a_signal() -> None:
+    """Under torchrun every rank is started for us and rank 0 runs the engine loop on a thread
+    of the HTTP process (the same loop and messages as the engine's own process): two stages
+    answer greedy requests as one process does, and SIGTERM drains and stops every rank."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    flags = ("--dtype", "float32", "--max-model-len", "256")
+    body = {"prompt": "The capital of Bribrinu is", "max_tokens": 8, "temperature": 0}
+    answers = []
+    for launcher, extra in ((None, ()), ([torchrun, "--standalone", "--nproc-per-node", "2"],
+                                         ("-pp", "2"))):  # fmt: skip
+        base, proc = start_server(*flags, *extra, launcher=launcher)
+        try:
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["text"])
+            if launcher is not None:  # torchrun passes SIGTERM on (and exits 1 itself)
+                assert "stage 1 of 2" in _log(proc)
+                os.kill(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+                log = _log(proc)
+                assert "SIGTERM: shutting down" in log and "drained" in log, log[-2000:]
+                with pytest.raises(ProcessLookupError):  # no rank outlives it
+                    os.killpg(proc.pid, 0)
+        finally:
+            stop_server(proc)
+    assert answers[0] == answers[1] and answers[0]

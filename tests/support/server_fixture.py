@@ -57,10 +57,14 @@ def stop_server(proc: subprocess.Popen, timeout: float = 15.0) -> None:
         os.unlink(log)
 
 
-def start_server(*args: str, timeout: float = START_TIMEOUT_S) -> tuple[str, subprocess.Popen]:
-    """``python -m engramrt serve --port <free> --device cpu *args``; waits for /health 200."""
+def start_server(
+    *args: str, timeout: float = START_TIMEOUT_S, launcher: list[str] | None = None
+) -> tuple[str, subprocess.Popen]:
+    """``python -m engramrt serve --port <free> --device cpu *args``; waits for /health 200.
+    ``launcher`` replaces ``python`` (torchrun, say)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "engramrt", "serve", "--port", str(port), "--device", "cpu"]
+    cmd = [*(launcher or [sys.executable]), "-m", "engramrt", "serve", "--port", str(port),
+           "--device", "cpu"]  # fmt: skip
     cmd += list(args)
     fd, log_path = tempfile.mkstemp(prefix="engramrt-serve-", suffix=".log")
     with os.fdopen(fd, "w") as log:
