@@ -6,6 +6,9 @@ The kernel time is the profiler's sum of every CUDA kernel of an eager decode st
 graphs, the engine's whole loop: scheduling, the step message, sampling, applying the tokens).
 
     PYTHONPATH=. python benchmarks/engine_core.py --model /tmp/m1b --out OUT/engine_core.json
+
+It imports ``benchmarks.gpu_runner`` and engramrt from ``PYTHONPATH``: run from another
+checkout (``engine_core_ab.sh``), it measures that tree.
 """
 
 from __future__ import annotations
