@@ -23,7 +23,19 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.hash_bench import copy_bandwidth_gbs, median_us
-from engramrt.commands.bench_throughput import add_arguments, local_engine, measure, random_prompts
+from engramrt.commands.bench_throughput import add_arguments, measure, random_prompts
+
+try:
+    from engramrt.commands.bench_throughput import local_engine
+except ImportError:  # a tree from before issue 31, measured by engine_core_ab.sh
+
+    def local_engine(args: argparse.Namespace, max_len: int) -> Engine:
+        from engramrt.commands.bench_throughput import _options
+        from engramrt.commands.serve import build_stage
+
+        return build_stage(_options(args, max_len))[1]
+
+
 from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams
 

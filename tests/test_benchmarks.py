@@ -74,11 +74,18 @@ def run_scripts(calls: list[tuple[str, list[str]]]) -> dict[str, str | None]:
 
 
 def engramrt_imports(path: Path) -> list[tuple[str, str]]:
-    """(module, name) of every ``from engramrt... import name`` in the file, at any depth."""
+    """(module, name) of every ``from engramrt... import name`` in the file, at any depth, but
+    those in an ``except ImportError`` handler (a fallback for older trees a benchmark can
+    measure)."""
+    tree = ast.parse(path.read_text())
+    fallback = {id(n) for h in ast.walk(tree) if isinstance(h, ast.ExceptHandler)
+                and getattr(h.type, "id", None) == "ImportError"
+                for n in ast.walk(h)}  # fmt: skip
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("engramrt"):
-            found += [(node.module, a.name) for a in node.names]
+            if id(node) not in fallback:
+                found += [(node.module, a.name) for a in node.names]
     return found
 
 
