@@ -5,7 +5,8 @@
 #     with each tree's engramrt (this script's copy of engine_core.py imports the tree's own)
 #   - serving the 1B preset (serve_gpu.sh of each tree: c = 1, 16, 64, 512 in / 128 out), the
 #     old tree with --async-scheduling (its opt-in), this one with its default
-#   OLD=.old bash benchmarks/engine_core_ab.sh OUT_DIR     (git worktree add .old <commit>)
+#   OLD=.old [PARTS="core serve"] bash benchmarks/engine_core_ab.sh OUT_DIR
+#   (git worktree add .old <commit>)
 set -uo pipefail
 out=${1:-/tmp/engine_core_ab}
 old=$(cd "${OLD:-.old}" && pwd)
@@ -27,9 +28,14 @@ serve() {  # tree tag flags...
     "$out/$tag" "$@" 2>&1 | grep -E "concurrency|Median TTFT|Median TPOT|Output token|rror" \
     | sed "s/^/$tag /")
 }
-for round in 1 2; do
-  core "$old" old
-  core "$new" new
-done
-serve "$old" old --async-scheduling
-serve "$new" new
+parts=${PARTS:-core serve}
+if [[ $parts == *core* ]]; then
+  for round in 1 2; do
+    core "$old" old
+    core "$new" new
+  done
+fi
+if [[ $parts == *serve* ]]; then
+  serve "$old" old --async-scheduling
+  serve "$new" new
+fi

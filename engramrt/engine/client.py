@@ -102,7 +102,9 @@ class EngineClient:
     def spawn(cls, opts, tokenizer=None) -> EngineClient:
         """The engine in a process of its own (``engine_main``), which connects back here."""
         authkey = secrets.token_bytes(32)
-        with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+        # a Unix socket: local only, and no Nagle delay (over TCP a small message sent right
+        # after another waited for the delayed ACK, 40 ms, which showed as first-token latency)
+        with Listener(family="AF_UNIX", authkey=authkey) as listener:
             proc = mp.get_context("spawn").Process(
                 target=engine_main, args=(opts, listener.address, authkey), name="engramrt-engine"
             )
