@@ -14,7 +14,7 @@ from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.request import Logprob, SamplingParams
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.runner.stage import StageRunner
-from tests.support.engine_factory import bos_encoder, build_engine
+from tests.support.engine_factory import bos_encoder, build_engine, with_text
 
 MAX_LEN = 256
 MAX_SLOTS = 8
@@ -48,9 +48,17 @@ class Result:
     num_outputs: int = 0
 
 
-def absorb(results: dict[str, Result], outputs) -> None:
-    """Append one step's outputs to their requests' results."""
+def absorb(results: dict[str, Result], outputs, engine: Engine) -> None:
+    """Append one step's outputs to their requests' results, with their text as the server's
+    process makes it (``RequestText``, kept per request by the test factory): a request that
+    reaches a stop string ends there and is aborted in the engine, which may have run past it."""
     for out in outputs:
+        text = engine.texts.get(out.request_id)
+        out = out if text is None else text.apply(out)
+        if out is None:  # a step the engine ran past the request's stop string
+            continue
+        if out.finished:
+            engine.abort(out.request_id)  # (a no-op unless a stop string ended it here)
         r = results.setdefault(out.request_id, Result())
         assert r.finish_reason is None, "output after the request finished"
         r.ids += out.new_token_ids
@@ -80,7 +88,7 @@ def drain(engine: Engine, results: dict[str, Result] | None = None) -> dict[str,
     for _ in range(10_000):
         if not engine.has_work():
             return results
-        absorb(results, engine.step())
+        absorb(results, engine.step(), engine)
         assert_tables_match(engine)
     raise AssertionError("the engine did not finish")
 
@@ -204,7 +212,7 @@ def test_prefix_cache_shared_while_running(make_engine, encode) -> None:
     engine.add_request("b", ids, greedy(16))
     results: dict[str, Result] = {}
     for _ in range(3):
-        absorb(results, engine.step())
+        absorb(results, engine.step(), engine)
     engine.add_request("c", ids, greedy(16))
     drain(engine, results)
     assert_idle(engine)
@@ -249,7 +257,7 @@ def test_abort_mid_generation(make_engine, encode) -> None:
     engine.add_request("queued", encode(TEXTS[1]), greedy(12))  # waits: 2 sequences at most
     results: dict[str, Result] = {}
     while len(results.get("long", Result()).ids) < 3:
-        absorb(results, engine.step())
+        absorb(results, engine.step(), engine)
     assert engine.stats()["num_requests_waiting"] == 1
     engine.abort("long")
     engine.abort("queued")
@@ -439,7 +447,7 @@ def test_a_tokenizer_larger_than_the_model_cannot_kill_the_engine() -> None:
     runner = StageRunner(model, hasher, None, tok)
     runner.allocate_kv(2, 64, 4, 32)
     cfg = EngineConfig(64, 2, 64, 4, 32, True, model.cfg.eos_token_id, model.cfg.vocab_size)
-    engine = Engine(Pipeline(runner), tok, cfg)
+    engine = with_text(Engine(Pipeline(runner), tok, cfg))
     with pytest.raises(ValueError, match=r"\[700\].*600.*1024"):
         engine.add_request("bad", [0, 700], greedy(2))
     engine.add_request("ok", [0, 599], greedy(2))

@@ -206,3 +206,42 @@ def test_the_boundary_checks_the_engines_limits() -> None:
         assert req.prompt_ids == [1] * 59
     finally:
         client.shutdown()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_request_text_ends_at_the_first_stop_string_whatever_the_output_split(seed: int) -> None:
+    """The server's text of a request (``RequestText``) against a brute-force oracle: the text
+    is the full decode up to the first stop string, the ids end at the first prefix whose
+    decode holds it, and outputs after that end are dropped, however the tokens were split
+    into outputs (one step's, or several merged)."""
+    from engramrt.bundled import DEFAULT_MODEL_DIR
+    from engramrt.engine.detokenize import RequestText
+    from engramrt.engram import load_tokenizer
+
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(6, 1000) for _ in range(5)]
+    ids = [rng.randrange(6, 1000) for _ in range(40)]
+
+    def decode(n: int) -> str:
+        return tok.decode(ids[:n], skip_special_tokens=True)
+
+    full = decode(len(ids))
+    at = rng.randrange(len(full) // 3, len(full) - 3)
+    stop = full[at : at + rng.randint(1, 3)]
+    first = full.find(stop)
+    cut = next(n for n in range(1, len(ids) + 1) if stop in decode(n))
+    text, outs, i = RequestText(tok, prompt, [stop]), [], 0
+    while i < len(ids):
+        k = rng.randint(1, 4)
+        chunk = ids[i : i + k]
+        i += len(chunk)
+        out = RequestOutput("r", chunk, "", [], None, i == len(ids),
+                            "length" if i == len(ids) else None, len(prompt), i)  # fmt: skip
+        got = text.apply(out)
+        if got is not None:
+            outs.append(got)
+    assert "".join(o.new_text for o in outs) == full[:first]
+    assert [t for o in outs for t in o.new_token_ids] == ids[:cut]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+    assert outs[-1].num_output_tokens == cut and all(not o.finished for o in outs[:-1])

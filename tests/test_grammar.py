@@ -44,6 +44,7 @@ def _run(session, overlap: bool, guided: bool) -> dict[str, str]:
     text = {}
     while engine.has_work():
         for o in engine.step():
+            o = engine.texts[o.request_id].apply(o)  # the text as the server's process makes it
             text[o.request_id] = text.get(o.request_id, "") + o.new_text
             if o.request_id != "plain" and o.finished:
                 assert o.finish_reason == "stop"
@@ -90,6 +91,7 @@ def test_grammar_wins_over_min_tokens(session) -> None:
     text, reason = "", None
     while engine.has_work():
         for o in engine.step():
+            o = engine.texts[o.request_id].apply(o)
             text, reason = text + o.new_text, o.finish_reason or reason
     assert text in {"ab", "cd"} and reason == "stop"
     sampler = Sampler(SlotTable(torch.device("cpu"), None, True))

@@ -77,7 +77,7 @@ def run_all(engine: Engine, requests: dict, abort: tuple[str, int] | None = None
     results: dict[str, Result] = {}
     if abort is not None:
         for _ in range(abort[1]):
-            absorb(results, engine.step())
+            absorb(results, engine.step(), engine)
         engine.abort(abort[0])
     drain(engine, results)
     assert_idle(engine)

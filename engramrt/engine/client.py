@@ -36,6 +36,7 @@ from engramrt.engine.core import (
     engine_main,
     run_core,
 )
+from engramrt.engine.detokenize import RequestText
 from engramrt.engine.engine import RequestOutput
 from engramrt.engine.grammar import Grammars
 from engramrt.engine.request import Request, RequestLimits, SamplingParams
@@ -58,8 +59,9 @@ class EngineClosed(RuntimeError):
 class EngineClient:
     def __init__(self, conn: Connection, worker: threading.Thread | mp.Process,
                  tokenizer=None):  # fmt: skip
-        """``conn``: connected to a loop that has said ``Ready``. ``tokenizer``: for compiling
-        grammars at the boundary (their errors are 400s here, not failures in the engine)."""
+        """``conn``: connected to a loop that has said ``Ready``. ``tokenizer``: for the text
+        of the outputs (decoded here, with stop strings) and for compiling grammars at the
+        boundary (their errors are 400s here, not failures in the engine); None: ids only."""
         interval = os.environ.get("ENGRAMRT_SWITCH_INTERVAL", str(SWITCH_INTERVAL))
         try:
             interval = float(interval)
@@ -74,14 +76,14 @@ class EngineClient:
         self.limits: RequestLimits = ready.limits
         self.description = ready.description
         self._stats: dict[str, float] = ready.stats
-        self.grammars = None
+        self.grammars, self.tokenizer = None, tokenizer
         if tokenizer is not None:
             self.grammars = Grammars(tokenizer, self.limits.tokenizer_size,
                                      self.limits.eos_token_id)  # fmt: skip
         self._old_interval = sys.getswitchinterval()  # given back by ``shutdown``
         sys.setswitchinterval(interval)
         self.error: BaseException | None = None
-        self.closed = False
+        self.closed = self._stopping = False
         self._send_lock = threading.Lock()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._reader = threading.Thread(target=self._read, name="engramrt-outputs", daemon=True)
@@ -135,7 +137,10 @@ class EngineClient:
             self._queues.pop(rid, None)
             raise EngineDead(f"the engine has stopped: {self.error}")
         self._send(Add(rid, request.prompt_ids, request.params))
-        finished, after = False, None
+        text = None
+        if self.tokenizer is not None:
+            text = RequestText(self.tokenizer, request.prompt_ids, request.params.stop)
+        finished, after, engine_done = False, None, False
         try:
             while True:
                 item = after if after is not None else await q.get()
@@ -144,20 +149,24 @@ class EngineClient:
                     raise item
                 if isinstance(item, BaseException):
                     raise EngineDead(f"the engine failed: {item}") from item
+                engine_done = item.finished
+                item = item if text is None else text.apply(item)
                 # a caller behind the engine (a busy event loop) takes every output waiting as
                 # one: its per-output cost (a stream chunk) then shrinks as the load grows
                 while not item.finished and not q.empty():
                     after = q.get_nowait()
                     if not isinstance(after, RequestOutput):
                         break
-                    item, after = item.then(after), None
+                    engine_done = after.finished
+                    nxt = after if text is None else text.apply(after)
+                    item, after = item.then(nxt), None
                 finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
             self._queues.pop(rid, None)
-            if not finished:
+            if not engine_done:  # a disconnect, or a stop string the engine ran past
                 self._send(Abort(rid))
 
     @property
@@ -197,10 +206,14 @@ class EngineClient:
         self._die(EngineDead(reason))
 
     def shutdown(self, timeout: float = 15.0) -> None:
-        """Stop the loop and wait for it (a dead one is not waited for long: it may be stuck
-        waiting for a stage); the engine's process is killed if it does not end in time."""
+        """Stop the loop and wait for it; the engine's process is killed if it does not end in
+        time. A dead engine's process is given the same time: its launcher takes the stages
+        down first (a stopped stage takes a kill after a grace period), so none is orphaned.
+        A loop on a thread that is stuck waiting for a stage is left behind (a daemon)."""
+        self._stopping = True  # the end of the connection that follows is no death
         self._send(Stop())
-        self.worker.join(timeout=timeout if self.error is None else 2.0)
+        threaded = isinstance(self.worker, threading.Thread)
+        self.worker.join(timeout=2.0 if threaded and self.error is not None else timeout)
         if isinstance(self.worker, mp.process.BaseProcess) and self.worker.is_alive():
             self.worker.kill()
             self.worker.join(timeout=5)
@@ -222,7 +235,8 @@ class EngineClient:
             try:
                 message = FROM_ENGINE.decode(self.conn.recv_bytes())
             except (EOFError, OSError):
-                self._die(EngineDead("the engine's process exited"))
+                if not self._stopping:
+                    self._die(EngineDead("the engine's process exited"))
                 return
             if isinstance(message, Outputs):
                 self._stats = message.stats

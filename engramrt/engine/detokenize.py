@@ -1,14 +1,21 @@
-"""From output token ids to the text a client sees, a step at a time.
+"""From output token ids to the text a client sees, a step at a time, where the text is wanted
+(the server's process: the engine sends ids and never decodes).
 
 ``IncrementalDecoder`` turns a growing list of ids into text, decoding only the tokens since the
 last whole character. ``StopStringHoldback`` decides how much of that text may be sent: text that
 could still turn out to start a stop string, or an unfinished UTF-8 character, is held back until
-it cannot; a stop string ends the request and is not sent.
+it cannot; a stop string ends the request and is not sent. ``RequestText`` applies both to one
+request's outputs and ends the request at a stop string (its caller then aborts it in the
+engine, which may have run a step or two past it; those outputs are dropped).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tokenizers import Tokenizer
+
+from engramrt.engine.engine import RequestOutput
 
 
 class IncrementalDecoder:
@@ -84,3 +91,37 @@ class OutputText:
     def update(self, ids: list[int], finished: bool) -> tuple[str, bool]:
         text = self.decoder(ids)
         return self.holdback.update(text, finished, rescan=self.decoder.rewrote)
+
+
+class RequestText:
+    """One request's outputs with their text: token by token, so a stop string ends the
+    output at the token that completed it (the ids, logprobs and counts after it are cut)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stops: list[str]):
+        self.ids = list(prompt_ids)
+        self.text = OutputText(tokenizer, stops, len(self.ids))
+        self.done = False
+
+    def apply(self, out: RequestOutput) -> RequestOutput | None:
+        """``out`` with its text; None once the request has ended (a later step's output)."""
+        if self.done:
+            return None
+        n, text, hit, kept = len(out.new_token_ids), "", False, len(out.new_token_ids)
+        for j, token in enumerate(out.new_token_ids):
+            self.ids.append(token)
+            piece, hit = self.text.update(self.ids, out.finished and j == n - 1)
+            text += piece
+            if hit:
+                kept = j + 1
+                break
+        if not n and out.finished:  # nothing new: flush what was held back
+            piece, hit = self.text.update(self.ids, True)
+            text += piece
+        self.done = out.finished or hit
+        if not hit:
+            return replace(out, new_text=text)
+        return replace(
+            out, new_token_ids=out.new_token_ids[:kept], new_logprobs=out.new_logprobs[:kept],
+            new_text=text, finished=True, finish_reason="stop",
+            num_output_tokens=out.num_output_tokens - (n - kept),
+        )  # fmt: skip

@@ -23,7 +23,6 @@ from typing import Protocol
 from tokenizers import Tokenizer
 
 from engramrt.engine.block_manager import BlockManager
-from engramrt.engine.detokenize import OutputText
 from engramrt.engine.grammar import Grammars, token_mask
 from engramrt.engine.request import (
     Logprob,
@@ -82,6 +81,10 @@ class EngineConfig:
 
 @dataclass
 class RequestOutput:
+    """What one step gave a request. The engine sends token ids; ``new_text`` is filled where
+    text is wanted (``engramrt.engine.detokenize.RequestText``, in the server's process), which
+    also ends a request at a stop string."""
+
     request_id: str
     new_token_ids: list[int]
     new_text: str
@@ -153,7 +156,6 @@ class Engine:
         """Queue a request built by ``new_request``."""
         if req.id in self.requests:
             raise ValueError(f"request id {req.id!r} is already in use")
-        req.text = OutputText(self.tokenizer, req.params.stop, req.num_prompt_tokens)
         self.requests[req.id] = req
         self.scheduler.add(req)
 
@@ -390,11 +392,8 @@ class Engine:
             req.matcher.consume_token(token)
             if reason is None and (req.matcher.is_stopped() or req.matcher.is_error()):
                 reason = "stop"
-        new_text, hit_stop = req.text.update(req.token_ids, reason is not None)
-        if hit_stop:
-            reason = "stop"
         out = RequestOutput(
-            req.id, [token], new_text, new_lp,
+            req.id, [token], "", new_lp,
             req.prompt_logprobs if first and p.prompt_logprobs is not None else None,
             reason is not None, reason, req.num_prompt_tokens, req.num_output_tokens,
         )  # fmt: skip

@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engramrt.engine.detokenize import OutputText
 from engramrt.engine.grammar import GrammarSpec
 from engramrt.runner.batch import SampleRow
 from engramrt.runner.logit_controls import Controls
@@ -162,7 +161,6 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
-    text: OutputText | None = None  # the engine's detokenisation state
     matcher: Any = None  # the grammar's llguidance matcher, for a guided request
     drafts: list[int] = field(default_factory=list)  # speculative tokens of its scheduled run
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engramrt.engine.build import EngineOptions, engine_for
+from engramrt.engine.detokenize import RequestText
 from engramrt.engine.engine import Engine
 from engramrt.engine.speculative import SpecConfig
 from engramrt.parallel.pipeline import Pipeline
@@ -35,7 +36,22 @@ def build_engine(
         session.kv.block_size, enable_prefix_caching=prefix_caching, async_scheduling=overlap,
         speculative_config=None if speculative is None else speculative.to_json(),
     )  # fmt: skip
-    return engine_for(Pipeline(session), opts, session.model.cfg, max_len)
+    engine = engine_for(Pipeline(session), opts, session.model.cfg, max_len)
+    return with_text(engine)
+
+
+def with_text(engine: Engine) -> Engine:
+    """Keep each added request's ``RequestText`` in ``engine.texts`` (the engine sends ids; the
+    tests read text the way the server's process makes it)."""
+    engine.texts = {}
+    add = engine.add
+
+    def add_with_text(req) -> None:
+        add(req)
+        engine.texts[req.id] = RequestText(engine.tokenizer, req.prompt_ids, req.params.stop)
+
+    engine.add = add_with_text
+    return engine
 
 
 def bos_encoder(session: StageRunner):
