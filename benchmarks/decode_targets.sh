@@ -29,9 +29,9 @@ bench() {  # tag preset bs [flags...]
 }
 case "${PART:-a}" in
 a)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/test_overlap.py \
-    tests/test_transfer.py tests/test_gpu_runner.py tests/test_paged_attention.py \
-    tests/test_mhc_fused.py tests/test_rope.py tests/test_swiglu.py tests/test_kernels.py 2>&1 \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/engine/test_overlap.py \
+    tests/test_transfer.py tests/runner/test_gpu_runner.py tests/kernels/test_paged_attention.py \
+    tests/kernels/test_mhc_fused.py tests/kernels/test_rope.py tests/kernels/test_swiglu.py tests/kernels/test_kernels.py 2>&1 \
     | tail -4 | tee "$out/tests.txt"
   python3 -c "from benchmarks.hash_bench import copy_bandwidth_gbs as c; print('copy_gb_s', c('cuda'))" \
     | tee "$out/copy.txt"

@@ -8,8 +8,8 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -m "gpu or triton" tests/test_gpu_runner.py tests/test_paged_attention.py \
-    tests/test_kernels.py 2>&1 | tail -15 | tee "$out/tests.txt"
+  python3 -m pytest -q -m "gpu or triton" tests/runner/test_gpu_runner.py tests/kernels/test_paged_attention.py \
+    tests/kernels/test_kernels.py 2>&1 | tail -15 | tee "$out/tests.txt"
   for dtype in float32 bfloat16; do
     python3 -m engramrt check-pp --device cuda --distributed-backend gloo --dtype $dtype \
       2>&1 | tail -6 | tee "$out/check-pp-graphs-$dtype.txt"

@@ -153,3 +153,12 @@ def test_imports_point_down_the_layers() -> None:
     found = [n for n in runtime_nodes(ast.parse(src)) if isinstance(n, ast.Import)]
     assert [a.name for n in found for a in n.names] == []
     assert "engramrt.model.mhc" in graph and "engramrt.tensor_parallel" in graph
+
+
+def test_tests_mirror_the_package() -> None:
+    """A folder of tests is named for the package it tests (helpers live in tests/support)."""
+    tests = Path(__file__).parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    packages = {p.name for p in ROOT.iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    assert folders - {"support"} <= packages, folders - {"support"} - packages
+    assert len(folders) > 5

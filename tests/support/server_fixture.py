@@ -23,7 +23,7 @@ import pytest
 
 from engramrt.parallel.launch import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0
 
 

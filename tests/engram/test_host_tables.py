@@ -123,7 +123,7 @@ def test_loading_streams_into_the_mapping(tmp_path) -> None:
                        for n in names)
         print((peak - before) * 1024, same)
     """)
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
     grew, same = out.stdout.split()

@@ -180,7 +180,7 @@ def test_model_fused_equals_torch(monkeypatch) -> None:
     from engramrt.engram.layout import EngramLayout
     from engramrt.runner.batch import StepBatch
     from engramrt.runner.stage import StageRunner, new_kv_cache
-    from tests.test_decoder_reference import TOKENS, build, token_map
+    from tests.model.test_decoder_reference import TOKENS, build, token_map
 
     model, raw = build(num_hidden_layers=2, engram_layer_ids=[0, 1])
     model = model.to(DEV)

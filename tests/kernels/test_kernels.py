@@ -1,5 +1,5 @@
 """Triton gather and gate kernels against the torch reference on random inputs (the hash kernel
-runs the whole oracle suite in tests/test_hashing.py). On a CPU they run in Triton's
+runs the whole oracle suite in tests/engram/test_hashing.py). On a CPU they run in Triton's
 interpreter; on a GPU natively (``pytest -m triton`` selects the kernel tests)."""
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def test_hash_kernel_matches_reference_over_random_steps(n: int, heads: int) -> 
     import random
 
     from engramrt.engram import EngramHasher, EngramLayout
-    from tests.test_hashing import IMAGE, K, V, make_config
+    from tests.engram.test_hashing import IMAGE, K, V, make_config
 
     layout = EngramLayout.from_config(make_config(n, heads))
     tmap = torch.randint(0, K, (V,), generator=torch.Generator().manual_seed(n))
@@ -194,7 +194,7 @@ def test_kernels_take_strided_and_int32_inputs() -> None:
     """Views and int32 ids give the reference's answer (the kernels make them contiguous/int64)."""
     from engramrt.engram import EngramHasher, EngramLayout
     from engramrt.kernels.engram_gather import gather
-    from tests.test_hashing import K, V, make_config
+    from tests.engram.test_hashing import K, V, make_config
 
     layout = EngramLayout.from_config(make_config(4, 8))
     tmap = torch.randint(0, K, (V,), generator=torch.Generator().manual_seed(0))

@@ -140,9 +140,9 @@ def test_tp2_matches_one_process(which: str, stages: int, moe_dir: Path) -> None
 def test_a_dead_tp_rank_ends_the_group_quickly() -> None:
     """Two TP ranks of one stage started as torchrun would; the follower dies after one step.
     The leader must exit with an error within seconds, not wait out its 600 s timeout."""
-    script = Path(__file__).parent / "support" / "pp_stage_dies.py"
+    script = Path(__file__).parents[1] / "support" / "pp_stage_dies.py"
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2", "PYTHONPATH": str(Path(__file__).parent.parent)}  # fmt: skip
+           "WORLD_SIZE": "2", "PYTHONPATH": str(Path(__file__).parents[2])}  # fmt: skip
     start = time.monotonic()
     procs = [
         subprocess.Popen([sys.executable, str(script), "600", "tp"], env={**env, "RANK": str(r),

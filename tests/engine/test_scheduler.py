@@ -18,7 +18,7 @@ import pytest
 from engramrt.engine.block_manager import BlockManager
 from engramrt.engine.request import Request, SamplingParams, Status
 from engramrt.engine.scheduler import Scheduler
-from tests.test_block_manager import oracle_keys
+from tests.engine.test_block_manager import oracle_keys
 
 Batch = list[tuple[Request, int]]
 

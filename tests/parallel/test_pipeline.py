@@ -339,10 +339,10 @@ def test_torchrun_runs_the_same_flags(flag: str) -> None:
 def test_a_dead_stage_ends_the_others_quickly() -> None:
     """Two ranks started as torchrun would (no supervising parent); rank 1 dies after one
     step. Rank 0 must exit with an error within seconds, not wait out its 600 s timeout."""
-    script = Path(__file__).parent / "support" / "pp_stage_dies.py"
+    script = Path(__file__).parents[1] / "support" / "pp_stage_dies.py"
     port = str(free_port())
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
-           "PYTHONPATH": str(Path(__file__).parent.parent)}  # fmt: skip
+           "PYTHONPATH": str(Path(__file__).parents[2])}  # fmt: skip
     start = time.monotonic()
     procs = [
         subprocess.Popen([sys.executable, str(script), "600"], env={**env, "RANK": str(r),

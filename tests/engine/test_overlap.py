@@ -16,8 +16,8 @@ from engramrt.engine.request import SamplingParams
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.runner.batch import StepBatch, StepResult
 from engramrt.runner.stage import StageRunner
+from tests.engine.test_engine import TEXTS, Result, absorb, assert_idle, drain
 from tests.support.engine_factory import bos_encoder, build_engine
-from tests.test_engine import TEXTS, Result, absorb, assert_idle, drain
 
 MAX_LEN = 128
 MAX_SLOTS = 4

@@ -92,7 +92,7 @@ class Setup:
 
 
 # the same oracle suite on the Triton kernels, in the interpreter (CPU tensors); on a GPU the
-# kernels are checked by tests/test_kernels.py instead
+# kernels are checked by tests/kernels/test_kernels.py instead
 KERNEL_CASES = [(4, 8, True), (3, 2, True)] if interpreter_on() else []
 
 

@@ -321,7 +321,7 @@ def test_reference_attention_groups_runs_like_one_per_request() -> None:
     from types import SimpleNamespace
 
     from engramrt.model.attention import _torch_attention
-    from tests.test_paged_attention import _prefill_case, _prefill_reference
+    from tests.kernels.test_paged_attention import _prefill_case, _prefill_reference
 
     runs, starts, bs = [5, 5, 0, 12, 5, 1, 1], [0, 37, 4, 3, 11, 60, 0], 4
     q, k_cache, v_cache, tables = _prefill_case(6, 2, 16, bs, runs, starts, torch.float32, 5)
