@@ -28,7 +28,7 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: Tokenizer, start: int = 0, skip_special: bool = True):
         self.tok, self.start, self.skip_special, self.done = tokenizer, start, skip_special, ""
         self.prefix = self.read = start
-        self.pending = ""  # decoded since the last commit, ending inside a character
+        self.partial = ""  # decoded since the last commit, ending inside a character
         self.rewrote = False  # the last call's text changed what came before
 
     def _dec(self, ids: list[int], a: int, b: int | None = None) -> str:
@@ -36,7 +36,7 @@ class IncrementalDecoder:
 
     def advance(self, ids: list[int]) -> str | None:
         """The text the ids since the last commit add, committed, when it ends on a whole
-        character; ``""`` while it does not (it waits in ``pending``); ``None`` when the decoder
+        character; ``""`` while it does not (it waits in ``partial``); ``None`` when the decoder
         rewrote earlier text (only a full decode is right then)."""
         head = self._dec(ids, self.prefix, self.read) if self.read > self.prefix else ""
         full = self._dec(ids, self.prefix)
@@ -44,9 +44,9 @@ class IncrementalDecoder:
             return None
         tail = full[len(head) :]
         if tail and not tail.endswith("\ufffd"):  # ends on a whole character: commit
-            self.prefix, self.read, self.pending = self.read, len(ids), ""
+            self.prefix, self.read, self.partial = self.read, len(ids), ""
             return tail
-        self.pending = tail
+        self.partial = tail
         return ""
 
     def __call__(self, ids: list[int]) -> str:
@@ -55,7 +55,7 @@ class IncrementalDecoder:
         if new is None:  # a decoder that rewrites earlier text: decode it all
             return self._dec(ids, self.start)
         self.done += new
-        return self.done + self.pending
+        return self.done + self.partial
 
 
 class StopStringHoldback:

@@ -71,7 +71,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eos_token_id: int | None = None  # the model config's; None: a model without EOS
     model_vocab_size: int | None = None  # the embedding's rows; None: the tokenizer's size
-    async_scheduling: bool = False  # overlap scheduling: opt-in until measured on a GPU
+    async_scheduling: bool = False  # overlap scheduling (on by default via EngineOptions.overlap)
     long_prefill_token_threshold: int = 0  # a prompt's tokens per step, at most (0: the budget)
     speculative: SpecConfig | None = None  # n-gram drafts (``engramrt.engine.speculative``)
     # every decoding row gets exactly K drafts where room allows (a lookup that finds fewer is
