@@ -1,5 +1,6 @@
-"""``engramrt serve``: the engine and the OpenAI-compatible server on rank 0, the other pipeline
-stages serving rank 0's steps."""
+"""``engramrt serve``: the OpenAI-compatible server in this process, the engine in a process of
+its own (which launches the pipeline and tensor-parallel ranks); under torchrun, rank 0 serves
+HTTP with the engine loop on a thread."""
 
 from __future__ import annotations
 
@@ -18,13 +19,12 @@ from engramrt.commands.flags import (
     options_from_args,
     resolve_device,
 )
-from engramrt.engine.build import EngineOptions, build_stage, check
+from engramrt.engine.build import EngineOptions, build_stage, check, log
 from engramrt.engine.client import EngineClient, EngineDead
 from engramrt.engine.core import describe, serve_stage
 from engramrt.parallel.launch import launch, under_torchrun
 from engramrt.parallel.liveness import StageWatch
 from engramrt.prompts import PromptEncoder
-from engramrt.server.lifecycle import log
 
 
 @dataclass

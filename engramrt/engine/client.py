@@ -69,10 +69,13 @@ class EngineClient:
             msg = f"ENGRAMRT_SWITCH_INTERVAL must be seconds, got {interval!r}"
             raise ValueError(msg) from None
         self.conn, self.worker = conn, worker
-        ready = FROM_ENGINE.decode(conn.recv_bytes())
-        if isinstance(ready, Died):
-            raise EngineDead(f"the engine failed to start: {ready.error}")
-        assert isinstance(ready, Ready), ready
+        try:
+            ready = FROM_ENGINE.decode(conn.recv_bytes())
+        except (EOFError, OSError):
+            ready = Died("it went away before it was ready")
+        if not isinstance(ready, Ready):
+            conn.close()
+            raise EngineDead(f"the engine failed to start: {getattr(ready, 'error', ready)}")
         self.limits: RequestLimits = ready.limits
         self.description = ready.description
         self._stats: dict[str, float] = ready.stats
@@ -111,8 +114,13 @@ class EngineClient:
                 target=engine_main, args=(opts, listener.address, authkey), name="engramrt-engine"
             )
             proc.start()
-            conn = _accept(listener, proc)
-        return cls(conn, proc, tokenizer)
+            try:
+                conn = _accept(listener, proc)
+                return cls(conn, proc, tokenizer)
+            except BaseException:  # nothing of a failed start is left running
+                proc.kill()
+                proc.join(timeout=10)
+                raise
 
     # --- requests ------------------------------------------------------------------------
 

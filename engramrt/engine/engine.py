@@ -113,7 +113,6 @@ class Engine:
         self.tokenizer_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.limits = RequestLimits(self.tokenizer_size, cfg.model_vocab_size, cfg.max_model_len,
                                     cfg.num_blocks, cfg.block_size, cfg.eos_token_id)  # fmt: skip
-        self.vocab_size = self.limits.vocab_size
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         propose = self._propose if cfg.speculative is not None else None
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -138,6 +137,11 @@ class Engine:
         # how many of a running request's blocks the stages' copy of its table holds (the
         # step message's bookkeeping, not the block manager's; gone with the request)
         self.blocks_sent: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+
+    @property
+    def vocab_size(self) -> int:
+        """The ids a prompt may hold (``RequestLimits.vocab_size``)."""
+        return self.limits.vocab_size
 
     # --- requests ------------------------------------------------------------------------
 

@@ -104,13 +104,14 @@ class RequestLimits:
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Every rule a request must meet, with the numbers in each ValueError."""
-        params.validate(self.vocab_size, self.eos_token_id)
+        vocab = self.vocab_size
+        params.validate(vocab, self.eos_token_id)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(
-                f"token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size}) (the "
+                f"token ids {bad[:8]} are outside the vocabulary [0, {vocab}) (the "
                 f"tokenizer has {self.tokenizer_size} tokens, the model's embedding "
                 f"{self.model_vocab_size or self.tokenizer_size} rows)"
             )

@@ -13,17 +13,13 @@ Each step is a line in the log.
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 
 import uvicorn
 
+from engramrt.engine.build import log
 from engramrt.server.serving import Server
-
-
-def log(line: str) -> None:
-    print(f"engramrt: {line}", file=sys.stderr, flush=True)
 
 
 class EngineServer(uvicorn.Server):

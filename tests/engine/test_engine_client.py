@@ -245,3 +245,14 @@ def test_request_text_ends_at_the_first_stop_string_whatever_the_output_split(se
     assert [t for o in outs for t in o.new_token_ids] == ids[:cut]
     assert outs[-1].finished and outs[-1].finish_reason == "stop"
     assert outs[-1].num_output_tokens == cut and all(not o.finished for o in outs[:-1])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_engine_that_cannot_start_is_an_error_naming_why() -> None:
+    class Unready(Idle):
+        @property
+        def limits(self):
+            raise RuntimeError("no KV cache could be allocated")
+
+    with pytest.raises(EngineDead, match="no KV cache could be allocated"):
+        EngineClient.in_thread(Unready())
