@@ -26,6 +26,7 @@ from engramrt.engine.request import SamplingParams
 from engramrt.engram import load_tokenizer
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.runner.batch import StepBatch, StepResult
+from engramrt.runner.slots import SlotTable
 
 TOKEN = 300  # what the stub samples: an ordinary token of the bundled tokenizer
 
@@ -36,13 +37,17 @@ class StubPipeline:
 
     def __init__(self, kv: KVCache | None = None):
         self.kv, self.build_ms = kv, 0.0
+        self.slots = SlotTable(torch.device("cpu"), None, samples=False, first=True)
+        if kv is not None:
+            self.slots.size_for(kv)
 
     def step(self, batch: StepBatch) -> StepResult:
         if self.kv is not None:
             t0 = time.perf_counter()
-            self.kv.set_tables(batch.slots, batch.block_starts, batch.new_blocks)
-            ForwardContext.for_runs(batch.slots, batch.run_lens, batch.start_pos, self.kv, "cpu",
-                                    batch.tokens)  # fmt: skip
+            self.slots.admit(batch.admitted, 0)
+            self.slots.advance(batch)
+            ForwardContext.for_runs(batch.slots, batch.run_lens, batch.start_pos, self.kv,
+                                    self.slots.blocks, "cpu")  # fmt: skip
             self.build_ms = (time.perf_counter() - t0) * 1e3
         return StepResult([TOKEN] * len(batch.slots))
 

@@ -60,8 +60,8 @@ def main() -> None:
                          "--max-num-seqs", "128", "--max-num-batched-tokens", "2048"])  # fmt: skip
     runner = local_engine(args, 2048).pipeline.runner
     b, ctx = a.rows, a.context
-    kv = runner.kv  # slot s on its own fixed blocks (the warm-up left scratch tables)
-    kv.set_tables(list(range(b + 1)), None, [kv.slot_table(s) for s in range(b + 1)])
+    tables = runner.slots.blocks  # slot s on its own fixed blocks (the warm-up left scratch)
+    tables.set(list(range(b + 1)), None, [tables.fixed(s) for s in range(b + 1)])
     decode = StepBatch([5] * b, list(range(b)), [1] * b, [ctx] * b)
     res = {"rows": b, "context": ctx, "decode_graph_ms": step_ms(runner, decode)}
     with eager(runner):

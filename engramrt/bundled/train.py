@@ -38,6 +38,7 @@ from engramrt.kernels import FORCE_TORCH_ENV
 from engramrt.model.checkpoint import save_checkpoint
 from engramrt.model.context import ForwardContext
 from engramrt.prompts import PromptEncoder
+from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 
 SEED = 4242
@@ -117,12 +118,13 @@ def loss_of(runner: StageRunner, windows: list[list[int]]) -> torch.Tensor:
     runner.allocate_kv(n, length, block, n * -(-length // block))
     tables = [list(range(i * -(-length // block), (i + 1) * -(-length // block)))
               for i in range(n)]  # fmt: skip
-    runner.kv.set_tables(list(range(n)), None, tables)
-    for slot in range(n):
+    slots = list(range(n))
+    for slot in slots:
         runner.hasher.rebuild(slot, [])
     tokens = [t for w in windows for t in w]
-    ctx = ForwardContext.for_runs(list(range(n)), [length] * n, [0] * n, runner.kv,
-                                  runner.device, tokens)  # fmt: skip
+    runner.slots.advance(StepBatch(tokens, slots, [length] * n, [0] * n, new_blocks=tables))
+    ctx = ForwardContext.for_runs(slots, [length] * n, [0] * n, runner.kv, runner.slots.blocks,
+                                  runner.device)  # fmt: skip
     logits = runner.forward(ctx, None).view(n, length, -1)
     target = torch.tensor(windows, device=logits.device)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target[:, 1:].flatten())

@@ -4,13 +4,13 @@ It runs on rank 0 (the first pipeline stage, which owns the Engram history); the
 samples with each request's own parameters. A request is validated once, where it is built
 (``new_request``); inside the engine only cheap invariants are checked.
 
-Overlap scheduling (``async_scheduling``, a pipeline of one stage): a step's sampled tokens stay
-on the device and feed the next step (its ``PENDING`` tokens); ``step`` schedules and launches
-step N+1 and only then waits for step N's tokens and applies them, so the host's work overlaps
-the GPU's. The host thus learns tokens one step late: a request that stops at step N (EOS, a stop
-token or string) has already been scheduled in step N+1, whose row is discarded, while a request
-that reaches max_tokens is known in advance and not scheduled again. Without overlap the same
-loop waits for the step it just launched.
+Overlap scheduling (``async_scheduling``, a pipeline of one stage): a step's sampled tokens stay on
+the device and feed the next step (the stage keeps them in its token rows); ``step`` schedules and
+launches step N+1 and only then waits for step N's tokens and applies them, so the host's work
+overlaps the GPU's. The host thus learns tokens one step late: a request that stops at step N (EOS,
+a stop token or string) has already been scheduled in step N+1, whose row is discarded, while a
+request that reaches max_tokens is known in advance and not scheduled again. Without overlap the
+same loop waits for the step it just launched.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from engramrt.engine.request import (
 )
 from engramrt.engine.scheduler import Scheduler
 from engramrt.engine.speculative import SpecConfig, accepted
-from engramrt.runner.batch import PENDING, DeviceResult, NewRequest, StepBatch, StepResult
+from engramrt.runner.batch import DeviceResult, NewRequest, StepBatch, StepResult
 
 
 class Runs(Protocol):
@@ -53,6 +53,15 @@ class Row:
     samples: bool  # the run ends at the request's last token: its sample is the next token
     epoch: int  # the request's preemption count at launch (a preempted run's K/V is gone)
     drafts: list[int] = field(default_factory=list)  # speculative tokens after the anchor
+
+
+@dataclass
+class Held:
+    """How much of a running request the stages' copy holds (the step message's bookkeeping,
+    not the block manager's): blocks of its table, tokens of its row."""
+
+    blocks: int
+    tokens: int
 
 
 @dataclass
@@ -134,9 +143,10 @@ class Engine:
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.grammars = Grammars(tokenizer, self.tokenizer_size, cfg.eos_token_id)
         self.in_flight: InFlight | None = None  # the launched step not applied yet (overlap)
-        # how many of a running request's blocks the stages' copy of its table holds (the
-        # step message's bookkeeping, not the block manager's; gone with the request)
-        self.blocks_sent: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+        # what the stages hold of each running request (gone with the request)
+        self.held: weakref.WeakKeyDictionary[Request, Held] = weakref.WeakKeyDictionary()
+        # the stage writes each final sample into its token row itself (one stage, one rank)
+        self.samples_kept = can
 
     @property
     def vocab_size(self) -> int:
@@ -212,28 +222,27 @@ class Engine:
         scheduled, admitted = self.scheduler.schedule()
         if not scheduled:
             return None
-        for req in admitted:  # a new slot: the stages' table for it is sent whole
-            self.blocks_sent[req] = 0
         new = [self._new_request(req) for req in admitted]
         asked = [r.params.prompt_logprobs for r, _ in scheduled
                  if r.params.prompt_logprobs is not None]  # fmt: skip
         target_k = max(asked) if asked else None  # prompt tokens are scored only when asked
         tokens, targets, starts, new_blocks, rows, index, final = [], [], [], [], [], [], []
-        masks, drafts = [], []
+        masks, drafts, counts = [], [], []
+        # a verify step's samples are the host's to choose: the stage keeps none of them
+        kept = self.samples_kept and not any(req.drafts for req, _ in scheduled)
         for req, n in scheduled:
+            held = self.held[req]
             # a verify step's rejected drafts may have given blocks back since the last send
-            sent = min(self.blocks_sent[req], len(req.blocks))
+            sent = min(held.blocks, len(req.blocks))
             starts.append(sent)
             new_blocks.append(req.blocks[sent:])  # usually none: O(new blocks)
-            self.blocks_sent[req] = len(req.blocks)
+            held.blocks = len(req.blocks)
             start = req.num_computed
-            if req.drafts:  # a verify run: the anchor (its last token) and the drafts
-                tokens += [req.token_ids[start], *req.drafts]
-            else:
-                tokens += req.token_ids[start : start + n]
-                unknown = start + n - req.num_tokens  # the pending token, read on the device
-                if unknown > 0:
-                    tokens += [PENDING] * unknown
+            # the run's tokens the row lacks (a verify run: the anchor and the drafts); none
+            # where the stage kept the last sample (overlap: the host may not know it yet)
+            fresh = req.token_ids[held.tokens : start + n] + req.drafts
+            tokens += fresh
+            counts.append(len(fresh))
             if target_k is not None:
                 scored = req.params.prompt_logprobs is not None
                 for p in range(start + 1, start + n + 1):  # token p - 1 predicts token p
@@ -248,6 +257,7 @@ class Engine:
                 if mask is not None:
                     masks.append((len(rows), mask))
             rows.append(Row(req, n, start, samples, req.num_preemptions, req.drafts))
+            held.tokens = max(held.tokens, start + n + (kept and samples))
             req.num_computed += n
             req.unread += samples
         batch = StepBatch(
@@ -258,6 +268,7 @@ class Engine:
             new_blocks=new_blocks,
             block_starts=starts,
             admitted=new,
+            token_counts=counts,
             sample_index=index,
             final=final,
             targets=targets if target_k is not None else None,
@@ -276,8 +287,9 @@ class Engine:
         """A request taking its slot: everything the stages keep for it, sent once (a resumed
         preempted request brings its outputs too: penalties count them)."""
         controls = req.params.controls(self.cfg.eos_token_id)
-        return NewRequest(req.slot, list(req.token_ids), req.num_prompt_tokens,
-                          req.num_computed, req.params.row(0), controls)  # fmt: skip
+        self.held[req] = Held(len(req.blocks), req.num_tokens)
+        return NewRequest(req.slot, list(req.token_ids), req.num_prompt_tokens, req.num_computed,
+                          list(req.blocks), req.params.row(0), controls)  # fmt: skip
 
     def _apply(self, launched: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them. Rows of requests that finished or
@@ -328,6 +340,8 @@ class Engine:
         rejected drafts' positions are computed no more and their spare blocks go back; the
         history commit (anchor + accepted) goes with the next step."""
         a = accepted(row.drafts, result.tokens[i : i + 1 + len(row.drafts)])
+        held = self.held[req]  # the row past the accepted drafts holds rejected ones
+        held.tokens = min(held.tokens, row.start + 1 + a)
         self.spec_drafts += 1
         self.spec_draft_tokens += len(row.drafts)
         self.spec_accepted_tokens += a

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from engramrt.kernels.tiles import PREFILL_TILE, prefill_tiles
+from engramrt.model.block_tables import BlockTables
 from engramrt.model.layers import rope_tables
 from engramrt.model.trace import Tracer
 from engramrt.transfer import to_device
@@ -50,9 +51,8 @@ class GraphShape:
 
 class KVCache:
     """Paged K/V for the layers one process owns: ``[num_blocks * block_size, kv, hd]`` per layer,
-    and the block table of each slot, kept on the host from step to step so a step sends only
-    the blocks a request gained (``set_tables``). Until told otherwise, slot ``s`` owns blocks
-    ``[s * per_slot, (s + 1) * per_slot)`` (``slot_table``), where the cache has them."""
+    sized for ``num_slots`` sequences of up to ``max_len`` tokens (which blocks each holds is
+    the ``SlotTable``'s: ``engramrt.model.block_tables``)."""
 
     def __init__(
         self,
@@ -70,54 +70,16 @@ class KVCache:
         self.num_blocks, self.block_size, self.max_len = num_blocks, block_size, max_len
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
-        per = self.blocks_per_seq
-        rows = max(1, num_blocks // per if num_slots is None else num_slots)
-        self.tables = np.zeros((rows, per), dtype=np.int64)
-        self.table_lens = np.zeros(rows, dtype=np.int64)
-        fixed = min(rows, num_blocks // per)  # the slots whose fixed blocks exist
-        self.tables[:fixed] = np.arange(fixed * per).reshape(fixed, per)
-        self.table_lens[:fixed] = per
+        per = -(-max_len // block_size)
+        self.num_slots = max(1, num_blocks // per if num_slots is None else num_slots)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
-    def set_tables(
-        self, slots: list[int], starts: list[int] | None, blocks: list[list[int]]
-    ) -> None:
-        """Slot ``slots[b]``'s table becomes its first ``starts[b]`` blocks (default 0) followed
-        by ``blocks[b]``. Only the given blocks are checked and copied: O(new blocks)."""
-        for b, (slot, new) in enumerate(zip(slots, blocks, strict=True)):
-            start = 0 if starts is None else starts[b]
-            if not 0 <= slot < len(self.tables):
-                raise ValueError(f"slot {slot} outside the cache's {len(self.tables)} tables")
-            if not 0 <= start <= self.table_lens[slot] or start + len(new) > self.blocks_per_seq:
-                raise ValueError(
-                    f"request {b}: {len(new)} blocks at {start} do not extend its table of "
-                    f"{self.table_lens[slot]} (at most {self.blocks_per_seq})"
-                )
-            if new and not 0 <= min(new) <= max(new) < self.num_blocks:
-                raise ValueError(
-                    f"request {b}: block table {new} has ids outside [0, {self.num_blocks})"
-                )
-            self.tables[slot, start : start + len(new)] = new
-            self.table_lens[slot] = start + len(new)
-
-    @property
-    def blocks_per_seq(self) -> int:
-        return -(-self.max_len // self.block_size)
-
-    def slot_table(self, slot: int) -> list[int]:
-        per = self.blocks_per_seq
-        if (slot + 1) * per > self.num_blocks:
-            raise ValueError(f"slot {slot} has no blocks in a cache of {self.num_blocks} blocks")
-        return list(range(slot * per, (slot + 1) * per))
-
-    def token_slots(self, table: list[int], start: int, end: int, device) -> torch.Tensor:
-        """Flat cache rows of positions ``[start, end)`` under block table ``table``."""
-        pos = torch.arange(start, end, device=device)
-        blocks = torch.tensor(table, dtype=torch.int64, device=device)
-        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+    def fixed_tables(self) -> BlockTables:
+        """Block tables for this cache with each slot on its fixed blocks (``BlockTables``)."""
+        return BlockTables(self.num_slots, self.num_blocks, self.block_size, self.max_len)
 
 
 @dataclass
@@ -132,7 +94,6 @@ class ForwardContext:
     start_pos: list[int]
     kv: KVCache
     flat: torch.Tensor  # every tensor below, int64, back to back
-    tokens: torch.Tensor  # [T] (zeros on later pipeline stages)
     slot_ids: torch.Tensor  # [B] history slots
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] cache row of each token; -1: a padded row, written nowhere
@@ -169,21 +130,21 @@ class ForwardContext:
         run_lens: list[int],
         start_pos: list[int],
         kv: KVCache,
+        tables: BlockTables,
         device: torch.device | str,
-        tokens: list[int] | None = None,
         width: int | None = None,
         pad: GraphShape | None = None,
         last_rows: bool = False,
         drafts: list[int] | None = None,
         **kw,
     ) -> ForwardContext:
-        """Validate on the host, build every tensor there and move them in one copy. Block
-        tables are the slots' tables in ``kv`` (``KVCache.set_tables``). ``width`` fixes the
-        block-table columns (default: the widest table); ``pad`` pads the step to a captured
-        graph's shape (``GraphShape``); ``last_rows``: the logits are wanted at each run's last
-        token only (``logits_rows``), not at every token; ``drafts``: the last ``1 + drafts[b]``
-        tokens of run b are sampled (speculative decoding; eager steps only)."""
-        runs = _Runs.of(slots, run_lens, start_pos, kv, tokens, width)
+        """Validate on the host, build every tensor there and move them in one copy. Block tables
+        are the slots' rows of ``tables`` (the stage's ``SlotTable.blocks``). ``width`` fixes the
+        block-table columns (default: the widest table); ``pad`` pads the step to a captured graph's
+        shape (``GraphShape``); ``last_rows``: the logits are wanted at each run's last token only
+        (``logits_rows``), not at every token; ``drafts``: the last ``1 + drafts[b]`` tokens of run
+        b are sampled (speculative decoding; eager steps only)."""
+        runs = _Runs.of(slots, run_lens, start_pos, tables, width)
         decode = all(n == 1 for n in run_lens) if pad is None else pad.decode
         if pad is not None:
             runs = runs.padded(pad, decode)
@@ -193,7 +154,7 @@ class ForwardContext:
         sample_rows = last_rows and not decode
         if pad is not None and pad.verify:  # every run verifies (padded ones too: no commit)
             parts["commit_runs"] = np.zeros(runs.bsz, dtype=np.int64)
-            parts["logits_rows"] = np.arange(len(runs.toks), dtype=np.int64)  # a sample a token
+            parts["logits_rows"] = np.arange(len(runs.req), dtype=np.int64)  # a sample a token
         elif drafts is not None:
             if pad is not None:
                 raise ValueError("a step with drafts replays a verify graph or none")
@@ -252,41 +213,43 @@ class _Runs:
     qstart: np.ndarray  # [B + 1]
     positions: np.ndarray  # [T]
     rows: np.ndarray  # [T] cache rows (-1: padding, written nowhere)
-    toks: np.ndarray  # [T]
     ctx_lens: np.ndarray  # [B]
     table: np.ndarray  # [B, W]
     run_lens: list[int]
     start_pos: list[int]
 
     @classmethod
-    def of(cls, slots, run_lens, start_pos, kv: KVCache, tokens, width) -> _Runs:
+    def of(cls, slots, run_lens, start_pos, tables: BlockTables, width) -> _Runs:
         bsz = len(slots)
         if not len(run_lens) == len(start_pos) == bsz:
             raise ValueError("slots, run_lens and start_pos differ in length")
         i64 = np.int64
         ids = np.asarray(slots, dtype=i64).reshape(-1)
-        if bsz and not 0 <= ids.min() <= ids.max() < len(kv.tables):
-            raise ValueError(f"slots {slots} lie outside the cache's {len(kv.tables)} tables")
-        sizes = kv.table_lens[ids]
+        if bsz and not 0 <= ids.min() <= ids.max() < tables.num_slots:
+            raise ValueError(f"slots {slots} lie outside the cache's {tables.num_slots} tables")
+        sizes = tables.lens[ids]
         width = max(1, int(sizes.max()) if bsz else 1) if width is None else width
-        table = kv.tables[ids, :width]  # a copy: later steps may change kv's
+        table = tables.tables[ids, :width]  # a copy: later steps may change the tables
         lens = np.asarray(run_lens, dtype=i64).reshape(-1)
         pos0 = np.asarray(start_pos, dtype=i64).reshape(-1)
-        over = pos0 + lens > np.minimum(sizes * kv.block_size, kv.max_len)
+        block = tables.block_size
+        over = pos0 + lens > np.minimum(sizes * block, tables.max_len)
         for b in np.flatnonzero(over | (lens < 0) | (pos0 < 0)).tolist():
             if lens[b] < 0 or pos0[b] < 0:
                 raise ValueError(f"request {b}: negative run length or start position")
-            cap = min(kv.max_len, int(sizes[b]) * kv.block_size)
+            cap = min(tables.max_len, int(sizes[b]) * block)
             raise ValueError(
                 f"positions up to {start_pos[b] + run_lens[b]} exceed the request's KV capacity "
                 f"({cap} tokens)"
             )
+        live = ids[lens > 0]
+        if np.unique(live).size != live.size:
+            raise ValueError(f"two runs of one step share a slot: {live.tolist()}")
         req = np.repeat(np.arange(bsz, dtype=i64), lens)
         qstart = np.concatenate([np.zeros(1, i64), np.cumsum(lens)])
         positions = pos0[req] + np.arange(len(req), dtype=i64) - qstart[req]
-        rows = table[req, positions // kv.block_size] * kv.block_size + positions % kv.block_size
-        toks = np.asarray(tokens if tokens is not None else np.zeros(len(req)), dtype=i64)
-        return cls(bsz, bsz, width, ids, lens, pos0, req, qstart, positions, rows, toks,
+        rows = table[req, positions // block] * block + positions % block
+        return cls(bsz, bsz, width, ids, lens, pos0, req, qstart, positions, rows,
                    pos0 + lens, table, list(run_lens), list(start_pos))  # fmt: skip
 
     def padded(self, pad: GraphShape, decode: bool) -> _Runs:
@@ -295,12 +258,12 @@ class _Runs:
         (context 0) and, in a decode graph, owns one padded token at slot 0, in a mixed graph
         none (a run of 0 tokens)."""
         pad.check(self.run_lens)
-        extra_t, extra_r = pad.tokens - len(self.toks), pad.requests - self.bsz
+        extra_t, extra_r = pad.tokens - len(self.req), pad.requests - self.bsz
         step = 1 if decode else pad.verify + 1 if pad.verify else 0
         qstart = np.concatenate([self.qstart, self.qstart[-1] + step * np.arange(1, extra_r + 1)])
         return replace(
             self, bsz=pad.requests, qstart=qstart,
-            toks=_grow(self.toks, extra_t, 0), positions=_grow(self.positions, extra_t, 0),
+            positions=_grow(self.positions, extra_t, 0),
             rows=_grow(self.rows, extra_t, -1), req=_grow(self.req, extra_t, 0),
             ids=_grow(self.ids, extra_r, 0), pos0=_grow(self.pos0, extra_r, 0),
             ctx_lens=_grow(self.ctx_lens, extra_r, 0), table=_grow(self.table, extra_r, 0),
@@ -308,7 +271,7 @@ class _Runs:
 
     def common(self) -> dict[str, np.ndarray]:
         return {
-            "tokens": self.toks, "slot_ids": self.ids, "positions": self.positions,
+            "slot_ids": self.ids, "positions": self.positions,
             "slot_mapping": self.rows, "context_lens": self.ctx_lens, "query_start": self.qstart,
             "start_pos_t": self.pos0, "num_real": np.array([self.real]),
             "table_width": np.array([self.width]),
@@ -328,7 +291,7 @@ class _Runs:
             tile_req = _grow(tile_req, pad.tiles - len(tile_req), 0)
             tile_m0 = _grow(tile_m0, pad.tiles - len(tile_m0), NO_TILE)
             extra = pad.requests - len(one)
-            dec_tok = _grow(dec_tok, extra, len(self.toks))
+            dec_tok = _grow(dec_tok, extra, len(self.req))
             dec_req, dec_lens = _grow(dec_req, extra, 0), _grow(dec_lens, extra, 0)
         return {"tile_req": tile_req, "tile_m0": tile_m0, "token_slots": self.ids[self.req],
                 "dec_tok": dec_tok, "dec_req": dec_req, "dec_lens": dec_lens}  # fmt: skip

@@ -66,8 +66,8 @@ class Pipeline:
     @property
     def can_overlap(self) -> bool:
         """Whether a step's tokens may stay on the device for the next one (``launch``, and
-        ``PENDING`` tokens): only with one stage of one rank, which samples where it hashes."""
-        return self.world == 1 and self.tp.size == 1 and self.runner.last_token is not None
+        ``StageRunner.keeps_samples``): only with one stage of one rank."""
+        return self.world == 1 and self.runner.keeps_samples
 
     def launch(self, batch: StepBatch) -> DeviceResult:
         """``step`` without waiting for the sampled tokens where the pipeline has one stage;

@@ -13,9 +13,6 @@ import torch
 from engramrt.runner.logit_controls import Controls
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
-# a step's token that stands for "the token this slot sampled in the previous step", which the
-# first stage reads on the device (overlap scheduling: the host has not seen it yet)
-PENDING = -1
 
 
 @dataclass
@@ -56,6 +53,7 @@ class NewRequest:
     tokens: list[int]  # every token the host has: the prompt, then the outputs so far
     num_prompt: int  # how many of ``tokens`` are the prompt
     num_computed: int  # tokens before this step's run: its history is rebuilt from them
+    blocks: list[int] | None = None  # its block table, whole (None: the slot's stays)
     sampling: SampleRow = field(default_factory=SampleRow)  # its parameters (``index`` unused)
     controls: Controls | None = None  # its logit controls (None: none asked)
 
@@ -68,15 +66,16 @@ class NewRequest:
 @dataclass
 class StepBatch:
     """Request ``b`` computes ``run_lens[b]`` tokens from position ``start_pos[b]`` in history
-    and KV slot ``slots[b]``. ``tokens`` are needed on the first stage only; a token
-    ``PENDING`` is the one its slot sampled in the previous step, which the host has not read
-    yet (overlap scheduling; only where one stage both hashes and samples).
+    and KV slot ``slots[b]``.
 
     What a slot keeps from step to step crosses once: ``admitted`` requests take their slots
-    before the step runs (history rebuilt from their tokens on the first stage, sampling
-    parameters and logit controls kept on the last; ``engramrt.runner.slots``). A slot no
-    request was admitted to samples greedily. The rest are deltas: request ``b``'s block table
-    becomes its first ``block_starts[b]`` blocks (default 0: all of it is given) followed by
+    before the step runs (block table, token row, history rebuilt from their tokens on the
+    first stage, sampling parameters and logit controls on the last; ``engramrt.runner.slots``).
+    A slot no request was admitted to samples greedily. The rest are deltas. ``tokens``: the
+    tokens the first stage's rows lack, flat: run ``b``'s last ``token_counts[b]`` (default:
+    all of every run); a stage that samples where it embeds has each final sample already
+    (``SlotTable.keep_samples``), so a decode step there sends none. Request ``b``'s block
+    table becomes its first ``block_starts[b]`` blocks (default 0) followed by
     ``new_blocks[b]`` (without ``new_blocks`` the tables stay as they are: by default each
     slot's fixed blocks); ``sample_index[b]`` is which output token its sample is (keys seeded
     noise and ``min_tokens``; default 0) and ``final[b]`` whether the engine keeps it (False: a
@@ -89,6 +88,7 @@ class StepBatch:
     new_blocks: list[list[int]] | None = None
     block_starts: list[int] | None = None
     admitted: list[NewRequest] = field(default_factory=list)
+    token_counts: list[int] | None = None
     sample_index: list[int] | None = None
     final: list[bool] | None = None
     return_logits: bool = False
@@ -193,11 +193,10 @@ _RESULT = msgspec.msgpack.Decoder(StepResult)
 
 
 def encode_batch(batch: StepBatch, with_tokens: bool) -> torch.Tensor:
-    """The step for another rank, as bytes: the first stage's own business (the admitted
-    requests' tokens, unless penalties need them on the last stage, and the verify commits:
-    only its hasher reads them) stays behind, and the step's tokens too unless the receiver
-    embeds them (a TP follower of the first stage)."""
-    admitted = [a if a.needs_tokens_on_last_stage else replace(a, tokens=[])
+    """The step for another rank, as bytes: the first stage's own business (the tokens, unless
+    the receiver embeds them too, a TP follower of the first stage, or penalties need an admitted
+    request's on the last stage; the verify commits: only its hasher reads them) stays behind."""
+    admitted = [a if with_tokens or a.needs_tokens_on_last_stage else replace(a, tokens=[])
                 for a in batch.admitted]  # fmt: skip
     wire = replace(batch, tokens=batch.tokens if with_tokens else None, admitted=admitted,
                    commits=[])  # fmt: skip

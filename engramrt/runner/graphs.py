@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from engramrt.model.block_tables import BlockTables
 from engramrt.model.context import ForwardContext, GraphShape, KVCache
 from engramrt.runner.carry import Carry
 from engramrt.transfer import pinned
@@ -79,6 +80,7 @@ class StepGraphs:
         self,
         forward: Forward,
         kv: KVCache,
+        tables: BlockTables,
         device: torch.device,
         max_batch: int,
         max_tokens: int = 0,
@@ -93,11 +95,12 @@ class StepGraphs:
             raise ValueError("CUDA graphs need a CUDA device (--enforce-eager runs without)")
         if max_batch < 1:
             raise ValueError(f"the largest graph batch must be >= 1, got {max_batch}")
-        self.forward, self.kv, self.device, self.carry_for = forward, kv, device, carry_for
+        self.forward, self.kv, self.tables = forward, kv, tables
+        self.device, self.carry_for = device, carry_for
         self.last_stage = last_stage
         self.shapes = graph_shapes(min(max_batch, kv.num_blocks), max_tokens, verify)
         self.sizes = [s.requests for s in self.shapes if s.decode]
-        self.width = kv.blocks_per_seq
+        self.width = tables.per_seq
         self.graphs: dict[GraphShape, tuple] = {}  # shape -> (graph, ctx, outputs, carry, ran)
         pool = None
         # most tokens first: the smaller ones reuse its memory pool
@@ -128,8 +131,8 @@ class StepGraphs:
     @torch.inference_mode()  # no autograd state kept alive by the captured outputs
     def _capture(self, shape: GraphShape, pool):
         # all padding: the warm-up run (Triton JIT, cuBLAS handles) commits and writes nothing
-        ctx = ForwardContext.for_runs([], [], [], self.kv, self.device, [], self.width, shape,
-                                      last_rows=True)  # fmt: skip
+        ctx = ForwardContext.for_runs([], [], [], self.kv, self.tables, self.device, self.width,
+                                      shape, last_rows=True)  # fmt: skip
         carry = None if self.carry_for is None else self.carry_for(shape.tokens)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -3,6 +3,9 @@
 A request crosses to the stages once, when it takes a slot (``NewRequest``); ``SlotTable.admit``
 hands each piece to the part of the stage that keeps it:
 
+- its block table (every stage: ``blocks``, which ``ForwardContext.for_runs`` reads);
+- its token row (every rank of the first stage: ``tokens``, ``[slots, max_len + 1]`` on the
+  device), which the step's token ids are gathered from;
 - the n-gram history row (the first stage's hasher, its one owner): rebuilt from the tokens
   before the request's run;
 - the sampling parameters (the last stage): a host row per slot, which decides what the sampler
@@ -12,21 +15,27 @@ hands each piece to the part of the stage that keeps it:
 - any other kind of per-slot model state (a sliding-window ring, a compressed cache, a recurrent
   tail): an object with ``admit(new: NewRequest)`` added to ``states``, called on every stage.
 
-Block tables travel as deltas in every step and live with the paged cache (``KVCache``); the
-token a slot sampled last lives with the runner (overlap scheduling) until the token row moves
-here too.
+After that a step brings deltas (``advance``): the blocks a run gained and the tokens the row
+lacks. A stage that samples where it embeds writes each sample into the row itself
+(``keep_samples``), on the device, so the next step reads it there without the host having seen
+it (overlap scheduling).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from engramrt.engram.hashing import EngramHasher
+from engramrt.model.block_tables import BlockTables
 from engramrt.runner.batch import NewRequest, SampleRow, StepBatch
 from engramrt.runner.logit_controls import LogitControls
 from engramrt.transfer import to_device
+
+if TYPE_CHECKING:
+    from engramrt.model.context import ForwardContext, KVCache
 
 GREEDY = SampleRow()
 
@@ -38,16 +47,37 @@ class SlotState(Protocol):
 
 
 class SlotTable:
-    def __init__(self, device: torch.device, hasher: EngramHasher | None, samples: bool):
-        """``hasher``: the first stage leader's (it rebuilds history rows); ``samples``: the
-        last stage's leader (it keeps sampling parameters and logit controls)."""
-        self.device, self.hasher, self.samples = device, hasher, samples
+    def __init__(
+        self, device: torch.device, hasher: EngramHasher | None, samples: bool, first: bool = False
+    ):
+        """``hasher``: the first stage leader's (it rebuilds history rows and checks token ids);
+        ``samples``: the last stage's leader (it keeps sampling parameters and logit controls);
+        ``first``: a rank of the first stage (it embeds, so it keeps the token rows)."""
+        self.device, self.hasher, self.samples, self.first = device, hasher, samples, first
+        self.blocks: BlockTables | None = None  # sized with the cache (``size_for``)
+        self.tokens: torch.Tensor | None = None  # [slots, max_len + 1] int32, first stage
         self.sampling: dict[int, SampleRow] = {}  # slot -> parameters; absent: greedy
         self.params = torch.zeros(0, 4, device=device)  # [slots, (temperature, top_p, min_p, k)]
         self.controls = LogitControls(device)
         self.states: list[SlotState] = []
 
+    def size_for(self, kv: KVCache) -> None:
+        """Block tables and token rows for a new cache (slots on their fixed blocks)."""
+        self.blocks = kv.fixed_tables()
+        if self.first:
+            self.tokens = None  # the old rows go before the new ones are allocated
+            shape = (kv.num_slots, kv.max_len + 1)  # + 1: the sample after the last position
+            self.tokens = torch.zeros(shape, dtype=torch.int32, device=self.device)
+
     def admit(self, admitted: list[NewRequest], vocab: int) -> None:
+        if not admitted:
+            return
+        given = [a for a in admitted if a.blocks is not None]
+        if self.blocks is not None and given:
+            self.blocks.set([a.slot for a in given], None, [a.blocks for a in given])
+        if self.tokens is not None:
+            self._write([a.slot for a in admitted], [len(a.tokens) for a in admitted],
+                        [t for a in admitted for t in a.tokens])  # fmt: skip
         for new in admitted:
             if self.hasher is not None:
                 self.hasher.rebuild(new.slot, new.tokens[: new.num_computed])
@@ -57,6 +87,63 @@ class SlotTable:
                                        new.tokens[new.num_prompt :], vocab)  # fmt: skip
             for state in self.states:
                 state.admit(new)
+
+    def advance(self, batch: StepBatch) -> None:
+        """The step's deltas: the blocks its runs gained; on the first stage the tokens its rows
+        lack (``StepBatch.tokens``: the last ``token_counts[b]`` of run b)."""
+        if batch.new_blocks is not None:
+            self.blocks.set(batch.slots, batch.block_starts, batch.new_blocks)
+        if self.tokens is None:
+            return
+        counts = batch.token_counts if batch.token_counts is not None else batch.run_lens
+        for b, c in enumerate(counts):
+            if not 0 <= c <= batch.run_lens[b]:
+                raise ValueError(f"run {b}: {c} new tokens for a run of {batch.run_lens[b]}")
+        given = batch.tokens
+        if given is None or len(given) != sum(counts):
+            want = "their tokens" if batch.token_counts is None else f"{sum(counts)} tokens"
+            raise ValueError(f"the runs need {want}; the step gave {len(given or [])}")
+        ends = [p + n for p, n in zip(batch.start_pos, batch.run_lens, strict=True)]
+        if given:
+            self._write(batch.slots, ends, given, counts)
+
+    def _write(self, slots: list[int], ends: list[int], tokens: list[int],
+               counts: list[int] | None = None) -> None:  # fmt: skip
+        """Row ``slots[i]`` gets the next ``counts[i]`` of ``tokens`` (default: ``ends[i]``)
+        at positions ending at ``ends[i]``: one copy to the device."""
+        if self.hasher is not None:  # the one that hashes them checks them
+            self.hasher.validate(tokens)
+        counts = ends if counts is None else counts
+        width = self.tokens.shape[1]
+        s, e, c = (np.asarray(x, dtype=np.int64) for x in (slots, ends, counts))
+        if len(s) and (s.min() < 0 or s.max() >= len(self.tokens) or e.max() > width):
+            raise ValueError(f"slots {slots} / positions up to {e.max()} lie outside the token "
+                             f"rows [{len(self.tokens)}, {width - 1}]")  # fmt: skip
+        run = np.repeat(np.arange(len(s)), c)
+        pos = np.repeat(e - c, c) + np.arange(len(run)) - np.repeat(np.cumsum(c) - c, c)
+        both = np.stack([s[run] * width + pos, np.asarray(tokens, dtype=np.int64)])
+        at, values = to_device(torch.from_numpy(both), self.device)
+        self.tokens.view(-1).index_copy_(0, at, values.to(torch.int32))
+
+    def keep_samples(self, batch: StepBatch, sampled: torch.Tensor) -> None:
+        """Each run's sample (``sampled[b]``, on the device) into its row at the position it
+        fills, where the engine keeps it (a final run): the next step reads it there."""
+        final = batch.final or [True] * len(batch.slots)
+        keep = [b for b, (n, f) in enumerate(zip(batch.run_lens, final, strict=True)) if n and f]
+        if not keep:
+            return
+        width = self.tokens.shape[1]
+        at = [batch.slots[b] * width + batch.start_pos[b] + batch.run_lens[b] for b in keep]
+        if len(keep) != len(batch.slots):
+            sampled = sampled[to_device(torch.tensor(keep), self.device)]
+        at_t = to_device(torch.tensor(at, dtype=torch.int64), self.device)
+        self.tokens.view(-1).index_copy_(0, at_t, sampled.to(torch.int32))
+
+    def token_ids(self, ctx: ForwardContext) -> torch.Tensor:
+        """The step's token ids ``[T]``, gathered from the rows by slot and position on the
+        device (what a CUDA graph replays; padded tokens read position 0 of slot 0's row)."""
+        slot_of = ctx.slot_ids if ctx.decode else ctx.token_slots
+        return self.tokens[slot_of, ctx.positions].long()
 
     def _keep_sampling(self, slot: int, row: SampleRow) -> None:
         if row == GREEDY:

@@ -29,7 +29,7 @@ from engramrt.model.checkpoint import engram_table_bytes, load_model
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.model.trace import Tracer
-from engramrt.runner.batch import PENDING, DeviceResult, SampleRow, StepBatch, StepResult
+from engramrt.runner.batch import DeviceResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
 from engramrt.runner.graphs import StepGraphs
 from engramrt.runner.kv_budget import MemoryProfile
@@ -75,24 +75,20 @@ class StageRunner:
     sampler: Sampler | None = field(init=False, default=None)  # the last stage's
     # what the request in each slot leaves on this stage (``engramrt.runner.slots``)
     slots: SlotTable = field(init=False)
-    # the token each history slot sampled last (a stage that is both first and last): a step's
-    # token ``PENDING`` stands for it, so the next step can be launched before the host has
-    # read the sampled tokens (overlap scheduling)
-    last_token: torch.Tensor | None = field(init=False, default=None)
     # reads the host tables' rows ahead at forward entry (CUDA, host tables; None: off)
     prefetcher: prefetch.Prefetch | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.device.type == "cuda" and prefetch.host_engrams(self.model):
             self.prefetcher = prefetch.Prefetch(self.model, self.device)
-        self.slots = SlotTable(self.device, self.hasher, self.model.head is not None)
+        self.slots = SlotTable(self.device, self.hasher, self.model.head is not None,
+                               self.is_first)  # fmt: skip
+        if self.kv is not None:
+            self.slots.size_for(self.kv)
         if self.model.head is not None:
             tok = self.tokenizer
             limit = tok.get_vocab_size(with_added_tokens=True) if tok is not None else None
             self.sampler = Sampler(self.slots, self.seed, limit)
-            if self.hasher is not None:
-                slots = self.hasher.history.num_slots
-                self.last_token = torch.zeros(slots, dtype=torch.int64, device=self.device)
 
     @classmethod
     def load(
@@ -151,11 +147,19 @@ class StageRunner:
     def is_last(self) -> bool:
         return self.sampler is not None
 
+    @property
+    def keeps_samples(self) -> bool:
+        """Samples where it embeds (one stage of one rank): each final sample goes into its
+        slot's token row on the device, and the next step reads it there (overlap scheduling:
+        the host need not have seen it)."""
+        return self.is_first and self.is_last and self.model.tp.solo
+
     def allocate_kv(
         self, num_slots: int, max_len: int | None, block_size: int, num_blocks: int | None
     ) -> None:
         self.kv = None  # the old cache goes before the new one is allocated
         self.kv = new_kv_cache(self.model, num_slots, max_len, block_size, num_blocks)
+        self.slots.size_for(self.kv)
 
     def capture_graphs(self, max_batch: int, max_tokens: int = 0, verify: int = 0) -> None:
         """Capture decode steps up to ``max_batch`` requests, mixed steps up to ``max_tokens``
@@ -172,8 +176,8 @@ class StageRunner:
                   "decoding eagerly", flush=True)  # fmt: skip
             return
         carry_for = None if self.is_first else (lambda n: Carry.empty(self.model, n, torch.zeros))
-        self.graphs = StepGraphs(self.forward, self.kv, self.device, max_batch, max_tokens,
-                                 self.is_last, carry_for, verify)  # fmt: skip
+        self.graphs = StepGraphs(self.forward, self.kv, self.slots.blocks, self.device, max_batch,
+                                 max_tokens, self.is_last, carry_for, verify)  # fmt: skip
 
     @torch.inference_mode()
     def profile_memory(self, tokens: int, max_len: int, block_size: int, rows: int):
@@ -219,7 +223,7 @@ class StageRunner:
         if self.device.type != "cuda" or self.kv is None:
             return
         block = self.kv.block_size
-        for runs in warm_up_plan(max_tokens, len(self.kv.tables), self.kv.max_len):
+        for runs in warm_up_plan(max_tokens, self.kv.num_slots, self.kv.max_len):
             ends = np.cumsum([-(-n // block) for n in runs])  # scratch blocks, reused each step
             if ends[-1] > self.kv.num_blocks:
                 continue
@@ -243,18 +247,14 @@ class StageRunner:
     @torch.inference_mode()
     def launch(self, batch: StepBatch, carry: Carry | None = None) -> Carry | DeviceResult:
         """``run`` without waiting for the sampled tokens: on the last stage a ``DeviceResult``.
-        The sampled tokens are also written to ``last_token`` (their slots' entries) on the
-        stream, after the sampler: a later step's ``PENDING`` tokens read them there."""
+        Where it ``keeps_samples``, they also go into the token rows, on the stream after the
+        sampler (not a verify step's: the host decides which of its samples stand)."""
         out = self.compute(batch, carry, last_only=not batch.full_logits)
         if not self.is_last:
             return out
         pending, tokens = self.sampler.launch(out, batch)
-        if self.last_token is not None and batch.drafts is None:  # (drafts: no overlap)
-            live = [i for i, n in enumerate(batch.run_lens) if n > 0]
-            if len(live) != len(batch.run_lens):
-                tokens = tokens[live]
-            slots = torch.tensor([batch.slots[i] for i in live], dtype=torch.int64)
-            self.last_token.index_copy_(0, to_device(slots, self.device), tokens)
+        if self.keeps_samples and batch.drafts is None:
+            self.slots.keep_samples(batch, tokens)
         return pending
 
     @torch.inference_mode()
@@ -266,31 +266,23 @@ class StageRunner:
         captured shape replays its graph; its outputs are then valid until the next step."""
         if self.kv is None:
             raise RuntimeError("this stage has no KV cache (allocate_kv first)")
-        if carry is None:
-            if not self.is_first:
-                first = self.model.layer_ids[0]
-                raise RuntimeError(
-                    f"the stage starting at layer {first} needs the stream, lagged pre-mix and "
-                    "hash ids of the previous stage and received none"
-                )
-            tokens = batch.tokens
-            if tokens is None or len(tokens) != batch.num_tokens:
-                raise ValueError(f"the runs need {batch.num_tokens} tokens")
-            if self.last_token is not None and PENDING in tokens:  # resolved on the device
-                tokens = [0 if t == PENDING else t for t in tokens]
-            if self.hasher is not None:  # a TP follower takes the leader's hash ids
-                self.hasher.validate(tokens, batch.slots, batch.run_lens)
-                self._commit_verified(batch.commits)
+        if carry is None and not self.is_first:
+            first = self.model.layer_ids[0]
+            raise RuntimeError(
+                f"the stage starting at layer {first} needs the stream, lagged pre-mix and "
+                "hash ids of the previous stage and received none"
+            )
+        if self.hasher is not None:  # before admission: a slot's new owner rebuilds after
+            self._commit_verified(batch.commits)
         self.slots.admit(batch.admitted, self.model.cfg.vocab_size)
-        if batch.new_blocks is not None:
-            self.kv.set_tables(batch.slots, batch.block_starts, batch.new_blocks)
+        self.slots.advance(batch)
         graphs, shape = self.graphs, None
         drafts = batch.drafts if batch.drafts is not None and any(batch.drafts) else None
         if graphs is not None:
             shape = graphs.shape_for(batch.run_lens, not last_only, self.tracer, drafts)
         ctx = ForwardContext.for_runs(
-            batch.slots, batch.run_lens, batch.start_pos, self.kv,
-            "cpu" if shape else self.device, batch.tokens,
+            batch.slots, batch.run_lens, batch.start_pos, self.kv, self.slots.blocks,
+            "cpu" if shape else self.device,
             # a mixed graph's prefill kernel strides the table by its static width
             width=graphs.width if shape and not shape.decode else None, pad=shape,
             last_rows=shape is not None or (last_only and self.is_last), tracer=self.tracer,
@@ -308,11 +300,7 @@ class StageRunner:
         """The step on device tensors only: what a CUDA graph captures. The first stage hashes
         once where the token ids are and embeds."""
         if carry is None:
-            t = ctx.tokens
-            if self.last_token is not None:  # PENDING: the token the slot sampled last step
-                # padding (token 0) is left as it is
-                slot_of = ctx.slot_ids if ctx.decode else ctx.token_slots
-                t = torch.where(t == PENDING, self.last_token[slot_of], t)
+            t = self.slots.token_ids(ctx)
             ids, dead = self._hash(ctx, t)
             x, pre = self.model.embed_tokens(t)
             carry = Carry(x, pre, ids, dead)

@@ -76,10 +76,10 @@ def absorb(results: dict[str, Result], outputs, engine: Engine) -> None:
 def assert_tables_match(engine: Engine) -> None:
     """The stage's block tables, sent a step's new blocks at a time, equal the block manager's:
     every running request's slot holds exactly its blocks."""
-    kv = engine.pipeline.runner.kv
+    blocks = engine.pipeline.runner.slots.blocks
     for req in engine.scheduler.running:
-        n = int(kv.table_lens[req.slot])
-        assert kv.tables[req.slot, :n].tolist() == req.blocks, req.id
+        n = int(blocks.lens[req.slot])
+        assert blocks.tables[req.slot, :n].tolist() == req.blocks, req.id
 
 
 def drain(engine: Engine, results: dict[str, Result] | None = None) -> dict[str, Result]:

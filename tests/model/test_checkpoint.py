@@ -516,7 +516,14 @@ def test_stage_loads_only_its_layers(two_layers: Path) -> None:
     def ctx(m: EngramMHCModel) -> ForwardContext:
         kv = new_kv_cache(m, 1)
         return ForwardContext.for_runs(
-            [0], [len(t)], [0], kv, "cpu", hash_ids=ids, dead=hasher.is_dead(t)
+            [0],
+            [len(t)],
+            [0],
+            kv,
+            kv.fixed_tables(),
+            "cpu",
+            hash_ids=ids,
+            dead=hasher.is_dead(t),
         )
 
     with torch.inference_mode():

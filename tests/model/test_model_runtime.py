@@ -81,14 +81,14 @@ def test_forward_reports_engram_layers(model) -> None:
     s = new_session(model, 1)
     t = torch.tensor([7, 8, 9])
     ids = s.hasher.extend(t, torch.tensor([0]), torch.tensor([3]), torch.tensor([0]))
-    ctx = ForwardContext.for_runs([0], [3], [0], s.kv, "cpu", hash_ids=ids)
+    ctx = ForwardContext.for_runs([0], [3], [0], s.kv, s.slots.blocks, "cpu", hash_ids=ids)
     model(t, ctx)
     assert ctx.engram_ran == [0, 2]
 
 
 def test_forward_without_hash_ids_raises(model) -> None:
     s = new_session(model, 1)
-    ctx = ForwardContext.for_runs([0], [3], [0], s.kv, "cpu")
+    ctx = ForwardContext.for_runs([0], [3], [0], s.kv, s.slots.blocks, "cpu")
     with pytest.raises(
         RuntimeError, match="layer 0 owns an Engram but the forward got no hash ids"
     ):

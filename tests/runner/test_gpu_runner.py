@@ -56,9 +56,10 @@ def test_padded_decode_equals_unpadded(model, pad_to: int) -> None:
         nxt = [rng.randrange(6, 1024) for _ in slots]
         pos = [len(q) for q in seqs]
         want = plain.compute(StepBatch(nxt, slots, [1] * 3, pos))
+        padded.slots.advance(StepBatch(nxt, slots, [1] * 3, pos))  # the rows it reads from
         ctx = ForwardContext.for_runs(
-            slots, [1] * 3, pos, padded.kv, "cpu", nxt,
-            width=padded.kv.blocks_per_seq, pad=GraphShape(True, pad_to, pad_to),
+            slots, [1] * 3, pos, padded.kv, padded.slots.blocks, "cpu",
+            width=padded.slots.blocks.per_seq, pad=GraphShape(True, pad_to, pad_to),
         )  # fmt: skip
         got = padded.forward(ctx, None)
         assert got.shape[0] == pad_to and ctx.engram_ran == [0, 2]
@@ -74,7 +75,8 @@ def assert_padding_left_no_trace(padded: StageRunner, plain: StageRunner, layers
     """Slot 0, which only padding uses, has no history and no K/V; the cache is the unpadded
     run's (to fp32 rounding: GEMMs of other shapes)."""
     assert not padded.hasher.history.table[0].any()
-    slot0 = padded.kv.token_slots(padded.kv.slot_table(0), 0, 64, "cpu")
+    tables = padded.slots.blocks
+    slot0 = tables.rows(tables.fixed(0), 0, 64, "cpu")
     for i in layers:
         torch.testing.assert_close(padded.kv.k[i], plain.kv.k[i], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(padded.kv.v[i], plain.kv.v[i], rtol=1e-5, atol=1e-5)
@@ -85,7 +87,7 @@ def assert_padding_left_no_trace(padded: StageRunner, plain: StageRunner, layers
                          [(16, 4, False), (32, 16, False), (24, 5, False),
                           pytest.param(16, 4, True, marks=pytest.mark.triton)])  # fmt: skip
 def test_padded_mixed_step_equals_unpadded(model, tokens: int, requests: int, kernel) -> None:
-    """A mixed step (a prompt chunk beside decode rows, a PENDING-free first stage) padded to a
+    """A mixed step (a prompt chunk beside decode rows) padded to a
     mixed graph's shape: the unpadded step's logits at each run's last token (the rows sampling
     reads), the same history and K/V, and the padding writes and commits nothing. The eager
     ``last_only`` step gives the same rows. Floats to fp32 rounding (GEMMs of other shapes).
@@ -111,9 +113,10 @@ def test_padded_mixed_step_equals_unpadded(model, tokens: int, requests: int, ke
         want = full.compute(batch)[ends]
         rows = last.compute(batch, last_only=True)  # a GEMM of fewer rows may round differently
         torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)
+        padded.slots.advance(batch)
         ctx = ForwardContext.for_runs(
-            slots, lens, pos, padded.kv, "cpu", nxt, padded.kv.blocks_per_seq, shape,
-            last_rows=True,
+            slots, lens, pos, padded.kv, padded.slots.blocks, "cpu",
+            padded.slots.blocks.per_seq, shape, last_rows=True,
         )  # fmt: skip
         assert ctx.positions.numel() == tokens and ctx.tiles[0].numel() == shape.tiles
         got = padded.forward(ctx, None)
@@ -149,9 +152,11 @@ def test_graph_shape_bounds_every_runs_tiles() -> None:
 def test_padding_rejects_prefill_runs(model) -> None:
     s = new_session(model, 2)
     with pytest.raises(ValueError, match="one-token runs"):
-        ForwardContext.for_runs([0], [2], [0], s.kv, "cpu", [7, 8], pad=GraphShape(True, 4, 4))
+        ForwardContext.for_runs([0], [2], [0], s.kv, s.slots.blocks, "cpu",
+                                pad=GraphShape(True, 4, 4))  # fmt: skip
     with pytest.raises(ValueError, match="at most 4 tokens"):
-        ForwardContext.for_runs([0], [5], [0], s.kv, "cpu", [7] * 5, pad=GraphShape(False, 4, 2))
+        ForwardContext.for_runs([0], [5], [0], s.kv, s.slots.blocks, "cpu",
+                                pad=GraphShape(False, 4, 2))  # fmt: skip
 
 
 # --- Triton attention against torch, through the model's own context ----------------------
@@ -166,9 +171,9 @@ def _attention_case(seed: int, run_lens: list[int], start_pos: list[int], heads=
     kv.v[0].normal_(generator=g)
     perm = torch.randperm(64, generator=g).tolist()
     tables = [perm[i * 12 : (i + 1) * 12] for i in range(n)]
-    toks = [7] * sum(run_lens)
-    kv.set_tables(list(range(n)), None, tables)
-    ctx = ForwardContext.for_runs(list(range(n)), run_lens, start_pos, kv, "cpu", toks,
+    blocks = kv.fixed_tables()
+    blocks.set(list(range(n)), None, tables)
+    ctx = ForwardContext.for_runs(list(range(n)), run_lens, start_pos, kv, blocks, "cpu",
                                   width=12 if pad else None, pad=pad)  # fmt: skip
     t = ctx.positions.numel()
     q = torch.randn(t, heads, dim, generator=g)
@@ -299,9 +304,10 @@ def test_padded_verify_step_equals_unpadded(model, requests: int, drafts: int) -
     lens, pos = [drafts + 1] * 3, [len(q) for q in seqs]
     nxt = [rng.randrange(6, 1024) for _ in range(sum(lens))]
     want = plain.compute(StepBatch(nxt, slots, lens, pos, drafts=[drafts] * 3), last_only=True)
+    padded.slots.advance(StepBatch(nxt, slots, lens, pos))
     ctx = ForwardContext.for_runs(
-        slots, lens, pos, padded.kv, "cpu", nxt, padded.kv.blocks_per_seq, shape,
-        last_rows=True, drafts=[drafts] * 3,
+        slots, lens, pos, padded.kv, padded.slots.blocks, "cpu", padded.slots.blocks.per_seq,
+        shape, last_rows=True, drafts=[drafts] * 3,
     )  # fmt: skip
     assert shape.fits(lens) and not shape.fits([1, *lens[1:]])
     got = padded.forward(ctx, None)

@@ -49,10 +49,11 @@ def test_step_buffer_views_are_16_byte_aligned() -> None:
         n = rng.randint(1, 8)
         slots = rng.sample(range(8), n)
         runs = [rng.randint(1, 9) for _ in range(n)]
-        kv.set_tables(slots, None, [list(range(s * 8, s * 8 + 3)) for s in slots])
+        tables = kv.fixed_tables()
+        tables.set(slots, None, [list(range(s * 8, s * 8 + 3)) for s in slots])
         pad = rng.choice([None, GraphShape(False, sum(runs) + rng.randint(0, 9), 8)])
-        ctx = ForwardContext.for_runs(slots, runs, [0] * n, kv, "cpu", [1] * sum(runs),
-                                      pad=pad, last_rows=rng.random() < 0.5)  # fmt: skip
+        ctx = ForwardContext.for_runs(slots, runs, [0] * n, kv, tables, "cpu", pad=pad,
+                                      last_rows=rng.random() < 0.5)  # fmt: skip
         views = [getattr(ctx, f) for f in ctx.__dataclass_fields__]
         views += list(ctx.tiles or ())
         for v in views:
