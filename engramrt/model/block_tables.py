@@ -34,8 +34,11 @@ class BlockTables:
     def set(self, slots: list[int], starts: list[int] | None, blocks: list[list[int]]) -> None:
         """Slot ``slots[b]``'s table becomes its first ``starts[b]`` blocks (default 0) followed
         by ``blocks[b]``. Only the given blocks are checked and copied: O(new blocks)."""
+        lens = self.lens
         for b, (slot, new) in enumerate(zip(slots, blocks, strict=True)):
             start = 0 if starts is None else starts[b]
+            if not new and 0 <= slot < len(lens) and start == lens[slot]:
+                continue  # most runs of a step: nothing changed
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"slot {slot} outside the cache's {self.num_slots} tables")
             if not 0 <= start <= self.lens[slot] or start + len(new) > self.per_seq:

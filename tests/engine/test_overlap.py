@@ -259,7 +259,7 @@ def test_overlap_needs_a_pipeline_that_can(session) -> None:
 @pytest.mark.gpu
 def test_overlap_with_cuda_graphs_equals_synchronous(encode, session) -> None:
     """On a GPU the steps really overlap, decode and mixed steps replay CUDA graphs (whose
-    captured forward resolves the pending tokens from ``last_token``) and results arrive
+    captured forward gathers the kept samples from the token rows) and results arrive
     through pinned copies and an event."""
     runner = StageRunner.load(resolve_model_dir(None), MAX_SLOTS, MAX_LEN, "cuda", "float32")
     runner.capture_graphs(MAX_SLOTS, 64)  # mixed steps too: pending tokens beside chunks
