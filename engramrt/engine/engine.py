@@ -229,7 +229,9 @@ class Engine:
         tokens, targets, starts, new_blocks, rows, index, final = [], [], [], [], [], [], []
         masks, drafts, counts = [], [], []
         # a verify step's samples are the host's to choose: the stage keeps none of them
-        kept = self.samples_kept and not any(req.drafts for req, _ in scheduled)
+        kept = self.samples_kept and (
+            self.cfg.speculative is None or not any(req.drafts for req, _ in scheduled)
+        )
         for req, n in scheduled:
             held = self.held[req]
             # a verify step's rejected drafts may have given blocks back since the last send
@@ -238,11 +240,15 @@ class Engine:
             new_blocks.append(req.blocks[sent:])  # usually none: O(new blocks)
             held.blocks = len(req.blocks)
             start = req.num_computed
+            end = start + n
             # the run's tokens the row lacks (a verify run: the anchor and the drafts); none
             # where the stage kept the last sample (overlap: the host may not know it yet)
-            fresh = req.token_ids[held.tokens : start + n] + req.drafts
-            tokens += fresh
-            counts.append(len(fresh))
+            if held.tokens < end:
+                fresh = req.token_ids[held.tokens : end] + req.drafts
+                tokens += fresh
+                counts.append(len(fresh))
+            else:
+                counts.append(0)
             if target_k is not None:
                 scored = req.params.prompt_logprobs is not None
                 for p in range(start + 1, start + n + 1):  # token p - 1 predicts token p
@@ -257,7 +263,10 @@ class Engine:
                 if mask is not None:
                     masks.append((len(rows), mask))
             rows.append(Row(req, n, start, samples, req.num_preemptions, req.drafts))
-            held.tokens = max(held.tokens, start + n + (kept and samples))
+            if kept and samples:  # the stage writes the sample into the row itself
+                end += 1
+            if end > held.tokens:
+                held.tokens = end
             req.num_computed += n
             req.unread += samples
         batch = StepBatch(

@@ -96,19 +96,19 @@ class SlotTable:
         if self.tokens is None:
             return
         counts = batch.token_counts if batch.token_counts is not None else batch.run_lens
-        for b, c in enumerate(counts):
-            if not 0 <= c <= batch.run_lens[b]:
-                raise ValueError(f"run {b}: {c} new tokens for a run of {batch.run_lens[b]}")
         given = batch.tokens
-        if given is None or len(given) != sum(counts):
-            want = "their tokens" if batch.token_counts is None else f"{sum(counts)} tokens"
+        if not given and given is not None and not any(counts):
+            return  # a decode step where the stage kept its samples: nothing new
+        lens = np.asarray(batch.run_lens, dtype=np.int64)
+        c = np.asarray(counts, dtype=np.int64)
+        for b in np.flatnonzero((c < 0) | (c > lens)).tolist():
+            raise ValueError(f"run {b}: {counts[b]} new tokens for a run of {lens[b]}")
+        if given is None or len(given) != int(c.sum()):
+            want = "their tokens" if batch.token_counts is None else f"{int(c.sum())} tokens"
             raise ValueError(f"the runs need {want}; the step gave {len(given or [])}")
-        ends = [p + n for p, n in zip(batch.start_pos, batch.run_lens, strict=True)]
-        if given:
-            self._write(batch.slots, ends, given, counts)
+        self._write(batch.slots, np.asarray(batch.start_pos) + lens, given, c)
 
-    def _write(self, slots: list[int], ends: list[int], tokens: list[int],
-               counts: list[int] | None = None) -> None:  # fmt: skip
+    def _write(self, slots, ends, tokens: list[int], counts=None) -> None:
         """Row ``slots[i]`` gets the next ``counts[i]`` of ``tokens`` (default: ``ends[i]``)
         at positions ending at ``ends[i]``: one copy to the device."""
         if self.hasher is not None:  # the one that hashes them checks them
@@ -128,15 +128,15 @@ class SlotTable:
     def keep_samples(self, batch: StepBatch, sampled: torch.Tensor) -> None:
         """Each run's sample (``sampled[b]``, on the device) into its row at the position it
         fills, where the engine keeps it (a final run): the next step reads it there."""
-        final = batch.final or [True] * len(batch.slots)
-        keep = [b for b, (n, f) in enumerate(zip(batch.run_lens, final, strict=True)) if n and f]
-        if not keep:
-            return
-        width = self.tokens.shape[1]
-        at = [batch.slots[b] * width + batch.start_pos[b] + batch.run_lens[b] for b in keep]
-        if len(keep) != len(batch.slots):
-            sampled = sampled[to_device(torch.tensor(keep), self.device)]
-        at_t = to_device(torch.tensor(at, dtype=torch.int64), self.device)
+        lens = np.asarray(batch.run_lens, dtype=np.int64)
+        at = np.asarray(batch.slots) * self.tokens.shape[1] + np.asarray(batch.start_pos) + lens
+        keep = lens > 0 if batch.final is None else (lens > 0) & np.asarray(batch.final)
+        if not keep.all():
+            if not keep.any():
+                return
+            rows = torch.from_numpy(np.flatnonzero(keep))
+            sampled, at = sampled[to_device(rows, self.device)], at[keep]
+        at_t = to_device(torch.from_numpy(at.astype(np.int64)), self.device)
         self.tokens.view(-1).index_copy_(0, at_t, sampled.to(torch.int32))
 
     def token_ids(self, ctx: ForwardContext) -> torch.Tensor:
