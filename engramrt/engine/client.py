@@ -56,6 +56,11 @@ class EngineClosed(RuntimeError):
     """The server is shutting down and takes no new requests."""
 
 
+class RequestFailed(ValueError):
+    """The engine ended a request with an error of the request's own (a grammar it could not
+    follow): the client's 400, or an error event in a stream."""
+
+
 class EngineClient:
     def __init__(self, conn: Connection, worker: threading.Thread | mp.Process,
                  tokenizer=None):  # fmt: skip
@@ -158,6 +163,8 @@ class EngineClient:
                 if isinstance(item, BaseException):
                     raise EngineDead(f"the engine failed: {item}") from item
                 engine_done = item.finished
+                if item.error is not None:
+                    raise RequestFailed(item.error)
                 item = item if text is None else text.apply(item)
                 # a caller behind the engine (a busy event loop) takes every output waiting as
                 # one: its per-output cost (a stream chunk) then shrinks as the load grows
@@ -166,6 +173,8 @@ class EngineClient:
                     if not isinstance(after, RequestOutput):
                         break
                     engine_done = after.finished
+                    if after.error is not None:
+                        break  # delivered alone: its error follows what came before
                     nxt = after if text is None else text.apply(after)
                     item, after = item.then(nxt), None
                 finished = item.finished

@@ -15,6 +15,7 @@ same loop waits for the step it just launched.
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -103,6 +104,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None  # why the request failed (finish reason "error"): the client's 400
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output followed by ``later`` (of the same request) as one output: a stream
@@ -415,14 +417,19 @@ class Engine:
             reason = "stop"
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
             reason = "length"
+        error = None
         if req.matcher is not None:  # the grammar follows the token; complete: the request stops
             req.matcher.consume_token(token)
-            if reason is None and (req.matcher.is_stopped() or req.matcher.is_error()):
+            if req.matcher.is_error():  # the output no longer follows it: never a silent stop
+                reason = "error"
+                error = f"the grammar cannot be followed: {req.matcher.get_error()}"
+                print(f"engramrt: request {req.id}: {error}", file=sys.stderr, flush=True)
+            elif reason is None and req.matcher.is_stopped():
                 reason = "stop"
         out = RequestOutput(
             req.id, [token], "", new_lp,
             req.prompt_logprobs if first and p.prompt_logprobs is not None else None,
-            reason is not None, reason, req.num_prompt_tokens, req.num_output_tokens,
+            reason is not None, reason, req.num_prompt_tokens, req.num_output_tokens, error,
         )  # fmt: skip
         if reason is not None:
             self.scheduler.finish(req, reason)

@@ -7,7 +7,9 @@ next token it asks the matcher which tokens may come next (a bitmask, one bit pe
 applied in the batched sampler), and once it has the token it advances the matcher. A step that
 samples a guided request therefore needs the previous token on the host first: the engine runs
 such steps synchronously (overlap scheduling resumes when no guided request is running). When
-the grammar is complete the request stops (finish reason ``stop``).
+the grammar is complete the request stops (finish reason ``stop``); when the matcher fails on
+the way (one of llguidance's limits, on a path the model chose), the request ends with an error
+the client sees, never a silent stop.
 """
 
 from __future__ import annotations
@@ -84,7 +86,24 @@ class Grammars:
         matcher = llguidance.LLMatcher(tok, grammar)
         if matcher.is_error():
             raise ValueError(f"invalid {spec.kind} grammar: {matcher.get_error()}")
+        _probe(matcher, spec.kind)
         return matcher
+
+
+def _probe(matcher, kind: str) -> None:
+    """Refuse what llguidance can tell before generation: a grammar that allows no first token,
+    or one that breaks one of its limits on the tokens it forces (``a{1000}{1000}``, a schema
+    whose required property recurses), on a copy of the matcher. What breaks later, on a path
+    the model chooses, ends the request with an error (``Engine._append``)."""
+    import numpy as np
+
+    if not np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32).any():
+        raise ValueError(f"invalid {kind} grammar: it matches nothing")
+    probe = matcher.deep_copy()
+    probe.consume_tokens(probe.compute_ff_tokens())
+    probe.compute_bitmask()
+    if probe.is_error():
+        raise ValueError(f"{kind} grammar cannot be followed: {probe.get_error()}")
 
 
 def token_mask(req, vocab: int) -> list[int] | None:

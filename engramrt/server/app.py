@@ -127,8 +127,17 @@ async def _respond(request: Request, call: Call, stream: bool) -> dict | Respons
             return Response(status_code=499)
     try:
         return task.result()
-    except (EngineDead, EngineClosed) as exc:
-        raise ApiError(503, str(exc), "ServiceUnavailableError") from None
+    except (EngineDead, EngineClosed, ValueError) as exc:
+        raise _failure(exc) from None
+
+
+def _failure(exc: Exception) -> ApiError:
+    """What a request that fails while it runs answers, streamed or not: 503 once the engine is
+    gone or going, 400 for what the request itself caused (a grammar the engine could not
+    follow, a request the engine refused)."""
+    if isinstance(exc, (EngineDead, EngineClosed)):
+        return ApiError(503, str(exc), "ServiceUnavailableError")
+    return ApiError(400, str(exc))
 
 
 async def _sse_body(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -137,7 +146,8 @@ async def _sse_body(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         async for chunk in chunks:
             yield chunk
     except (EngineDead, EngineClosed, ValueError) as exc:
-        yield sse(error_body(500, str(exc), "InternalServerError"))
+        e = _failure(exc)
+        yield sse(error_body(e.status, e.message, e.kind, e.param))
     yield SSE_DONE
 
 

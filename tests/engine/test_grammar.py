@@ -103,3 +103,28 @@ def test_grammar_wins_over_min_tokens(session) -> None:
     sampler.slots.admit(batch.admitted, vocab)
     pending, _ = sampler.launch(torch.randn(1, vocab), batch)
     assert pending.wait().tokens == [eos]
+
+
+NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}
+RECURSIVE = {"$ref": "#/$defs/n", "$defs": {"n": NODE}}
+
+
+def test_a_grammar_that_cannot_be_followed_is_never_a_silent_stop(session) -> None:
+    """Where llguidance can tell before generation (a limit broken on the tokens the grammar
+    forces) the grammar is refused; where it breaks on a path the model chose (here: a bias
+    toward the branch that repeats 'a' a million times), the request ends with finish reason
+    'error' and the matcher's message, never 'stop' with output that violates the grammar."""
+    engine = build_engine(session, 256, 4)
+    for spec in (GrammarSpec("regex", "a{1000}{1000}"), GrammarSpec("json", RECURSIVE)):
+        with pytest.raises(ValueError, match="cannot be followed"):
+            engine.new_request("x", [5], SamplingParams(grammar=spec))
+    a = session.tokenizer.token_to_id("a")
+    params = SamplingParams(max_tokens=20, temperature=0, logit_bias={a: 100.0},
+                            grammar=GrammarSpec("regex", "b|a{1000}{1000}"))  # fmt: skip
+    engine.add_request("r", [5, 6], params)
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert outs[-1].finished and outs[-1].finish_reason == "error", outs[-1]
+    assert "cannot be followed" in outs[-1].error
+    assert all(o.error is None and o.finish_reason is None for o in outs[:-1])

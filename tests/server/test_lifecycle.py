@@ -119,6 +119,8 @@ def test_lost_stage_fails_requests_and_exits_1(fault: signal.Signals) -> None:
         errors = [c["error"]["message"] for c in stream.chunks if "error" in c]
         if fault == signal.SIGSTOP:
             assert errors and "stage 1" in errors[0], stream.chunks[-1]
+        # the status the unstreamed answer would have: the engine is gone
+        assert all(c["error"]["code"] == 503 for c in stream.chunks if "error" in c)
         assert proc.wait(timeout=30) == 1
         deadline = time.monotonic() + 10
         while not _gone(stage) and time.monotonic() < deadline:

@@ -1178,6 +1178,28 @@ def test_structured_outputs_parse_whatever_the_model_writes(server: str, seed: i
     assert r["choices"][0]["text"] in {"red", "green", "blue"}
 
 
+def test_a_grammar_the_engine_cannot_follow_is_an_error_the_client_sees(server: str) -> None:
+    """Refused up front where llguidance can tell; failing mid-way (a bias steers the model onto
+    the branch that breaks a limit) a 400 unstreamed and an error event with the same status
+    in a stream, never a 200 with finish_reason 'stop'."""
+    r = httpx.post(f"{server}/v1/completions", timeout=60,
+                   json={"prompt": "hi", "guided_regex": "a{1000}{1000}"})  # fmt: skip
+    assert_error(r, 400, "cannot be followed")
+    a = load_tokenizer(DEFAULT_MODEL_DIR).token_to_id("a")
+    body = {"prompt": "hi", "max_tokens": 20, "temperature": 0, "logit_bias": {str(a): 100},
+            "guided_regex": "b|a{1000}{1000}"}  # fmt: skip
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert_error(r, 400, "cannot be followed")
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:  # fmt: skip
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 400 and "cannot be followed" in err["message"], err
+    assert not any('"finish_reason": "stop"' in e or '"finish_reason":"stop"' in e for e in events)
+    still_serves(server)
+
+
 def test_unknown_fields_are_ignored(server: str) -> None:
     base = complete(server, **OK_BODY)
     extra = complete(server, **OK_BODY, frequency_penalty_v9=3, some_vendor_flag={"a": 1})
