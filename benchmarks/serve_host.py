@@ -18,7 +18,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,6 +26,7 @@ import uvicorn
 
 from benchmarks.host_step import TOKEN
 from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.commands.child import engramrt_command
 from engramrt.engine.client import EngineClient
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.request import SamplingParams
@@ -89,7 +89,7 @@ def served(args: argparse.Namespace) -> dict:
     while not http.started:
         time.sleep(0.05)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "engramrt", "bench", "serve", "--port", str(args.port),
+        cmd = [*engramrt_command("bench", "serve"), "--port", str(args.port),
                "--num-prompts", str(args.prompts), "--random-input-len", str(args.input_len),
                "--random-output-len", str(args.output_len), "--ignore-eos", "--max-concurrency",
                str(args.concurrency), "--disable-tqdm", "--save-result", "--result-dir", tmp,

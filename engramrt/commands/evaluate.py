@@ -32,6 +32,8 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from engramrt.commands.child import engramrt_command
+
 
 @dataclass
 class Item:
@@ -82,7 +84,11 @@ class Client:
 
     async def _complete(self, **body) -> dict:
         async with self.gate:
-            r = await self.http.post("/v1/completions", json={"temperature": 0, **body})
+            try:
+                r = await self.http.post("/v1/completions", json={"temperature": 0, **body})
+            except httpx.TransportError as exc:
+                raise RuntimeError(f"cannot reach the server at {self.http.base_url}: "
+                                   f"{exc or type(exc).__name__}") from None  # fmt: skip
         if r.status_code != 200:
             raise RuntimeError(f"the server answered {r.status_code}: {r.text[:300]}")
         return r.json()["choices"][0]
@@ -132,8 +138,8 @@ class LocalServer:
     def __init__(self, model: str | None, flags: list[str], wait_s: float = 900,
                  env: dict[str, str] | None = None):  # fmt: skip
         self.port = _free_port()
-        cmd = [sys.executable, "-m", "engramrt", "serve", *([model] if model else []),
-               "--port", str(self.port), "--disable-uvicorn-access-log", *flags]  # fmt: skip
+        cmd = engramrt_command("serve", *([model] if model else []), "--port", str(self.port),
+                               "--disable-uvicorn-access-log", *flags)  # fmt: skip
         self.log = tempfile.TemporaryFile("w+")  # a pipe could fill up and stall the server
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})  # fmt: skip
@@ -234,9 +240,11 @@ def _arms(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
             "--engram, -pp, --pp-layer-partition and --serve-args configure the "
             "server started here; with --base-url the server is already running"
         )
+    if args.ab and args.base_url:
+        raise ValueError("--ab starts a server per arm; it cannot take --base-url")
+    if args.base_url:  # a server someone else runs: what it serves is not known here
+        return [(f"remote {args.base_url}", [])]
     if args.ab:
-        if args.base_url:
-            raise ValueError("--ab starts a server per arm; it cannot take --base-url")
         arms = []
         for spec in args.ab:
             name, _, flags = spec.partition("=")

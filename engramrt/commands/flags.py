@@ -24,9 +24,10 @@ def add_model_flag(p: argparse.ArgumentParser) -> None:
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
     """``--device`` and ``--dtype`` left open: see :func:`resolve_device`; no dtype means the
-    model config's."""
+    model config's on a GPU, float32 on a CPU (``engramrt.model.checkpoint.default_dtype``)."""
     p.add_argument("--device", choices=DEVICES, help="default: cuda if available")
-    p.add_argument("--dtype", choices=DTYPES, help="default: the config's")
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="default: the config's on a GPU, float32 on a CPU")  # fmt: skip
 
 
 def add_engram_memory_flags(p: argparse.ArgumentParser) -> None:

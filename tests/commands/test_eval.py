@@ -77,6 +77,33 @@ def test_scores_against_known_answers(stub, tmp_path, capsys) -> None:
     assert [r["correct"] for r in arm["results"]] == [True, True, False, True, False]
     assert arm["accuracy"] == pytest.approx(3 / 5)
     assert [r["picked"] for r in arm["results"]][3:] == ["best", "best"]
+    assert arm["arm"] == f"remote {stub}"  # not "engram on": what it serves is not known here
+
+
+def test_a_dead_base_url_is_one_line_naming_it(tmp_path, capsys) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    args = build_parser().parse_args(["eval", _write(tmp_path / "t.jsonl", [{"prompt": "a",
+                                      "answer": "b"}]), "--base-url", url])  # fmt: skip
+    assert args.func(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and url in err and "cannot reach" in err, err
+
+
+def test_children_start_whatever_folder_they_start_from(tmp_path) -> None:
+    """A folder holding a directory named ``engramrt`` (the parent of a clone) cannot shadow
+    the installed package in a child ``engramrt`` process; a plain ``python -m`` there would."""
+    import subprocess
+    import sys
+
+    from engramrt.commands.child import engramrt_command
+
+    (tmp_path / "engramrt").mkdir()
+    plain = subprocess.run([sys.executable, "-m", "engramrt", "--version"], cwd=tmp_path,
+                           capture_output=True, text=True)  # fmt: skip
+    assert plain.returncode != 0  # the shadowing this guards against is real
+    ours = subprocess.run(engramrt_command("--version"), cwd=tmp_path, capture_output=True,
+                          text=True)  # fmt: skip
+    assert ours.returncode == 0, ours.stderr
 
 
 def test_a_token_across_the_prompt_boundary_belongs_to_the_choice() -> None:

@@ -66,12 +66,13 @@ fuzz_server = server_fixture("--max-model-len", "192", "--max-num-seqs", "8")
 
 
 @pytest.mark.slow
-def test_fuzzing_finds_no_server_error_and_no_schema_mismatch(fuzz_server: str) -> None:
+def test_fuzzing_finds_no_server_error_and_no_schema_mismatch(fuzz_server: str, tmp_path) -> None:
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{fuzz_server}/openapi.json",
            "--phases", "coverage,fuzzing", "--max-examples", "12", "--seed", "1",
            "--checks", "not_a_server_error,status_code_conformance,content_type_conformance,"
            "response_schema_conformance", "--request-timeout", "60", "--no-color"]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # from a scratch folder: schemathesis keeps a cache in the current directory
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     counts = re.search(r"(\d+) generated", out)
