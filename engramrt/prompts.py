@@ -30,6 +30,9 @@ class PromptEncoder:
     bos_token: str = ""
     eos_token: str = ""
     config: dict = field(default_factory=dict)  # tokenizer_config.json as read (/tokenizer_info)
+    # the most input bytes one token can stand for; None: the tokenizer can drop input
+    # (a normaliser, a pre-tokenizer that removes), so text length bounds no token count
+    max_token_bytes: int | None = None
 
     @classmethod
     def load(cls, model_dir: str | Path, tokenizer: Tokenizer | None = None) -> PromptEncoder:
@@ -48,7 +51,20 @@ class PromptEncoder:
                     f"{path} sets add_bos_token but its bos_token {bos!r} is not a token of "
                     "tokenizer.json"
                 )
-        return cls(tok, bos_id, cfg.get("chat_template"), bos, eos, cfg)
+        return cls(tok, bos_id, cfg.get("chat_template"), bos, eos, cfg, max_token_bytes(tok))
+
+    def check_fits(self, text: str, max_tokens: int) -> None:
+        """A text whose length alone proves it holds more than ``max_tokens`` tokens is an
+        error before it is tokenised (a 20 MB prompt costs tens of seconds of CPU otherwise):
+        each token stands for at most ``max_token_bytes`` bytes, and a text has at least as
+        many bytes as characters."""
+        k = self.max_token_bytes
+        if k is not None and len(text) > k * max_tokens:
+            raise ValueError(
+                f"the text's {len(text)} characters are more than {max_tokens} tokens can hold "
+                f"(a token of this tokenizer stands for at most {k} bytes): this model's maximum "
+                f"context length is {max_tokens} tokens"
+            )
 
     def text(self, text: str, special: bool = True) -> list[int]:
         """``special`` False (vLLM's ``add_special_tokens``) gives the text's own ids: no BOS,
@@ -63,10 +79,11 @@ class PromptEncoder:
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         special: bool = False,
+        max_tokens: int | None = None,
     ) -> list[int]:
         """The chat template rendered (with the generation prompt unless told otherwise), then
         tokenised without the tokenizer's own special tokens (the template wrote those it
-        wants), or, with ``special``, as a text prompt."""
+        wants), or, with ``special``, as a text prompt; ``max_tokens``: ``check_fits`` first."""
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         env = ImmutableSandboxedEnvironment()
@@ -74,9 +91,39 @@ class PromptEncoder:
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token, eos_token=self.eos_token,
         )  # fmt: skip
+        if max_tokens is not None:
+            self.check_fits(text, max_tokens)
         return self.text(text) if special else self._encode(text, special=False)
 
     def _encode(self, text: str, special: bool) -> list[int]:
         """``encode_batch`` of one text: the same ids as ``encode``, but it releases the GIL,
         so a long prompt tokenised on a worker thread leaves the server's other threads free."""
         return self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
+
+
+# pre-tokenizers and normalisers that keep every input byte in some token (others, e.g.
+# ``Whitespace`` or a ``Split`` that removes, drop input, and no length bound holds)
+_KEEPING = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "UnicodeScripts"}
+
+
+def _keeps_input(part: dict | None) -> bool:
+    if part is None:
+        return True
+    if part.get("type") == "Sequence":
+        return all(_keeps_input(p) for p in part.get("pretokenizers", part.get("normalizers", [])))
+    return part.get("type") in _KEEPING and part.get("behavior") != "Removed"
+
+
+def max_token_bytes(tokenizer: Tokenizer) -> int | None:
+    """The most input bytes one token stands for (``PromptEncoder.max_token_bytes``): its
+    piece's UTF-8 length bounds it (a byte-level piece has one character per byte, a
+    byte-fallback piece more), added tokens included; None where the tokenizer may drop
+    input (any normaliser but an empty sequence, a pre-tokenizer that removes)."""
+    spec = json.loads(tokenizer.to_str())
+    normalizer = spec.get("normalizer")
+    if normalizer is not None and not (normalizer.get("type") == "Sequence"
+                                       and not normalizer.get("normalizers")):  # fmt: skip
+        return None
+    if not _keeps_input(spec.get("pre_tokenizer")):
+        return None
+    return max(len(piece.encode()) for piece in tokenizer.get_vocab(with_added_tokens=True))

@@ -109,3 +109,32 @@ def test_chat_flags(tmp_path: Path) -> None:
 def test_config_is_kept(tmp_path: Path) -> None:
     d = model_dir_with(tmp_path, extra_field=[1, 2])
     assert PromptEncoder.load(d).config == json.loads((d / "tokenizer_config.json").read_text())
+
+
+def test_the_length_bound_holds_for_every_text_tried() -> None:
+    """``max_token_bytes`` bounds the bytes any token stands for: random texts built from the
+    vocabulary's own pieces, added tokens, bytes that are not UTF-8 pieces and long runs never
+    have more bytes than tokens times the bound, and ``check_fits`` refuses only texts whose
+    token count really exceeds the limit."""
+    import random
+
+    p = PromptEncoder.load(DEFAULT_MODEL_DIR)
+    k, tok = p.max_token_bytes, p.tokenizer
+    assert k is not None and k >= 1
+    rng = random.Random(0)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    for _ in range(300):
+        parts = [tok.decode([rng.randrange(vocab)], skip_special_tokens=False)
+                 for _ in range(rng.randint(1, 40))]  # fmt: skip
+        parts += [chr(rng.randrange(32, 0x2FFF)) * rng.randint(1, 50) for _ in range(3)]
+        rng.shuffle(parts)
+        text = "".join(parts)
+        ids = p.text(text, special=False)
+        assert len(text.encode()) <= k * len(ids), text
+        limit = rng.randint(1, 2 * len(ids))
+        if len(text) > k * limit:  # the bound refuses: the count must really exceed it
+            assert len(ids) > limit
+            with pytest.raises(ValueError, match="maximum context length"):
+                p.check_fits(text, limit)
+        else:
+            p.check_fits(text, limit)

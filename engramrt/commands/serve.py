@@ -44,6 +44,8 @@ class ServeOptions(EngineOptions):
 
 def check_serve(opts: ServeOptions) -> None:
     check(opts)
+    if not 0 <= opts.port <= 65535:
+        raise ValueError(f"--port must lie in [0, 65535], got {opts.port}")
     if opts.max_request_bytes < 1:
         raise ValueError("--max-request-bytes must be >= 1")
     if opts.shutdown_timeout < 0 or opts.stage_timeout <= 0:

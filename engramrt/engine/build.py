@@ -20,7 +20,9 @@ import torch.distributed as dist
 from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.speculative import SpecConfig
+from engramrt.engram import load_tokenizer
 from engramrt.kernels.compiles import compilations, count_compilations
+from engramrt.model.checkpoint import check_layer_count
 from engramrt.parallel.faults import inject_stage_faults
 from engramrt.parallel.launch import DistConfig, stage_device
 from engramrt.parallel.partition import stage_layers
@@ -106,7 +108,35 @@ def check(opts: EngineOptions) -> tuple[ModelConfig, int]:
         raise ValueError(
             f"--gpu-memory-utilization must lie in (0, 1], got {opts.gpu_memory_utilization}"
         )
+    if opts.num_gpu_blocks_override is not None and opts.num_gpu_blocks_override < 1:
+        raise ValueError("--num-gpu-blocks-override must be >= 1 (no block holds no token)")
+    _check_slot_state(opts, max_len)
+    tokens = load_tokenizer(opts.model_dir).get_vocab_size(with_added_tokens=True)
+    if tokens > cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokens} tokens but the model's vocab_size is {cfg.vocab_size}: "
+            "ids past it have no embedding row (a tokenizer of another model?)"
+        )
+    check_layer_count(opts.model_dir, cfg)
     return cfg, max_len
+
+
+SLOT_STATE_BYTES = 4 << 30  # per-slot state (token rows, block tables) all slots may take
+
+
+def _check_slot_state(opts: EngineOptions, max_len: int) -> None:
+    """Every slot keeps a token row of ``max_len`` positions and a block table on its stage:
+    sizes that cannot be allocated are an error before anything is."""
+    per_slot = 4 * (max_len + 1) + 8 * -(-max_len // opts.block_size)
+    need = opts.max_num_seqs * per_slot
+    if need > SLOT_STATE_BYTES:
+        length = (f"--max-model-len {max_len}" if opts.max_model_len is not None else
+                  f"max_position_embeddings {max_len} (no --max-model-len)")  # fmt: skip
+        raise ValueError(
+            f"--max-num-seqs {opts.max_num_seqs} sequences of {length} need "
+            f"{need / 2**30:.1f} GiB of per-slot state (token rows, block tables), more than "
+            f"{SLOT_STATE_BYTES >> 30} GiB: lower one of them"
+        )
 
 
 def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_len: int) -> int:

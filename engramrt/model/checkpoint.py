@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import shutil
 import struct
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engramrt.config import load_json, model_config
+from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engram.host_memory import HostMapping, mapping_bytes
 from engramrt.engram.module import dequantize_blocks
 from engramrt.engram.table import EngramTable
@@ -105,6 +106,19 @@ def _optional_scales(model: EngramMHCModel) -> set[str]:
     }
 
 
+def check_layer_count(model_dir: str | Path, cfg: ModelConfig) -> None:
+    """The config's ``num_hidden_layers`` against the layers the checkpoint stores, from the
+    tensor names alone: a config that asks for 100,000 layers of a 4-layer checkpoint is an
+    error at once, not minutes of building a model that cannot load."""
+    stored = {int(m.group(1)) for name in _files(Path(model_dir))
+              if (m := re.match(r"layers\.(\d+)\.", name))}  # fmt: skip
+    if stored and stored != set(range(cfg.num_layers)):
+        raise CheckpointError(
+            f"num_hidden_layers is {cfg.num_layers} but the checkpoint in {model_dir} stores "
+            f"{len(stored)} layers (ids {min(stored)}-{max(stored)})"
+        )
+
+
 def default_dtype(stored: str, device: torch.device | str) -> str:
     """What an unset ``--dtype`` means: the config's on a GPU; float32 on a CPU, where bfloat16
     and float16 matmuls have no fast kernels on common CPUs (the bundled model's bfloat16 ran
@@ -129,6 +143,7 @@ def load_model(
         raise ValueError(f"table memory must be 'device' or 'host', got {table_memory!r}")
     model_dir = Path(model_dir)
     cfg = model_config(load_json(model_dir))
+    check_layer_count(model_dir, cfg)
     if not isinstance(dtype, torch.dtype):
         name = dtype or default_dtype(cfg.torch_dtype, device)
         if name not in DTYPES:

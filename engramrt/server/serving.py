@@ -114,6 +114,10 @@ class Server:
         return model or self.cfg.model_names[0]
 
     def encode(self, text: str, special: bool = True) -> list[int]:
+        try:
+            self.prompts.check_fits(text, self.cfg.max_model_len)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="prompt") from None
         return self.prompts.text(text, special)
 
     def bad_words(self, words: list[str]) -> tuple[list[int], list[list[int]]]:
@@ -146,7 +150,7 @@ class Server:
     ) -> list[int]:
         chat = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            return self.prompts.chat(chat, add_generation_prompt, special)
+            return self.prompts.chat(chat, add_generation_prompt, special, self.cfg.max_model_len)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
 

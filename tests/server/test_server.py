@@ -1200,6 +1200,18 @@ def test_a_grammar_the_engine_cannot_follow_is_an_error_the_client_sees(server: 
     still_serves(server)
 
 
+def test_a_prompt_too_long_by_its_length_alone_is_refused_before_tokenisation(server) -> None:
+    """The bound's own message (characters, not tokens): the text was never tokenised."""
+    k = PromptEncoder.load(DEFAULT_MODEL_DIR).max_token_bytes
+    text = "x" * (k * MAX_LEN + 1)
+    for path, body in [("/v1/completions", {"prompt": text}), ("/tokenize", {"prompt": text}),
+                       ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": text}]})]:  # fmt: skip
+        r = httpx.post(f"{server}{path}", json=body, timeout=60)
+        assert_error(r, 400, "characters", str(MAX_LEN))
+    still_serves(server)
+
+
 def test_unknown_fields_are_ignored(server: str) -> None:
     base = complete(server, **OK_BODY)
     extra = complete(server, **OK_BODY, frequency_penalty_v9=3, some_vendor_flag={"a": 1})

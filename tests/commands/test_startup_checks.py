@@ -1,0 +1,66 @@
+"""Hostile configs and flags are one-line errors naming the field or flag and its limit, exit 2,
+before anything large is allocated (``engine.build.check``, ``commands.serve.check_serve``):
+never a numpy traceback, minutes of building a model that cannot load, or a server that can
+only answer 400."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.cli import main
+
+
+def _model(tmp_path: Path, **text_config) -> str:
+    """The bundled model with some of its config's fields replaced (weights linked, not copied)."""
+    out = tmp_path / "m"
+    out.mkdir()
+    for f in Path(DEFAULT_MODEL_DIR).iterdir():
+        if f.is_file() and f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    cfg = json.loads((Path(DEFAULT_MODEL_DIR) / "config.json").read_text())
+    cfg["text_config"].update(text_config)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+def _bigger_tokenizer(tmp_path: Path) -> str:
+    """A tokenizer with 40 tokens more than the model's vocabulary (added tokens)."""
+    out = Path(_model(tmp_path))
+    tok = json.loads((Path(DEFAULT_MODEL_DIR) / "tokenizer.json").read_text())
+    size = json.loads((out / "config.json").read_text())["text_config"]["vocab_size"]
+    tok["added_tokens"] += [{"id": size + i, "content": f"<extra_{i}>", "single_word": False,
+                             "lstrip": False, "rstrip": False, "normalized": False,
+                             "special": True} for i in range(40)]  # fmt: skip
+    (out / "tokenizer.json").unlink()
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    return str(out)
+
+
+CASES = [
+    ("positions", lambda t: [_model(t, max_position_embeddings=10**12)],
+     ["max_position_embeddings", "--max-num-seqs", "GiB"]),
+    ("layers", lambda t: [_model(t, num_hidden_layers=100000)],
+     ["num_hidden_layers", "100000", "stores 4 layers"]),
+    ("max_num_seqs", lambda t: ["--max-num-seqs", "1000000000"], ["--max-num-seqs", "GiB"]),
+    ("port", lambda t: ["--port", "99999"], ["--port", "65535"]),
+    ("blocks", lambda t: ["--num-gpu-blocks-override", "0"], ["--num-gpu-blocks-override"]),
+    ("tokenizer", lambda t: [_bigger_tokenizer(t)], ["tokenizer", "vocab_size", "1064", "1024"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "needles"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_hostile_configs_and_flags_are_one_line_errors(tmp_path, capsys, argv, needles) -> None:
+    args = argv(tmp_path)
+    if args and not args[0].startswith("-"):
+        args = ["serve", *args, "--device", "cpu"]
+    else:
+        args = ["serve", "--device", "cpu", *args]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
