@@ -163,9 +163,24 @@ _KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedEr
           413: "RequestTooLargeError"}  # fmt: skip
 
 
+def _authorized(request: Request) -> bool:
+    """The API key, when there is one, compared in constant time (the time taken does not tell
+    how much of a guess matched)."""
+    expected = request.app.state.expected_key
+    if expected is None:
+        return True
+    given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, expected)
+
+
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Unknown routes, wrong methods and bodies that are not even text, in OpenAI's shape; an
-    unknown route (``/v1/embeddings``, ``/v1/responses``, ...) says what the server serves."""
+    unknown route (``/v1/embeddings``, ``/v1/responses``, ...) says what the server serves.
+    With an API key, anything under ``/v1/`` asks for the key first (as vLLM's check does):
+    a caller without it learns nothing about which paths exist."""
+    if request.url.path.startswith("/v1/") and not _authorized(request):
+        return await _api_error(request, ApiError(401, "invalid or missing API key",
+                                                  "AuthenticationError"))  # fmt: skip
     kind = _KINDS.get(exc.status_code, "InternalServerError" if exc.status_code >= 500 else
                       "BadRequestError")  # fmt: skip
     message = str(exc.detail)
@@ -223,15 +238,11 @@ def create_app(server: Server) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     cfg = server.cfg
 
-    expected = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
+    app.state.expected_key = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
 
     async def require_key(request: Request) -> None:
-        # a dependency, not an HTTP middleware: those hide client disconnects from handlers;
-        # compared in constant time, so the time taken does not tell how much of a guess matched
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, expected):
+        # a dependency, not an HTTP middleware: those hide client disconnects from handlers
+        if not _authorized(request):
             raise ApiError(401, "invalid or missing API key", "AuthenticationError")
 
     app.include_router(public)

@@ -11,6 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engramrt.engine.grammar import GrammarSpec
 
 
+class FieldError(ValueError):
+    """A request field that is wrong: the message, and the field for the error's ``param``."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -34,7 +42,9 @@ def _check_text(value, path: str = "") -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"{path or 'a string'} holds a lone UTF-16 surrogate") from None
+            raise FieldError(
+                path or None, f"{path or 'a string'} holds a lone UTF-16 surrogate"
+            ) from None
     elif isinstance(value, dict):
         for k, v in value.items():
             _check_text(v, f"{path}.{k}" if path else str(k))
@@ -78,7 +88,8 @@ class _Sampling(_Base):
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None  # Lark
     structured_outputs: dict[str, Any] | None = None
-    # not supported: refused with a 400 rather than accepted and ignored
+    # not supported: refused with a 400 rather than accepted and ignored, unless the request
+    # itself says no tool is to be called (tool_choice "none"), as vLLM and OpenAI accept
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -92,15 +103,20 @@ class _Sampling(_Base):
         elif kind == "json_schema":
             schema = (fmt.get("json_schema") or {}).get("schema")
             if not isinstance(schema, dict):
-                raise ValueError("response_format json_schema needs json_schema.schema, an object")
+                raise FieldError(
+                    "response_format",
+                    "response_format json_schema needs json_schema.schema, an object",
+                )
             asked.append(GrammarSpec("json", schema))
         elif kind != "text":
-            raise ValueError(f"response_format type {kind!r} is not one of text, json_object, "
-                             "json_schema")  # fmt: skip
+            raise FieldError("response_format", f"response_format type {kind!r} is not one of "
+                             "text, json_object, json_schema")  # fmt: skip
         so = self.structured_outputs or {}
         unknown = set(so) - {"json", "regex", "choice", "grammar", "json_object"}
         if unknown:
-            raise ValueError(f"structured_outputs: unknown key {sorted(unknown)[0]!r}")
+            raise FieldError(
+                "structured_outputs", f"structured_outputs: unknown key {sorted(unknown)[0]!r}"
+            )
         pairs = [("json", self.guided_json), ("regex", self.guided_regex),
                  ("choice", self.guided_choice), ("lark", self.guided_grammar),
                  ("json", so.get("json")), ("regex", so.get("regex")),
@@ -114,13 +130,15 @@ class _Sampling(_Base):
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Sampling:
         self.grammar()  # a malformed request is a 400 here
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported for this model")
+        if self.tools and self.tool_choice != "none":
+            raise FieldError("tools", "tools: tool calling is not supported for this model "
+                             '(tool_choice "none" sends them and calls none)')  # fmt: skip
         if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice: tool calling is not supported for this model")
+            raise FieldError("tool_choice", "tool_choice: tool calling is not supported for this "
+                             "model")  # fmt: skip
         for key in self.logit_bias or {}:
             if not key.strip().lstrip("-").isascii() or not key.strip().lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+                raise FieldError("logit_bias", f"logit_bias keys are token ids, got {key!r}")
         return self
 
     def bias(self) -> dict[int, float]:
@@ -142,9 +160,11 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _refuse_completion_extras(self) -> CompletionRequest:
         if self.suffix:
-            raise ValueError("suffix is not supported (no model here is trained to insert)")
+            raise FieldError("suffix", "suffix is not supported (no model here is trained to "
+                             "insert)")  # fmt: skip
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
+            raise FieldError("best_of", f"best_of ({self.best_of}) other than n ({self.n}) is not "
+                             "supported")  # fmt: skip
         return self
 
 
@@ -154,8 +174,26 @@ class ChatMessage(_Base):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            return "".join(p.get("text", "") for p in self.content)
         return self.content or ""
+
+    @property
+    def template_role(self) -> str:
+        """The role the chat template sees: OpenAI's ``developer`` is the system's voice."""
+        return "system" if self.role == "developer" else self.role
+
+
+def _text_only(messages: list[ChatMessage] | None) -> None:
+    """Content parts other than text (an image, audio, a file) are a 400 naming the part: this
+    engine serves text only, and answering from the text around a dropped image would be a
+    silent wrong answer."""
+    for i, m in enumerate(messages or []):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                where = f"messages[{i}].content[{j}]"
+                raise FieldError(where, f"{where}: a {kind!r} part; this model reads text only "
+                                 '(parts of type "text" with a "text" string)')  # fmt: skip
 
 
 class ChatCompletionRequest(_Sampling):
@@ -163,6 +201,13 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _chat_checks(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        _text_only(self.messages)
+        return self
 
 
 class TokenizeRequest(_Base):
@@ -181,6 +226,7 @@ class TokenizeRequest(_Base):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt (a string) or messages")
+        _text_only(self.messages)
         return self
 
     def special(self) -> bool:

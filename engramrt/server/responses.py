@@ -41,6 +41,10 @@ def validation_error_body(errors: Sequence[dict]) -> dict:
     parts = [str(x) for x in first.get("loc", []) if x != "body"]
     loc = ".".join(parts) or None
     msg = first.get("msg", "invalid request")
+    error = first.get("ctx", {}).get("error")
+    if first.get("type") == "value_error" and isinstance(error, ValueError):
+        # a validator's own message, without pydantic's "Value error, "; its field as param
+        return error_body(400, str(error), "BadRequestError", getattr(error, "param", loc))
     return error_body(400, f"{loc}: {msg}" if loc else msg, "BadRequestError", loc)
 
 

@@ -148,7 +148,7 @@ class Server:
     def chat_prompt(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True, special: bool = False
     ) -> list[int]:
-        chat = [{"role": m.role, "content": m.text()} for m in messages]
+        chat = [{"role": m.template_role, "content": m.text()} for m in messages]
         try:
             return self.prompts.chat(chat, add_generation_prompt, special, self.cfg.max_model_len)
         except ValueError as exc:

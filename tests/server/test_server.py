@@ -848,7 +848,15 @@ BAD_CHAT = [
         404,
         ["gpt-4"],
     ),
-]
+    # OpenAI's and vLLM's answers where engramrt once differed
+    ("top_logprobs_without_logprobs",
+     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     ["top_logprobs needs logprobs"]),
+    ("image_part", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400,
+     ["messages[0].content[1]", "image_url", "text only"]),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -857,6 +865,42 @@ BAD_CHAT = [
 def test_bad_chat_request(server: str, body: dict, status: int, needles: list[str]) -> None:
     r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
     assert_error(r, status, *needles)
+
+
+def test_errors_name_their_field_without_pydantics_prefix(server: str) -> None:
+    for path, body, param in [
+        ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "top_logprobs": 1}, "top_logprobs"),
+        ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+         "messages[0].content[0]"),
+    ]:  # fmt: skip
+        err = assert_error(httpx.post(f"{server}{path}", json=body, timeout=30), 400)
+        assert err["param"] == param, err
+        assert not err["message"].startswith("Value error"), err
+
+
+def test_tools_with_tool_choice_none_are_accepted_and_ignored(server: str) -> None:
+    chat = {"messages": [{"role": "user", "content": "What is the capital of Bribrinu?"}],
+            "max_tokens": 8, "temperature": 0}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    plain = httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=60).json()
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=60,
+                   json={**chat, "tools": tools, "tool_choice": "none"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+
+
+def test_developer_messages_speak_as_the_system(server: str) -> None:
+    """OpenAI's ``developer`` role reaches the chat template as ``system``, never dropped."""
+
+    def ids(role: str) -> list[int]:
+        body = {"messages": [{"role": role, "content": "Answer in one word."},
+                             {"role": "user", "content": "hi"}]}  # fmt: skip
+        return httpx.post(f"{server}/tokenize", json=body, timeout=30).json()["tokens"]
+
+    assert ids("developer") == ids("system") != ids("user")
     still_serves(server)
 
 
@@ -963,9 +1007,14 @@ def test_request_body_limit() -> None:
 
 
 def test_long_prompt_does_not_stall_the_server(server: str) -> None:
-    """A prompt that takes seconds to tokenise (then fails: it is over the context) does not
-    hold up /health, which answers while it is still being tokenised."""
-    huge = "The quick brown fox jumps over the lazy dog. " * 60_000  # ~2.7 MB, ~1 s or more
+    """Prompts that take seconds to tokenise (then fail: each is over the context) do not
+    hold up /health, which answers while they are still being tokenised. Each is short enough
+    for the length bound to let it through to the tokenizer (one long prompt is refused by its
+    length alone: test_a_prompt_too_long_by_its_length_alone_...)."""
+    k = PromptEncoder.load(DEFAULT_MODEL_DIR).max_token_bytes
+    line = "The quick brown fox jumps over the lazy dog. "
+    one = line * (k * MAX_LEN // len(line))  # just under the bound
+    huge = [one] * 100  # ~2.9 MB, ~1 s or more
 
     async def main() -> tuple[float, float]:
         async with httpx.AsyncClient(base_url=server, timeout=120) as ac:
@@ -1249,6 +1298,9 @@ def test_api_key(keyed_server: str) -> None:
     assert httpx.get(f"{base}/health").status_code == 200
     assert httpx.get(f"{base}/metrics").status_code == 200
     assert httpx.get(f"{base}/v1/models", headers=good).status_code == 200
+    # an unknown /v1 path asks for the key before it says the path does not exist
+    assert_error(httpx.post(f"{base}/v1/embeddings", json={}), 401)
+    assert_error(httpx.post(f"{base}/v1/embeddings", json={}, headers=good), 404)
 
     model = model_name(base, good)
     out = client(base, API_KEY).completions.create(model=model, prompt="Hello", max_tokens=3)
