@@ -66,6 +66,7 @@ def run_serve(opts: ServeOptions) -> None:
     except EngineDead as exc:
         log(str(exc))
         raise SystemExit(1) from None
+    client.watch(opts.stage_timeout)  # a stopped or hung engine (stage 0) fails its requests
     code = _serve_http(opts, client, prompts)
     if code:
         raise SystemExit(code)
@@ -77,6 +78,7 @@ def _torchrun_worker(rank: int, world: int, opts: ServeOptions) -> None:
         serve_stage(pipe, opts)
         return
     client = EngineClient.in_thread(engine, engine.tokenizer, describe(pipe, engine, opts))
+    client.watch(opts.stage_timeout)  # its loop deadlocked: the beat thread beats on
     watch = StageWatch(opts.stage_timeout, client.fail) if world > 1 else None
     try:
         code = _serve_http(opts, client, PromptEncoder.load(opts.model_dir, engine.tokenizer))

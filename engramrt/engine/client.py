@@ -14,11 +14,14 @@ the deadline, end with finish reason ``abort``; ``shutdown`` then stops the engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import secrets
+import signal
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection, Listener, Pipe
 
@@ -27,6 +30,7 @@ from engramrt.engine.core import (
     FROM_ENGINE,
     Abort,
     Add,
+    Beat,
     Died,
     Outputs,
     Ready,
@@ -94,6 +98,10 @@ class EngineClient:
         self.closed = self._stopping = False
         self._send_lock = threading.Lock()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # the engine's last beat: (when it came, steps finished, work waiting), and since when
+        # the step count has stood still with work waiting (``watch``)
+        self._beat = (time.monotonic(), 0, False)
+        self._still_since: float | None = None
         self._reader = threading.Thread(target=self._read, name="engramrt-outputs", daemon=True)
         self._reader.start()
 
@@ -222,6 +230,27 @@ class EngineClient:
         """Declare the engine dead from outside."""
         self._die(EngineDead(reason))
 
+    def watch(self, timeout: float) -> None:
+        """Declare the engine dead (``fail``) once it has sent no beat for ``timeout`` seconds
+        (its process stopped, wedged or gone without a word) or has beaten that long with work
+        waiting and no step finished (its loop deadlocked): running requests then fail with a
+        503 instead of hanging, and ``/health`` says so."""
+
+        def run() -> None:
+            while self.error is None and not self._stopping:
+                time.sleep(min(0.25, timeout / 4))
+                now = time.monotonic()
+                when, _, _ = self._beat
+                still = self._still_since
+                if now - when > timeout:
+                    self.fail(f"the engine stopped answering: no heartbeat for {timeout:g} s "
+                              "(--stage-timeout); its process is stopped or wedged")  # fmt: skip
+                elif still is not None and now - still > timeout:
+                    self.fail(f"the engine is hung: no step finished for {timeout:g} s with "
+                              "requests waiting (--stage-timeout)")  # fmt: skip
+
+        threading.Thread(target=run, name="engramrt-engine-watch", daemon=True).start()
+
     def shutdown(self, timeout: float = 15.0) -> None:
         """Stop the loop and wait for it; the engine's process is killed if it does not end in
         time. A dead engine's process is given the same time: its launcher takes the stages
@@ -229,10 +258,14 @@ class EngineClient:
         A loop on a thread that is stuck waiting for a stage is left behind (a daemon)."""
         self._stopping = True  # the end of the connection that follows is no death
         self._send(Stop())
+        dead = self.error is not None
         threaded = isinstance(self.worker, threading.Thread)
-        self.worker.join(timeout=2.0 if threaded and self.error is not None else timeout)
-        if isinstance(self.worker, mp.process.BaseProcess) and self.worker.is_alive():
-            self.worker.kill()
+        self.worker.join(timeout=2.0 if threaded and dead else min(timeout, 5) if dead else timeout)
+        if isinstance(self.worker, mp.process.BaseProcess):
+            # the engine's process leads a process group with its ranks (``engine_main``):
+            # whatever of it is left, stopped processes too, goes at once
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.worker.pid, signal.SIGKILL)
             self.worker.join(timeout=5)
         self.conn.close()
         sys.setswitchinterval(self._old_interval)
@@ -263,6 +296,14 @@ class EngineClient:
             elif isinstance(message, Died):
                 self._die(EngineDead(message.error))
                 return
+            elif isinstance(message, Beat):
+                now = time.monotonic()
+                moved = message.steps != self._beat[1]
+                if not message.busy or moved:
+                    self._still_since = None
+                elif self._still_since is None:
+                    self._still_since = now
+                self._beat = (now, message.steps, message.busy)
 
     def _deliver_all(self, items: list[tuple[str, object]]) -> None:
         """One wake-up of each event loop for a whole step's outputs (a wake-up per output

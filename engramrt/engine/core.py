@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 from typing import Protocol
@@ -70,8 +71,18 @@ class Died(msgspec.Struct, tag=True):
     error: str
 
 
+class Beat(msgspec.Struct, tag=True):
+    """Sent every ``BEAT_S`` from a thread of the loop's process: a process that is stopped
+    (SIGSTOP) or gone sends none; ``steps`` (steps finished so far) and ``busy`` (work waiting)
+    tell the server a loop that beats but no longer finishes steps (a deadlock)."""
+
+    steps: int
+    busy: bool
+
+
 ToEngine = Add | Abort | Stop
-FromEngine = Ready | Outputs | Rejected | Died
+FromEngine = Ready | Outputs | Rejected | Died | Beat
+BEAT_S = 0.5
 ENCODER = msgspec.msgpack.Encoder()
 TO_ENGINE = msgspec.msgpack.Decoder(ToEngine)
 FROM_ENGINE = msgspec.msgpack.Decoder(FromEngine)
@@ -96,12 +107,18 @@ class Steps(Protocol):
 def run_core(engine: Steps, conn: Connection, description: str = "") -> None:
     """Serve ``conn`` until the client says stop or goes away. Messages are applied between
     steps; with nothing to run the loop sleeps in ``poll``. An exception is sent to the
-    client (``Died``) before it propagates."""
+    client (``Died``) before it propagates. A thread beats (``Beat``) with the loop's
+    progress until the loop ends."""
     send = _sender(conn)
+    progress = Beat(0, False)
+    done = threading.Event()
+    threading.Thread(target=_beat, args=(send, progress, done), name="engramrt-engine-beat",
+                     daemon=True).start()  # fmt: skip
     try:
         send(Ready(engine.limits, description, _stats(engine)))
         while True:
-            idle = not engine.has_work()
+            progress.busy = engine.has_work()
+            idle = not progress.busy
             outputs: list[RequestOutput] = []
             while conn.poll(None if idle and not outputs else 0):
                 message = TO_ENGINE.decode(conn.recv_bytes())
@@ -109,8 +126,10 @@ def run_core(engine: Steps, conn: Connection, description: str = "") -> None:
                     return
                 outputs += _apply(engine, message, send)
                 idle = False
-            if engine.has_work():
+            progress.busy = engine.has_work()
+            if progress.busy:
                 outputs += engine.step()
+                progress.steps += 1
             send(Outputs(outputs, _stats(engine)))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the client is gone: nobody to serve
@@ -120,6 +139,16 @@ def run_core(engine: Steps, conn: Connection, description: str = "") -> None:
         except OSError:
             pass
         raise
+    finally:
+        done.set()
+
+
+def _beat(send, progress: Beat, done: threading.Event) -> None:
+    while not done.wait(BEAT_S):
+        try:
+            send(Beat(progress.steps, progress.busy))
+        except OSError:  # the client is gone
+            return
 
 
 def _apply(engine: Steps, message: Add | Abort, send) -> list[RequestOutput]:
@@ -141,8 +170,13 @@ def _stats(engine: Steps) -> dict[str, float]:
 
 
 def _sender(conn: Connection) -> Callable[[msgspec.Struct], None]:
+    """One message at a time from the loop and its beat."""
+    lock = threading.Lock()
+
     def send(message: msgspec.Struct) -> None:
-        conn.send_bytes(ENCODER.encode(message))
+        data = ENCODER.encode(message)
+        with lock:
+            conn.send_bytes(data)
 
     return send
 
@@ -158,6 +192,7 @@ def engine_main(opts, address, authkey: bytes) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.setpgid(0, 0)  # a group of its own with its ranks: the server can end them all at once
     try:
         launch(opts.dist, _rank_main, opts, address, authkey, forward_signals=False)
     except ValueError as exc:  # bad input found while loading: one line, not a traceback
@@ -222,5 +257,6 @@ def describe(pipe, engine, opts) -> str:
     return (
         f"{runner.device}, {runner.model.dtype}, {len(opts.partition)} stage(s) "
         f"{opts.partition} x TP {opts.dist.tp_size}, {engine.cfg.num_blocks} KV blocks of "
-        f"{opts.block_size} tokens, max_model_len {engine.cfg.max_model_len}"
+        f"{opts.block_size} tokens, max_model_len {engine.cfg.max_model_len}; engine pid "
+        f"{os.getpid()}"
     )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+import time
 
 import pytest
 
@@ -256,3 +258,54 @@ def test_an_engine_that_cannot_start_is_an_error_naming_why() -> None:
 
     with pytest.raises(EngineDead, match="no KV cache could be allocated"):
         EngineClient.in_thread(Unready())
+
+
+class Deadlocked(Scripted):
+    """A step that never returns (a lock taken twice, a receive nobody answers): the loop's
+    thread is stuck while its process, and its beat, live on."""
+
+    def __init__(self):
+        super().__init__([[]])
+        self.release = threading.Event()
+
+    def step(self) -> list:
+        self.release.wait()
+        return []
+
+
+def test_a_loop_that_beats_but_finishes_no_step_is_declared_hung() -> None:
+    """The watch fails the waiting caller (EngineDead, the server's 503) within the timeout
+    and a little, naming a hang; an idle engine that beats is never declared hung."""
+    idle = EngineClient.in_thread(Idle())
+    idle.watch(1.0)
+    time.sleep(2.0)
+    assert idle.error is None  # no work waiting: nothing to finish
+    idle.shutdown()
+    engine = Deadlocked()
+    client = EngineClient.in_thread(engine)
+    client.watch(1.0)
+    try:
+        start = time.monotonic()
+        _, error = asyncio.run(_collect(client, "r"))
+        assert isinstance(error, EngineDead) and "hung" in str(error), error
+        assert time.monotonic() - start < 1.0 + 3.0
+    finally:
+        engine.release.set()
+        client.shutdown()
+
+
+def test_a_silent_engine_is_declared_stopped(monkeypatch) -> None:
+    """No beat for the timeout (a stopped process sends none; here the loop's beat waits
+    longer than the test) fails the caller naming it."""
+    from engramrt.engine import core
+
+    monkeypatch.setattr(core, "BEAT_S", 60.0)
+    client = EngineClient.in_thread(Idle())
+    client.watch(0.5)
+    try:
+        deadline = time.monotonic() + 5
+        while client.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert isinstance(client.error, EngineDead) and "no heartbeat" in str(client.error)
+    finally:
+        client.shutdown()

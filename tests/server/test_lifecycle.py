@@ -132,6 +132,41 @@ def test_lost_stage_fails_requests_and_exits_1(fault: signal.Signals) -> None:
         stop_server(proc)
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_stopped_engine_is_detected(pp: int) -> None:
+    """SIGSTOP of the engine's process (stage 0, which drives the others): the server's
+    process hears no heartbeat, ends the running stream with a 503 error event within
+    seconds, says 503 on /health, exits 1 and leaves no engine or stage process behind."""
+    base, proc = start_server("-pp", str(pp), "--stage-timeout", "2")
+    engine = stage = None
+    try:
+        log = _log(proc)
+        engine = int(re.search(r"engine pid (\d+)", log).group(1))
+        if pp == 2:
+            stage = int(re.search(r"stage 1 of 2 .* pid (\d+)", log).group(1))
+        stream = Stream(base, 2000)
+        assert stream.begun.wait(30)
+        os.kill(engine, signal.SIGSTOP)
+        stopped = time.monotonic()
+        stream.join(30)
+        assert not stream.is_alive(), "the stream still hangs"
+        errors = [c["error"] for c in stream.chunks if "error" in c]
+        assert errors and errors[0]["code"] == 503 and "heartbeat" in errors[0]["message"]
+        assert time.monotonic() - stopped < 2 + 8
+        assert proc.wait(timeout=30) == 1
+        assert "no heartbeat" in _log(proc)
+        for pid in (engine, stage):
+            deadline = time.monotonic() + 10
+            while pid is not None and not _gone(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert pid is None or _gone(pid), pid
+    finally:
+        for pid in (engine, stage):
+            if pid is not None and not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        stop_server(proc)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_engine_death_exits_1() -> None:
     """A step that raises (here injected) fails the request with a 503 naming the cause, turns
