@@ -1,0 +1,134 @@
+"""DeepSeek-V4.1's low-precision formats and the rounding points of its forward, as its reference
+computes them: every value that crosses one of them is rounded here, in one place.
+
+Formats (as stored in the released checkpoint and used inside the forward):
+
+- **E4M3** (``torch.float8_e4m3fn``): dense weights, and every activation before an FP8 or FP4
+  linear; casts saturate at +-448 (the CUDA ``satfinite`` conversion), round to nearest even.
+- **E8M0** (``F8_E8M0`` in safetensors, read as raw bytes): a power-of-two scale, byte ``b`` is
+  ``2**(b - 127)``, 255 is NaN; block scales of FP8 weights (32 x 32) and FP4 experts (1 x 32).
+- **E2M1** (FP4): 16 codes, bit 3 the sign, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; two codes a
+  byte in the checkpoint's I8 expert weights, the even element in the low nibble.
+
+Rounding points (each ``*_roundtrip`` returns the rounded value dequantised, in the input dtype;
+the computation is fp32 throughout, as the reference's kernels do it):
+
+- ``act_quant``: E4M3 per block of 32 with the power-of-two scale ``2**ceil(log2(amax / 448))``
+  taken from the fp32 bits of ``amax * fp32(1/448)``, amax floored at 1e-4: before every
+  quantised linear, and (round trip) the window KV over all 512 dims.
+- ``fp4_roundtrip(x, E4M3_SCALE)``: E2M1 per 16 with an E4M3 scale ``e4m3(amax / 6)``, amax
+  floored at ``6 * 2**-9``: the compressed KV.
+- ``fp4_roundtrip(x, POW2_SCALE)``: E2M1 per 32 with the power-of-two scale of
+  ``amax * fp32(1/6)``, amax floored at ``6 * 2**-126``: index keys and indexer queries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+# the reference's kernels multiply by the reciprocal, as an fp32 constant
+_INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
+_INV_E2M1_MAX = torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32)
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# the value of each 4-bit code (bit 3: sign)
+E2M1_VALUES = torch.tensor([*E2M1_MAGNITUDES, *(-m for m in E2M1_MAGNITUDES)])
+# between magnitude codes i and i + 1; at an exact midpoint the even code wins (round to nearest
+# even): the upper one for the midpoints after codes 1, 3 and 5
+_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_TIES_UP = torch.tensor([False, True, False, True, False, True, False])
+
+E4M3_SCALE, POW2_SCALE = "e4m3", "pow2"  # the two FP4 scale kinds
+
+
+def decode_e8m0(raw: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (uint8, or a ``float8_e8m0fnu`` tensor) as fp32 powers of two; 255 is NaN."""
+    b = raw.view(torch.uint8).to(torch.int32)
+    # 2**(b - 127) from the bits: b is the fp32 exponent field, except byte 0 (2**-127, which
+    # fp32 holds as a subnormal: mantissa bit 22)
+    bits = torch.where(b == 0, torch.full_like(b, 1 << 22), b << 23)
+    out = bits.view(torch.float32)
+    return torch.where(b == 255, torch.full_like(out, float("nan")), out)
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """fp32 values in [-6, 6] as 4-bit E2M1 codes (uint8), rounded to nearest even; the sign of
+    zero is kept."""
+    mag = v.abs().unsqueeze(-1)
+    mids = _E2M1_MIDPOINTS.to(v.device)
+    code = (mag > mids).sum(-1) + ((mag == mids) & _E2M1_TIES_UP.to(v.device)).sum(-1)
+    return code.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    return E2M1_VALUES.to(codes.device)[codes.long()]
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's I8 expert weights ``[..., K / 2]`` as fp32 values ``[..., K]``: two codes
+    a byte, the even element in the low nibble."""
+    b = packed.view(torch.uint8)
+    return torch.stack([decode_e2m1(b & 0x0F), decode_e2m1(b >> 4)], dim=-1).flatten(-2)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes ``[..., K]`` as the checkpoint's I8 bytes ``[..., K / 2]``."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """fp32 to E4M3, round to nearest even, saturating at +-448 (never NaN for a finite x)."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def pow2_scale(amax: torch.Tensor, inv_max: torch.Tensor) -> torch.Tensor:
+    """``2**ceil(log2(amax * inv_max))`` from the fp32 bits of the product: its exponent, one
+    more when any mantissa bit is set (the reference's ``fast_round_scale``)."""
+    bits = (amax.float() * inv_max.to(amax.device)).contiguous().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    if x.shape[-1] % block:
+        raise ValueError(f"the last dim ({x.shape[-1]}) must be a multiple of {block}")
+    return x.float().unflatten(-1, (-1, block))
+
+
+def act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 values ``[..., K]`` and their fp32 power-of-two scales ``[..., K / block]``."""
+    g = _blocks(x, block)
+    scale = pow2_scale(g.abs().amax(-1).clamp_min(1e-4), _INV_E4M3_MAX)
+    return to_e4m3(g / scale.unsqueeze(-1)).flatten(-2), scale
+
+
+def act_roundtrip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """``act_quant`` dequantised, in ``x``'s dtype (the window KV's FP8 round trip)."""
+    q, scale = act_quant(x, block)
+    return (q.float().unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+
+
+def fp4_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 codes ``[..., K]`` and fp32 scales ``[..., K / block]``: blocks of 16 with E4M3
+    scales (``E4M3_SCALE``), or of 32 with power-of-two scales (``POW2_SCALE``)."""
+    if kind == E4M3_SCALE:
+        g = _blocks(x, 16)
+        amax = g.abs().amax(-1).clamp_min(E2M1_MAX * 2**-9)  # no all-zero block's scale is 0
+        scale = to_e4m3(amax / E2M1_MAX).float()
+    elif kind == POW2_SCALE:
+        g = _blocks(x, 32)
+        scale = pow2_scale(g.abs().amax(-1).clamp_min(E2M1_MAX * 2**-126), _INV_E2M1_MAX)
+    else:
+        raise ValueError(f"unknown FP4 scale kind {kind!r}")
+    v = (g / scale.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)
+    return e2m1_codes(v).flatten(-2), scale
+
+
+def fp4_roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``fp4_quant`` dequantised, in ``x``'s dtype."""
+    codes, scale = fp4_quant(x, kind)
+    block = x.shape[-1] // scale.shape[-1]
+    values = decode_e2m1(codes).unflatten(-1, (-1, block)) * scale.unsqueeze(-1)
+    return values.flatten(-2).to(x.dtype)

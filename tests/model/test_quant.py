@@ -1,0 +1,262 @@
+"""V4.1's rounding points (``engramrt.model.quant``) against an independent restatement: every
+format's value set built from its bit fields, nearest-even rounding done in exact rational
+arithmetic (``fractions.Fraction``), fp32 steps done by numpy's float32. Inputs cover every
+representable value, every midpoint and its fp32 neighbours, +-0, subnormals and saturation;
+the block round trips are checked at every scale byte they can produce."""
+
+from __future__ import annotations
+
+import math
+import random
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from engramrt.model import quant
+
+# --- the formats, from their bit fields ---------------------------------------------------------
+
+
+def e4m3_value(byte: int) -> Fraction | None:
+    """E4M3 (fn): bias 7, no infinities, S.1111.111 is NaN."""
+    s, e, m = byte >> 7, (byte >> 3) & 0xF, byte & 7
+    if e == 15 and m == 7:
+        return None
+    v = Fraction(2) ** (e - 7) * (1 + Fraction(m, 8)) if e else Fraction(2) ** -6 * Fraction(m, 8)
+    return -v if s else v
+
+
+def e2m1_value(code: int) -> Fraction:
+    """E2M1: bias 1, bit 3 the sign."""
+    s, e, m = code >> 3, (code >> 1) & 3, code & 1
+    v = Fraction(2) ** (e - 1) * (1 + Fraction(m, 2)) if e else Fraction(m, 2)
+    return -v if s else v
+
+
+def nearest_even(x: Fraction, table: dict[int, Fraction], top: Fraction) -> tuple[int, Fraction]:
+    """Round to the nearest of ``table``'s non-negative values (code -> value), ties to the even
+    code, saturating at ``top``; the sign applied after (so -0 stays -0 by the caller)."""
+    mag = min(abs(x), top)
+    best = min(table.items(), key=lambda kv: (abs(kv[1] - mag), kv[0] & 1))
+    return best
+
+
+E4M3_POS = {b: e4m3_value(b) for b in range(128) if e4m3_value(b) is not None}
+E2M1_POS = {c: e2m1_value(c) for c in range(8)}
+
+
+def fr(x) -> Fraction:
+    return Fraction(float(x))
+
+
+def f32(x) -> np.float32:
+    with np.errstate(over="ignore"):
+        return np.float32(x)
+
+
+def oracle_e4m3(x: float) -> float:
+    code, v = nearest_even(fr(x), E4M3_POS, Fraction(448))
+    return math.copysign(float(v), x)
+
+
+def oracle_e2m1(x: float) -> float:
+    _, v = nearest_even(fr(x), E2M1_POS, Fraction(6))
+    return math.copysign(float(v), x)
+
+
+def ceil_pow2(p: Fraction) -> Fraction:
+    k = math.floor(math.log2(p)) - 1
+    while Fraction(2) ** k < p:
+        k += 1
+    return Fraction(2) ** k
+
+
+def oracle_pow2_scale(amax: float, inv: float) -> float:
+    return float(ceil_pow2(fr(f32(amax) * f32(inv))))
+
+
+def around(values) -> list[float]:
+    """Each value, the midpoints between neighbours, and each one's fp32 neighbours."""
+    vs = sorted({float(v) for v in values})
+    pts = set(vs) | {(a + b) / 2 for a, b in zip(vs, vs[1:], strict=False)}
+    out = set()
+    for p in pts:
+        p32 = f32(p)
+        out |= {float(p32), float(np.nextafter(p32, f32(np.inf))),
+                float(np.nextafter(p32, f32(-np.inf)))}  # fmt: skip
+    return sorted(out)
+
+
+# --- single values ------------------------------------------------------------------------------
+
+
+def test_e4m3_cast_rounds_to_nearest_even_and_saturates() -> None:
+    pos = around(E4M3_POS.values()) + [464.0, 480.0, 1e6, 3e38, 2.0**-10, 2.0**-12, 2.0**-149]
+    xs = sorted({*pos, *(-p for p in pos)}) + [0.0, -0.0]
+    got = quant.to_e4m3(torch.tensor(xs, dtype=torch.float32)).float().tolist()
+    for x, g in zip(xs, got, strict=True):
+        want = oracle_e4m3(x)
+        assert g == want and math.copysign(1, g) == math.copysign(1, want), (x, g, want)
+
+
+def test_every_e4m3_byte_is_what_torch_reads() -> None:
+    raw = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+    for b, v in enumerate(raw):
+        want = e4m3_value(b)
+        assert math.isnan(v) if want is None else v == float(want), (b, v, want)
+
+
+def test_every_e8m0_byte() -> None:
+    got = quant.decode_e8m0(torch.arange(256, dtype=torch.uint8)).tolist()
+    for b, v in enumerate(got):
+        assert math.isnan(v) if b == 255 else fr(v) == Fraction(2) ** (b - 127), (b, v)
+
+
+def test_every_e2m1_code_and_rounding() -> None:
+    assert quant.decode_e2m1(torch.arange(16)).tolist() == [float(e2m1_value(c)) for c in range(16)]
+    pos = around(E2M1_POS.values()) + [6.0]
+    xs = sorted({*(p for p in pos if p <= 6), *(-p for p in pos if p <= 6)}) + [0.0, -0.0]
+    codes = quant.e2m1_codes(torch.tensor(xs, dtype=torch.float32))
+    for x, c in zip(xs, codes.tolist(), strict=True):
+        want = oracle_e2m1(x)
+        assert float(e2m1_value(c)) == want and (c >> 3) == (math.copysign(1, x) < 0), (x, c)
+
+
+def test_packing_puts_the_even_element_in_the_low_nibble() -> None:
+    rng = random.Random(0)
+    raw = [rng.randrange(256) for _ in range(64)]
+    got = quant.unpack_e2m1(torch.tensor(raw, dtype=torch.uint8).view(torch.int8)).tolist()
+    want = [float(e2m1_value(c)) for b in raw for c in (b & 0xF, b >> 4)]
+    assert got == want
+    codes = torch.tensor([c for b in raw for c in (b & 0xF, b >> 4)], dtype=torch.uint8)
+    assert quant.pack_e2m1(codes).view(torch.uint8).tolist() == raw
+
+
+def amax_giving(product: float, inv: float) -> float | None:
+    """An fp32 amax whose fp32 product with fp32(inv) is exactly ``product``, if one exists
+    near product / inv."""
+    a = f32(product / inv)
+    if not np.isfinite(a):
+        return None
+    for _ in range(8):
+        got = f32(a) * f32(inv)
+        if got == f32(product):
+            return float(a)
+        a = np.nextafter(a, f32(np.inf) if got < f32(product) else f32(-np.inf))
+    return None
+
+
+def test_power_of_two_scale_is_the_ceiling_of_the_fp32_product() -> None:
+    """Products on a power of two, one ulp either side of it, and in between: the mantissa
+    test must see even the last bit."""
+    for inv in (1 / 448, 1 / 6):
+        keep = []
+        for e in range(-125, 120):
+            for m in (1.0, 1.0 + 2.0**-23, 1.0 + 2.0**-22, 1.5, 2.0 - 2.0**-23):
+                a = amax_giving(m * 2.0**e, inv)
+                if a is not None:
+                    keep.append(a)
+        products = np.array([f32(a) * f32(inv) for a in keep], dtype=np.float32)
+        assert ((products.view(np.int32) & 0x7FFFFF) == 1).sum() > 100  # the last bit alone
+        got = quant.pow2_scale(torch.tensor(keep, dtype=torch.float32), torch.tensor(inv))
+        for a, g in zip(keep, got.tolist(), strict=True):
+            assert g == oracle_pow2_scale(a, inv), (a, inv, g)
+
+
+# --- the block round trips ----------------------------------------------------------------------
+
+
+def _blocks(rng: random.Random, block: int, amaxes: list[float], dtype) -> torch.Tensor:
+    """One block per amax: random values below it, the amax itself at a random place and
+    sign, some zeros, -0 and values a few ulps from it."""
+    rows = []
+    for a in amaxes:
+        row = [rng.uniform(-a, a) * rng.choice([1, 1, 1, 0, 2.0**-8]) for _ in range(block)]
+        row[rng.randrange(block)] = a * rng.choice([1, -1])
+        row[rng.randrange(block)] = -0.0
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float32).to(dtype)
+
+
+def _oracle_act(row: list[float], out_dtype) -> list[float]:
+    amax = max(max(abs(v) for v in row), 1e-4)
+    s = fr(oracle_pow2_scale(amax, 1 / 448))
+    q = [oracle_e4m3(float(fr(v) / s)) for v in row]  # dividing by a power of two is exact
+    return [torch.tensor(float(fr(v) * s)).to(out_dtype).item() if v else v for v in q]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_act_roundtrip_at_every_scale(dtype) -> None:
+    rng = random.Random(1)
+    # amax at every power of two the scale can take (subnormal bf16 ones too), at 448 times one
+    # (the product of amax and fp32(1/448) may round onto a power of two) and at the floor
+    amaxes = [2.0**e * m for e in range(-133, 120) for m in (1.0, 1.3)] + [448.0 * 2.0**-5, 0.0]
+    amaxes = [a for a in amaxes if torch.tensor(a).to(dtype).item() == a or a == 0]
+    x = _blocks(rng, 32, amaxes, dtype)
+    got = quant.act_roundtrip(x)
+    assert got.dtype == dtype
+    for row, g in zip(x.float().tolist(), got.float().tolist(), strict=True):
+        want = _oracle_act(row, dtype)
+        assert g == want, (row, g, want)
+
+
+def _oracle_fp4(row: list[float], kind: str) -> list[float]:
+    amax = max(abs(v) for v in row)
+    if kind == quant.E4M3_SCALE:
+        s = oracle_e4m3(float(f32(max(amax, 6 * 2.0**-9)) / f32(6)))
+    else:
+        s = oracle_pow2_scale(max(amax, 6 * 2.0**-126), 1 / 6)
+    out = []
+    for v in row:
+        w = min(max(float(f32(v) / f32(s)), -6.0), 6.0)  # fp32 division, as the kernel
+        out.append(math.copysign(float(fr(oracle_e2m1(w)) * fr(s)), oracle_e2m1(w)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp4_roundtrip_with_e4m3_scales_at_every_scale_byte(dtype) -> None:
+    rng = random.Random(2)
+    # amax = 6 x every positive E4M3 value: each scale byte; 6 x every midpoint between two
+    # (amax / 6 must be a true division: a product with fp32(1/6) would not tie); the all-zero
+    # block's floor
+    scales = sorted(float(v) for v in E4M3_POS.values() if v > 0)
+    mids = [(a + b) / 2 for a, b in zip(scales, scales[1:], strict=False)]
+    amaxes = [6 * v for v in scales + mids] + [0.0, 6 * 2.0**-10]
+    # and the amaxes near those where dividing by 6 and multiplying by fp32(1/6) pick
+    # different scales: the reference divides
+    split = []
+    for m in mids:
+        a = f32(6 * m)
+        for _ in range(40):
+            a = np.nextafter(a, f32(0))
+            by_div = oracle_e4m3(float(f32(a) / f32(6)))
+            if by_div != oracle_e4m3(float(f32(a) * f32(1 / 6))):
+                split.append(float(a))
+    assert len(split) > 10  # (none is a bf16 value: from bf16 inputs both ways agree)
+    amaxes += split
+    amaxes = [a for a in amaxes if torch.tensor(a).to(dtype).item() == a]
+    x = _blocks(rng, 16, amaxes, dtype)
+    got = quant.fp4_roundtrip(x, quant.E4M3_SCALE).float().tolist()
+    for row, g in zip(x.float().tolist(), got, strict=True):
+        want = [torch.tensor(w).to(dtype).item() for w in _oracle_fp4(row, quant.E4M3_SCALE)]
+        assert g == want, (row, g, want)
+
+
+def test_fp4_roundtrip_with_power_of_two_scales_at_every_exponent() -> None:
+    rng = random.Random(3)
+    amaxes = [6 * 2.0**e * m for e in range(-128, 120) for m in (1.0, 1.2)] + [0.0]
+    amaxes = [a for a in amaxes if torch.tensor(a).bfloat16().item() == a]
+    x = _blocks(rng, 32, amaxes, torch.bfloat16)
+    got = quant.fp4_roundtrip(x, quant.POW2_SCALE).float().tolist()
+    for row, g in zip(x.float().tolist(), got, strict=True):
+        want = [torch.tensor(w).bfloat16().item() for w in _oracle_fp4(row, quant.POW2_SCALE)]
+        assert g == want, (row, g, want)
+
+
+def test_blocks_must_divide_the_last_dim() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.act_quant(torch.zeros(2, 48))
+    with pytest.raises(ValueError, match="unknown FP4 scale kind"):
+        quant.fp4_quant(torch.zeros(32), "nvfp4")
