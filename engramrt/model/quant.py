@@ -132,3 +132,43 @@ def fp4_roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:
     block = x.shape[-1] // scale.shape[-1]
     values = decode_e2m1(codes).unflatten(-1, (-1, block)) * scale.unsqueeze(-1)
     return values.flatten(-2).to(x.dtype)
+
+
+# --- weights as the checkpoint stores them ------------------------------------------------------
+
+
+def dequant_fp8_weight(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """A dense FP8 weight ``[out, in]`` (E4M3) with its E8M0 block scales ``[ceil(out / 32),
+    ceil(in / 32)]`` as ``dtype`` values: exact in bf16 (an E4M3 value times a power of two)."""
+    out_f, in_f = weight.shape
+    want = (-(-out_f // 32), -(-in_f // 32))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"an FP8 weight [{out_f}, {in_f}] needs scales {list(want)}, got "
+                         f"{list(scale.shape)}")  # fmt: skip
+    s = decode_e8m0(scale).repeat_interleave(32, 0)[:out_f].repeat_interleave(32, 1)[:, :in_f]
+    return (weight.float() * s).to(dtype)
+
+
+def dequant_fp4_weight(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """A routed expert's FP4 weight as stored (I8 ``[out, in / 2]``, two E2M1 codes a byte)
+    with its E8M0 scales ``[out, in / 32]`` as ``dtype`` values (exact in bf16)."""
+    out_f, half = weight.shape
+    if tuple(scale.shape) != (out_f, 2 * half // 32):
+        raise ValueError(f"an FP4 weight [{out_f}, {2 * half}] needs scales "
+                         f"[{out_f}, {2 * half // 32}], got {list(scale.shape)}")  # fmt: skip
+    values = unpack_e2m1(weight).unflatten(-1, (-1, 32)) * decode_e8m0(scale).unsqueeze(-1)
+    return values.flatten(-2).to(dtype)
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` as the reference's FP8/FP4 linears compute it: ``x`` through
+    ``act_quant`` first, then products of exactly representable values accumulated in fp32,
+    out in ``x``'s dtype. ``weight``: dequantised (``dequant_fp8_weight`` /
+    ``dequant_fp4_weight``); the products are the reference's, only the order of the fp32
+    sums differs from its per-32 blocks (at most a bf16 ulp of the output, rarely)."""
+    a = act_roundtrip(x).float()
+    return (a @ weight.float().T).to(x.dtype)

@@ -260,3 +260,60 @@ def test_blocks_must_divide_the_last_dim() -> None:
         quant.act_quant(torch.zeros(2, 48))
     with pytest.raises(ValueError, match="unknown FP4 scale kind"):
         quant.fp4_quant(torch.zeros(32), "nvfp4")
+
+
+# --- weights as stored ----------------------------------------------------------------------------
+
+
+def _finite_e4m3_bytes(g: torch.Generator, shape) -> torch.Tensor:
+    raw = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    return torch.where((raw & 0x7F) == 0x7F, raw & 0xF0, raw)  # no NaN bytes
+
+
+def test_fp8_weights_dequantise_block_by_block() -> None:
+    g = torch.Generator().manual_seed(4)
+    out_f, in_f = 40, 72  # neither a multiple of 32: the last blocks are partial
+    raw = _finite_e4m3_bytes(g, (out_f, in_f))
+    scale = torch.randint(120, 135, (2, 3), generator=g, dtype=torch.uint8)
+    got = quant.dequant_fp8_weight(raw.view(torch.float8_e4m3fn), scale, torch.bfloat16)
+    for i in range(out_f):
+        for j in range(in_f):
+            want = e4m3_value(int(raw[i, j])) * Fraction(2) ** (int(scale[i // 32, j // 32]) - 127)
+            assert fr(got[i, j].item()) == want, (i, j)
+    with pytest.raises(ValueError, match=r"needs scales \[2, 3\]"):
+        quant.dequant_fp8_weight(raw.view(torch.float8_e4m3fn), scale[:1], torch.bfloat16)
+
+
+def test_fp4_weights_dequantise_with_the_even_element_low() -> None:
+    g = torch.Generator().manual_seed(5)
+    raw = torch.randint(0, 256, (6, 32), generator=g, dtype=torch.uint8)  # [out, in / 2]
+    scale = torch.randint(118, 136, (6, 2), generator=g, dtype=torch.uint8)
+    got = quant.dequant_fp4_weight(raw.view(torch.int8), scale, torch.bfloat16)
+    for i in range(6):
+        for j in range(64):
+            byte = int(raw[i, j // 2])
+            code = byte & 0xF if j % 2 == 0 else byte >> 4
+            want = e2m1_value(code) * Fraction(2) ** (int(scale[i, j // 32]) - 127)
+            assert fr(got[i, j].item()) == want, (i, j)
+
+
+def test_quantized_linear_matches_the_references_block_accumulation() -> None:
+    """The reference sums each 32-wide K block of raw E4M3 x E4M3 products in fp32, scales it
+    by both blocks' scales and accumulates in K order; dequantising first gives the same
+    products in another order: at most one bf16 ulp apart, and mostly equal."""
+    g = torch.Generator().manual_seed(6)
+    m, out_f, in_f = 8, 64, 256
+    x = (torch.randn(m, in_f, generator=g) * 3).bfloat16()
+    raw = _finite_e4m3_bytes(g, (out_f, in_f)).view(torch.float8_e4m3fn)
+    scale = torch.randint(112, 122, (2, 8), generator=g, dtype=torch.uint8)
+    got = quant.quantized_linear(x, quant.dequant_fp8_weight(raw, scale, torch.bfloat16))
+    q, a_s = quant.act_quant(x)
+    w_s = torch.tensor([[2.0 ** (int(s) - 127) for s in row] for row in scale])
+    acc = torch.zeros(m, out_f)
+    for k in range(in_f // 32):
+        ks = slice(32 * k, 32 * (k + 1))
+        part = q[:, ks].float() @ raw[:, ks].float().T
+        acc += part * a_s[:, k : k + 1] * w_s[:, k].repeat_interleave(32)[None, :out_f]
+    want = acc.bfloat16()
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert int(ulps.max()) <= 1 and float((ulps == 0).float().mean()) > 0.9
