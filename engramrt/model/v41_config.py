@@ -1,0 +1,263 @@
+"""DeepSeek-V4.1's attention and MoE configuration, read in both spellings (the reference's
+``inference/config.json`` keys and the HF ``text_config`` names), and the role of every layer
+derived from it: what each layer computes and whose caches it reads.
+
+Roles (``../shared/V41-ARCH.md`` 1.2; Flash's layers in brackets):
+
+- ``window``: ratio 0, its own sliding window only [0, 1; the DSpark stages];
+- ``source``: a KV source, ratio 2 or 1: a compressor (gated at ratio 2) writing a compressed
+  cache, its own index keys, a full indexer scan [2, 8, 14, 20]; the candidate source among them
+  (ratio 1) also builds the candidate blocks [20];
+- ``reindex``: an index source that is no KV source: it scores, with the latest source's index
+  keys, only the positions inside the candidate blocks [24, 28, 32, 36];
+- ``reuse``: its window, the latest source's compressed cache and the latest published top-k
+  [3-7, 9-13, 15-19, 21-23, ...].
+
+A pipeline cut before layer ``L`` is legal only where no layer from ``L`` on reads a cache, index
+keys, candidates or a top-k that a layer before ``L`` wrote (``legal_cuts``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engramrt.config import ConfigError, text_config
+
+WINDOW, SOURCE, REINDEX, REUSE = "window", "source", "reindex", "reuse"
+
+
+def _field(cfg: Mapping[str, Any], ref: str, hf: str, default: Any = ...) -> Any:
+    """One field in either spelling; both given and different is an error naming both."""
+    here = [k for k in (ref, hf) if k in cfg]
+    if len(here) == 2 and cfg[ref] != cfg[hf]:
+        raise ConfigError(f"config fields {ref!r} ({cfg[ref]!r}) and {hf!r} ({cfg[hf]!r}) "
+                          "name the same thing and disagree")  # fmt: skip
+    if here:
+        return cfg[here[0]]
+    if default is ...:
+        raise ConfigError(f"config field {hf!r} (or {ref!r}) is missing")
+    return default
+
+
+def _int(cfg, ref: str, hf: str, default: Any = ..., low: int = 1) -> int:
+    value = _field(cfg, ref, hf, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"config field {hf!r} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _ints(cfg, ref: str, hf: str) -> tuple[int, ...]:
+    value = _field(cfg, ref, hf)
+    if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
+        raise ConfigError(f"config field {hf!r} must be a list of integers >= 0, got {value!r}")
+    return tuple(value)
+
+
+def _float(cfg, ref: str, hf: str, default: Any = ...) -> float:
+    value = _field(cfg, ref, hf, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"config field {hf!r} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class LayerRole:
+    layer: int
+    ratio: int  # tokens per compressed entry (0: no compressed cache read)
+    kind: str  # WINDOW, SOURCE, REINDEX or REUSE
+    kv_source: int | None  # the layer whose compressed cache it reads
+    index_source: int | None  # the layer whose index keys it scores with (its own: a source)
+    topk_from: int | None  # the layer whose top-k it reads (itself when it runs an indexer)
+    builds_candidates: bool = False
+    candidates_from: int | None = None  # a re-indexing layer: the candidate source's blocks
+
+    @property
+    def reads(self) -> set[int]:
+        """Layers whose state this one reads (its own included)."""
+        return {s for s in (self.kv_source, self.index_source, self.topk_from,
+                            self.candidates_from) if s is not None}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class V41Config:
+    dim: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window_size: int
+    compress_ratios: tuple[int, ...]  # per backbone layer, then per DSpark stage
+    kv_source_layers: tuple[int, ...]
+    index_source_layers: tuple[int, ...]
+    candidate_source_layer: int
+    candidate_topk_blocks: int
+    candidate_block_size: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_theta: float
+    compress_rope_theta: float
+    original_seq_len: int
+    rope_factor: float
+    beta_fast: float
+    beta_slow: float
+    norm_eps: float
+    n_mtp_layers: int  # DSpark stages (``mtp.*``): recognised, not run yet
+    n_routed_experts: int
+    n_shared_experts: int
+    n_activated_experts: int
+    moe_inter_dim: int
+    route_scale: float
+    swiglu_limit: float
+    roles: tuple[LayerRole, ...] = ()
+
+    def legal_cuts(self) -> list[int]:
+        """The layers a pipeline stage may start at (1 .. n_layers - 1): those before which no
+        later layer reads what an earlier one wrote."""
+        return [cut for cut in range(1, self.n_layers)
+                if not any(r < cut for role in self.roles[cut:] for r in role.reads)]  # fmt: skip
+
+
+def v41_config(raw: Mapping[str, Any]) -> V41Config:
+    """The V4.1 fields of a config (the top level or its ``text_config``), checked: every
+    inconsistency is an error naming the field."""
+    c = text_config(raw)
+    rope = c.get("rope_scaling") or {}
+    merged = {**c, **{f"rope_scaling.{k}": v for k, v in rope.items()}}
+    score = _field(c, "score_func", "scoring_func", "sqrtsoftplus")
+    if score != "sqrtsoftplus":
+        raise ConfigError(f"config field 'scoring_func' must be 'sqrtsoftplus' for V4.1, got "
+                          f"{score!r}")  # fmt: skip
+    cfg = V41Config(
+        dim=_int(c, "dim", "hidden_size"),
+        n_layers=_int(c, "n_layers", "num_hidden_layers"),
+        n_heads=_int(c, "n_heads", "num_attention_heads"),
+        head_dim=_int(c, "head_dim", "head_dim"),
+        rope_head_dim=_int(c, "rope_head_dim", "qk_rope_head_dim"),
+        q_lora_rank=_int(c, "q_lora_rank", "q_lora_rank"),
+        o_groups=_int(c, "o_groups", "o_groups"),
+        o_lora_rank=_int(c, "o_lora_rank", "o_lora_rank"),
+        window_size=_int(c, "window_size", "sliding_window"),
+        compress_ratios=_ints(c, "compress_ratios", "compress_ratios"),
+        kv_source_layers=_ints(c, "kv_source_layers", "kv_source_layer_ids"),
+        index_source_layers=_ints(c, "index_source_layers", "index_source_layer_ids"),
+        candidate_source_layer=_int(
+            c, "candidate_source_layer", "candidate_source_layer_id", low=0
+        ),  # fmt: skip
+        candidate_topk_blocks=_int(c, "candidate_topk_blocks", "candidate_topk_blocks"),
+        candidate_block_size=_int(c, "candidate_block_size", "candidate_block_size"),
+        index_n_heads=_int(c, "index_n_heads", "index_n_heads"),
+        index_head_dim=_int(c, "index_head_dim", "index_head_dim"),
+        index_topk=_int(c, "index_topk", "index_topk"),
+        rope_theta=_float(c, "rope_theta", "rope_theta"),
+        compress_rope_theta=_float(c, "compress_rope_theta", "compress_rope_theta"),
+        original_seq_len=_int(
+            merged, "original_seq_len", "rope_scaling.original_max_position_embeddings"
+        ),  # fmt: skip
+        rope_factor=_float(merged, "rope_factor", "rope_scaling.factor"),
+        beta_fast=_float(merged, "beta_fast", "rope_scaling.beta_fast"),
+        beta_slow=_float(merged, "beta_slow", "rope_scaling.beta_slow"),
+        norm_eps=_float(c, "norm_eps", "rms_norm_eps"),
+        n_mtp_layers=_int(c, "n_mtp_layers", "num_nextn_predict_layers", 0, low=0),
+        n_routed_experts=_int(c, "n_routed_experts", "n_routed_experts"),
+        n_shared_experts=_int(c, "n_shared_experts", "n_shared_experts", low=0),
+        n_activated_experts=_int(c, "n_activated_experts", "num_experts_per_tok"),
+        moe_inter_dim=_int(c, "moe_inter_dim", "moe_intermediate_size"),
+        route_scale=_float(c, "route_scale", "routed_scaling_factor"),
+        swiglu_limit=_float(c, "swiglu_limit", "swiglu_limit"),
+    )
+    _check_widths(cfg)
+    return V41Config(**{**cfg.__dict__, "roles": _roles(cfg)})
+
+
+def _check_widths(c: V41Config) -> None:
+    def need(ok: bool, field: str, rule: str) -> None:
+        if not ok:
+            raise ConfigError(f"config field {field!r}: {rule}")
+
+    need(
+        c.rope_head_dim % 2 == 0 and c.rope_head_dim < c.head_dim,
+        "qk_rope_head_dim",
+        f"must be even and below head_dim ({c.head_dim}), got {c.rope_head_dim}",
+    )
+    for name, width in (("head_dim", c.head_dim), ("hidden_size", c.dim),
+                        ("q_lora_rank", c.q_lora_rank), ("index_head_dim", c.index_head_dim),
+                        ("moe_intermediate_size", c.moe_inter_dim)):  # fmt: skip
+        need(width % 32 == 0, name, f"must be a multiple of 32 (the FP8/FP4 blocks), got {width}")
+    need(
+        c.n_heads * c.head_dim % c.o_groups == 0,
+        "o_groups",
+        f"must divide num_attention_heads x head_dim ({c.n_heads * c.head_dim})",
+    )
+    need(
+        c.n_activated_experts <= c.n_routed_experts,
+        "num_experts_per_tok",
+        f"must be <= n_routed_experts ({c.n_routed_experts}), got {c.n_activated_experts}",
+    )
+    pool = c.candidate_topk_blocks * c.candidate_block_size
+    need(
+        c.index_topk <= pool,
+        "index_topk",
+        f"must be <= candidate_topk_blocks x candidate_block_size ({pool}), got {c.index_topk}",
+    )
+    want = c.n_layers + c.n_mtp_layers
+    need(
+        len(c.compress_ratios) in (c.n_layers, want),
+        "compress_ratios",
+        f"needs one entry per layer ({c.n_layers}) or per layer and DSpark stage ({want}), got "
+        f"{len(c.compress_ratios)}",
+    )
+    need(
+        all(r in (0, 1, 2) for r in c.compress_ratios),
+        "compress_ratios",
+        f"entries must be 0, 1 or 2, got {sorted(set(c.compress_ratios))}",
+    )
+
+
+def _roles(c: V41Config) -> tuple[LayerRole, ...]:
+    """Every backbone layer's role; an inconsistent source list is an error naming it."""
+    kv, index = set(c.kv_source_layers), set(c.index_source_layers)
+    for field, layers in (("kv_source_layer_ids", c.kv_source_layers),
+                          ("index_source_layer_ids", c.index_source_layers)):  # fmt: skip
+        if list(layers) != sorted(set(layers)) or any(i >= c.n_layers for i in layers):
+            raise ConfigError(f"config field {field!r} must be sorted, unique layer ids below "
+                              f"{c.n_layers}, got {list(layers)}")  # fmt: skip
+    if not kv <= index:
+        raise ConfigError(f"config field 'kv_source_layer_ids': every KV source runs an indexer, "
+                          f"but {sorted(kv - index)} are not in index_source_layer_ids")  # fmt: skip
+    cand = c.candidate_source_layer
+    if cand not in kv or c.compress_ratios[cand] != 1:
+        raise ConfigError(f"config field 'candidate_source_layer_id' ({cand}) must be a KV source "
+                          "of ratio 1")  # fmt: skip
+    roles, source, topk = [], None, None
+    for layer in range(c.n_layers):
+        ratio = c.compress_ratios[layer]
+        if ratio == 0:
+            if layer in index:
+                raise ConfigError(f"config field 'index_source_layer_ids': layer {layer} has "
+                                  "compress ratio 0 and no cache to index")  # fmt: skip
+            roles.append(LayerRole(layer, 0, WINDOW, None, None, None))
+            continue
+        if layer in kv:
+            source = topk = layer
+            roles.append(LayerRole(layer, ratio, SOURCE, layer, layer, layer,
+                                   builds_candidates=layer == cand))  # fmt: skip
+            continue
+        if source is None or c.compress_ratios[source] != ratio:
+            raise ConfigError(f"config field 'compress_ratios': layer {layer} (ratio {ratio}) has "
+                              f"no earlier KV source of that ratio to read")  # fmt: skip
+        if layer in index:
+            if layer < cand:
+                raise ConfigError(f"config field 'index_source_layer_ids': layer {layer} "
+                                  f"re-indexes before the candidate source {cand}")  # fmt: skip
+            topk = layer
+            roles.append(LayerRole(layer, ratio, REINDEX, source, source, layer,
+                                   candidates_from=cand))  # fmt: skip
+        else:
+            roles.append(LayerRole(layer, ratio, REUSE, source, None, topk))
+    return tuple(roles)
