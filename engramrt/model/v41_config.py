@@ -228,8 +228,9 @@ def _roles(c: V41Config) -> tuple[LayerRole, ...]:
             raise ConfigError(f"config field {field!r} must be sorted, unique layer ids below "
                               f"{c.n_layers}, got {list(layers)}")  # fmt: skip
     if not kv <= index:
-        raise ConfigError(f"config field 'kv_source_layer_ids': every KV source runs an indexer, "
-                          f"but {sorted(kv - index)} are not in index_source_layer_ids")  # fmt: skip
+        raise ConfigError(f"config field 'kv_source_layer_ids': every KV source runs an "
+                          f"indexer, but {sorted(kv - index)} are not in "
+                          "index_source_layer_ids")  # fmt: skip
     cand = c.candidate_source_layer
     if cand not in kv or c.compress_ratios[cand] != 1:
         raise ConfigError(f"config field 'candidate_source_layer_id' ({cand}) must be a KV source "
