@@ -22,7 +22,7 @@ from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.speculative import SpecConfig
 from engramrt.engram import load_tokenizer
 from engramrt.kernels.compiles import compilations, count_compilations
-from engramrt.model.checkpoint import check_layer_count
+from engramrt.model.checkpoint import check_layer_count, default_dtype
 from engramrt.parallel.faults import inject_stage_faults
 from engramrt.parallel.launch import DistConfig, stage_device
 from engramrt.parallel.partition import stage_layers
@@ -184,7 +184,8 @@ def build_stage(
     cfg, max_len = check(opts)
     device = stage_device(opts.dist)
     runner = StageRunner.load(
-        opts.model_dir, opts.max_num_seqs, max_len, device, opts.dtype,
+        opts.model_dir, opts.max_num_seqs, max_len, device,
+        opts.dtype or default_dtype(cfg.torch_dtype, device),
         stage_layers(opts.partition, rank), opts.block_size, num_blocks=0, seed=opts.seed,
         table_memory=opts.table_memory,
     )  # fmt: skip

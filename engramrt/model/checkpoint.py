@@ -112,7 +112,8 @@ def check_layer_count(model_dir: str | Path, cfg: ModelConfig) -> None:
     error at once, not minutes of building a model that cannot load."""
     stored = {int(m.group(1)) for name in _files(Path(model_dir))
               if (m := re.match(r"layers\.(\d+)\.", name))}  # fmt: skip
-    if stored and stored != set(range(cfg.num_layers)):
+    # layers the config does not have are unexpected tensors, named by the full check
+    if stored and not set(range(cfg.num_layers)) <= stored:
         raise CheckpointError(
             f"num_hidden_layers is {cfg.num_layers} but the checkpoint in {model_dir} stores "
             f"{len(stored)} layers (ids {min(stored)}-{max(stored)})"
@@ -120,9 +121,10 @@ def check_layer_count(model_dir: str | Path, cfg: ModelConfig) -> None:
 
 
 def default_dtype(stored: str, device: torch.device | str) -> str:
-    """What an unset ``--dtype`` means: the config's on a GPU; float32 on a CPU, where bfloat16
-    and float16 matmuls have no fast kernels on common CPUs (the bundled model's bfloat16 ran
-    6.6x slower than float32 on this project's CPU machine)."""
+    """What an unset ``--dtype`` means to the commands (``engine.build``): the config's on a
+    GPU; float32 on a CPU, where bfloat16 and float16 matmuls have no fast kernels on common
+    CPUs (the bundled model's bfloat16 ran 6.6x slower than float32 on this project's CPU
+    machine). ``load_model`` itself loads the config's dtype unless told otherwise."""
     return stored if torch.device(device).type != "cpu" else "float32"
 
 
@@ -145,7 +147,7 @@ def load_model(
     cfg = model_config(load_json(model_dir))
     check_layer_count(model_dir, cfg)
     if not isinstance(dtype, torch.dtype):
-        name = dtype or default_dtype(cfg.torch_dtype, device)
+        name = dtype or cfg.torch_dtype
         if name not in DTYPES:
             raise CheckpointError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
         dtype = DTYPES[name]

@@ -62,7 +62,8 @@ def test_decode_bytes_match_a_count_from_the_config() -> None:
     d, e, hc = c.hidden_size, c.engram, c.hc_mult
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     mix = (2 + hc) * hc
-    bf16 = 2 * (
+    w = engine.pipeline.runner.model.dtype.itemsize  # the dtype it runs in (float32 on a CPU)
+    weights = w * (
         2 * c.vocab_size * d
         + d
         + c.num_layers * (2 * d * q + 2 * d * kv + 2 * d + 3 * d * c.intermediate_size)
@@ -70,9 +71,9 @@ def test_decode_bytes_match_a_count_from_the_config() -> None:
     )
     fp32 = 4 * c.num_layers * 2 * (mix * hc * d + mix + 3)
     batch, context = 5, 40
-    kv_bytes = batch * context * c.num_layers * 2 * kv * 2
+    kv_bytes = batch * context * c.num_layers * 2 * kv * w
     rows = batch * e.num_layers * e.n_hash_cols * (e.head_dim + e.head_dim // 32)  # fp8 + e8m0
-    assert _decode_bytes(engine, batch, context) == bf16 + fp32 + kv_bytes + rows
+    assert _decode_bytes(engine, batch, context) == weights + fp32 + kv_bytes + rows
 
 
 def test_tensor_parallel_ranks_run_the_benchmark() -> None:
