@@ -1,0 +1,104 @@
+"""DeepSeek-V4.1's MoE, as its reference computes it (``../shared/V41-ARCH.md`` 2): the torch
+path, on weights kept in their stored formats (routed experts FP4, the shared expert FP8) and
+dequantised per use.
+
+- Router: logits of the fp32 input against the gate weight (fp32), scores ``sqrt(softplus)``;
+  experts chosen by score + bias (the image-span bias for image tokens where the checkpoint has
+  one), no groups; equal values choose the lower expert id (a stable sort: the reference leaves
+  ties to ``topk``). Weights: the chosen raw scores (no bias), normalised (+1e-20) when more
+  than one is chosen, times ``route_scale``.
+- Expert: SwiGLU, the up branch clamped to [-limit, limit], the gate branch from above; the
+  routing weight multiplies before the down projection; every linear quantises its input first
+  (``quant.quantized_linear``).
+- The output: each chosen expert's bf16 output added in fp32 in ascending expert id, then the
+  shared expert's, then cast to the input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engramrt.model import quant
+from engramrt.model.v41_config import V41Config
+
+
+class StoredLinear(nn.Module):
+    """A linear layer's weight as the checkpoint stores it: FP8 E4M3 with 32 x 32 E8M0 block
+    scales, or FP4 (I8, two E2M1 codes a byte) with an E8M0 scale per 32."""
+
+    def __init__(self, out_features: int, in_features: int, fp4: bool):
+        super().__init__()
+        self.fp4 = fp4
+        if fp4:
+            weight = torch.zeros(out_features, in_features // 2, dtype=torch.int8)
+            scale = torch.zeros(out_features, in_features // 32, dtype=torch.uint8)
+        else:
+            weight = torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn)
+            scale = torch.zeros(-(-out_features // 32), -(-in_features // 32), dtype=torch.uint8)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.fp4:
+            return quant.dequant_fp4_weight(self.weight, self.scale, dtype)
+        return quant.dequant_fp8_weight(self.weight, self.scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant.quantized_linear(x, self.dequantized(x.dtype))
+
+
+class Expert(nn.Module):
+    def __init__(self, dim: int, inter: int, fp4: bool, limit: float):
+        super().__init__()
+        self.w1 = StoredLinear(inter, dim, fp4)
+        self.w2 = StoredLinear(dim, inter, fp4)
+        self.w3 = StoredLinear(inter, dim, fp4)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        gate = self.w1(x).float().clamp(max=self.limit)
+        up = self.w3(x).float().clamp(-self.limit, self.limit)
+        h = F.silu(gate) * up
+        if weight is not None:
+            h = weight * h
+        return self.w2(h.to(x.dtype))
+
+
+class V41MoE(nn.Module):
+    def __init__(self, cfg: V41Config, image_bias: bool = False):
+        super().__init__()
+        e, dim = cfg.n_routed_experts, cfg.dim
+        self.k, self.route_scale = cfg.n_activated_experts, cfg.route_scale
+        self.gate = nn.Parameter(torch.zeros(e, dim, dtype=torch.float32), requires_grad=False)
+        self.register_buffer("bias", torch.zeros(e, dtype=torch.float32))
+        self.register_buffer("bias_vl", torch.zeros(e) if image_bias else None)
+        self.experts = nn.ModuleList(
+            Expert(dim, cfg.moe_inter_dim, True, cfg.swiglu_limit) for _ in range(e)
+        )
+        self.shared = Expert(dim, cfg.moe_inter_dim, False, cfg.swiglu_limit)
+
+    def route(
+        self, x: torch.Tensor, image: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) of each token."""
+        scores = F.softplus(F.linear(x.float(), self.gate.float())).sqrt()
+        bias = self.bias
+        if image is not None and self.bias_vl is not None:
+            bias = torch.where(image.unsqueeze(-1), self.bias_vl, bias)
+        ids = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, : self.k]
+        weights = scores.gather(1, ids)
+        if self.k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, ids
+
+    def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[T, dim]``; ``image`` ``[T]`` bool (image-span tokens) or None."""
+        weights, ids = self.route(x, image)
+        y = torch.zeros_like(x, dtype=torch.float32)
+        for e in torch.unique(ids).tolist():  # ascending expert id
+            rows, slot = torch.where(ids == e)
+            y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
+        y += self.shared(x)
+        return y.to(x.dtype)

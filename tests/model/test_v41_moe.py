@@ -1,0 +1,104 @@
+"""V4.1's MoE (``engramrt.model.v41_moe``) against a restatement written token by token from the
+reference's semantics, in float64 where the reference has no rounding of its own: the experts
+chosen (ties to the lower id), their weights, and the output with the SwiGLU clamps in force;
+the image-span bias routes image tokens."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+from engramrt.bundled import FLASH_CONFIG
+from engramrt.model import quant
+from engramrt.model.v41_config import v41_config
+from engramrt.model.v41_moe import V41MoE
+
+E, K, DIM, INTER, LIMIT = 8, 3, 64, 96, 0.75
+
+
+def small_moe(seed: int, image_bias: bool = False) -> V41MoE:
+    flash = json.loads(FLASH_CONFIG.read_text())["text_config"]
+    cfg = v41_config(dict(flash, n_routed_experts=E, num_experts_per_tok=K,
+                          moe_intermediate_size=INTER, hidden_size=DIM, q_lora_rank=64,
+                          swiglu_limit=LIMIT))  # fmt: skip
+    moe = V41MoE(cfg, image_bias)
+    g = torch.Generator().manual_seed(seed)
+    moe.gate.copy_(torch.randn(E, DIM, generator=g) * 0.2)
+    moe.bias.copy_(torch.randn(E, generator=g) * 0.1)
+    if image_bias:
+        moe.bias_vl.copy_(torch.randn(E, generator=g) * 5)
+    for lin in [m for m in moe.modules() if hasattr(m, "fp4")]:
+        if lin.fp4:
+            lin.weight.copy_(torch.randint(-128, 128, lin.weight.shape, generator=g))
+            lin.scale.copy_(torch.randint(121, 124, lin.scale.shape, generator=g))
+        else:
+            raw = torch.randint(0, 256, lin.weight.shape, generator=g, dtype=torch.uint8)
+            raw = torch.where((raw & 0x78) >= 0x40, raw & 0xBF, raw)  # |w| <= 2: no NaN, modest
+            lin.weight.copy_(raw.view(torch.float8_e4m3fn))
+            lin.scale.copy_(torch.randint(122, 125, lin.scale.shape, generator=g))
+    return moe
+
+
+def restated_route(moe: V41MoE, x: torch.Tensor, image=None) -> tuple[list, list]:
+    ids, weights = [], []
+    for t in range(len(x)):
+        logits = moe.gate.double() @ x[t].double()
+        scores = torch.log1p(torch.exp(logits)).sqrt()
+        bias = moe.bias_vl if image is not None and image[t] else moe.bias
+        order = sorted(range(E), key=lambda e: (-(scores[e] + bias[e].double()).item(), e))[:K]
+        w = scores[order]
+        ids.append(order)
+        weights.append((w / (w.sum() + 1e-20) * moe.route_scale).tolist())
+    return ids, weights
+
+
+def restated_expert(expert, x: torch.Tensor, weight: float | None) -> torch.Tensor:
+    def lin(m, v):
+        return quant.act_roundtrip(v).double() @ m.dequantized(torch.float32).double().T
+
+    gate = lin(expert.w1, x).to(x.dtype).double().clamp(max=LIMIT)
+    up = lin(expert.w3, x).to(x.dtype).double().clamp(-LIMIT, LIMIT)
+    h = F.silu(gate) * up * (1.0 if weight is None else weight)
+    return lin(expert.w2, h.to(x.dtype)).to(x.dtype)
+
+
+def test_routing_and_output_equal_a_token_by_token_restatement() -> None:
+    moe = small_moe(0)
+    x = (torch.randn(24, DIM, generator=torch.Generator().manual_seed(1)) * 2).bfloat16()
+    weights, ids = moe.route(x)
+    want_ids, want_w = restated_route(moe, x)
+    assert [sorted(r) for r in ids.tolist()] == [sorted(r) for r in want_ids]
+    assert torch.allclose(weights.double(), torch.tensor(want_w, dtype=torch.float64), atol=1e-6)
+    got = moe(x).double()
+    clamped = 0
+    for t in range(len(x)):
+        y = torch.zeros(DIM, dtype=torch.float64)
+        for e, w in sorted(zip(want_ids[t], want_w[t], strict=True)):  # ascending expert id
+            y += restated_expert(moe.experts[e], x[t : t + 1], w)[0].double()
+            clamped += int((moe.experts[e].w1(x[t : t + 1]).float() > LIMIT).sum())
+        y += restated_expert(moe.shared, x[t : t + 1], None)[0].double()
+        scale = float(y.abs().max())
+        assert scale > 0.2  # outputs of a size the tolerance cannot hide
+        torch.testing.assert_close(got[t], y.bfloat16().double(), rtol=1e-2, atol=1e-2 * scale)
+    assert clamped > 0  # the clamps were in force
+
+
+def test_equal_scores_choose_the_lower_expert_ids() -> None:
+    moe = small_moe(2)
+    moe.gate.zero_()
+    moe.bias.zero_()
+    _, ids = moe.route(torch.randn(5, DIM).bfloat16())
+    assert ids.tolist() == [list(range(K))] * 5
+
+
+def test_image_tokens_route_with_their_own_bias() -> None:
+    moe = small_moe(3, image_bias=True)
+    x = torch.randn(10, DIM, generator=torch.Generator().manual_seed(4)).bfloat16()
+    image = torch.tensor([i % 2 == 0 for i in range(10)])
+    _, ids = moe.route(x, image)
+    want_ids, _ = restated_route(moe, x, image)
+    assert [sorted(r) for r in ids.tolist()] == [sorted(r) for r in want_ids]
+    _, plain = moe.route(x)
+    assert ids[1::2].tolist() == plain[1::2].tolist() and ids[0::2].tolist() != plain[0::2].tolist()
