@@ -20,7 +20,7 @@ keys, candidates or a top-k that a layer before ``L`` wrote (``legal_cuts``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engramrt.config import ConfigError, text_config
@@ -28,35 +28,51 @@ from engramrt.config import ConfigError, text_config
 WINDOW, SOURCE, REINDEX, REUSE = "window", "source", "reindex", "reuse"
 
 
-def _field(cfg: Mapping[str, Any], ref: str, hf: str, default: Any = ...) -> Any:
-    """One field in either spelling; both given and different is an error naming both."""
-    here = [k for k in (ref, hf) if k in cfg]
+# the HF ``text_config`` name of each field whose reference name differs
+HF_NAMES = {
+    "dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+    "rope_head_dim": "qk_rope_head_dim", "window_size": "sliding_window",
+    "kv_source_layers": "kv_source_layer_ids", "index_source_layers": "index_source_layer_ids",
+    "candidate_source_layer": "candidate_source_layer_id", "norm_eps": "rms_norm_eps",
+    "original_seq_len": "rope_scaling.original_max_position_embeddings",
+    "rope_factor": "rope_scaling.factor", "beta_fast": "rope_scaling.beta_fast",
+    "beta_slow": "rope_scaling.beta_slow", "n_mtp_layers": "num_nextn_predict_layers",
+    "n_activated_experts": "num_experts_per_tok", "moe_inter_dim": "moe_intermediate_size",
+    "route_scale": "routed_scaling_factor", "score_func": "scoring_func",
+}  # fmt: skip
+
+
+def _field(cfg: Mapping[str, Any], ref: str, default: Any = ...) -> tuple[str, Any]:
+    """(the HF name, the value) of a field given in either spelling; both given and different
+    is an error naming both."""
+    hf = HF_NAMES.get(ref, ref)
+    here = [k for k in dict.fromkeys((ref, hf)) if k in cfg]
     if len(here) == 2 and cfg[ref] != cfg[hf]:
         raise ConfigError(f"config fields {ref!r} ({cfg[ref]!r}) and {hf!r} ({cfg[hf]!r}) "
                           "name the same thing and disagree")  # fmt: skip
     if here:
-        return cfg[here[0]]
+        return hf, cfg[here[0]]
     if default is ...:
         raise ConfigError(f"config field {hf!r} (or {ref!r}) is missing")
-    return default
+    return hf, default
 
 
-def _int(cfg, ref: str, hf: str, default: Any = ..., low: int = 1) -> int:
-    value = _field(cfg, ref, hf, default)
+def _int(cfg, ref: str, default: Any = ..., low: int = 1) -> int:
+    hf, value = _field(cfg, ref, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ConfigError(f"config field {hf!r} must be an integer >= {low}, got {value!r}")
     return value
 
 
-def _ints(cfg, ref: str, hf: str) -> tuple[int, ...]:
-    value = _field(cfg, ref, hf)
+def _ints(cfg, ref: str) -> tuple[int, ...]:
+    hf, value = _field(cfg, ref)
     if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
         raise ConfigError(f"config field {hf!r} must be a list of integers >= 0, got {value!r}")
     return tuple(value)
 
 
-def _float(cfg, ref: str, hf: str, default: Any = ...) -> float:
-    value = _field(cfg, ref, hf, default)
+def _float(cfg, ref: str) -> float:
+    hf, value = _field(cfg, ref)
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise ConfigError(f"config field {hf!r} must be a number > 0, got {value!r}")
     return float(value)
@@ -128,51 +144,27 @@ def v41_config(raw: Mapping[str, Any]) -> V41Config:
     inconsistency is an error naming the field."""
     c = text_config(raw)
     rope = c.get("rope_scaling") or {}
-    merged = {**c, **{f"rope_scaling.{k}": v for k, v in rope.items()}}
-    score = _field(c, "score_func", "scoring_func", "sqrtsoftplus")
+    c = {**c, **{f"rope_scaling.{k}": v for k, v in rope.items()}}
+    hf, score = _field(c, "score_func", "sqrtsoftplus")
     if score != "sqrtsoftplus":
-        raise ConfigError(f"config field 'scoring_func' must be 'sqrtsoftplus' for V4.1, got "
-                          f"{score!r}")  # fmt: skip
+        raise ConfigError(f"config field {hf!r} must be 'sqrtsoftplus' for V4.1, got {score!r}")
+    ints = ["dim", "n_layers", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups",
+            "o_lora_rank", "window_size", "candidate_topk_blocks", "candidate_block_size",
+            "index_n_heads", "index_head_dim", "index_topk", "original_seq_len",
+            "n_routed_experts", "n_activated_experts", "moe_inter_dim"]  # fmt: skip
+    floats = ["rope_theta", "compress_rope_theta", "rope_factor", "beta_fast", "beta_slow",
+              "norm_eps", "route_scale", "swiglu_limit"]  # fmt: skip
     cfg = V41Config(
-        dim=_int(c, "dim", "hidden_size"),
-        n_layers=_int(c, "n_layers", "num_hidden_layers"),
-        n_heads=_int(c, "n_heads", "num_attention_heads"),
-        head_dim=_int(c, "head_dim", "head_dim"),
-        rope_head_dim=_int(c, "rope_head_dim", "qk_rope_head_dim"),
-        q_lora_rank=_int(c, "q_lora_rank", "q_lora_rank"),
-        o_groups=_int(c, "o_groups", "o_groups"),
-        o_lora_rank=_int(c, "o_lora_rank", "o_lora_rank"),
-        window_size=_int(c, "window_size", "sliding_window"),
-        compress_ratios=_ints(c, "compress_ratios", "compress_ratios"),
-        kv_source_layers=_ints(c, "kv_source_layers", "kv_source_layer_ids"),
-        index_source_layers=_ints(c, "index_source_layers", "index_source_layer_ids"),
-        candidate_source_layer=_int(
-            c, "candidate_source_layer", "candidate_source_layer_id", low=0
-        ),  # fmt: skip
-        candidate_topk_blocks=_int(c, "candidate_topk_blocks", "candidate_topk_blocks"),
-        candidate_block_size=_int(c, "candidate_block_size", "candidate_block_size"),
-        index_n_heads=_int(c, "index_n_heads", "index_n_heads"),
-        index_head_dim=_int(c, "index_head_dim", "index_head_dim"),
-        index_topk=_int(c, "index_topk", "index_topk"),
-        rope_theta=_float(c, "rope_theta", "rope_theta"),
-        compress_rope_theta=_float(c, "compress_rope_theta", "compress_rope_theta"),
-        original_seq_len=_int(
-            merged, "original_seq_len", "rope_scaling.original_max_position_embeddings"
-        ),  # fmt: skip
-        rope_factor=_float(merged, "rope_factor", "rope_scaling.factor"),
-        beta_fast=_float(merged, "beta_fast", "rope_scaling.beta_fast"),
-        beta_slow=_float(merged, "beta_slow", "rope_scaling.beta_slow"),
-        norm_eps=_float(c, "norm_eps", "rms_norm_eps"),
-        n_mtp_layers=_int(c, "n_mtp_layers", "num_nextn_predict_layers", 0, low=0),
-        n_routed_experts=_int(c, "n_routed_experts", "n_routed_experts"),
-        n_shared_experts=_int(c, "n_shared_experts", "n_shared_experts", low=0),
-        n_activated_experts=_int(c, "n_activated_experts", "num_experts_per_tok"),
-        moe_inter_dim=_int(c, "moe_inter_dim", "moe_intermediate_size"),
-        route_scale=_float(c, "route_scale", "routed_scaling_factor"),
-        swiglu_limit=_float(c, "swiglu_limit", "swiglu_limit"),
-    )
+        **{name: _int(c, name) for name in ints},
+        **{name: _float(c, name) for name in floats},
+        **{name: _ints(c, name)
+           for name in ("compress_ratios", "kv_source_layers", "index_source_layers")},
+        candidate_source_layer=_int(c, "candidate_source_layer", low=0),
+        n_mtp_layers=_int(c, "n_mtp_layers", default=0, low=0),
+        n_shared_experts=_int(c, "n_shared_experts", low=0),
+    )  # fmt: skip
     _check_widths(cfg)
-    return V41Config(**{**cfg.__dict__, "roles": _roles(cfg)})
+    return replace(cfg, roles=_roles(cfg))
 
 
 def _check_widths(c: V41Config) -> None:

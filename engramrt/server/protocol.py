@@ -14,7 +14,7 @@ from engramrt.engine.grammar import GrammarSpec
 class FieldError(ValueError):
     """A request field that is wrong: the message, and the field for the error's ``param``."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
 
