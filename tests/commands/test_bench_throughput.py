@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from engramrt.cli import main
 from engramrt.commands.bench_throughput import _decode_bytes, add_arguments, local_engine
@@ -87,3 +88,17 @@ def test_tensor_parallel_ranks_run_the_benchmark() -> None:
                          text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "PP 1 x TP 2): 3 requests, 24 prompt + 15 generated tokens" in run.stdout
+
+
+def test_on_a_cpu_engines_compute_in_float32_unless_told() -> None:
+    """The bundled config says bfloat16; an engine built on a CPU without --dtype computes in
+    float32 (``checkpoint.default_dtype``), with --dtype in what it says."""
+    from engramrt.bundled import DEFAULT_MODEL_DIR
+    from engramrt.config import load_json, model_config
+
+    assert model_config(load_json(DEFAULT_MODEL_DIR)).torch_dtype == "bfloat16"
+    for flags, want in (([], torch.float32), (["--dtype", "bfloat16"], torch.bfloat16)):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        args = p.parse_args(["--device", "cpu", "--num-gpu-blocks-override", "8", *flags])
+        assert local_engine(args, 64).pipeline.runner.model.dtype == want, flags
