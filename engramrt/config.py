@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A config field is missing or violates a rule; the message names the field."""
+from engramrt.config_base import ConfigError, text_config
+from engramrt.v41_config import V41Config, v41_config
 
 
 @dataclass(frozen=True)
@@ -41,13 +40,6 @@ class EngramConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layer_ids)
-
-
-def text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """Flatten ``text_config`` over the top level (top-level keys such as image_token_id stay)."""
-    merged = {k: v for k, v in raw.items() if k != "text_config"}
-    merged.update(raw.get("text_config") or {})
-    return merged
 
 
 def _get(cfg: Mapping[str, Any], name: str, *aliases: str) -> Any:
@@ -136,7 +128,8 @@ def load_json(model_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid JSON: {exc}") from None
 
 
-ATTENTION_TYPES = ("gqa",)
+V41 = "v41"  # DeepSeek-V4.1's own attention (``engramrt.v41_config``)
+ATTENTION_TYPES = ("gqa", V41)
 FFN_TYPES = ("dense", "moe")
 
 
@@ -168,6 +161,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
+    v41: V41Config | None = None  # V4.1's attention and MoE fields (attention_type "v41")
 
     @property
     def hc_mix_dim(self) -> int:
@@ -176,17 +170,14 @@ class ModelConfig:
 
 def model_config(raw: Mapping[str, Any]) -> ModelConfig:
     cfg = text_config(raw)
-    attention = cfg.get("attention_type")
+    attention = cfg.get("attention_type", V41 if "compress_ratios" in cfg else None)
     if attention not in ATTENTION_TYPES:
-        hint = (
-            " (this looks like DeepSeek-V4.1's compressed sparse attention, which engramrt does "
-            "not run yet)"
-            if "compress_ratios" in cfg or "index_n_heads" in cfg
-            else ""
-        )
         raise ConfigError(
-            f"attention_type must be one of {list(ATTENTION_TYPES)}, got {attention!r}{hint}"
+            f"attention_type must be one of {list(ATTENTION_TYPES)} (DeepSeek-V4.1's configs give "
+            f"none and have compress_ratios), got {attention!r}"
         )
+    if attention == V41:
+        return _v41_model_config(raw, cfg)
     ffn = cfg.get("ffn_type")
     if ffn not in FFN_TYPES:
         raise ConfigError(f"ffn_type must be one of {list(FFN_TYPES)}, got {ffn!r}")
@@ -218,6 +209,43 @@ def model_config(raw: Mapping[str, Any]) -> ModelConfig:
         torch_dtype=str(cfg.get("torch_dtype", "bfloat16")),
     )
     _validate_model(out)
+    return out
+
+
+def _v41_model_config(raw: Mapping[str, Any], cfg: dict[str, Any]) -> ModelConfig:
+    """A V4.1 config: its attention and MoE fields (``v41``, both spellings), the rest as for
+    any model; one shared latent of ``head_dim`` is the KV (one KV head)."""
+    v = v41_config(raw)
+    eos = cfg.get("eos_token_id")
+    out = ModelConfig(
+        vocab_size=_int(cfg, "vocab_size"),
+        hidden_size=v.dim,
+        num_layers=v.n_layers,
+        num_heads=v.n_heads,
+        num_kv_heads=1,
+        head_dim=v.head_dim,
+        intermediate_size=0,
+        rope_theta=v.rope_theta,
+        rms_norm_eps=v.norm_eps,
+        max_position_embeddings=_int(cfg, "max_position_embeddings", "max_seq_len"),
+        hc_mult=_int(cfg, "hc_mult"),
+        hc_sinkhorn_iters=_int(cfg, "hc_sinkhorn_iters"),
+        hc_eps=float(_get(cfg, "hc_eps")),
+        attention_type=V41,
+        ffn_type="moe",
+        engram=engram_config(raw),
+        n_routed_experts=v.n_routed_experts,
+        num_experts_per_tok=v.n_activated_experts,
+        n_shared_experts=v.n_shared_experts,
+        moe_intermediate_size=v.moe_inter_dim,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        torch_dtype=str(cfg.get("torch_dtype", "bfloat16")),
+        v41=v,
+    )
+    _validate_model(out)
+    if v.n_shared_experts != 1:
+        raise ConfigError(f"n_shared_experts must be 1 for V4.1, got {v.n_shared_experts}")
     return out
 
 

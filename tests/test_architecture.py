@@ -73,7 +73,13 @@ LAYERS = [
     ["engramrt.model"],
     ["engramrt.engram"],
     ["engramrt.kernels"],
-    ["engramrt.config", "engramrt.transfer", "engramrt.tensor_parallel"],
+    [
+        "engramrt.config",
+        "engramrt.config_base",
+        "engramrt.v41_config",
+        "engramrt.transfer",
+        "engramrt.tensor_parallel",
+    ],
 ]
 
 

@@ -15,6 +15,7 @@ import math
 import re
 import shutil
 import struct
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engram.host_memory import HostMapping, mapping_bytes
 from engramrt.engram.module import dequantize_blocks
 from engramrt.engram.table import EngramTable
+from engramrt.model import quant
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 
@@ -99,11 +101,52 @@ def engram_table_bytes(model_dir: str | Path, layer_ids: list[int] | None = None
 
 
 def _optional_scales(model: EngramMHCModel) -> set[str]:
-    return {
-        f"layers.{i}.engram.{part}.scale"
-        for i in model.engram_layer_ids
-        for part in ("embed", "wkv")
-    }
+    """Scales a checkpoint may give for weights the model holds dequantised: the Engram's, and
+    V4.1's grouped output projection ``wo_a`` (FP8 as released, bf16 in memory)."""
+    engram = {f"layers.{i}.engram.{part}.scale"
+              for i in model.engram_layer_ids for part in ("embed", "wkv")}  # fmt: skip
+    if model.cfg.v41 is None:
+        return engram
+    return engram | {f"layers.{i}.attn.wo_a.scale" for i in model.layer_ids}
+
+
+# tensors of a V4.1 checkpoint that text-only serving does not run: DSpark stages (a later
+# issue), the vision tower and its image-span pieces, and the image-span routing bias
+UNRUN = {
+    "mtp.": "DSpark draft stages (mtp.*), not run yet",
+    "vision.": "the vision tower: text-only serving",
+    "aligner.": "the vision tower: text-only serving",
+    "image_": "the vision tower: text-only serving",
+    ".ffn.gate.bias_vl": "image-span routing biases: text-only serving",
+}
+
+
+def _skip_unrun(where: dict[str, Path], shapes: dict[str, list[int]]) -> None:
+    """Drop the tensors text-only serving does not run, one log line per kind."""
+    skipped: dict[str, int] = {}
+    for name in list(shapes):
+        why = next((w for key, w in UNRUN.items()
+                    if name.startswith(key) or (key[0] == "." and key in name)), None)  # fmt: skip
+        if why is not None:
+            skipped[why] = skipped.get(why, 0) + 1
+            del shapes[name]
+            where.pop(name, None)
+    for why, n in skipped.items():
+        print(f"engramrt: skipped {n} tensors of {why}", file=sys.stderr, flush=True)
+
+
+def _dequantise_at_load(state: dict[str, torch.Tensor], scale: str) -> None:
+    """An FP8 weight the model holds dequantised (``_optional_scales``), with its 32 x 32 E8M0
+    block scales: dequantised once, here."""
+    name = scale.removesuffix(".scale") + ".weight"
+    weight = state[name]
+    if weight.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"tensor {scale} is given but {name} is {weight.dtype}, not "
+                              "float8_e4m3fn")  # fmt: skip
+    try:
+        state[name] = quant.dequant_fp8_weight(weight, state.pop(scale), torch.float32)
+    except ValueError as exc:
+        raise CheckpointError(f"tensor {scale}: {exc}") from None
 
 
 def check_layer_count(model_dir: str | Path, cfg: ModelConfig) -> None:
@@ -155,11 +198,14 @@ def load_model(
         model = EngramMHCModel(cfg, dtype, layer_ids, tp)
         whole = EngramMHCModel(cfg, dtype, layer_ids) if tp.size > 1 else model  # as stored
         full = EngramMHCModel(cfg, dtype) if layer_ids is not None else whole
-    expected = {k: list(v.shape) for k, v in whole.state_dict().items()}
+    meta = whole.state_dict()
+    expected = {k: list(v.shape) for k, v in meta.items()}
     slices = model.checkpoint_slices()
     known = set(full.state_dict()) | _optional_scales(full)  # other stages' tensors are skipped
     where = _files(model_dir)
     shapes = _shapes(where)
+    if cfg.v41 is not None:
+        _skip_unrun(where, shapes)
     unindexed = sorted(set(shapes) - set(where))
     if unindexed:
         raise CheckpointError(f"tensor {unindexed[0]} is stored but missing from {INDEX}")
@@ -188,12 +234,19 @@ def load_model(
         state = {}
     state.update(_read(where, names, model_dir, slices))
     _install_engram(model, state, dtype, host, slices)
+    for scale in [n for n in state if n.endswith(".scale") and n not in meta]:
+        _dequantise_at_load(state, scale)
     for name, t in state.items():
+        want = meta[name].dtype  # as the model holds it: stored formats stay as stored
+        if want.itemsize == 1 or not want.is_floating_point:
+            if t.dtype != want:
+                raise CheckpointError(f"tensor {name} has dtype {t.dtype}, expected {want}")
+            continue
         if not t.is_floating_point() or t.element_size() == 1:
             raise CheckpointError(
                 f"tensor {name} has dtype {t.dtype}, which needs a scale or is not a float"
             )
-        state[name] = t.float() if ".hc_" in name else t.to(dtype)
+        state[name] = t.to(want)
     model.load_state_dict(state, strict=False, assign=True)
     state.clear()  # stacked projections were copied into new tensors: free the parts now
     leftover = [n for n, t in model.state_dict().items() if t.is_meta]
@@ -373,9 +426,21 @@ def save_checkpoint(
 ) -> Path:
     """Write ``model`` in the format ``load_model`` reads; shards (with an index) above
     ``max_shard_bytes``."""
+    state = {k: _own(v.detach().cpu()) for k, v in model.state_dict().items()}
+    return save_state(state, out_dir, config, tokenizer_dir, max_shard_bytes)
+
+
+def save_state(
+    state: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    config: dict,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = 2**30,
+) -> Path:
+    """Write named tensors (CPU, contiguous) as a checkpoint: shards with an index above
+    ``max_shard_bytes``, the config, the tokenizer files of ``tokenizer_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: _own(v.detach().cpu()) for k, v in model.state_dict().items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():

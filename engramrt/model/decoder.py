@@ -18,6 +18,8 @@ from engramrt.model.attention import Attention
 from engramrt.model.context import ForwardContext
 from engramrt.model.layers import MLP, MoE, RMSNorm
 from engramrt.model.mhc import PreMix, collapse_norm, first_pre, mhc_post, mhc_pre
+from engramrt.model.v41_attention import V41Attention
+from engramrt.model.v41_moe import V41MoE
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 
 
@@ -29,6 +31,14 @@ def _hc_params(cfg: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Paramet
         nn.Parameter(torch.zeros(mix)),
         nn.Parameter(torch.ones(3)),
     )
+
+
+def _ffn(cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+    if cfg.ffn_type == "moe":
+        return MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts,
+                   cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.norm_topk_prob, dtype,
+                   tp)  # fmt: skip
+    return MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
 
 
 class Block(nn.Module):
@@ -45,21 +55,13 @@ class Block(nn.Module):
             rows = torch.zeros(hi - lo, e.head_dim, dtype=dtype)
             self.engram.embed = EngramTable(rows, row_start=lo)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, layer_id, dtype, tp)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if cfg.ffn_type == "moe":
-            self.ffn: nn.Module = MoE(
-                cfg.hidden_size,
-                cfg.moe_intermediate_size,
-                cfg.n_routed_experts,
-                cfg.num_experts_per_tok,
-                cfg.n_shared_experts,
-                cfg.norm_topk_prob,
-                dtype,
-                tp,
-            )
+        if cfg.v41 is not None:  # V4.1's own attention and MoE
+            self.attn: nn.Module = V41Attention(cfg.v41, cfg.v41.roles[layer_id], dtype)
+            self.ffn: nn.Module = V41MoE(cfg.v41)
         else:
-            self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
+            self.attn = Attention(cfg, layer_id, dtype, tp)
+            self.ffn = _ffn(cfg, dtype, tp)
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _hc_params(cfg)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_params(cfg)
         self.hc, self.iters, self.hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
@@ -120,6 +122,8 @@ class EngramMHCModel(nn.Module):
         super().__init__()
         self.cfg, self.dtype, self.tp = cfg, dtype, tp
         ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
+        if cfg.v41 is not None:
+            check_v41_stage(cfg, ids, tp)
         self.layer_ids = ids
         v0, v1, _ = tp.padded_span(cfg.vocab_size)
         self.vocab_start = v0
@@ -127,7 +131,9 @@ class EngramMHCModel(nn.Module):
         self.embed = nn.Embedding(v1 - v0, d, dtype=dtype) if 0 in ids else None
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, dtype, tp) for i in ids})
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if last else None
-        self.head = nn.Linear(d, v1 - v0, bias=False, dtype=dtype) if last else None
+        # V4.1 keeps its head fp32, as its reference does (logits straight out in fp32)
+        head_dtype = torch.float32 if cfg.v41 is not None else dtype
+        self.head = nn.Linear(d, v1 - v0, bias=False, dtype=head_dtype) if last else None
         self.shards = {}
         if tp.size > 1:
             self.shards = {f"{n}.weight": (0, v0, v1) for n in ("embed", "head")
@@ -196,6 +202,22 @@ class EngramMHCModel(nn.Module):
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, pre = self.embed_tokens(tokens)
         return self.logits(*self.forward_layers(x, pre, ctx))
+
+
+def check_v41_stage(cfg: ModelConfig, layer_ids: list[int], tp: TensorParallel) -> None:
+    """A V4.1 stage starts and ends where a pipeline may cut (``V41Config.legal_cuts``: no later
+    layer reads a cache, index keys, candidates or top-k an earlier stage wrote); one rank."""
+    if tp.size > 1:
+        raise ValueError("--tensor-parallel-size > 1 does not run V4.1's attention yet: use -tp 1")
+    legal = [0, *cfg.v41.legal_cuts(), cfg.num_layers]
+    for edge in (layer_ids[0], layer_ids[-1] + 1):
+        if edge not in legal:
+            raise ValueError(
+                f"a pipeline stage of this V4.1 model cannot start or end at layer {edge}: a "
+                "stage boundary must lie where no later layer reads a compressed cache, index "
+                "keys, candidate blocks or top-k written before it; legal cuts are before "
+                f"layers {cfg.v41.legal_cuts()}"
+            )
 
 
 def head_logits(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

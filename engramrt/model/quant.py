@@ -25,6 +25,7 @@ the computation is fp32 throughout, as the reference's kernels do it):
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -172,3 +173,55 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     sums differs from its per-32 blocks (at most a bf16 ulp of the output, rarely)."""
     a = act_roundtrip(x).float()
     return (a @ weight.float().T).to(x.dtype)
+
+
+def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Normal fp32 powers of two as E8M0 (``float8_e8m0fnu``): their exponent field."""
+    return ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight ``[out, in]`` in the released FP8 format: E4M3 values and, per 32 x 32 block, the
+    E8M0 scale ``2**ceil(log2(amax / 448))`` (what checkpoint writers and tests store)."""
+    out_f, in_f = w.shape
+    padded = torch.nn.functional.pad(w.float(), (0, -in_f % 32, 0, -out_f % 32))
+    blocks = padded.unflatten(0, (-1, 32)).unflatten(-1, (-1, 32))  # [O, 32, I, 32]
+    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(2.0**-100)
+    scale = pow2_scale(amax, _INV_E4M3_MAX)
+    full = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)[:out_f, :in_f]
+    return to_e4m3(w.float() / full), _e8m0_bytes(scale)
+
+
+def fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight ``[out, in]`` in the released FP4 expert format: I8 bytes of two E2M1 codes and
+    an E8M0 scale per 32 inputs, ``2**ceil(log2(amax / 6))``."""
+    g = _blocks(w, 32)
+    scale = pow2_scale(g.abs().amax(-1).clamp_min(2.0**-100), _INV_E2M1_MAX)
+    codes = e2m1_codes((g / scale.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)).flatten(-2)
+    return pack_e2m1(codes), _e8m0_bytes(scale)
+
+
+class StoredLinear(nn.Module):
+    """A linear layer's weight as the checkpoint stores it, kept so in memory: FP8 E4M3 with
+    32 x 32 E8M0 block scales, or FP4 (I8, two E2M1 codes a byte) with an E8M0 scale per 32;
+    dequantised for each use (the torch path; kernels read it as stored)."""
+
+    def __init__(self, out_features: int, in_features: int, fp4: bool = False):
+        super().__init__()
+        self.fp4 = fp4
+        if fp4:
+            weight = torch.zeros(out_features, in_features // 2, dtype=torch.int8)
+            scale = torch.zeros(out_features, in_features // 32, dtype=torch.uint8)
+        else:
+            weight = torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn)
+            scale = torch.zeros(-(-out_features // 32), -(-in_features // 32), dtype=torch.uint8)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale.view(torch.float8_e8m0fnu))
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.fp4:
+            return dequant_fp4_weight(self.weight, self.scale, dtype)
+        return dequant_fp8_weight(self.weight, self.scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(x, self.dequantized(x.dtype))

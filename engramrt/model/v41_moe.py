@@ -20,33 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engramrt.model import quant
-from engramrt.model.v41_config import V41Config
-
-
-class StoredLinear(nn.Module):
-    """A linear layer's weight as the checkpoint stores it: FP8 E4M3 with 32 x 32 E8M0 block
-    scales, or FP4 (I8, two E2M1 codes a byte) with an E8M0 scale per 32."""
-
-    def __init__(self, out_features: int, in_features: int, fp4: bool):
-        super().__init__()
-        self.fp4 = fp4
-        if fp4:
-            weight = torch.zeros(out_features, in_features // 2, dtype=torch.int8)
-            scale = torch.zeros(out_features, in_features // 32, dtype=torch.uint8)
-        else:
-            weight = torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn)
-            scale = torch.zeros(-(-out_features // 32), -(-in_features // 32), dtype=torch.uint8)
-        self.register_buffer("weight", weight)
-        self.register_buffer("scale", scale)
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.fp4:
-            return quant.dequant_fp4_weight(self.weight, self.scale, dtype)
-        return quant.dequant_fp8_weight(self.weight, self.scale, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant.quantized_linear(x, self.dequantized(x.dtype))
+from engramrt.model.quant import StoredLinear
+from engramrt.v41_config import V41Config
 
 
 class Expert(nn.Module):
@@ -66,27 +41,38 @@ class Expert(nn.Module):
         return self.w2(h.to(x.dtype))
 
 
+class Gate(nn.Module):
+    """The router's weight (kept fp32: the reference routes on fp32 inputs) and its selection
+    bias, under the checkpoint's names (``ffn.gate.weight``, ``ffn.gate.bias``)."""
+
+    def __init__(self, cfg: V41Config, image_bias: bool = False):
+        super().__init__()
+        e = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(e, cfg.dim), requires_grad=False)
+        self.register_buffer("bias", torch.zeros(e))
+        self.register_buffer("bias_vl", torch.zeros(e) if image_bias else None)
+
+
 class V41MoE(nn.Module):
     def __init__(self, cfg: V41Config, image_bias: bool = False):
         super().__init__()
-        e, dim = cfg.n_routed_experts, cfg.dim
         self.k, self.route_scale = cfg.n_activated_experts, cfg.route_scale
-        self.gate = nn.Parameter(torch.zeros(e, dim, dtype=torch.float32), requires_grad=False)
-        self.register_buffer("bias", torch.zeros(e, dtype=torch.float32))
-        self.register_buffer("bias_vl", torch.zeros(e) if image_bias else None)
+        self.gate = Gate(cfg, image_bias)
         self.experts = nn.ModuleList(
-            Expert(dim, cfg.moe_inter_dim, True, cfg.swiglu_limit) for _ in range(e)
+            Expert(cfg.dim, cfg.moe_inter_dim, True, cfg.swiglu_limit)
+            for _ in range(cfg.n_routed_experts)
         )
-        self.shared = Expert(dim, cfg.moe_inter_dim, False, cfg.swiglu_limit)
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, False, cfg.swiglu_limit)
 
     def route(
         self, x: torch.Tensor, image: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) of each token."""
-        scores = F.softplus(F.linear(x.float(), self.gate.float())).sqrt()
-        bias = self.bias
-        if image is not None and self.bias_vl is not None:
-            bias = torch.where(image.unsqueeze(-1), self.bias_vl, bias)
+        gate = self.gate
+        scores = F.softplus(F.linear(x.float(), gate.weight.float())).sqrt()
+        bias = gate.bias
+        if image is not None and gate.bias_vl is not None:
+            bias = torch.where(image.unsqueeze(-1), gate.bias_vl, bias)
         ids = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, : self.k]
         weights = scores.gather(1, ids)
         if self.k > 1:
@@ -100,5 +86,5 @@ class V41MoE(nn.Module):
         for e in torch.unique(ids).tolist():  # ascending expert id
             rows, slot = torch.where(ids == e)
             y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
-        y += self.shared(x)
+        y += self.shared_experts(x)
         return y.to(x.dtype)

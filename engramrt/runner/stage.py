@@ -29,6 +29,7 @@ from engramrt.model.checkpoint import engram_table_bytes, load_model
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.model.trace import Tracer
+from engramrt.model.v41_cache import V41Cache
 from engramrt.runner.batch import DeviceResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
 from engramrt.runner.graphs import StepGraphs
@@ -57,6 +58,9 @@ def new_kv_cache(
     if num_blocks is None:
         num_blocks = num_slots * -(-max_len // block_size)
     device = next(model.parameters()).device
+    if cfg.v41 is not None:
+        return V41Cache(cfg.v41, model.layer_ids, num_blocks, block_size, model.dtype, device,
+                        max_len, num_slots)  # fmt: skip
     return KVCache(model.layer_ids, num_blocks, block_size, model.kv_heads, cfg.head_dim,
                    model.dtype, device, max_len, num_slots)  # fmt: skip
 

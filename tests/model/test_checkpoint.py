@@ -442,11 +442,11 @@ BAD_CONFIGS = {
     "attention-missing": (_without("attention_type"), ["attention_type"]),
     "attention-csa": (
         _without(attention_type="csa", compress_ratios=COMPRESS),
-        ["attention_type", "'csa'", "compressed sparse attention"],
+        ["attention_type", "'csa'", "compress_ratios"],
     ),
-    "attention-missing-v41": (
+    "v41-fields-missing": (  # compress_ratios and no attention_type: V4.1, whose fields it lacks
         _without("attention_type", compress_ratios=COMPRESS),
-        ["attention_type", "compressed sparse attention"],
+        ["qk_rope_head_dim", "missing"],
     ),
     "ffn-invalid": (_without(ffn_type="swiglu"), ["ffn_type", "'swiglu'"]),
     "ffn-missing": (_without("ffn_type"), ["ffn_type"]),

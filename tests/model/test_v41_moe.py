@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from engramrt.bundled import FLASH_CONFIG
 from engramrt.model import quant
-from engramrt.model.v41_config import v41_config
 from engramrt.model.v41_moe import V41MoE
+from engramrt.v41_config import v41_config
 
 E, K, DIM, INTER, LIMIT = 8, 3, 64, 96, 0.75
 
@@ -25,28 +25,28 @@ def small_moe(seed: int, image_bias: bool = False) -> V41MoE:
                           swiglu_limit=LIMIT))  # fmt: skip
     moe = V41MoE(cfg, image_bias)
     g = torch.Generator().manual_seed(seed)
-    moe.gate.copy_(torch.randn(E, DIM, generator=g) * 0.2)
-    moe.bias.copy_(torch.randn(E, generator=g) * 0.1)
+    moe.gate.weight.copy_(torch.randn(E, DIM, generator=g) * 0.2)
+    moe.gate.bias.copy_(torch.randn(E, generator=g) * 0.1)
     if image_bias:
-        moe.bias_vl.copy_(torch.randn(E, generator=g) * 5)
+        moe.gate.bias_vl.copy_(torch.randn(E, generator=g) * 5)
     for lin in [m for m in moe.modules() if hasattr(m, "fp4")]:
         if lin.fp4:
             lin.weight.copy_(torch.randint(-128, 128, lin.weight.shape, generator=g))
-            lin.scale.copy_(torch.randint(121, 124, lin.scale.shape, generator=g))
+            lin.scale.view(torch.uint8).copy_(torch.randint(121, 124, lin.scale.shape, generator=g))
         else:
             raw = torch.randint(0, 256, lin.weight.shape, generator=g, dtype=torch.uint8)
             raw = torch.where((raw & 0x78) >= 0x40, raw & 0xBF, raw)  # |w| <= 2: no NaN, modest
             lin.weight.copy_(raw.view(torch.float8_e4m3fn))
-            lin.scale.copy_(torch.randint(122, 125, lin.scale.shape, generator=g))
+            lin.scale.view(torch.uint8).copy_(torch.randint(122, 125, lin.scale.shape, generator=g))
     return moe
 
 
 def restated_route(moe: V41MoE, x: torch.Tensor, image=None) -> tuple[list, list]:
     ids, weights = [], []
     for t in range(len(x)):
-        logits = moe.gate.double() @ x[t].double()
+        logits = moe.gate.weight.double() @ x[t].double()
         scores = torch.log1p(torch.exp(logits)).sqrt()
-        bias = moe.bias_vl if image is not None and image[t] else moe.bias
+        bias = moe.gate.bias_vl if image is not None and image[t] else moe.gate.bias
         order = sorted(range(E), key=lambda e: (-(scores[e] + bias[e].double()).item(), e))[:K]
         w = scores[order]
         ids.append(order)
@@ -78,7 +78,7 @@ def test_routing_and_output_equal_a_token_by_token_restatement() -> None:
         for e, w in sorted(zip(want_ids[t], want_w[t], strict=True)):  # ascending expert id
             y += restated_expert(moe.experts[e], x[t : t + 1], w)[0].double()
             clamped += int((moe.experts[e].w1(x[t : t + 1]).float() > LIMIT).sum())
-        y += restated_expert(moe.shared, x[t : t + 1], None)[0].double()
+        y += restated_expert(moe.shared_experts, x[t : t + 1], None)[0].double()
         scale = float(y.abs().max())
         assert scale > 0.2  # outputs of a size the tolerance cannot hide
         torch.testing.assert_close(got[t], y.bfloat16().double(), rtol=1e-2, atol=1e-2 * scale)
@@ -87,8 +87,8 @@ def test_routing_and_output_equal_a_token_by_token_restatement() -> None:
 
 def test_equal_scores_choose_the_lower_expert_ids() -> None:
     moe = small_moe(2)
-    moe.gate.zero_()
-    moe.bias.zero_()
+    moe.gate.weight.zero_()
+    moe.gate.bias.zero_()
     _, ids = moe.route(torch.randn(5, DIM).bfloat16())
     assert ids.tolist() == [list(range(K))] * 5
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engramrt.config import ConfigError, text_config
+from engramrt.config_base import ConfigError, text_config
 
 WINDOW, SOURCE, REINDEX, REUSE = "window", "source", "reindex", "reuse"
 
@@ -191,11 +191,15 @@ def _check_widths(c: V41Config) -> None:
         "num_experts_per_tok",
         f"must be <= n_routed_experts ({c.n_routed_experts}), got {c.n_activated_experts}",
     )
-    pool = c.candidate_topk_blocks * c.candidate_block_size
+    # the candidate blocks hold at least this many reachable positions (the newest block may be
+    # partly filled); a top-k no larger never picks a masked one, so a query's picks do not
+    # depend on how its prompt was chunked
+    pool = (c.candidate_topk_blocks - 1) * c.candidate_block_size + 1
     need(
         c.index_topk <= pool,
         "index_topk",
-        f"must be <= candidate_topk_blocks x candidate_block_size ({pool}), got {c.index_topk}",
+        f"must be <= (candidate_topk_blocks - 1) x candidate_block_size + 1 ({pool}), got "
+        f"{c.index_topk}",
     )
     want = c.n_layers + c.n_mtp_layers
     need(

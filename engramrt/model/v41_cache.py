@@ -1,0 +1,84 @@
+"""DeepSeek-V4.1's caches for the layers one stage owns (``../shared/V41-ARCH.md`` 1.3).
+
+- **Compressed KV and index keys** (KV sources only): paged like the GQA cache, through the
+  same block tables. Entry ``j`` stands for positions ``j*r .. j*r + r - 1`` and lives in the
+  block that holds position ``j*r``; a block of ``block_size`` positions holds
+  ``block_size / r`` entries. Freeing a request's blocks frees its entries; preemption
+  recomputes them.
+- **Window ring** (every layer): the last ``window_size`` latents of each slot, at
+  ``position % window_size``. Per slot, not per token: a request needs it whatever its length.
+- **Compressor tail** (ratio-2 sources): the projection and gate score of a group's first token
+  while its second has not come yet (a prompt chunk or a step that ends on an even position).
+
+Ring and tail are read only at positions the request itself wrote before (a run starting at
+``p`` reads the ring for positions ``p - window + 1 .. p - 1`` and the tail only when ``p`` is
+odd), so a slot's new owner needs no reset. They cannot be rebuilt from blocks, so a prefix
+cache hit cannot restore them: V4.1 engines run without prefix caching.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engramrt.model.context import KVCache
+from engramrt.v41_config import SOURCE, V41Config
+
+
+def entry_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> float:
+    """Bytes of compressed KV and index keys a token adds in ``layer_ids`` (per-token sizing)."""
+    return sum((cfg.head_dim + cfg.index_head_dim) * itemsize / r.ratio
+               for r in cfg.roles if r.layer in layer_ids and r.kind == SOURCE)  # fmt: skip
+
+
+def slot_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> int:
+    """Bytes of window rings and compressor tails a slot holds in ``layer_ids``."""
+    ring = cfg.window_size * cfg.head_dim * itemsize * len(layer_ids)
+    tails = sum(2 * 2 * cfg.head_dim * 4 for r in cfg.roles
+                if r.layer in layer_ids and r.kind == SOURCE and r.ratio == 2)  # fmt: skip
+    return ring + tails
+
+
+class V41Cache(KVCache):
+    """A stage's V4.1 caches; ``k``/``v`` (the GQA cache) stay empty."""
+
+    def __init__(
+        self,
+        cfg: V41Config,
+        layer_ids: list[int],
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_len: int,
+        num_slots: int,
+    ):
+        if block_size % 2:
+            raise ValueError(f"--block-size must be even for V4.1 (ratio-2 groups), got "
+                             f"{block_size}")  # fmt: skip
+        super().__init__([], num_blocks, block_size, 1, cfg.head_dim, dtype, device, max_len,
+                         num_slots)  # fmt: skip
+        roles = [cfg.roles[i] for i in layer_ids]
+        slots, w, d = self.num_slots, cfg.window_size, cfg.head_dim
+        self.window = {r.layer: torch.zeros(slots, w, d, dtype=dtype, device=device)
+                       for r in roles}  # fmt: skip
+        sources = [r for r in roles if r.kind == SOURCE]
+        rows = {r.layer: num_blocks * block_size // r.ratio for r in sources}
+        self.compressed = {i: torch.zeros(n, d, dtype=dtype, device=device)
+                           for i, n in rows.items()}  # fmt: skip
+        self.index_keys = {i: torch.zeros(n, cfg.index_head_dim, dtype=dtype, device=device)
+                           for i, n in rows.items()}  # fmt: skip
+        # (projection, gate score) of a ratio-2 group's first token, fp32 as the compressor
+        self.tail = {r.layer: torch.zeros(slots, 2, d, device=device)
+                     for r in sources if r.ratio == 2}  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.window, self.compressed, self.index_keys, self.tail)
+        return sum(t.numel() * t.element_size() for part in parts for t in part.values())
+
+    def entry_rows(self, table: torch.Tensor, entries: torch.Tensor, ratio: int) -> torch.Tensor:
+        """Rows of the compressed cache (and index keys) holding ``entries`` of one request
+        whose block table is ``table`` [W]."""
+        pos = entries * ratio
+        per = self.block_size // ratio
+        return table[pos // self.block_size] * per + (pos % self.block_size) // ratio
