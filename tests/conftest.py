@@ -53,3 +53,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def v41_small(tmp_path_factory):
+    """A ``v41-small`` checkpoint (six layers of every V4.1 role), shared by the session."""
+    from tests.support.v41 import write_v41_small
+
+    return write_v41_small(tmp_path_factory.mktemp("v41-small"))

@@ -44,10 +44,22 @@ DEFAULT_PROMPTS = [
 RAISE_ENV = "ENGRAMRT_CHECK_PP_RAISE"
 
 
-def choose_partitions(num_layers: int, stages: int, engram_layers: list[int], limit: int | None):
-    """All partitions, or at most ``limit`` of them, those in which a later stage starts on an
-    Engram layer first."""
+def choose_partitions(
+    num_layers: int,
+    stages: int,
+    engram_layers: list[int],
+    limit: int | None,
+    cuts: list[int] | None = None,
+):
+    """All partitions (with ``cuts``, a V4.1 model's legal cuts: those whose stages all start
+    at one), or at most ``limit`` of them, those in which a later stage starts on an Engram
+    layer first."""
     every = all_partitions(num_layers, stages)
+    if cuts is not None:
+        every = [p for p in every if all(sum(p[:r]) in cuts for r in range(1, stages))]
+        if not every:
+            raise ValueError(f"this V4.1 model has no partition into {stages} stages: a stage "
+                             f"may start only before layers {cuts}")  # fmt: skip
     if limit is None or limit >= len(every):
         return every
 
@@ -78,8 +90,9 @@ def check_pp(opts: CheckOptions) -> dict | None:
     cfg = model_config(load_json(opts.model_dir))
     if not 1 <= opts.stages <= cfg.num_layers:
         raise ValueError(f"--stages must lie in [1, {cfg.num_layers}], got {opts.stages}")
+    cuts = cfg.v41.legal_cuts() if cfg.v41 is not None else None
     partitions = choose_partitions(
-        cfg.num_layers, opts.stages, list(cfg.engram.layer_ids), opts.max_partitions
+        cfg.num_layers, opts.stages, list(cfg.engram.layer_ids), opts.max_partitions, cuts
     )
     encoder = PromptEncoder.load(opts.model_dir)
     prompts = [encoder.text(p) for p in opts.prompts]

@@ -9,6 +9,7 @@ or in ``Engine.new_request`` and nowhere else.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -22,7 +23,9 @@ from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.speculative import SpecConfig
 from engramrt.engram import load_tokenizer
 from engramrt.kernels.compiles import compilations, count_compilations
+from engramrt.model import v41_cache
 from engramrt.model.checkpoint import check_layer_count, default_dtype
+from engramrt.model.decoder import check_v41_stage
 from engramrt.parallel.faults import inject_stage_faults
 from engramrt.parallel.launch import DistConfig, stage_device
 from engramrt.parallel.partition import stage_layers
@@ -37,6 +40,7 @@ from engramrt.runner.kv_budget import (
     stages_per_gpu,
 )
 from engramrt.runner.stage import StageRunner
+from engramrt.tensor_parallel import SINGLE
 
 
 @dataclass
@@ -118,7 +122,25 @@ def check(opts: EngineOptions) -> tuple[ModelConfig, int]:
             "ids past it have no embedding row (a tokenizer of another model?)"
         )
     check_layer_count(opts.model_dir, cfg)
+    if cfg.v41 is not None:
+        _check_v41(opts, cfg)
     return cfg, max_len
+
+
+def _check_v41(opts: EngineOptions, cfg: ModelConfig) -> None:
+    """What the V4.1 torch path does not run yet is an error before anything loads."""
+    if opts.dist.tp_size > 1:
+        raise ValueError("--tensor-parallel-size > 1 does not run V4.1's attention yet: use -tp 1")
+    if opts.speculative is not None:
+        raise ValueError(
+            "--speculative-config is not supported for V4.1 models yet: a rejected draft would "
+            "have to roll back the window rings and compressor tails (DSpark comes later)"
+        )
+    if opts.block_size % 2:
+        raise ValueError(f"--block-size must be even for V4.1 (ratio-2 groups), got "
+                         f"{opts.block_size}")  # fmt: skip
+    for rank in range(len(opts.partition)):  # every stage starts and ends at a legal cut
+        check_v41_stage(cfg, stage_layers(opts.partition, rank), SINGLE)
 
 
 SLOT_STATE_BYTES = 4 << 30  # per-slot state (token rows, block tables) all slots may take
@@ -148,15 +170,29 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
     if opts.num_gpu_blocks_override is not None:
         return opts.num_gpu_blocks_override
     model = runner.model  # the cache's own dtype, as loaded
+    size = model.dtype.itemsize
 
-    def per_block(layers: int) -> int:
-        return kv_block_bytes(opts.block_size, model.kv_heads, cfg.head_dim,
-                              model.dtype.itemsize, layers)  # fmt: skip
+    def per_block(layers: list[int]) -> int:
+        if cfg.v41 is not None:  # compressed KV and index keys: a fraction of a row a token
+            return max(1, math.ceil(opts.block_size * v41_cache.entry_bytes(cfg.v41, layers, size)))
+        return kv_block_bytes(opts.block_size, model.kv_heads, cfg.head_dim, size, len(layers))
+
+    def fixed(layers: list[int]) -> int:  # V4.1's rings and tails: per slot, not per block
+        if cfg.v41 is None:
+            return 0
+        return opts.max_num_seqs * v41_cache.slot_bytes(cfg.v41, layers, size)
 
     if runner.device.type != "cuda" or opts.kv_cache_memory_bytes is not None:
         cap = opts.max_num_seqs * -(-max_len // opts.block_size)
-        budget = opts.kv_cache_memory_bytes or CPU_KV_BYTES
-        return blocks_from_bytes(budget, per_block(cfg.num_layers), cap)
+        every = list(range(cfg.num_layers))
+        budget = (opts.kv_cache_memory_bytes or CPU_KV_BYTES) - fixed(every)
+        if budget < per_block(every):
+            raise ValueError(
+                f"the KV cache budget cannot hold the per-sequence state of --max-num-seqs "
+                f"{opts.max_num_seqs} sequences ({fixed(every) / 2**20:.0f} MiB of window rings "
+                "and compressor tails): lower --max-num-seqs or raise --kv-cache-memory-bytes"
+            )
+        return blocks_from_bytes(budget, per_block(every), cap)
     tokens = max(1, min(opts.max_num_batched_tokens, max_len * opts.max_num_seqs))
     profile = runner.profile_memory(tokens, max_len, opts.block_size, opts.max_num_seqs)
     share = stages_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
@@ -172,9 +208,8 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
                 t[0].numel() * t.element_size() for t in Carry.empty(runner.model, 1).tensors()
             )
         outputs = output_rows(shapes, runner.is_last) * row
-    return blocks_from_profile(profile, opts.gpu_memory_utilization,
-                               per_block(len(model.layer_ids)), share, graph_rows,
-                               outputs)  # fmt: skip
+    return blocks_from_profile(profile, opts.gpu_memory_utilization, per_block(model.layer_ids),
+                               share, graph_rows, outputs, fixed(model.layer_ids))  # fmt: skip
 
 
 def build_stage(
@@ -222,12 +257,19 @@ def build_stage(
 def engine_for(pipe: Pipeline, opts: EngineOptions, cfg: ModelConfig, max_len: int) -> Engine:
     """The engine over a pipeline whose driving stage has its KV cache."""
     kv = pipe.runner.kv
+    prefix_caching = opts.enable_prefix_caching
+    if cfg.v41 is not None and prefix_caching:
+        log("prefix caching is off for V4.1 models: a hit cannot restore the window rings and "
+            "compressor tails, which no block holds")  # fmt: skip
+        prefix_caching = False
     config = EngineConfig(
         max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, kv.num_blocks,
-        opts.enable_prefix_caching, cfg.eos_token_id, cfg.vocab_size,
+        prefix_caching, cfg.eos_token_id, cfg.vocab_size,
         opts.overlap and (bool(opts.async_scheduling) or pipe.can_overlap),
         opts.long_prefill_token_threshold, opts.speculative,
         uniform_drafts=pipe.runner.graphs is not None,
+        # V4.1 is served text-only (no vision tower): its image token is refused in prompts
+        text_only_image_token=cfg.engram.image_token_id if cfg.v41 is not None else None,
     )  # fmt: skip
     return Engine(pipe, pipe.runner.tokenizer, config)
 

@@ -87,6 +87,7 @@ class EngineConfig:
     # every decoding row gets exactly K drafts where room allows (a lookup that finds fewer is
     # padded with its last token), so verify steps replay the runner's verify graphs
     uniform_drafts: bool = False
+    text_only_image_token: int | None = None  # refused in prompts (``RequestLimits``)
 
 
 @dataclass
@@ -123,7 +124,8 @@ class Engine:
         self.pipeline, self.tokenizer, self.cfg = pipeline, tokenizer, cfg
         self.tokenizer_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.limits = RequestLimits(self.tokenizer_size, cfg.model_vocab_size, cfg.max_model_len,
-                                    cfg.num_blocks, cfg.block_size, cfg.eos_token_id)  # fmt: skip
+                                    cfg.num_blocks, cfg.block_size, cfg.eos_token_id,
+                                    cfg.text_only_image_token)  # fmt: skip
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         propose = self._propose if cfg.speculative is not None else None
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,

@@ -95,6 +95,9 @@ class RequestLimits:
     num_blocks: int
     block_size: int
     eos_token_id: int | None
+    # an id the model cannot run: the image token of a V4.1 model served text-only (its
+    # vision tower is not loaded), refused rather than embedded as text
+    text_only_image_token: int | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -114,6 +117,13 @@ class RequestLimits:
                 f"token ids {bad[:8]} are outside the vocabulary [0, {vocab}) (the "
                 f"tokenizer has {self.tokenizer_size} tokens, the model's embedding "
                 f"{self.model_vocab_size or self.tokenizer_size} rows)"
+            )
+        image = self.text_only_image_token
+        if image is not None and image in prompt_ids:
+            raise ValueError(
+                f"the prompt holds the image token id {image} at position "
+                f"{prompt_ids.index(image)}: this engine serves the model text-only (its vision "
+                "tower is not loaded)"
             )
         check_context_length(len(prompt_ids), params.max_tokens, self.max_model_len)
         total = len(prompt_ids) + params.max_tokens

@@ -33,7 +33,7 @@ def entry_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> float:
 def slot_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> int:
     """Bytes of window rings and compressor tails a slot holds in ``layer_ids``."""
     ring = cfg.window_size * cfg.head_dim * itemsize * len(layer_ids)
-    tails = sum(2 * 2 * cfg.head_dim * 4 for r in cfg.roles
+    tails = sum(2 * cfg.head_dim * 4 for r in cfg.roles
                 if r.layer in layer_ids and r.kind == SOURCE and r.ratio == 2)  # fmt: skip
     return ring + tails
 

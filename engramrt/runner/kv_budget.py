@@ -43,16 +43,18 @@ def blocks_from_profile(
     stages_per_gpu: int = 1,
     graph_rows: int = 0,
     graph_outputs: int = 0,
+    fixed: int = 0,
 ) -> int:
     """What ``utilization`` of the GPU (shared by ``stages_per_gpu`` stages) leaves after memory
     outside torch (CUDA context, NCCL), the weights, the peak's activations, the CUDA graphs'
-    pool (about a forward of ``graph_rows`` tokens; 0 without graphs) and the ``graph_outputs``
-    bytes each captured graph keeps for its own outputs, in blocks."""
+    pool (about a forward of ``graph_rows`` tokens; 0 without graphs), the ``graph_outputs``
+    bytes each captured graph keeps for its own outputs and the ``fixed`` bytes the cache holds
+    whatever its block count (V4.1's per-slot rings and tails), in blocks."""
     outside_torch = p.total - p.free - p.reserved
     activations = p.peak - p.profile_cache - p.weights
     graphs = activations * min(1.0, graph_rows / p.tokens) if graph_rows else 0
     budget = int(p.total * utilization / stages_per_gpu - outside_torch - p.weights
-                 - activations - graphs - graph_outputs)  # fmt: skip
+                 - activations - graphs - graph_outputs - fixed)  # fmt: skip
     if budget < per_block:
         raise ValueError(
             f"--gpu-memory-utilization {utilization} leaves no room for the KV cache: the "

@@ -1,0 +1,207 @@
+"""V4.1 through the engine's plumbing, on ``v41-small`` (six layers, every role): a request's
+numbers do not depend on how its tokens were cut into steps (chunked prefill, ratio-2 groups
+split across chunks, decode after prefill), on its batch, or on preemption; what the torch path
+does not run is an error naming the rule; the checkpoint as released loads, and a broken one
+names the tensor."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engramrt.engine.build import EngineOptions, check, kv_blocks
+from engramrt.engine.request import SamplingParams
+from engramrt.model import quant
+from engramrt.model.checkpoint import CheckpointError, load_model
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.stage import StageRunner
+from tests.engine.test_engine import assert_idle, drain
+from tests.support.engine_factory import build_engine
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def runner(v41_small: Path) -> StageRunner:
+    return StageRunner.load(v41_small, num_slots=4, max_len=256, dtype="float32")
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def blocks_for(slot: int, n: int) -> list[int]:
+    return list(range(slot * 16, slot * 16 + -(-n // BLOCK)))
+
+
+def run_steps(runner: StageRunner, runs: list[list[tuple[int, list[int]]]]) -> list[torch.Tensor]:
+    """Steps of (slot, tokens) runs on a fresh cache (each slot on blocks 16 * slot..); every
+    step's logits at each run's last token."""
+    runner.allocate_kv(4, 256, BLOCK, 64)
+    pos: dict[int, int] = {}
+    out = []
+    for step in runs:
+        slots = [s for s, _ in step]
+        lens = [len(t) for _, t in step]
+        starts = [pos.get(s, 0) for s in slots]
+        new = [blocks_for(s, p + n)[-(-p // BLOCK) if p else 0 :]
+               for s, p, n in zip(slots, starts, lens, strict=True)]  # fmt: skip
+        new = [b if not p or (p + n - 1) // BLOCK >= -(-p // BLOCK) else []
+               for b, p, n in zip(new, starts, lens, strict=True)]  # fmt: skip
+        tokens = [t for _, ts in step for t in ts]
+        batch = StepBatch(tokens, slots, lens, starts, new_blocks=new,
+                          block_starts=[-(-p // BLOCK) for p in starts])  # fmt: skip
+        out.append(runner.compute(batch, last_only=True))
+        for s, n in zip(slots, lens, strict=True):
+            pos[s] = pos.get(s, 0) + n
+    return out
+
+
+def caches(runner: StageRunner, slot: int, n: int) -> dict[str, torch.Tensor]:
+    """A slot's compressed entries and index keys (by entry) and rings, for comparison."""
+    kv, out = runner.kv, {}
+    table = torch.tensor(blocks_for(slot, n))
+    for layer, comp in kv.compressed.items():
+        r = runner.model.cfg.v41.roles[layer].ratio
+        rows = kv.entry_rows(table, torch.arange(n // r), r)
+        out[f"compressed.{layer}"] = comp[rows]
+        out[f"index_keys.{layer}"] = kv.index_keys[layer][rows]
+    for layer, ring in kv.window.items():
+        out[f"window.{layer}"] = ring[slot]
+    return out
+
+
+def test_chunked_prefill_equals_whole_prefill(runner: StageRunner) -> None:
+    """Chunks of odd lengths (ratio-2 groups split between chunks, through the tail) and then
+    decode steps give the logits and caches of one whole prefill of the same tokens."""
+    tokens = prompt(53, 1)
+    whole = run_steps(runner, [[(0, tokens)]])[-1]
+    whole_caches = caches(runner, 0, 53)
+    cuts = [0, 7, 20, 33, 50, 51, 52, 53]  # chunks of 7, 13, 13, 17, then three decode steps
+    steps = [[(0, tokens[a:b])] for a, b in zip(cuts, cuts[1:], strict=False)]
+    chunked = run_steps(runner, steps)[-1]
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    for name, value in caches(runner, 0, 53).items():
+        torch.testing.assert_close(value, whole_caches[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_batched_runs_equal_runs_alone(runner: StageRunner) -> None:
+    """Two requests prefilled and decoded in one batch (slots 1 and 2) get the logits each gets
+    alone in slot 0."""
+    a, b = prompt(37, 2), prompt(22, 3)
+    alone = [run_steps(runner, [[(0, p[:-2])], [(0, p[-2:-1])], [(0, p[-1:])]]) for p in (a, b)]
+    both = run_steps(runner, [[(1, a[:-2]), (2, b[:-2])], [(2, b[-2:-1]), (1, a[-2:-1])],
+                              [(1, a[-1:]), (2, b[-1:])]])  # fmt: skip
+    for step in range(3):
+        got = dict(zip([[1, 2], [2, 1], [1, 2]][step], both[step], strict=True))
+        torch.testing.assert_close(got[1], alone[0][step][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[2], alone[1][step][0], rtol=1e-5, atol=1e-5)
+
+
+def test_preemption_by_recompute_gives_identical_outputs(runner: StageRunner) -> None:
+    """Four requests in a cache too small for all of them: some are preempted (their blocks
+    freed, their caches recomputed from the start) and still generate what they do alone."""
+    prompts = [prompt(n, 10 + n) for n in (30, 41, 26, 35)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = []
+    for p in prompts:
+        engine = build_engine(runner, 256, 4, max_num_seqs=4, block_size=4, num_blocks=64)
+        engine.add_request("x", p, params)
+        alone.append(drain(engine)["x"].ids)
+    engine = build_engine(runner, 256, 4, max_num_seqs=4, block_size=4, num_blocks=40)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    results = drain(engine)
+    assert engine.stats()["num_preemptions"] > 0
+    assert_idle(engine)
+    assert [results[str(i)].ids for i in range(4)] == alone
+
+
+def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys) -> None:
+    """Illegal cuts, -tp > 1, speculation and odd block sizes are errors naming the rule; prefix
+    caching is switched off with a log line; the image token is a 400 (text-only serving)."""
+    base = {"model_dir": v41_small, "partition": [6], "max_model_len": 256}
+    check(EngineOptions(**{**base, "partition": [3, 3]}))  # a legal cut
+    for bad, words in [
+        ({"partition": [2, 4]}, ["layer 2", "legal cuts", "[1, 3]"]),
+        ({"partition": [1, 1, 4]}, ["layer 2", "legal cuts"]),
+        ({"block_size": 5}, ["--block-size", "even"]),
+        ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'},
+         ["--speculative-config", "V4.1"]),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError) as err:
+            check(EngineOptions(**{**base, **bad}))
+        assert all(w in str(err.value) for w in words), err.value
+    opts = EngineOptions(**base)
+    opts.dist.tp_size = 2
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        check(opts)
+    runner = StageRunner.load(v41_small, num_slots=2, max_len=64, dtype="float32")
+    engine = build_engine(runner, 64, 2, max_num_seqs=2, block_size=4, num_blocks=32)
+    assert not engine.cfg.enable_prefix_caching
+    assert "prefix caching is off for V4.1" in capsys.readouterr().err
+    image = runner.model.cfg.engram.image_token_id
+    with pytest.raises(ValueError, match=f"image token id {image}"):
+        engine.limits.check([7, image, 8], SamplingParams(max_tokens=2))
+
+
+def test_kv_sizing_counts_compressed_entries_and_rings(v41_small: Path, runner) -> None:
+    """A byte budget buys blocks at the compressed KV's and index keys' bytes a token (each
+    source's 64 + 64 values over its ratio) after the per-slot rings and tails."""
+    cfg = runner.model.cfg
+    opts = EngineOptions(v41_small, [6], 256, max_num_seqs=4, block_size=16,
+                         kv_cache_memory_bytes=2**20)  # fmt: skip
+    rings = 4 * (6 * 16 * 64 * 4 + 2 * 64 * 4)  # 6 rings of 16 x 64, one ratio-2 tail (a, s)
+    per_token = (64 + 64) * 4 / 2 + (64 + 64) * 4 / 1  # sources at layers 1 (r 2), 3 (r 1)
+    want = min(4 * 16, int((2**20 - rings) // (16 * per_token)))
+    assert kv_blocks(runner, opts, cfg, 256) == want
+    runner.allocate_kv(4, 256, 16, want)
+    assert runner.kv.nbytes == rings + want * 16 * per_token
+
+
+def test_released_format_loads_and_broken_tensors_are_named(v41_small: Path, tmp_path, capsys):
+    """``wo_a`` is dequantised at load (FP8 in the file), FP8/FP4 weights stay as stored, the
+    DSpark and vision tensors a released checkpoint carries are skipped with a log line; a
+    missing or misshaped tensor is an error naming it."""
+    model = load_model(v41_small, "float32")
+    state = load_file(v41_small / "model.safetensors")
+    wo_a = quant.dequant_fp8_weight(state["layers.2.attn.wo_a.weight"],
+                                    state["layers.2.attn.wo_a.scale"], torch.float32)  # fmt: skip
+    assert torch.equal(model.layers["2"].attn.wo_a.weight, wo_a)
+    stored = model.layers["2"].ffn.experts[0].w1
+    assert stored.weight.dtype == torch.int8 and stored.scale.dtype == torch.float8_e8m0fnu
+    assert model.layers["2"].attn.wq_b.weight.dtype == torch.float8_e4m3fn
+    assert model.head.weight.dtype == torch.float32
+
+    def variant(name: str, edit) -> Path:
+        out = tmp_path / name
+        shutil.copytree(v41_small, out)
+        tensors = load_file(out / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, out / "model.safetensors")
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        tables = {n: f for n, f in index["weight_map"].items() if "engram.embed" in n}
+        index["weight_map"] = {**tables, **dict.fromkeys(tensors, "model.safetensors")}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
+        return out
+
+    extra = variant("extra", lambda t: t.update({
+        "mtp.0.attn.wq_a.weight": torch.zeros(2, 2), "vision.blocks.0.norm1.weight": torch.ones(4),
+        "layers.0.ffn.gate.bias_vl": torch.zeros(8)}))  # fmt: skip
+    load_model(extra, "float32")
+    err = capsys.readouterr().err
+    assert "DSpark" in err and "vision tower" in err and "routing biases" in err
+    missing = variant("missing", lambda t: t.pop("layers.4.attn.attn_sink"))
+    with pytest.raises(CheckpointError, match="layers.4.attn.attn_sink"):
+        load_model(missing, "float32")
+    name = "layers.3.attn.indexer.wq_b.scale"
+    shaped = variant("shaped", lambda t: t.update({name: t[name][:, :-1].contiguous()}))
+    with pytest.raises(CheckpointError, match=name):
+        load_model(shaped, "float32")
