@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 33 on one H200, one device call per part (the GPU image needs the server stack as wheels
+# in .whl for PART=a's server tests and PART=c's eval: see engine_core.sh).
+#   PART=a  the whole `-m "gpu or triton"` selection
+#   PART=b  the V4.1 presets written on the GPU; generate, check-pp and the numbers of v41-small
+#   PART=c  v41-wide: generate, eval through a server, the decode/prefill numbers and the
+#           CPU fp32 / GPU bf16 agreement (benchmarks/v41_step.py)
+#   bash benchmarks/v41_gpu.sh OUT_DIR
+set -uo pipefail
+out=${1:-/tmp/v41}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+preset() {  # name dir
+  [ -f "$2/config.json" ] || python3 benchmarks/make_models.py --preset "$1" --out "$2" \
+    --device cuda 2>&1 | tail -1
+}
+PROMPT="The history of the hyper-connected transformer begins"
+case "${PART:-b}" in
+  a)
+    timeout 580 python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
+      | tee "$out/gpu_tests.txt" | tail -25
+    ;;
+  b)
+    preset v41-small /tmp/v41s
+    python3 -m engramrt generate --model /tmp/v41s --device cuda --prompt "$PROMPT" \
+      --max-tokens 16 2>&1 | tee "$out/generate-small.txt" | tail -2
+    python3 -m engramrt check-pp --model /tmp/v41s --stages 2 2>&1 | tee "$out/check-pp.txt" \
+      | tail -4
+    timeout 300 python3 -m benchmarks.v41_step --model /tmp/v41s --out "$out/v41s.json" \
+      --prefill 1000 --agree-prompts 4 --agree-tokens 32 2>&1 | grep -v "^engramrt" \
+      | tee "$out/v41s.txt"
+    preset v41-wide /tmp/v41w
+    du -sh /tmp/v41w | tee -a "$out/v41s.txt"
+    ;;
+  c)
+    preset v41-wide /tmp/v41w
+    python3 -m engramrt generate --model /tmp/v41w --device cuda --prompt "$PROMPT" \
+      --max-tokens 8 2>&1 | tee "$out/generate-wide.txt" | tail -2
+    timeout 200 python3 -m engramrt eval engramrt/bundled/tiny/tasks/arithmetic.jsonl \
+      --model /tmp/v41w --limit 8 --max-tokens 4 2>&1 | tee "$out/eval-wide.txt" | tail -6
+    timeout 330 python3 -m benchmarks.v41_step --model /tmp/v41w --out "$out/v41w.json" \
+      --agree-prompts 1 --agree-tokens 4 2>&1 | grep -v "^engramrt" | tee "$out/v41w.txt"
+    ;;
+esac

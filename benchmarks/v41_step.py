@@ -1,0 +1,179 @@
+"""The first V4.1 numbers (issue 33): the torch path's decode step at bs 1 and 64 against its
+byte floor, a 4k-token prefill, and greedy agreement between CPU float32 and GPU bfloat16.
+
+    python benchmarks/v41_step.py --model /tmp/v41w --out v41w.json [--agree-tokens 8]
+
+The floor of a decode step is the bytes it must read once (every attention weight as stored, the
+routed experts the batch reaches and the shared one, norms, mixes, the Engram rows and the head;
+the caches are small next to them) over the copy bandwidth measured in the same run. The torch
+path dequantises every FP8/FP4 weight on each use, so it is far above that floor: issue 34's
+kernels read the weights as stored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from benchmarks.hash_bench import copy_bandwidth_gbs
+from engramrt.model.quant import StoredLinear
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.stage import StageRunner
+
+BLOCK = 16
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def weight_bytes(runner: StageRunner, experts: int) -> int:
+    """Bytes a decode step reads from the weights when each layer's tokens reach ``experts``
+    routed experts: everything but the unreached experts and the embedding (one row a token)."""
+    model, total = runner.model, 0
+    for name, t in model.state_dict().items():
+        if ".engram.embed." in name or name.startswith("embed."):
+            continue
+        if ".ffn.experts." in name and int(name.split(".ffn.experts.")[1].split(".")[0]) >= experts:
+            continue  # the unreached experts (which ones does not change the count)
+        total += t.numel() * t.element_size()
+    return total
+
+
+class Session:
+    """Requests in slots on a runner, stepped by hand (each slot on its own blocks)."""
+
+    def __init__(self, runner: StageRunner, slots: int, max_len: int):
+        self.runner, self.per = runner, -(-max_len // BLOCK)
+        runner.allocate_kv(slots, max_len, BLOCK, slots * self.per)
+        self.pos: dict[int, int] = {}
+
+    def step(self, runs: dict[int, list[int]]) -> list[int]:
+        slots = list(runs)
+        starts = [self.pos.get(s, 0) for s in slots]
+        lens = [len(runs[s]) for s in slots]
+        new = [list(range(s * self.per + -(-p // BLOCK), s * self.per + -(-(p + n) // BLOCK)))
+               for s, p, n in zip(slots, starts, lens, strict=True)]  # fmt: skip
+        have = [-(-p // BLOCK) for p in starts]
+        tokens = [t for s in slots for t in runs[s]]
+        batch = StepBatch(tokens, slots, lens, starts, new_blocks=new, block_starts=have)
+        out = self.runner.run(batch)
+        for s, n in zip(slots, lens, strict=True):
+            self.pos[s] = self.pos.get(s, 0) + n
+        return out.tokens
+
+
+def prompt(n: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, min(vocab, 1000)) for _ in range(n)]
+
+
+def decode_ms(runner: StageRunner, bs: int, context: int, steps: int) -> list[float]:
+    """Per-step wall times of ``steps`` decode steps of ``bs`` requests after a prefill of
+    ``context`` tokens each (the first two steps are warm-up)."""
+    vocab = runner.model.cfg.vocab_size
+    s = Session(runner, bs, context + steps + 4)
+    last = {}
+    for b in range(bs):
+        last[b] = s.step({b: prompt(context, b, vocab)})[0]
+    times = []
+    for _ in range(steps + 2):
+        sync()
+        t0 = time.perf_counter()
+        out = s.step({b: [last[b]] for b in range(bs)})
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        last = dict(enumerate(out))
+    return times[2:]
+
+
+def prefill_ms(runner: StageRunner, tokens: int, reps: int = 2) -> list[float]:
+    times = []
+    for r in range(reps + 1):
+        s = Session(runner, 1, tokens + 1)
+        sync()
+        t0 = time.perf_counter()
+        s.step({0: prompt(tokens, 100 + r, runner.model.cfg.vocab_size)})
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times[1:]
+
+
+def greedy(runner: StageRunner, tokens: list[int], n: int) -> list[int]:
+    s = Session(runner, 1, len(tokens) + n + 1)
+    out = s.step({0: tokens})
+    for _ in range(n - 1):
+        out += s.step({0: out[-1:]})
+    return out
+
+
+def forced(runner: StageRunner, tokens: list[int]) -> torch.Tensor:
+    """fp32 logits at every position of one prefill of ``tokens`` (teacher forcing)."""
+    s = Session(runner, 1, len(tokens) + 1)
+    batch = StepBatch(tokens, [0], [len(tokens)], [0], new_blocks=[list(range(s.per))])
+    return s.runner.compute(batch).float().cpu()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding row")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--agree-prompts", type=int, default=4)
+    ap.add_argument("--agree-tokens", type=int, default=32)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    report: dict = {"model": args.model}
+    gpu = StageRunner.load(args.model, 64, None, args.device, "bfloat16", num_blocks=0)
+    cfg = gpu.model.cfg
+    report["copy_gbs"] = bw = copy_bandwidth_gbs(args.device)
+    stored = sum(m.weight.numel() + m.scale.numel()
+                 for m in gpu.model.modules() if isinstance(m, StoredLinear))  # fmt: skip
+    report["stored_linear_bytes"] = stored
+    report["decode"] = {}
+    for bs in map(int, args.batches.split(",")):
+        times = decode_ms(gpu, bs, args.context, args.steps)
+        reached = min(cfg.n_routed_experts, bs * cfg.num_experts_per_tok)
+        floor_ms = weight_bytes(gpu, reached) / (bw * 1e9) * 1e3
+        med = statistics.median(times)
+        report["decode"][bs] = {"ms": times, "median_ms": med, "floor_ms": floor_ms,
+                                "experts_reached": reached, "x_floor": med / floor_ms}  # fmt: skip
+        print(f"decode bs {bs}: {med:.1f} ms a step, floor {floor_ms:.2f} ms "
+              f"({med / floor_ms:.0f}x)", flush=True)  # fmt: skip
+    if args.prefill:
+        times = prefill_ms(gpu, args.prefill)
+        report["prefill"] = {"tokens": args.prefill, "ms": times}
+        print(f"prefill {args.prefill}: {min(times):.0f} ms "
+              f"({args.prefill / min(times) * 1e3:.0f} tok/s)", flush=True)  # fmt: skip
+    # greedy agreement: GPU bf16 against CPU fp32 on the same prompts
+    cpu = StageRunner.load(args.model, 1, None, "cpu", "float32", num_blocks=0)
+    rows = []
+    for i in range(args.agree_prompts):
+        p = prompt(48, 1000 + i, cfg.vocab_size)
+        a, b = greedy(gpu, p, args.agree_tokens), greedy(cpu, p, args.agree_tokens)
+        same = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        # the same tokens (prompt + CPU's greedy ones) through both: per-position agreement
+        ref, got = forced(cpu, p + b), forced(gpu, p + b)
+        top = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+        rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).median().item()
+        rows.append({"gpu_bf16": a, "cpu_fp32": b, "identical_prefix": same,
+                     "forced_top1_agreement": top, "forced_median_rel_err": rel})  # fmt: skip
+        print(f"prompt {i}: {same}/{len(a)} greedy tokens identical before the first "
+              f"difference; teacher-forced top-1 agreement {top:.1%}, median relative logit "
+              f"error {rel:.3f}", flush=True)  # fmt: skip
+    report["agreement"] = rows
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
