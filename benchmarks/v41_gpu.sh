@@ -3,7 +3,7 @@
 # in .whl for PART=a's server tests and PART=c's eval: see engine_core.sh).
 #   PART=a  the whole `-m "gpu or triton"` selection
 #   PART=b  the V4.1 presets written on the GPU; generate, check-pp and the numbers of v41-small
-#   PART=c  v41-wide: generate, eval through a server, the decode/prefill numbers and the
+#   PART=c  v41-wide: generate, check-pp on the GPU, eval through a server, the decode/prefill numbers and the
 #           CPU fp32 / GPU bf16 agreement (benchmarks/v41_step.py)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
@@ -37,6 +37,8 @@ case "${PART:-b}" in
     preset v41-wide /tmp/v41w
     python3 -m engramrt generate --model /tmp/v41w --device cuda --prompt "$PROMPT" \
       --max-tokens 8 2>&1 | tee "$out/generate-wide.txt" | tail -2
+    timeout 200 python3 -m engramrt check-pp --model /tmp/v41w --stages 2 --device cuda \
+      --dtype bfloat16 --decode-steps 4 2>&1 | tee "$out/check-pp-wide.txt" | tail -4
     timeout 200 python3 -m engramrt eval engramrt/bundled/tiny/tasks/arithmetic.jsonl \
       --model /tmp/v41w --limit 8 --max-tokens 4 2>&1 | tee "$out/eval-wide.txt" | tail -6
     timeout 330 python3 -m benchmarks.v41_step --model /tmp/v41w --out "$out/v41w.json" \

@@ -297,6 +297,33 @@ def test_fp4_weights_dequantise_with_the_even_element_low() -> None:
             assert fr(got[i, j].item()) == want, (i, j)
 
 
+def test_weight_quantisers_write_what_a_checkpoint_writer_would() -> None:
+    """``fp8_weight`` / ``fp4_weight`` (the preset writer's) against a Fraction restatement:
+    per block the smallest power of two at or above amax / 448 (/ 6), each value rounded to the
+    nearest even E4M3 (E2M1) code of value / scale; partial blocks included."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(40, 72, generator=g) * torch.logspace(-3, 2, 72)  # blocks of every size
+    values, scale = quant.fp8_weight(w)
+    assert values.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu
+    for bi in range(2):
+        for bj in range(3):
+            block = w[bi * 32 : bi * 32 + 32, bj * 32 : bj * 32 + 32]
+            want = ceil_pow2(fr(block.abs().max()) / 448)
+            assert Fraction(2) ** (int(scale.view(torch.uint8)[bi, bj]) - 127) == want
+            for x, got in zip(block.flatten().tolist(), values[bi * 32 : bi * 32 + 32,
+                              bj * 32 : bj * 32 + 32].flatten().tolist(), strict=True):  # fmt: skip
+                assert got == oracle_e4m3(float(fr(x) / want)), (bi, bj, x)
+    packed, scale = quant.fp4_weight(w[:, :64])
+    codes = quant.unpack_e2m1(packed)
+    for i in range(40):
+        for b in range(2):
+            block = w[i, b * 32 : b * 32 + 32]
+            want = ceil_pow2(fr(block.abs().max()) / 6)
+            assert Fraction(2) ** (int(scale.view(torch.uint8)[i, b]) - 127) == want
+            for j, x in enumerate(block.tolist()):
+                assert codes[i, b * 32 + j].item() == oracle_e2m1(float(fr(x) / want)), (i, j)
+
+
 def test_quantized_linear_matches_the_references_block_accumulation() -> None:
     """The reference sums each 32-wide K block of raw E4M3 x E4M3 products in fp32, scales it
     by both blocks' scales and accumulates in K order; dequantising first gives the same
