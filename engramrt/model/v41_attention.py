@@ -14,7 +14,9 @@ denominator only. Per layer role (``engramrt.v41_config``):
 
 Tokens come as runs, one per request (``ForwardContext``): projections run on the whole step,
 the window, compressor, indexer and attention run per run, so a request's numbers do not depend
-on its batch. Top-k ties (bf16 scores tie often) go to the lower position, always.
+on its batch. Top-k ties (bf16 scores tie often) go to the lower position, always. A source
+scores its own index keys at every step (the reference's code scores the last publisher's on a
+step where its ratio-2 group stays open: README, "DeepSeek-V4.1 models").
 """
 
 from __future__ import annotations
