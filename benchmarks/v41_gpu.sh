@@ -38,7 +38,8 @@ case "${PART:-b}" in
     python3 -m engramrt generate --model /tmp/v41w --device cuda --prompt "$PROMPT" \
       --max-tokens 8 2>&1 | tee "$out/generate-wide.txt" | tail -2
     timeout 200 python3 -m engramrt check-pp --model /tmp/v41w --stages 2 --device cuda \
-      --dtype bfloat16 --decode-steps 4 2>&1 | tee "$out/check-pp-wide.txt" | tail -4
+      --dtype bfloat16 --decode-steps 4 --distributed-backend gloo 2>&1 \
+      | tee "$out/check-pp-wide.txt" | tail -4
     timeout 200 python3 -m engramrt eval engramrt/bundled/tiny/tasks/arithmetic.jsonl \
       --model /tmp/v41w --limit 8 --max-tokens 4 2>&1 | tee "$out/eval-wide.txt" | tail -6
     timeout 330 python3 -m benchmarks.v41_step --model /tmp/v41w --out "$out/v41w.json" \
