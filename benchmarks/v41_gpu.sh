@@ -3,8 +3,8 @@
 # in .whl for PART=a's server tests and PART=c's eval: see engine_core.sh).
 #   PART=a  the whole `-m "gpu or triton"` selection
 #   PART=b  the V4.1 presets written on the GPU; generate, check-pp and the numbers of v41-small
-#   PART=c  v41-wide: generate, check-pp on the GPU, eval through a server, the decode/prefill numbers and the
-#           CPU fp32 / GPU bf16 agreement (benchmarks/v41_step.py)
+#   PART=c  v41-wide: generate, check-pp on the GPU, eval through a server, the decode and
+#           prefill numbers and the CPU fp32 / GPU bf16 agreement (benchmarks/v41_step.py)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
