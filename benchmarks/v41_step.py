@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -21,6 +22,7 @@ import time
 import torch
 
 from benchmarks.hash_bench import copy_bandwidth_gbs
+from engramrt.kernels import FORCE_TORCH_ENV
 from engramrt.model.quant import StoredLinear
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
@@ -131,6 +133,7 @@ def main() -> None:
     ap.add_argument("--agree-prompts", type=int, default=4)
     ap.add_argument("--agree-tokens", type=int, default=32)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--torch-too", action="store_true", help="decode on the torch path as well")
     args = ap.parse_args()
     report: dict = {"model": args.model}
     gpu = StageRunner.load(args.model, 64, None, args.device, "bfloat16", num_blocks=0)
@@ -141,14 +144,18 @@ def main() -> None:
     report["stored_linear_bytes"] = stored
     report["decode"] = {}
     for bs in map(int, args.batches.split(",")):
-        times = decode_ms(gpu, bs, args.context, args.steps)
         reached = min(cfg.n_routed_experts, bs * cfg.num_experts_per_tok)
         floor_ms = weight_bytes(gpu, reached) / (bw * 1e9) * 1e3
-        med = statistics.median(times)
-        report["decode"][bs] = {"ms": times, "median_ms": med, "floor_ms": floor_ms,
-                                "experts_reached": reached, "x_floor": med / floor_ms}  # fmt: skip
-        print(f"decode bs {bs}: {med:.1f} ms a step, floor {floor_ms:.2f} ms "
-              f"({med / floor_ms:.0f}x)", flush=True)  # fmt: skip
+        row = report["decode"][bs] = {"floor_ms": floor_ms, "experts_reached": reached}
+        for path in ("kernels", "torch") if args.torch_too else ("kernels",):
+            if path == "torch":  # every kernel's torch reference (engramrt.kernels.use_triton)
+                os.environ[FORCE_TORCH_ENV] = "1"
+            times = decode_ms(gpu, bs, args.context, args.steps)
+            os.environ.pop(FORCE_TORCH_ENV, None)
+            med = statistics.median(times)
+            row[path] = {"ms": times, "median_ms": med, "x_floor": med / floor_ms}
+            print(f"decode bs {bs} ({path}): {med:.1f} ms a step, floor {floor_ms:.2f} ms "
+                  f"({med / floor_ms:.0f}x)", flush=True)  # fmt: skip
     if args.prefill:
         times = prefill_ms(gpu, args.prefill)
         report["prefill"] = {"tokens": args.prefill, "ms": times}

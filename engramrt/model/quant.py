@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engramrt.kernels import use_triton
+
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 # the reference's kernels multiply by the reciprocal, as an fp32 constant
@@ -224,4 +226,10 @@ class StoredLinear(nn.Module):
         return dequant_fp8_weight(self.weight, self.scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x.device):  # the bytes as stored, decoded in the kernel
+            from engramrt.kernels.stored_linear import stored_linear
+
+            shape = x.shape
+            a = act_roundtrip(x.reshape(-1, shape[-1]))
+            return stored_linear(a, self.weight, self.scale, self.fp4).view(*shape[:-1], -1)
         return quantized_linear(x, self.dequantized(x.dtype))

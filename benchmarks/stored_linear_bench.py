@@ -1,0 +1,71 @@
+"""V4.1's FP8 / FP4 linears at Flash's shapes (issue 34 item 3): the Triton kernel that reads the
+weights as stored, against the torch path (dequantise, then an fp32 GEMM), a bf16 GEMM over a
+weight dequantised beforehand (cuBLAS; twice the bytes of FP8, four times FP4's), and the byte
+floor (the stored weight and scales, the activations and the output, once each, over the copy
+bandwidth measured in the same run).
+
+    python benchmarks/stored_linear_bench.py --out stored_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from benchmarks.hash_bench import copy_bandwidth_gbs, median_us
+from engramrt.kernels.stored_linear import stored_linear
+from engramrt.model import quant
+
+SHAPES = {  # name: (N, K, fp4) at V4.1-Flash's widths
+    "wq_a": (1280, 5120, False), "wq_b": (32768, 1280, False), "wkv": (512, 5120, False),
+    "wo_b": (5120, 8192, False), "indexer.wq_b": (4096, 1280, False),
+    "expert.w1": (2304, 5120, True), "expert.w2": (5120, 2304, True),
+}  # fmt: skip
+ROTATE_BYTES = 256 * 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default="1,16,64,8192")
+    args = ap.parse_args()
+    dev = "cuda"
+    bw = copy_bandwidth_gbs(dev)
+    rows, g = [], torch.Generator(device=dev).manual_seed(0)
+    print(f"copy bandwidth {bw:.0f} GB/s")
+    print(f"{'shape':<14}{'M':>6}{'kernel us':>11}{'torch us':>10}{'bf16 us':>9}"
+          f"{'floor us':>10}{'x floor':>8}{'TFLOP/s':>9}")  # fmt: skip
+    for name, (n, k, fp4) in SHAPES.items():
+        w = torch.randn(n, k, device=dev, generator=g) / k**0.5
+        stored, scale = quant.fp4_weight(w) if fp4 else quant.fp8_weight(w)
+        dequant = quant.dequant_fp4_weight if fp4 else quant.dequant_fp8_weight
+        w16 = dequant(stored, scale, torch.bfloat16)
+        # copies to rotate through, more bytes than the 60 MB L2 holds (a step reads each once)
+        copies = [(stored.clone(), scale.clone())
+                  for _ in range(-(-ROTATE_BYTES // stored.numel()))]  # fmt: skip
+        turn = itertools.cycle(copies)
+        for m in map(int, args.rows.split(",")):
+            a = quant.act_roundtrip(torch.randn(m, k, device=dev, generator=g)).bfloat16()
+            kernel = median_us(lambda a=a: stored_linear(a, *next(turn), fp4), dev)
+            torch_path = median_us(
+                lambda a=a, s=stored, c=scale: quant.quantized_linear(a, dequant(s, c, a.dtype)),
+                dev, reps=5,
+            )  # fmt: skip
+            bf16 = median_us(lambda a=a, w=w16: a @ w.T, dev)
+            nbytes = stored.numel() + scale.numel() + a.numel() * 2 + m * n * 2
+            floor = nbytes / (bw * 1e3)
+            tflops = 2 * m * n * k / kernel / 1e6
+            rows.append({"shape": name, "n": n, "k": k, "fp4": fp4, "m": m, "kernel_us": kernel,
+                         "torch_us": torch_path, "bf16_gemm_us": bf16, "floor_us": floor,
+                         "tflops": tflops})  # fmt: skip
+            print(f"{name:<14}{m:>6}{kernel:>11.1f}{torch_path:>10.0f}{bf16:>9.1f}{floor:>10.1f}"
+                  f"{kernel / floor:>8.2f}{tflops:>9.1f}", flush=True)  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump({"copy_gbs": bw, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
