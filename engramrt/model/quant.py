@@ -25,6 +25,7 @@ the computation is fp32 throughout, as the reference's kernels do it):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engramrt.kernels import use_triton
@@ -203,6 +204,13 @@ def fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_e2m1(codes), _e8m0_bytes(scale)
 
 
+# rows up to which a CUDA step reads the weight as stored in the Triton kernel (GEMV-like: the
+# bytes set the pace); above, a bf16 GEMM on the tensor cores over a dequantised copy of the one
+# weight, freed after the call (the kernel decodes each weight tile once per row tile, and was
+# slower than that from 64 rows on: BENCHMARKS.md, issue 34)
+STORED_KERNEL_ROWS = 64
+
+
 class StoredLinear(nn.Module):
     """A linear layer's weight as the checkpoint stores it, kept so in memory: FP8 E4M3 with
     32 x 32 E8M0 block scales, or FP4 (I8, two E2M1 codes a byte) with an E8M0 scale per 32;
@@ -226,10 +234,12 @@ class StoredLinear(nn.Module):
         return dequant_fp8_weight(self.weight, self.scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x.device):  # the bytes as stored, decoded in the kernel
-            from engramrt.kernels.stored_linear import stored_linear
+        if not use_triton(x.device):
+            return quantized_linear(x, self.dequantized(x.dtype))
+        shape = x.shape
+        a = act_roundtrip(x.reshape(-1, shape[-1]))
+        if len(a) > STORED_KERNEL_ROWS:  # a GEMM: cuBLAS on a dequantised copy freed at once
+            return F.linear(a, self.dequantized(x.dtype)).view(*shape[:-1], -1)
+        from engramrt.kernels.stored_linear import stored_linear  # the bytes as stored
 
-            shape = x.shape
-            a = act_roundtrip(x.reshape(-1, shape[-1]))
-            return stored_linear(a, self.weight, self.scale, self.fp4).view(*shape[:-1], -1)
-        return quantized_linear(x, self.dequantized(x.dtype))
+        return stored_linear(a, self.weight, self.scale, self.fp4).view(*shape[:-1], -1)
