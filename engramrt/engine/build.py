@@ -40,7 +40,6 @@ from engramrt.runner.kv_budget import (
     stages_per_gpu,
 )
 from engramrt.runner.stage import StageRunner
-from engramrt.tensor_parallel import SINGLE
 
 
 @dataclass
@@ -129,8 +128,6 @@ def check(opts: EngineOptions) -> tuple[ModelConfig, int]:
 
 def _check_v41(opts: EngineOptions, cfg: ModelConfig) -> None:
     """What the V4.1 torch path does not run yet is an error before anything loads."""
-    if opts.dist.tp_size > 1:
-        raise ValueError("--tensor-parallel-size > 1 does not run V4.1's attention yet: use -tp 1")
     if opts.speculative is not None:
         raise ValueError(
             "--speculative-config is not supported for V4.1 models yet: a rejected draft would "
@@ -140,7 +137,7 @@ def _check_v41(opts: EngineOptions, cfg: ModelConfig) -> None:
         raise ValueError(f"--block-size must be even for V4.1 (ratio-2 groups), got "
                          f"{opts.block_size}")  # fmt: skip
     for rank in range(len(opts.partition)):  # every stage starts and ends at a legal cut
-        check_v41_stage(cfg, stage_layers(opts.partition, rank), SINGLE)
+        check_v41_stage(cfg, stage_layers(opts.partition, rank))
 
 
 SLOT_STATE_BYTES = 4 << 30  # per-slot state (token rows, block tables) all slots may take

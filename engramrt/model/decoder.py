@@ -57,8 +57,8 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.v41 is not None:  # V4.1's own attention and MoE
-            self.attn: nn.Module = V41Attention(cfg.v41, cfg.v41.roles[layer_id], dtype)
-            self.ffn: nn.Module = V41MoE(cfg.v41)
+            self.attn: nn.Module = V41Attention(cfg.v41, cfg.v41.roles[layer_id], dtype, tp)
+            self.ffn: nn.Module = V41MoE(cfg.v41, tp=tp)
         else:
             self.attn = Attention(cfg, layer_id, dtype, tp)
             self.ffn = _ffn(cfg, dtype, tp)
@@ -123,7 +123,7 @@ class EngramMHCModel(nn.Module):
         self.cfg, self.dtype, self.tp = cfg, dtype, tp
         ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         if cfg.v41 is not None:
-            check_v41_stage(cfg, ids, tp)
+            check_v41_stage(cfg, ids)
         self.layer_ids = ids
         v0, v1, _ = tp.padded_span(cfg.vocab_size)
         self.vocab_start = v0
@@ -204,11 +204,9 @@ class EngramMHCModel(nn.Module):
         return self.logits(*self.forward_layers(x, pre, ctx))
 
 
-def check_v41_stage(cfg: ModelConfig, layer_ids: list[int], tp: TensorParallel) -> None:
+def check_v41_stage(cfg: ModelConfig, layer_ids: list[int]) -> None:
     """A V4.1 stage starts and ends where a pipeline may cut (``V41Config.legal_cuts``: no later
-    layer reads a cache, index keys, candidates or top-k an earlier stage wrote); one rank."""
-    if tp.size > 1:
-        raise ValueError("--tensor-parallel-size > 1 does not run V4.1's attention yet: use -tp 1")
+    layer reads a cache, index keys, candidates or top-k an earlier stage wrote)."""
     legal = [0, *cfg.v41.legal_cuts(), cfg.num_layers]
     for edge in (layer_ids[0], layer_ids[-1] + 1):
         if edge not in legal:

@@ -216,9 +216,34 @@ class StoredLinear(nn.Module):
     32 x 32 E8M0 block scales, or FP4 (I8, two E2M1 codes a byte) with an E8M0 scale per 32;
     dequantised for each use (the torch path; kernels read it as stored)."""
 
-    def __init__(self, out_features: int, in_features: int, fp4: bool = False):
+    def __init__(
+        self,
+        out_features: int,
+        in_features: int,
+        fp4: bool = False,
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+    ):
+        """``rows`` / ``cols``: the ``[lo, hi)`` of the output / input features a tensor-parallel
+        rank holds (multiples of 32, so that it reads whole scale blocks: ``shards``)."""
         super().__init__()
         self.fp4 = fp4
+        self.shards = {}
+        for dim, span in ((0, rows), (1, cols)):
+            if span is None:
+                continue
+            lo, hi = span
+            if lo % 32 or hi % 32:
+                raise ValueError(f"a tensor-parallel slice [{lo}, {hi}) of an FP8/FP4 weight "
+                                 "must lie on its 32-wide scale blocks")  # fmt: skip
+            packed = 2 if fp4 and dim == 1 else 1  # two FP4 codes a byte along the inputs
+            per_scale = 1 if fp4 and dim == 0 else 32  # FP4: a scale per row and 32 inputs
+            self.shards = {**self.shards, "weight": (dim, lo // packed, hi // packed),
+                           "scale": (dim, lo // per_scale, hi // per_scale)}  # fmt: skip
+            if dim == 0:
+                out_features = hi - lo
+            else:
+                in_features = hi - lo
         if fp4:
             weight = torch.zeros(out_features, in_features // 2, dtype=torch.int8)
             scale = torch.zeros(out_features, in_features // 32, dtype=torch.uint8)

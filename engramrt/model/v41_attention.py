@@ -33,6 +33,7 @@ from engramrt.model.context import ForwardContext
 from engramrt.model.layers import RMSNorm
 from engramrt.model.quant import StoredLinear
 from engramrt.model.v41_cache import V41Cache
+from engramrt.tensor_parallel import SINGLE, TensorParallel
 from engramrt.v41_config import REINDEX, REUSE, SOURCE, WINDOW, LayerRole, V41Config
 
 QUERY_CHUNK = 256  # queries whose scores are formed at once (bounds a long prefill's memory)
@@ -73,6 +74,11 @@ def rotate_tail(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) ->
     re, im = pairs[..., 0], pairs[..., 1]
     turned = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2)
     return torch.cat([x[..., :-rd], turned.to(x.dtype)], dim=-1)
+
+
+def tp_span(tp: TensorParallel, lo: int, hi: int) -> tuple[int, int] | None:
+    """A rank's slice of a weight's features, or None when it holds them all."""
+    return None if tp.size == 1 else (lo, hi)
 
 
 class Compressor(nn.Module):
@@ -162,23 +168,40 @@ class Indexer(nn.Module):
 
 
 class V41Attention(nn.Module):
-    def __init__(self, cfg: V41Config, role: LayerRole, dtype: torch.dtype):
+    """With tensor parallelism a rank holds whole output groups and their query heads (``wq_b``
+    rows, sinks, ``wo_a`` rows, ``wo_b`` columns); the latent, compressor and indexer are
+    replicated, so every rank keeps the same caches and picks the same top-k; ``wo_b``'s partial
+    sums are all-reduced in fp32."""
+
+    def __init__(
+        self, cfg: V41Config, role: LayerRole, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ):
         super().__init__()
-        self.role, self.layer_id = role, role.layer
+        self.role, self.layer_id, self.tp = role, role.layer, tp
         self.kv_heads = 1  # one shared latent is every head's K and V
-        self.heads, self.head_dim, self.rope_dim = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
-        self.window, self.groups, self.rank = cfg.window_size, cfg.o_groups, cfg.o_lora_rank
+        g0, g1 = tp.span(cfg.o_groups, "o_groups")
+        per_group = cfg.n_heads // cfg.o_groups
+        h0, h1 = g0 * per_group, g1 * per_group
+        d, rank = cfg.head_dim, cfg.o_lora_rank
+        self.heads, self.head_dim, self.rope_dim = h1 - h0, d, cfg.rope_head_dim
+        self.window, self.groups, self.rank = cfg.window_size, g1 - g0, rank
         self.wq_a = StoredLinear(cfg.q_lora_rank, cfg.dim)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, dtype)
-        self.wq_b = StoredLinear(cfg.n_heads * cfg.head_dim, cfg.q_lora_rank)
-        self.wkv = StoredLinear(cfg.head_dim, cfg.dim)
-        self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype)
+        self.wq_b = StoredLinear(cfg.n_heads * d, cfg.q_lora_rank, rows=tp_span(tp, h0 * d, h1 * d))
+        self.wkv = StoredLinear(d, cfg.dim)
+        self.kv_norm = RMSNorm(d, cfg.norm_eps, dtype)
         # block-diagonal over the output groups: kept dequantised (the checkpoint's FP8 scale is
-        # applied at load, ``load_dequantised``)
-        group_in = cfg.n_heads * cfg.head_dim // cfg.o_groups
-        self.wo_a = nn.Linear(group_in, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=dtype)
-        self.wo_b = StoredLinear(cfg.dim, cfg.o_groups * cfg.o_lora_rank)
-        self.attn_sink = nn.Parameter(torch.zeros(cfg.n_heads), requires_grad=False)
+        # applied at load)
+        group_in = cfg.n_heads * d // cfg.o_groups
+        self.wo_a = nn.Linear(group_in, self.groups * rank, bias=False, dtype=dtype)
+        self.wo_b = StoredLinear(
+            cfg.dim, cfg.o_groups * rank, cols=tp_span(tp, g0 * rank, g1 * rank)
+        )
+        self.attn_sink = nn.Parameter(torch.zeros(h1 - h0), requires_grad=False)
+        self.shards = {} if tp.size == 1 else {
+            "wo_a.weight": (0, g0 * rank, g1 * rank), "attn_sink": (0, h0, h1),
+            "wo_a.scale": (0, g0 * rank // 32, g1 * rank // 32),  # whole blocks: rank % 32 == 0
+        }  # fmt: skip
         self.softmax_scale = cfg.head_dim**-0.5
         self.compressor = Compressor(cfg, role.ratio, dtype) if role.kind == SOURCE else None
         self.indexer = (Indexer(cfg, role.kind == SOURCE, dtype)
@@ -210,7 +233,8 @@ class V41Attention(nn.Module):
             q0 += n
         o = rotate_tail(out, angles, inverse=True).flatten(1).unflatten(-1, (self.groups, -1))
         u = torch.einsum("tgd,grd->tgr", o, self.wo_a.weight.unflatten(0, (self.groups, self.rank)))
-        return self.wo_b(u.flatten(1))
+        y = self.wo_b(u.flatten(1))
+        return y if self.tp.solo else self.tp.all_reduce(y.float()).to(y.dtype)
 
     def _run(self, x, qr, q, kv, angles, slot, p0, b, ctx, cache: V41Cache, shared):
         """Attention output ``[n, heads, head_dim]`` of one request's run of ``n`` tokens from

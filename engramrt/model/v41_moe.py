@@ -21,15 +21,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from engramrt.model.quant import StoredLinear
+from engramrt.tensor_parallel import SINGLE, TensorParallel
 from engramrt.v41_config import V41Config
 
 
 class Expert(nn.Module):
-    def __init__(self, dim: int, inter: int, fp4: bool, limit: float):
+    """``span``: the intermediate features a tensor-parallel rank holds (w1/w3 rows, w2
+    columns); its output is then a partial sum."""
+
+    def __init__(
+        self, dim: int, inter: int, fp4: bool, limit: float, span: tuple[int, int] | None = None
+    ):
         super().__init__()
-        self.w1 = StoredLinear(inter, dim, fp4)
-        self.w2 = StoredLinear(dim, inter, fp4)
-        self.w3 = StoredLinear(inter, dim, fp4)
+        self.w1 = StoredLinear(inter, dim, fp4, rows=span)
+        self.w2 = StoredLinear(dim, inter, fp4, cols=span)
+        self.w3 = StoredLinear(inter, dim, fp4, rows=span)
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,15 +60,19 @@ class Gate(nn.Module):
 
 
 class V41MoE(nn.Module):
-    def __init__(self, cfg: V41Config, image_bias: bool = False):
+    """With tensor parallelism every rank routes (the gate is replicated) and holds a slice of
+    every expert's features, the shared one's too; the fp32 sum is all-reduced once."""
+
+    def __init__(self, cfg: V41Config, image_bias: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.k, self.route_scale = cfg.n_activated_experts, cfg.route_scale
+        self.k, self.route_scale, self.tp = cfg.n_activated_experts, cfg.route_scale, tp
         self.gate = Gate(cfg, image_bias)
+        span = None if tp.size == 1 else tp.span(cfg.moe_inter_dim, "moe_intermediate_size")
         self.experts = nn.ModuleList(
-            Expert(cfg.dim, cfg.moe_inter_dim, True, cfg.swiglu_limit)
+            Expert(cfg.dim, cfg.moe_inter_dim, True, cfg.swiglu_limit, span)
             for _ in range(cfg.n_routed_experts)
         )
-        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, False, cfg.swiglu_limit)
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, False, cfg.swiglu_limit, span)
 
     def route(
         self, x: torch.Tensor, image: torch.Tensor | None = None
@@ -87,4 +97,4 @@ class V41MoE(nn.Module):
             rows, slot = torch.where(ids == e)
             y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
         y += self.shared_experts(x)
-        return y.to(x.dtype)
+        return self.tp.all_reduce(y).to(x.dtype)

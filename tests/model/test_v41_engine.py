@@ -125,7 +125,7 @@ def test_preemption_by_recompute_gives_identical_outputs(runner: StageRunner) ->
 
 
 def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys) -> None:
-    """Illegal cuts, -tp > 1, speculation and odd block sizes are errors naming the rule; prefix
+    """Illegal cuts, speculation and odd block sizes are errors naming the rule; prefix
     caching is switched off with a log line; the image token is a 400 (text-only serving)."""
     base = {"model_dir": v41_small, "partition": [6], "max_model_len": 256}
     check(EngineOptions(**{**base, "partition": [3, 3]}))  # a legal cut
@@ -139,10 +139,6 @@ def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys
         with pytest.raises(ValueError) as err:
             check(EngineOptions(**{**base, **bad}))
         assert all(w in str(err.value) for w in words), err.value
-    opts = EngineOptions(**base)
-    opts.dist.tp_size = 2
-    with pytest.raises(ValueError, match="--tensor-parallel-size"):
-        check(opts)
     runner = StageRunner.load(v41_small, num_slots=2, max_len=64, dtype="float32")
     engine = build_engine(runner, 64, 2, max_num_seqs=2, block_size=4, num_blocks=32)
     assert not engine.cfg.enable_prefix_caching

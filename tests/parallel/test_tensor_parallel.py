@@ -47,13 +47,17 @@ def _ranks(model_dir: Path, size: int, **kw) -> list:
 @pytest.mark.parametrize(
     ("which", "size", "tables"),
     [("default", 2, "device"), ("default", 4, "device"), ("default", 2, "host"),
-     ("moe", 2, "device"), ("moe", 2, "host")],
+     ("moe", 2, "device"), ("moe", 2, "host"), ("v41", 2, "device")],
 )  # fmt: skip
-def test_rank_slices_reassemble_the_model(which: str, size: int, tables: str, moe_dir) -> None:
+def test_rank_slices_reassemble_the_model(
+    which: str, size: int, tables: str, moe_dir, v41_small
+) -> None:
     """Every checkpoint tensor is whole on each rank or split along its shard dimension, the
     ranks' parts in order (a KV head replicated below ``size`` heads: its copies equal); each
-    rank reads only its slices of the file, host-memory tables included (its rows only)."""
-    model_dir = resolve_model_dir(None) if which == "default" else moe_dir
+    rank reads only its slices of the file, host-memory tables included (its rows only). V4.1:
+    FP8/FP4 weights and their scales sliced on whole scale blocks, ``wo_a`` dequantised from
+    its slice, the latent, compressor and indexer replicated."""
+    model_dir = {"default": resolve_model_dir(None), "moe": moe_dir, "v41": v41_small}[which]
     full = load_model(model_dir, torch.float32)
     ranks = _ranks(model_dir, size, table_memory=tables)
     if tables == "host":
@@ -121,12 +125,12 @@ def test_sizes_that_do_not_divide_name_the_rule() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [1, 2])
-@pytest.mark.parametrize("which", ["default", "moe"])
-def test_tp2_matches_one_process(which: str, stages: int, moe_dir: Path) -> None:
-    """TP = 2 (and TP = 2 x PP = 2, every partition) against TP = 1, PP = 1: greedy tokens
-    identical over a prefill and 6 decode steps, logits within 1e-5 of the largest; every
-    Engram layer ran on its stage."""
-    model_dir = resolve_model_dir(None) if which == "default" else moe_dir
+@pytest.mark.parametrize("which", ["default", "moe", "v41"])
+def test_tp2_matches_one_process(which: str, stages: int, moe_dir: Path, v41_small) -> None:
+    """TP = 2 (and TP = 2 x PP = 2, every partition; V4.1: every legal one) against TP = 1,
+    PP = 1: greedy tokens identical over a prefill and 6 decode steps, logits within 1e-3;
+    every Engram layer ran on its stage."""
+    model_dir = {"default": resolve_model_dir(None), "moe": moe_dir, "v41": v41_small}[which]
     report = check_pp(CheckOptions(model_dir, stages=stages, prompts=PROMPTS, decode_steps=6,
                                    dist=DistConfig(tp_size=2)))  # fmt: skip
     assert report["tensor_parallel_size"] == 2 and report["partitions"]
