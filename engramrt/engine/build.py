@@ -182,14 +182,15 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
     if runner.device.type != "cuda" or opts.kv_cache_memory_bytes is not None:
         cap = opts.max_num_seqs * -(-max_len // opts.block_size)
         every = list(range(cfg.num_layers))
-        budget = (opts.kv_cache_memory_bytes or CPU_KV_BYTES) - fixed(every)
-        if budget < per_block(every):
+        held, block = fixed(every), per_block(every)
+        budget = (opts.kv_cache_memory_bytes or CPU_KV_BYTES) - held
+        if budget < block:
             raise ValueError(
                 f"the KV cache budget cannot hold the per-sequence state of --max-num-seqs "
-                f"{opts.max_num_seqs} sequences ({fixed(every) / 2**20:.0f} MiB of window rings "
+                f"{opts.max_num_seqs} sequences ({held / 2**20:.0f} MiB of window rings "
                 "and compressor tails): lower --max-num-seqs or raise --kv-cache-memory-bytes"
             )
-        return blocks_from_bytes(budget, per_block(every), cap)
+        return blocks_from_bytes(budget, block, cap)
     tokens = max(1, min(opts.max_num_batched_tokens, max_len * opts.max_num_seqs))
     profile = runner.profile_memory(tokens, max_len, opts.block_size, opts.max_num_seqs)
     share = stages_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())

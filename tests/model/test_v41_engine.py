@@ -160,6 +160,10 @@ def test_kv_sizing_counts_compressed_entries_and_rings(v41_small: Path, runner) 
     assert kv_blocks(runner, opts, cfg, 256) == want
     runner.allocate_kv(4, 256, 16, want)
     assert runner.kv.nbytes == rings + want * 16 * per_token
+    small = EngineOptions(v41_small, [6], 256, max_num_seqs=4, block_size=16,
+                          kv_cache_memory_bytes=rings)  # fmt: skip
+    with pytest.raises(ValueError, match="--max-num-seqs 4 .* window rings"):
+        kv_blocks(runner, small, cfg, 256)
 
 
 def test_released_format_loads_and_broken_tensors_are_named(v41_small: Path, tmp_path, capsys):
