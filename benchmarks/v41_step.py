@@ -95,6 +95,24 @@ def decode_ms(runner: StageRunner, bs: int, context: int, steps: int) -> list[fl
     return times[2:]
 
 
+def profile_decode(runner: StageRunner, bs: int, context: int, path: str) -> None:
+    """One warmed decode step under torch.profiler: its ops by GPU time and by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = runner.model.cfg.vocab_size
+    s = Session(runner, bs, context + 8)
+    last = {b: s.step({b: prompt(context, b, vocab)})[0] for b in range(bs)}
+    last = dict(enumerate(s.step({b: [last[b]] for b in range(bs)})))
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        s.step({b: [last[b]] for b in range(bs)})
+        sync()
+    table = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(table.table(sort_by="cuda_time_total", row_limit=40) + "\n")
+        f.write(table.table(sort_by="cpu_time_total", row_limit=40) + "\n")
+
+
 def prefill_ms(runner: StageRunner, tokens: int, reps: int = 2) -> list[float]:
     times = []
     for r in range(reps + 1):
@@ -134,6 +152,11 @@ def main() -> None:
     ap.add_argument("--agree-tokens", type=int, default=32)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--torch-too", action="store_true", help="decode on the torch path as well")
+    ap.add_argument(
+        "--profile",
+        help="write a torch.profiler table of one decode step per "
+        "batch size here (where the step's time goes: kernels or the host)",
+    )
     args = ap.parse_args()
     report: dict = {"model": args.model}
     gpu = StageRunner.load(args.model, 64, None, args.device, "bfloat16", num_blocks=0)
@@ -156,6 +179,8 @@ def main() -> None:
             row[path] = {"ms": times, "median_ms": med, "x_floor": med / floor_ms}
             print(f"decode bs {bs} ({path}): {med:.1f} ms a step, floor {floor_ms:.2f} ms "
                   f"({med / floor_ms:.0f}x)", flush=True)  # fmt: skip
+        if args.profile:
+            profile_decode(gpu, bs, args.context, f"{args.profile}-bs{bs}.txt")
     if args.prefill:
         times = prefill_ms(gpu, args.prefill)
         report["prefill"] = {"tokens": args.prefill, "ms": times}

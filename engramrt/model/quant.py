@@ -109,7 +109,12 @@ def act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Ten
 
 
 def act_roundtrip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """``act_quant`` dequantised, in ``x``'s dtype (the window KV's FP8 round trip)."""
+    """``act_quant`` dequantised, in ``x``'s dtype (the window KV's FP8 round trip); one launch
+    on CUDA (``engramrt.kernels.quant_roundtrip``)."""
+    if block == 32 and use_triton(x.device):
+        from engramrt.kernels.quant_roundtrip import ACT, roundtrip
+
+        return roundtrip(x, ACT)
     q, scale = act_quant(x, block)
     return (q.float().unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
 
@@ -131,7 +136,11 @@ def fp4_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp4_roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """``fp4_quant`` dequantised, in ``x``'s dtype."""
+    """``fp4_quant`` dequantised, in ``x``'s dtype; one launch on CUDA."""
+    if use_triton(x.device) and kind in (E4M3_SCALE, POW2_SCALE):  # else: the error below
+        from engramrt.kernels.quant_roundtrip import FP4_E4M3, FP4_POW2, roundtrip
+
+        return roundtrip(x, FP4_E4M3 if kind == E4M3_SCALE else FP4_POW2)
     codes, scale = fp4_quant(x, kind)
     block = x.shape[-1] // scale.shape[-1]
     values = decode_e2m1(codes).unflatten(-1, (-1, block)) * scale.unsqueeze(-1)

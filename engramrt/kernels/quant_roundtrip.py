@@ -1,0 +1,79 @@
+"""DeepSeek-V4.1's block round trips (``engramrt.model.quant``'s ``act_roundtrip`` and
+``fp4_roundtrip``) in one launch each: the torch path takes some twenty elementwise launches per
+call, and a V4.1 step makes hundreds of calls.
+
+Each program takes ``NB`` blocks of ``B`` contiguous values: the block's amax, its scale, every
+value divided by it, clamped to the format's range, rounded to nearest even on the format's grid
+and multiplied back. Rounding adds and subtracts ``1.5 * 2**23`` times the grid step, which fp32
+addition rounds to nearest even (no conversion instruction, so the interpreter's numbers are the
+GPU's). Bit-identical to the torch path (``tests/kernels/test_quant_roundtrip.py``), the sign of
+an exact zero aside.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ACT, FP4_POW2, FP4_E4M3 = 0, 1, 2  # act_quant; fp4_roundtrip POW2_SCALE; E4M3_SCALE
+BLOCK_OF = {ACT: 32, FP4_POW2: 32, FP4_E4M3: 16}
+NB = 32  # blocks a program
+
+
+@triton.jit
+def _round_to_grid(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """``v`` rounded to nearest even with ``MBITS`` mantissa bits, subnormal below ``2**EMIN``."""
+    mag = tl.abs(v)
+    e = ((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    magic = ((e - MBITS + 150) << 23).to(tl.float32, bitcast=True) * 1.5  # 1.5 * 2**23 * step
+    r = (mag + magic) - magic
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _pow2_ceil(amax, INV: tl.constexpr):
+    """(``2**ceil(log2(amax * INV))``, its reciprocal) from the fp32 bits of the product."""
+    bits = (amax * INV).to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    scale = (exponent << 23).to(tl.float32, bitcast=True)
+    return scale, ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _roundtrip_kernel(x_ptr, out_ptr, n_blocks, KIND: tl.constexpr, B: tl.constexpr,
+                      NB: tl.constexpr):  # fmt: skip
+    blk = tl.program_id(0) * NB + tl.arange(0, NB)
+    offs = blk[:, None].to(tl.int64) * B + tl.arange(0, B)[None, :]
+    mask = blk[:, None] < n_blocks
+    g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(g), axis=1)
+    if KIND == 0:  # E4M3 values, power-of-two scale of amax / 448
+        scale, inv = _pow2_ceil(tl.maximum(amax, 1e-4), 0.002232142857142857)
+        v = tl.minimum(tl.maximum(g * inv[:, None], -448.0), 448.0)
+        q = _round_to_grid(v, 3, -6)
+    elif KIND == 1:  # E2M1 values, power-of-two scale of amax / 6
+        scale, inv = _pow2_ceil(tl.maximum(amax, 6.0 * 2.0**-126), 0.16666666666666666)
+        q = _round_to_grid(tl.minimum(tl.maximum(g * inv[:, None], -6.0), 6.0), 1, 0)
+    else:  # E2M1 values, E4M3 scale of amax / 6
+        s = tl.div_rn(tl.maximum(amax, 6.0 * 2.0**-9), tl.full(amax.shape, 6.0, tl.float32))
+        scale = _round_to_grid(tl.minimum(s, 448.0), 3, -6)
+        v = tl.div_rn(g, tl.broadcast_to(scale[:, None], g.shape))
+        q = _round_to_grid(tl.minimum(tl.maximum(v, -6.0), 6.0), 1, 0)
+    out = q * scale[:, None]
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def roundtrip(x: torch.Tensor, kind: int) -> torch.Tensor:
+    """``x`` through the ``kind`` round trip, in ``x``'s dtype (blocks along the last dim)."""
+    block = BLOCK_OF[kind]
+    if x.shape[-1] % block:
+        raise ValueError(f"the last dim ({x.shape[-1]}) must be a multiple of {block}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n_blocks = x.numel() // block
+    if n_blocks:
+        _roundtrip_kernel[(triton.cdiv(n_blocks, NB),)](x, out, n_blocks, KIND=kind, B=block,
+                                                         NB=NB)  # fmt: skip
+    return out
