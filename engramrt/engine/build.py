@@ -177,7 +177,7 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
     def fixed(layers: list[int]) -> int:  # V4.1's rings and tails: per slot, not per block
         if cfg.v41 is None:
             return 0
-        return opts.max_num_seqs * v41_cache.slot_bytes(cfg.v41, layers, size)
+        return v41_cache.fixed_bytes(cfg.v41, layers, size, opts.max_num_seqs)
 
     if runner.device.type != "cuda" or opts.kv_cache_memory_bytes is not None:
         cap = opts.max_num_seqs * -(-max_len // opts.block_size)

@@ -96,6 +96,7 @@ class ForwardContext:
     flat: torch.Tensor  # every tensor below, int64, back to back
     slot_ids: torch.Tensor  # [B] history slots
     positions: torch.Tensor  # [T]
+    token_req: torch.Tensor  # [T] each token's run (a padded token: run 0, written nowhere)
     slot_mapping: torch.Tensor  # [T] cache row of each token; -1: a padded row, written nowhere
     block_table: torch.Tensor  # [B, W] block ids, zero-padded
     context_lens: torch.Tensor  # [B] start_pos + run_len; 0 for a padded row
@@ -271,7 +272,7 @@ class _Runs:
 
     def common(self) -> dict[str, np.ndarray]:
         return {
-            "slot_ids": self.ids, "positions": self.positions,
+            "slot_ids": self.ids, "positions": self.positions, "token_req": self.req,
             "slot_mapping": self.rows, "context_lens": self.ctx_lens, "query_start": self.qstart,
             "start_pos_t": self.pos0, "num_real": np.array([self.real]),
             "table_width": np.array([self.width]),

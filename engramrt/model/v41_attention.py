@@ -22,6 +22,7 @@ step where its ratio-2 group stays open: README, "DeepSeek-V4.1 models").
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -34,7 +35,7 @@ from engramrt.model.layers import RMSNorm
 from engramrt.model.quant import StoredLinear
 from engramrt.model.v41_cache import V41Cache
 from engramrt.tensor_parallel import SINGLE, TensorParallel
-from engramrt.v41_config import REINDEX, REUSE, SOURCE, WINDOW, LayerRole, V41Config
+from engramrt.v41_config import REINDEX, SOURCE, WINDOW, LayerRole, V41Config
 
 QUERY_CHUNK = 256  # queries whose scores are formed at once (bounds a long prefill's memory)
 NO_SCORE = -1e30  # the running max of a query that sees nothing: its output is 0, not NaN
@@ -58,6 +59,12 @@ def rope_frequencies(dim: int, theta: float, yarn: tuple[int, float, float, floa
         keep = 1 - ramp
         freqs = freqs / factor * (1 - keep) + freqs * keep
     return freqs
+
+
+@cache
+def device_frequencies(key: tuple, device: torch.device) -> torch.Tensor:
+    """``rope_frequencies(*key)`` on ``device``, copied there once."""
+    return rope_frequencies(*key).to(device)
 
 
 def rotate_tail(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -96,20 +103,24 @@ class Compressor(nn.Module):
         )
         self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, p0: int, tail: torch.Tensor | None) -> torch.Tensor:
-        """The latents of the groups that complete in a run of ``len(x)`` tokens from position
-        ``p0``; ``tail`` [2, D] (ratio 2): the open group's first token, read when ``p0`` is odd
-        and written when the run ends on an even position."""
+    def forward(self, x: torch.Tensor, inside: torch.Tensor, tail: torch.Tensor | None,
+                slot: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Each token's group latent ``[T, D]``, meaningful where the token closes its group
+        (ratio 1: every token; ratio 2: odd positions, whose group's first token is the previous
+        row where ``inside`` its run, else its ``slot``'s ``tail`` [slots + 1, 2, D]). The
+        tokens marked ``keep`` (an even position ending its run) are then held in the tail;
+        the last tail row is a spare that takes the others' writes."""
         if self.ratio == 1:
             return self.norm(self.wkv(x))
         xf = x.float()
         a, s = self.wkv(xf), self.wgate(xf)
-        if p0 % 2:
-            a, s = torch.cat([tail[:1], a]), torch.cat([tail[1:], s])
-        if len(a) % 2:
-            tail.copy_(torch.stack([a[-1], s[-1]]))
-            a, s = a[:-1], s[:-1]
-        pooled = (a.unflatten(0, (-1, 2)) * s.unflatten(0, (-1, 2)).softmax(dim=1)).sum(dim=1)
+        held = tail[slot]
+        before = inside.unsqueeze(-1)
+        pa = torch.where(before, a.roll(1, 0), held[:, 0])
+        ps = torch.where(before, s.roll(1, 0), held[:, 1])
+        rows = torch.where(keep, slot, len(tail) - 1)
+        tail.index_copy_(0, rows, torch.stack([a, s], dim=1))
+        pooled = (torch.stack([pa, a], 1) * torch.stack([ps, s], 1).softmax(dim=1)).sum(dim=1)
         return self.norm(pooled.to(x.dtype))
 
 
@@ -134,12 +145,16 @@ class Indexer(nn.Module):
         k = rotate_tail(self.k_norm(self.wk(latent)), angles)
         return quant.fp4_roundtrip(k, quant.POW2_SCALE)
 
-    def scores(self, x, qr, angles, keys: torch.Tensor) -> torch.Tensor:
-        """``[n, C]`` scores of a run's queries against ``keys`` [C, index_head_dim]."""
+    def queries(self, x, qr, angles) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's FP4 queries ``[T, heads, dim]`` and head weights ``[T, heads]``."""
         q = self.wq_b(qr).unflatten(-1, (self.heads, self.dim))
         q = quant.fp4_roundtrip(rotate_tail(q, angles), quant.POW2_SCALE)
-        w = self.weights_proj(x) * self.scale
-        s = torch.einsum("nhd,cd->nhc", q, keys).relu()
+        return q, self.weights_proj(x) * self.scale
+
+    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[n, C]`` scores of queries ``q`` [n, heads, dim] (head weights ``w``) against
+        their own ``keys`` [n, C, dim]."""
+        s = torch.einsum("nhd,ncd->nhc", q, keys).relu()
         return (s * w.unsqueeze(-1)).sum(dim=1)
 
     def candidates(self, scores: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
@@ -165,6 +180,50 @@ class Indexer(nn.Module):
         picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
         picks = picks.sort(dim=-1).values
         return torch.where(picks < seen.unsqueeze(-1), picks, -1)
+
+
+@dataclass
+class StepRuns:
+    """A step's runs seen from each of its ``T`` tokens, built by the step's first V4.1 layer
+    (``of``); later layers also read what the sources publish: ``topk`` [T, k] (entry ids in
+    the token's request, -1: none) and ``candidates`` [T, C]."""
+
+    pos: torch.Tensor  # [T] position
+    p0: torch.Tensor  # [T] its run's first position
+    q0: torch.Tensor  # [T] its run's first row in the step
+    end: torch.Tensor  # [T] its run's end position
+    slot: torch.Tensor  # [T] its cache slot
+    real: torch.Tensor  # [T] False: a CUDA-graph padding token, written nowhere
+    table: torch.Tensor  # [T, W] its block table
+    max_end: int  # the largest run end: entries some token may see, at each ratio
+    topk: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+    rope: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, ctx: ForwardContext) -> StepRuns:
+        runs = ctx.step_cache.get("v41")
+        if runs is None:
+            req = ctx.token_req
+            p0 = ctx.start_pos_t[req]
+            lens = ctx.query_start[1:] - ctx.query_start[:-1]
+            ends = [p + n for p, n in zip(ctx.start_pos, ctx.run_lens, strict=True)]
+            runs = ctx.step_cache["v41"] = cls(
+                ctx.positions, p0, ctx.query_start[req], p0 + lens[req], ctx.slot_ids[req],
+                ctx.slot_mapping >= 0, ctx.block_table[req], max(ends, default=0),
+            )  # fmt: skip
+        return runs
+
+    def angles(self, key: tuple) -> torch.Tensor:
+        """The step's RoPE angles ``[T, rope_dim / 2]`` for one frequency table."""
+        if key not in self.rope:
+            self.rope[key] = self.pos.float()[:, None] * device_frequencies(key, self.pos.device)
+        return self.rope[key]
+
+    def chunks(self) -> list[slice]:
+        """Query chunks whose scores are formed at once (bounds a long prefill's memory)."""
+        t = len(self.pos)
+        return [slice(c, min(t, c + QUERY_CHUNK)) for c in range(0, t, QUERY_CHUNK)]
 
 
 class V41Attention(nn.Module):
@@ -213,105 +272,100 @@ class V41Attention(nn.Module):
                          cfg.rope_theta, yarn)  # fmt: skip
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
-        freqs = rope_frequencies(*self.rope_key).to(positions.device)
-        return positions.float()[:, None] * freqs
+        return positions.float()[:, None] * device_frequencies(self.rope_key, positions.device)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cache: V41Cache = ctx.kv
-        shared = ctx.step_cache.setdefault("v41", {"topk": {}, "candidates": {}})
-        angles = self.angles(ctx.positions)
+        step = StepRuns.of(ctx)
+        angles = step.angles(self.rope_key)
         qr = self.q_norm(self.wq_a(x))
         q = rotate_tail(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), angles)
         kv = quant.act_roundtrip(rotate_tail(self.kv_norm(self.wkv(x)), angles))
-        out = torch.empty_like(q)
-        q0 = 0
-        for b, (slot, n, p0) in enumerate(zip(ctx.slots, ctx.run_lens, ctx.start_pos, strict=True)):
-            if n:
-                run = slice(q0, q0 + n)
-                out[run] = self._run(x[run], qr[run], q[run], kv[run], angles[run], slot, p0, b,
-                                     ctx, cache, shared)  # fmt: skip
-            q0 += n
+        picks = None
+        if self.role.kind == SOURCE:
+            self._compress(x, step, cache)
+        if self.role.kind in (SOURCE, REINDEX):
+            self._index(x, qr, angles, step, cache)
+        if self.role.kind != WINDOW:
+            picks = step.topk
+        out = self._attend(q, kv, picks, step, cache)
+        ring = cache.window[self.layer_id].view(-1, self.head_dim)
+        # the last ``window`` tokens of each run stay in its ring; the rest go to the spare slot
+        keep = step.real & (step.pos >= step.end - self.window)
+        spare = (cache.num_slots * self.window) + step.pos % self.window
+        ring.index_copy_(0, torch.where(keep, step.slot * self.window + step.pos % self.window,
+                                        spare), kv)  # fmt: skip
         o = rotate_tail(out, angles, inverse=True).flatten(1).unflatten(-1, (self.groups, -1))
         u = torch.einsum("tgd,grd->tgr", o, self.wo_a.weight.unflatten(0, (self.groups, self.rank)))
         y = self.wo_b(u.flatten(1))
         return y if self.tp.solo else self.tp.all_reduce(y.float()).to(y.dtype)
 
-    def _run(self, x, qr, q, kv, angles, slot, p0, b, ctx, cache: V41Cache, shared):
-        """Attention output ``[n, heads, head_dim]`` of one request's run of ``n`` tokens from
-        position ``p0``, which updates its window ring (and, at a source, its caches)."""
-        n, w, dev = len(x), self.window, x.device
-        pos = torch.arange(p0, p0 + n, device=dev)
-        ring = cache.window[self.layer_id][slot]
-        first = max(0, p0 - w + 1)
-        win_pos = torch.arange(first, p0 + n, device=dev)
-        win_kv = torch.cat([ring[torch.arange(first, p0, device=dev) % w], kv])
-        keep = min(n, w)
-        ring[pos[-keep:] % w] = kv[-keep:]
-        if self.role.kind == WINDOW:
-            comp, picked = win_kv[:0], None
-        else:
-            comp, picked = self._compressed(x, qr, angles, slot, p0, b, ctx, cache, shared)
-        out = torch.empty_like(q)
-        for c0 in range(0, n, QUERY_CHUNK):
-            c1 = min(n, c0 + QUERY_CHUNK)
-            t = pos[c0:c1, None]
-            lo = max(0, p0 + c0 - w + 1) - first  # the window rows any query of the chunk sees
-            rows = win_kv[lo : p0 + c1 - first]
-            rpos = win_pos[lo : p0 + c1 - first]
-            seen = (rpos <= t) & (rpos > t - w)
-            if picked is not None:
-                chosen = torch.zeros(c1 - c0, len(comp) + 1, dtype=torch.bool, device=dev)
-                chosen.scatter_(1, picked[c0:c1].long() % (len(comp) + 1), True)
-                rows, seen = torch.cat([rows, comp]), torch.cat([seen, chosen[:, :-1]], dim=1)
-            out[c0:c1] = self._attend(q[c0:c1], rows, seen)
-        return out
+    def _compress(self, x: torch.Tensor, step: StepRuns, cache: V41Cache) -> None:
+        """A source's compressed entries and index keys of the groups its tokens close."""
+        r, i = self.role.ratio, self.layer_id
+        pos = step.pos
+        latent = self.compressor(x, pos > step.p0, cache.tail.get(i), step.slot,
+                                 step.real & (pos % 2 == 0) & (pos == step.end - 1))  # fmt: skip
+        closes = step.real & ((pos + 1) % r == 0)
+        at = self.angles(pos - (r - 1))  # RoPE at the group's first position
+        rows = cache.entry_rows(step.table, pos // r, r)
+        rows = torch.where(closes, rows, len(cache.compressed[i]) - 1)  # the spare row
+        cache.index_keys[i].index_copy_(0, rows, self.indexer.keys(latent, at))
+        latent = quant.fp4_roundtrip(rotate_tail(latent, at), quant.E4M3_SCALE)
+        cache.compressed[i].index_copy_(0, rows, latent)
 
-    def _compressed(self, x, qr, angles, slot, p0, b, ctx, cache: V41Cache, shared):
-        """The compressed entries the run's queries may read ``[C, D]`` (from the KV source's
-        cache, after a source writes this run's) and each query's picks among them ``[n, k]``
-        (-1: none)."""
-        role, n, dev = self.role, len(x), x.device
-        r, end = role.ratio, p0 + len(x)
-        table = ctx.block_table[b]
-        if role.kind == SOURCE:
-            latent = self.compressor(x, p0, cache.tail[self.layer_id][slot] if r == 2 else None)
-            if len(latent):  # groups p0 // r .. end // r - 1 complete in this run
-                js = torch.arange(p0 // r, end // r, device=dev)
-                at = self.angles(js * r)
-                rows = cache.entry_rows(table, js, r)
-                cache.index_keys[self.layer_id][rows] = self.indexer.keys(latent, at)
-                cache.compressed[self.layer_id][rows] = quant.fp4_roundtrip(
-                    rotate_tail(latent, at), quant.E4M3_SCALE
-                )
-        count = end // r
-        rows = cache.entry_rows(table, torch.arange(count, device=dev), r)
-        comp = cache.compressed[role.kv_source][rows]
-        if role.kind == REUSE:
-            return comp, shared["topk"][b]
-        seen = (torch.arange(p0, end, device=dev) + 1) // r
+    def _index(self, x, qr, angles, step: StepRuns, cache: V41Cache) -> None:
+        """Publish each token's top-k entries of the index source's keys (and, at the candidate
+        source, its candidate blocks): ``step.topk`` [T, k], -1 where none."""
+        role, dev, r = self.role, x.device, self.role.ratio
+        count = step.max_end // r  # entries some token of the step may see
         if count == 0:
-            picks = torch.empty(n, 0, dtype=torch.int64, device=dev)
-        else:
-            keys = cache.index_keys[role.index_source][rows]
-            scores = self.indexer.scores(x, qr, angles, keys)
-            visible = torch.arange(count, device=dev) < seen.unsqueeze(-1)
-            scores = scores.masked_fill(~visible, -math.inf)
+            step.topk = torch.full((len(x), 0), -1, dtype=torch.int64, device=dev)
+            return
+        q, w = self.indexer.queries(x, qr, angles)
+        entries = torch.arange(count, device=dev)
+        picks, cands = [], []
+        for c in step.chunks():
+            seen = (step.pos[c] + 1) // r
+            rows = cache.entry_rows(step.table[c], entries.expand(len(seen), -1), r)
+            scores = self.indexer.scores(q[c], w[c], cache.index_keys[role.index_source][rows])
+            scores = scores.masked_fill(entries >= seen.unsqueeze(-1), -math.inf)
             if role.builds_candidates:
-                shared["candidates"][b] = self.indexer.candidates(scores, seen)
+                cands.append(self.indexer.candidates(scores, seen))
             elif role.candidates_from is not None:
-                scores = scores.masked_fill(~shared["candidates"][b], -math.inf)
-            picks = self.indexer.select(scores, seen)
-        shared["topk"][b] = picks
-        return comp, picks
+                scores = scores.masked_fill(~step.candidates[c], -math.inf)
+            picks.append(self.indexer.select(scores, seen))
+        if cands:
+            step.candidates = torch.cat(cands)
+        step.topk = torch.cat(picks)
 
-    def _attend(self, q: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        """Queries ``[m, H, D]`` over ``rows`` [R, D] where ``seen`` [m, R]: fp32 scores, the
-        sink's ``exp`` in the denominator only, probabilities in the activation dtype (as the
-        reference's kernel casts them) before they weigh the rows."""
-        s = torch.einsum("mhd,rd->mhr", q.float(), rows.float()) * self.softmax_scale
-        s = s.masked_fill(~seen[:, None, :], -math.inf)
-        top = s.amax(-1, keepdim=True).clamp_min(NO_SCORE)
-        p = torch.exp(s - top)
-        denom = p.sum(-1) + torch.exp(self.attn_sink.float() - top.squeeze(-1))
-        o = torch.einsum("mhr,rd->mhd", p.to(q.dtype).float(), rows.float())
-        return (o / denom.unsqueeze(-1)).to(q.dtype)
+    def _attend(self, q, kv, picks, step: StepRuns, cache: V41Cache) -> torch.Tensor:
+        """Each query over its window (positions ``p - window + 1 .. p``, this run's latents
+        from ``kv``, earlier ones from the ring) and its picks in the KV source's cache: fp32
+        scores, the sink's ``exp`` in the denominator only, probabilities in the activation
+        dtype (as the reference's kernel casts them) before they weigh the rows."""
+        w, dev = self.window, q.device
+        ring = cache.window[self.layer_id].view(-1, self.head_dim)
+        out = torch.empty_like(q)
+        span = torch.arange(w, device=dev)
+        for c in step.chunks():
+            pos, p0 = step.pos[c, None], step.p0[c, None]
+            at = (pos - w + 1).clamp_min(0) + span  # [m, W]: oldest first, past ``pos`` unseen
+            seen = at <= pos
+            here = step.q0[c, None] + (at - p0)  # this run's rows
+            ring_rows = step.slot[c, None] * w + at % w
+            rows = torch.where((at >= p0).unsqueeze(-1), kv[here.clamp(0, len(kv) - 1)],
+                               ring[ring_rows])  # fmt: skip
+            if picks is not None:
+                mine, role = picks[c], self.role
+                at_rows = cache.entry_rows(step.table[c], mine.clamp_min(0), role.ratio)
+                rows = torch.cat([rows, cache.compressed[role.kv_source][at_rows]], dim=1)
+                seen = torch.cat([seen, mine >= 0], dim=1)
+            s = torch.einsum("mhd,mrd->mhr", q[c].float(), rows.float()) * self.softmax_scale
+            s = s.masked_fill(~seen[:, None, :], -math.inf)
+            top = s.amax(-1, keepdim=True).clamp_min(NO_SCORE)
+            p = torch.exp(s - top)
+            denom = p.sum(-1) + torch.exp(self.attn_sink.float() - top.squeeze(-1))
+            o = torch.einsum("mhr,mrd->mhd", p.to(q.dtype).float(), rows.float())
+            out[c] = (o / denom.unsqueeze(-1)).to(q.dtype)
+        return out

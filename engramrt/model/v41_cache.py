@@ -38,6 +38,14 @@ def slot_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> int:
     return ring + tails
 
 
+def fixed_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int, slots: int) -> int:
+    """Bytes a cache for ``slots`` sequences holds whatever its blocks: their rings and tails,
+    the spare slot's, and each source's spare entry row."""
+    spare = sum((cfg.head_dim + cfg.index_head_dim) * itemsize for r in cfg.roles
+                if r.layer in layer_ids and r.kind == SOURCE)  # fmt: skip
+    return (slots + 1) * slot_bytes(cfg, layer_ids, itemsize) + spare
+
+
 class V41Cache(KVCache):
     """A stage's V4.1 caches; ``k``/``v`` (the GQA cache) stay empty."""
 
@@ -59,16 +67,18 @@ class V41Cache(KVCache):
                          num_slots)  # fmt: skip
         roles = [cfg.roles[i] for i in layer_ids]
         slots, w, d = self.num_slots, cfg.window_size, cfg.head_dim
-        self.window = {r.layer: torch.zeros(slots, w, d, dtype=dtype, device=device)
+        # each tensor has a spare slot or row past the real ones: a batched write points the
+        # tokens that write nothing there (no host-side selection, no graph break)
+        self.window = {r.layer: torch.zeros(slots + 1, w, d, dtype=dtype, device=device)
                        for r in roles}  # fmt: skip
         sources = [r for r in roles if r.kind == SOURCE]
-        rows = {r.layer: num_blocks * block_size // r.ratio for r in sources}
+        rows = {r.layer: num_blocks * block_size // r.ratio + 1 for r in sources}
         self.compressed = {i: torch.zeros(n, d, dtype=dtype, device=device)
                            for i, n in rows.items()}  # fmt: skip
         self.index_keys = {i: torch.zeros(n, cfg.index_head_dim, dtype=dtype, device=device)
                            for i, n in rows.items()}  # fmt: skip
         # (projection, gate score) of a ratio-2 group's first token, fp32 as the compressor
-        self.tail = {r.layer: torch.zeros(slots, 2, d, device=device)
+        self.tail = {r.layer: torch.zeros(slots + 1, 2, d, device=device)
                      for r in sources if r.ratio == 2}  # fmt: skip
 
     @property
@@ -77,8 +87,12 @@ class V41Cache(KVCache):
         return sum(t.numel() * t.element_size() for part in parts for t in part.values())
 
     def entry_rows(self, table: torch.Tensor, entries: torch.Tensor, ratio: int) -> torch.Tensor:
-        """Rows of the compressed cache (and index keys) holding ``entries`` of one request
-        whose block table is ``table`` [W]."""
-        pos = entries * ratio
+        """Rows of the compressed cache (and index keys) holding ``entries`` ([..., C], or one
+        entry a table row) of the requests whose block tables are ``table`` [..., W]; an entry
+        past the table reads its last block (the caller masks what a query cannot see)."""
+        one = entries.dim() < table.dim()
+        pos = (entries.unsqueeze(-1) if one else entries) * ratio
         per = self.block_size // ratio
-        return table[pos // self.block_size] * per + (pos % self.block_size) // ratio
+        block = table.gather(-1, (pos // self.block_size).clamp_max(table.shape[-1] - 1))
+        rows = block * per + (pos % self.block_size) // ratio
+        return rows.squeeze(-1) if one else rows

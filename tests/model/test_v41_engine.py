@@ -154,7 +154,9 @@ def test_kv_sizing_counts_compressed_entries_and_rings(v41_small: Path, runner) 
     cfg = runner.model.cfg
     opts = EngineOptions(v41_small, [6], 256, max_num_seqs=4, block_size=16,
                          kv_cache_memory_bytes=2**20)  # fmt: skip
-    rings = 4 * (6 * 16 * 64 * 4 + 2 * 64 * 4)  # 6 rings of 16 x 64, one ratio-2 tail (a, s)
+    # 6 rings of 16 x 64, one ratio-2 tail (a, s), for 4 slots and the spare; a spare entry
+    # (64 + 64 values) at each source
+    rings = 5 * (6 * 16 * 64 * 4 + 2 * 64 * 4) + 2 * (64 + 64) * 4
     per_token = (64 + 64) * 4 / 2 + (64 + 64) * 4 / 1  # sources at layers 1 (r 2), 3 (r 1)
     want = min(4 * 16, int((2**20 - rings) // (16 * per_token)))
     assert kv_blocks(runner, opts, cfg, 256) == want
