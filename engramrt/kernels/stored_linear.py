@@ -14,8 +14,6 @@ bits).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -25,36 +23,52 @@ BLOCK_K = 128
 
 
 @triton.jit
-def _fp4_values(packed, k, lut_ptr):
-    """E2M1 codes (the byte's low nibble at even ``k``) as fp32, from a 16-entry table (one
-    cached load a code instead of building the float from its bits)."""
+def _fp4_values(packed, k):
+    """E2M1 codes (the byte's low nibble at even ``k``) as fp32, built from their bits: sign,
+    exponent ``e`` and mantissa ``m`` are ``m / 2`` at ``e = 0`` and ``(1 + m / 2) 2**(e-1)``
+    above (no table lookup: a gather per code was the kernel's bottleneck)."""
     code = tl.where(k % 2 == 0, packed & 15, packed >> 4)
-    return tl.load(lut_ptr + code)
+    e, m = (code >> 1) & 3, code & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _stored_linear_kernel(
-    a_ptr, w_ptr, s_ptr, lut_ptr, out_ptr, M, N, K, K_SPLIT,
-    FP4: tl.constexpr, IEEE: tl.constexpr,
+    a_ptr, w_ptr, s_ptr, out_ptr, tiles_ptr, M, N, K, K_SPLIT, W_STRIDE, S_STRIDE,
+    FP4: tl.constexpr, IEEE: tl.constexpr, GROUPED: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
+    """``GROUPED``: program ``pid_m`` takes the rows ``[lo, hi)`` of ``tiles[pid_m]`` = (expert,
+    lo, hi) against expert ``e``'s weight (``W_STRIDE`` / ``S_STRIDE`` apart); an empty tile
+    loads nothing."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BM + tl.arange(0, BM)
+    if GROUPED:
+        e = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
+        lo, hi = tl.load(tiles_ptr + 3 * pid_m + 1), tl.load(tiles_ptr + 3 * pid_m + 2)
+        w_ptr += e * W_STRIDE
+        s_ptr += e * S_STRIDE
+        rm = lo + tl.arange(0, BM)
+        end = hi
+    else:
+        lo, end = pid_m * BM, M
+        rm = lo + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     row = tl.zeros([BN], dtype=tl.float32)  # BM == 1: a GEMV, fp32 FMAs, no 16-row dot
     k_start = split * K_SPLIT
+    live = (tl.zeros([BN, 1], dtype=tl.int64) + lo) < end  # an empty tile reads no weights
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BK):
         rk = k0 + tl.arange(0, BK)
         a = tl.load(a_ptr + rm[:, None].to(tl.int64) * K + rk[None, :],
-                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # fmt: skip
-        wmask = (rn[:, None] < N) & (rk[None, :] < K)
+                    mask=(rm[:, None] < end) & (rk[None, :] < K), other=0.0)  # fmt: skip
+        wmask = (rn[:, None] < N) & (rk[None, :] < K) & live
         if FP4:
             byte = tl.load(w_ptr + rn[:, None].to(tl.int64) * (K // 2) + rk[None, :] // 2,
                            mask=wmask, other=0).to(tl.int32) & 0xFF  # fmt: skip
             sb = tl.load(s_ptr + rn[:, None].to(tl.int64) * (K // 32) + rk[None, :] // 32,
                          mask=wmask, other=127).to(tl.int32)  # fmt: skip
-            w = _fp4_values(byte, rk[None, :], lut_ptr)
+            w = _fp4_values(byte, rk[None, :])
         else:
             byte = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], mask=wmask,
                            other=0)  # fmt: skip
@@ -71,14 +85,27 @@ def _stored_linear_kernel(
     if BM == 1:
         acc = row[None, :]
     out = out_ptr + split.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(out, acc, mask=(rm[:, None] < end) & (rn[None, :] < N))
 
 
-@functools.cache
-def _lut(device: torch.device) -> torch.Tensor:
-    """The 16 E2M1 values, by code (bit 3 the sign), on ``device``."""
-    mags = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-    return torch.tensor([*mags, *(-m for m in mags)], device=device)
+def _launch(a, weight, scale, fp4, grid_m, bm, splits, tiles) -> torch.Tensor:
+    m, k = a.shape
+    n = weight.shape[-2]
+    steps = triton.cdiv(k, BLOCK_K)
+    per = triton.cdiv(steps, splits) * BLOCK_K
+    splits = triton.cdiv(k, per)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
+    grid = (triton.cdiv(n, BN), grid_m, splits)
+    grouped = tiles is not None
+    _stored_linear_kernel[grid](
+        a, weight.view(torch.uint8), scale.view(torch.uint8), part, tiles if grouped else a,
+        m, n, k, per, weight[0].numel() if grouped else 0, scale[0].numel() if grouped else 0,
+        FP4=fp4, IEEE=a.dtype == torch.float32, GROUPED=grouped, BM=bm, BN=BN, BK=BLOCK_K,
+    )  # fmt: skip
+    return (part[0] if splits == 1 else part.sum(0)).to(a.dtype)
+
+
+BN = 64
 
 
 def stored_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -89,16 +116,34 @@ def stored_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     m, k = a.shape
     n = weight.shape[0]
     a = a.contiguous()
-    bm, bn = (1, 64) if m == 1 else (16, 64) if m <= 16 else (64, 64)
-    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-    steps = triton.cdiv(k, BLOCK_K)
-    splits = max(1, min(steps, 2 * SMS // tiles)) if m <= 16 else 1
-    per = triton.cdiv(steps, splits) * BLOCK_K
-    splits = triton.cdiv(k, per)
-    part = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), splits)
-    _stored_linear_kernel[grid](
-        a, weight.view(torch.uint8), scale.view(torch.uint8), _lut(a.device), part, m, n, k, per,
-        FP4=fp4, IEEE=a.dtype == torch.float32, BM=bm, BN=bn, BK=BLOCK_K,
-    )  # fmt: skip
-    return (part[0] if splits == 1 else part.sum(0)).to(a.dtype)
+    bm = 1 if m == 1 else 16 if m <= 16 else 64
+    tiles = triton.cdiv(n, BN) * triton.cdiv(m, bm)
+    splits = max(1, min(triton.cdiv(k, BLOCK_K), 2 * SMS // tiles)) if m <= 16 else 1
+    return _launch(a, weight, scale, fp4, triton.cdiv(m, bm), bm, splits, None)
+
+
+def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
+    """``[cdiv(rows, bm) + E, 3]`` int64 tiles (expert, lo, hi) over ``rows`` rows sorted by
+    expert, ``counts[e]`` each: every expert's rows in ``bm``-row tiles, the rest empty. Device
+    ops of fixed shapes only (no host sync: CUDA-graph safe)."""
+    e = len(counts)
+    ends = counts.cumsum(0)
+    per = (counts + bm - 1) // bm
+    tile_end = per.cumsum(0)
+    i = torch.arange(triton.cdiv(rows, bm) + e, device=counts.device)
+    ex = torch.searchsorted(tile_end, i, right=True).clamp_max(e - 1)
+    lo = ends[ex] - counts[ex] + (i - (tile_end[ex] - per[ex])) * bm
+    hi = torch.minimum(lo + bm, ends[ex])
+    used = i < tile_end[-1]
+    return torch.stack([ex, torch.where(used, lo, 0), torch.where(used, hi, 0)], 1).contiguous()
+
+
+def grouped_stored_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp4: bool,
+                          counts: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Rows of ``a`` [R, K] sorted by expert (``counts`` [E] rows each) times their expert's
+    stored weight (``weight`` [E, N, ...], ``scale`` [E, ...]): one launch for every expert
+    (a mixture-of-experts layer's). Out ``[R, N]``."""
+    rows = len(a)
+    bm = 1 if rows <= len(counts) else 16 if rows <= 16 * len(counts) else 64
+    tiles = group_tiles(counts, rows, bm)
+    return _launch(a.contiguous(), weight, scale, fp4, len(tiles), bm, 1, tiles)

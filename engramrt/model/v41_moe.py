@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engramrt.kernels import use_triton
+from engramrt.model import quant
 from engramrt.model.quant import StoredLinear
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 from engramrt.v41_config import V41Config
@@ -73,6 +75,49 @@ class V41MoE(nn.Module):
             for _ in range(cfg.n_routed_experts)
         )
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, False, cfg.swiglu_limit, span)
+        self.stack: tuple[torch.Tensor, ...] | None = None  # ``_stacked``
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts as ``Expert.forward`` computes them, in two grouped launches over
+        the (token, expert) pairs sorted by expert, without a host sync; each token's outputs
+        added in ascending expert id (the torch path's order)."""
+        from engramrt.kernels.stored_linear import grouped_stored_linear
+
+        w13, s13, w2, s2 = self._stacked()
+        t, k = ids.shape
+        order = torch.sort(ids.flatten(), stable=True)
+        counts = torch.bincount(order.values, minlength=len(self.experts))
+        a = quant.act_roundtrip(x)[order.indices // k]
+        h = grouped_stored_linear(a, w13, s13, True, counts)
+        gate, up = h.float().chunk(2, dim=-1)
+        limit = self.shared_experts.limit
+        h = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+        h = weights.flatten()[order.indices, None] * h
+        out = grouped_stored_linear(quant.act_roundtrip(h.to(x.dtype)), w2, s2, True, counts)
+        place = torch.empty_like(order.indices)  # where each pair's row went in the sort
+        place[order.indices] = torch.arange(len(place), device=x.device)
+        by_id = place.view(t, k).gather(1, ids.argsort(dim=1, stable=True))
+        y = torch.zeros_like(x, dtype=torch.float32)
+        for j in range(k):
+            y += out[by_id[:, j]]
+        return y
+
+    def _stacked(self) -> tuple[torch.Tensor, ...]:
+        """Every routed expert's weights in one tensor per kind (``w1`` above ``w3`` per
+        expert, then ``w2``), with their scales; built at the first use on a device, after
+        which each expert's tensors are views of them (one copy in memory)."""
+        if self.stack is None or self.stack[0].device != self.experts[0].w1.weight.device:
+            ex, n = self.experts, self.experts[0].w1.weight.shape[0]
+            parts = [torch.stack([torch.cat([getattr(e.w1, b), getattr(e.w3, b)]) for e in ex])
+                     for b in ("weight", "scale")]  # fmt: skip
+            parts += [torch.stack([getattr(e.w2, b) for e in ex]) for b in ("weight", "scale")]
+            w13, s13, w2, s2 = parts
+            for i, e in enumerate(ex):
+                e.w1.weight, e.w3.weight, e.w1.scale, e.w3.scale = (
+                    w13[i, :n], w13[i, n:], s13[i, :n], s13[i, n:])  # fmt: skip
+                e.w2.weight, e.w2.scale = w2[i], s2[i]
+            self.stack = tuple(parts)
+        return self.stack
 
     def route(
         self, x: torch.Tensor, image: torch.Tensor | None = None
@@ -92,9 +137,12 @@ class V41MoE(nn.Module):
     def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[T, dim]``; ``image`` ``[T]`` bool (image-span tokens) or None."""
         weights, ids = self.route(x, image)
-        y = torch.zeros_like(x, dtype=torch.float32)
-        for e in torch.unique(ids).tolist():  # ascending expert id
-            rows, slot = torch.where(ids == e)
-            y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
+        if use_triton(x.device):
+            y = self._grouped(x, weights, ids)
+        else:
+            y = torch.zeros_like(x, dtype=torch.float32)
+            for e in torch.unique(ids).tolist():  # ascending expert id
+                rows, slot = torch.where(ids == e)
+                y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
         y += self.shared_experts(x)
         return self.tp.all_reduce(y).to(x.dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engramrt.kernels.stored_linear import stored_linear
+from engramrt.kernels.stored_linear import group_tiles, grouped_stored_linear, stored_linear
 from engramrt.model import quant
 
 pytestmark = pytest.mark.triton
@@ -56,3 +56,46 @@ def test_a_wrong_scale_or_nibble_order_is_seen() -> None:
     assert not torch.equal(stored_linear(a.to(DEVICE), stored.to(DEVICE),
                                          bumped.view(torch.float8_e8m0fnu).to(DEVICE),
                                          True).cpu(), base)  # fmt: skip
+
+
+@pytest.mark.parametrize("bm", [1, 4, 16])
+def test_group_tiles_cover_each_experts_rows_once(bm: int) -> None:
+    """Tiles against a brute-force listing: each expert's sorted rows cut into ``bm``-row
+    tiles in order, then empty tiles; experts with no rows get none."""
+    g = torch.Generator().manual_seed(bm)
+    for _ in range(20):
+        counts = torch.randint(0, 9, (6,), generator=g) * torch.randint(0, 2, (6,), generator=g)
+        rows = int(counts.sum())
+        want, start = [], 0
+        for e, c in enumerate(counts.tolist()):
+            want += [(e, lo, min(lo + bm, start + c)) for lo in range(start, start + c, bm)]
+            start += c
+        got = group_tiles(counts, rows, bm).tolist()
+        assert len(got) == -(-rows // bm) + 6
+        assert [tuple(t) for t in got[: len(want)]] == want
+        assert all(lo == hi == 0 for _, lo, hi in got[len(want) :])
+
+
+@pytest.mark.parametrize(
+    ("fp4", "rows"),
+    [(True, 5), (True, 40), (False, 30)],  # one-row tiles, then 16-row ones
+)
+def test_grouped_stored_linear_is_each_rows_expert_product(fp4, rows) -> None:
+    """Rows sorted by expert (some experts without rows) against each row's own expert's exact
+    product, within the fp32 sum-order bound."""
+    g = torch.Generator().manual_seed(rows)
+    e, n, k = 5, 48, 96 if fp4 else 64
+    quantise = quant.fp4_weight if fp4 else quant.fp8_weight
+    stored = [quantise(torch.randn(n, k, generator=g) / k**0.5) for _ in range(e)]
+    dequant = quant.dequant_fp4_weight if fp4 else quant.dequant_fp8_weight
+    expert = torch.randint(0, e - 1, (rows,), generator=g).sort().values  # expert 4: no rows
+    counts = torch.bincount(expert, minlength=e)
+    a = quant.act_roundtrip(torch.randn(rows, k, generator=g))
+    w = torch.stack([s[0] for s in stored]).to(DEVICE)
+    s = torch.stack([s[1] for s in stored]).to(DEVICE)
+    got = grouped_stored_linear(a.to(DEVICE), w, s, fp4, counts.to(DEVICE)).cpu().double()
+    full = [dequant(*st, torch.float64) for st in stored]
+    exact = torch.stack([a[i].double() @ full[x].T for i, x in enumerate(expert.tolist())])
+    bound = torch.stack([a[i].double().abs() @ full[x].abs().T
+                         for i, x in enumerate(expert.tolist())]) * 2**-16  # fmt: skip
+    assert bool(((got - exact).abs() <= bound).all())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -102,3 +103,25 @@ def test_image_tokens_route_with_their_own_bias() -> None:
     assert [sorted(r) for r in ids.tolist()] == [sorted(r) for r in want_ids]
     _, plain = moe.route(x)
     assert ids[1::2].tolist() == plain[1::2].tolist() and ids[0::2].tolist() != plain[0::2].tolist()
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("tokens", [2, 24])  # one-row expert tiles; 16-row ones
+def test_grouped_kernels_equal_the_restatement(tokens: int) -> None:
+    """The routed experts in two grouped launches (``V41MoE._grouped``: rows sorted by expert,
+    on device, no host sync) against the token-by-token restatement; every expert's tensors are
+    views of the stacked ones afterwards (one copy in memory)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's dot: fp32
+    moe = small_moe(5).to(device)
+    x = (torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(6)) * 2).to(dtype)
+    weights, ids = moe.route(x.to(device))
+    got = moe._grouped(x.to(device), weights, ids).cpu().double()
+    assert moe.experts[3].w3.weight.data_ptr() == moe.stack[0][3, INTER:].data_ptr()
+    want_ids, want_w = restated_route(moe.cpu(), x)
+    for t in range(tokens):
+        y = torch.zeros(DIM, dtype=torch.float64)
+        for e, w in sorted(zip(want_ids[t], want_w[t], strict=True)):
+            y += restated_expert(moe.experts[e], x[t : t + 1], w)[0].double()
+        scale = float(y.abs().max())
+        torch.testing.assert_close(got[t], y, rtol=1e-2, atol=1e-2 * scale)
