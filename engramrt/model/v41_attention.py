@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engramrt.kernels import use_triton
 from engramrt.model import quant
 from engramrt.model.context import ForwardContext
 from engramrt.model.layers import RMSNorm
@@ -346,6 +347,16 @@ class V41Attention(nn.Module):
         dtype (as the reference's kernel casts them) before they weigh the rows."""
         w, dev = self.window, q.device
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
+        if use_triton(dev):  # the same, one launch, no rows gathered into memory
+            from engramrt.kernels.sparse_attention import sparse_attention
+
+            comp, rows = None, None
+            if picks is not None:
+                comp = cache.compressed[self.role.kv_source]
+                rows = cache.entry_rows(step.table, picks.clamp_min(0), self.role.ratio)
+                rows = torch.where(picks >= 0, rows, -1)
+            return sparse_attention(q, kv, ring, comp, rows, step.pos, step.p0, step.q0,
+                                    step.slot, self.attn_sink, self.softmax_scale, w)  # fmt: skip
         out = torch.empty_like(q)
         span = torch.arange(w, device=dev)
         for c in step.chunks():
