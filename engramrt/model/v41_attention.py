@@ -196,6 +196,8 @@ class StepRuns:
     slot: torch.Tensor  # [T] its cache slot
     real: torch.Tensor  # [T] False: a CUDA-graph padding token, written nowhere
     table: torch.Tensor  # [T, W] its block table
+    req: torch.Tensor  # [T] its run
+    tables: torch.Tensor  # [B, W] the runs' block tables
     max_end: int  # the largest run end: entries some token may see, at each ratio
     topk: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
@@ -211,7 +213,8 @@ class StepRuns:
             ends = [p + n for p, n in zip(ctx.start_pos, ctx.run_lens, strict=True)]
             runs = ctx.step_cache["v41"] = cls(
                 ctx.positions, p0, ctx.query_start[req], p0 + lens[req], ctx.slot_ids[req],
-                ctx.slot_mapping >= 0, ctx.block_table[req], max(ends, default=0),
+                ctx.slot_mapping >= 0, ctx.block_table[req], req, ctx.block_table,
+                max(ends, default=0),
             )  # fmt: skip
         return runs
 
@@ -324,13 +327,23 @@ class V41Attention(nn.Module):
             step.topk = torch.full((len(x), 0), -1, dtype=torch.int64, device=dev)
             return
         q, w = self.indexer.queries(x, qr, angles)
+        keys = cache.index_keys[role.index_source]
         entries = torch.arange(count, device=dev)
+        every = None
+        if use_triton(dev):  # the same scores, keys read through the block tables
+            from engramrt.kernels.index_scores import index_scores
+
+            every = index_scores(q, w, keys, step.tables, step.req, step.pos, r,
+                                 cache.block_size, count)  # fmt: skip
         picks, cands = [], []
         for c in step.chunks():
             seen = (step.pos[c] + 1) // r
-            rows = cache.entry_rows(step.table[c], entries.expand(len(seen), -1), r)
-            scores = self.indexer.scores(q[c], w[c], cache.index_keys[role.index_source][rows])
-            scores = scores.masked_fill(entries >= seen.unsqueeze(-1), -math.inf)
+            if every is not None:
+                scores = every[c]
+            else:
+                rows = cache.entry_rows(step.table[c], entries.expand(len(seen), -1), r)
+                scores = self.indexer.scores(q[c], w[c], keys[rows])
+                scores = scores.masked_fill(entries >= seen.unsqueeze(-1), -math.inf)
             if role.builds_candidates:
                 cands.append(self.indexer.candidates(scores, seen))
             elif role.candidates_from is not None:

@@ -1,8 +1,8 @@
-"""V4.1's attention kernel inside the model: every ``V41Attention._attend`` call of a mixed
-workload on ``v41-small`` (prefill chunks that split ratio-2 groups, decode rows, two requests
-in one step) computed by the Triton kernel and by the torch path from the same inputs and
-caches, so the kernel's reading of rings, runs and block tables is checked on real states.
-Off CUDA the kernel runs under Triton's interpreter (float32)."""
+"""V4.1's attention and indexer kernels inside the model: every ``V41Attention._attend`` and
+``_index`` call of a mixed workload on ``v41-small`` (prefill chunks that split ratio-2 groups,
+decode rows, two requests in one step) computed by the Triton kernel and by the torch path from
+the same inputs and caches, so the kernels' reading of rings, runs and block tables is checked
+on real states. Off CUDA the kernels run under Triton's interpreter (float32)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,32 @@ pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def test_attention_kernel_equals_the_torch_path_on_every_call(v41_small: Path, monkeypatch):
+def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch):
     dtype = "bfloat16" if DEVICE == "cuda" else "float32"
     runner = StageRunner.load(v41_small, num_slots=4, max_len=256, device=DEVICE, dtype=dtype)
-    attend, calls = v41_attention.V41Attention._attend, []
+    cls = v41_attention.V41Attention
+    attend, index, select, calls = cls._attend, cls._index, v41_attention.Indexer.select, []
+    scored: list[torch.Tensor] = []
+
+    def keep(self, scores, seen):
+        scored.append(scores)
+        return select(self, scores, seen)
+
+    def both_index(self, x, qr, angles, step, cache):
+        scored.clear()
+        for kernels in (False, True):
+            monkeypatch.setattr(v41_attention, "use_triton", lambda device, k=kernels: k)
+            index(self, x, qr, angles, step, cache)
+        if not scored:  # nothing to see yet
+            return
+        want, got = (torch.cat(scored[: len(scored) // 2]), torch.cat(scored[len(scored) // 2 :]))
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+        calls.append(("index", bool(torch.isfinite(want).any())))
+        fin = torch.isfinite(want)
+        scale = want[fin].float().abs().max()
+        tol = 1e-5 if want.dtype == torch.float32 else 2**-7  # one bf16 rounding, another order
+        torch.testing.assert_close(got[fin].float() / scale, want[fin].float() / scale, rtol=0,
+                                   atol=tol)  # fmt: skip
 
     def both(self, q, kv, picks, step, cache):
         monkeypatch.setattr(v41_attention, "use_triton", lambda device: True)
@@ -35,9 +57,14 @@ def test_attention_kernel_equals_the_torch_path_on_every_call(v41_small: Path, m
         torch.testing.assert_close(got.float() / scale, want.float() / scale, rtol=0, atol=tol)
         return got
 
-    monkeypatch.setattr(v41_attention.V41Attention, "_attend", both)
+    monkeypatch.setattr(cls, "_attend", both)
+    monkeypatch.setattr(cls, "_index", both_index)
+    monkeypatch.setattr(v41_attention.Indexer, "select", keep)
     a, b = prompt(45, 11), prompt(30, 12)
     run_steps(runner, [[(0, a[:13])], [(0, a[13:40]), (1, b[:21])],
                        [(1, b[21:22]), (0, a[40:41])], [(0, a[41:44]), (1, b[22:23])]])  # fmt: skip
     kinds = {kind for kind, _ in calls}
-    assert len(kinds) == 4 and any(picked for _, picked in calls)  # every role, real picks
+    assert len(kinds) == 5 and all(
+        any(p for k, p in calls if k == kind)  # every role; real
+        for kind in ("index", "source", "reuse")
+    )  # picks, scores
