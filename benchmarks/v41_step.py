@@ -76,14 +76,19 @@ def prompt(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(3, min(vocab, 1000)) for _ in range(n)]
 
 
-def decode_ms(runner: StageRunner, bs: int, context: int, steps: int) -> list[float]:
+def decode_ms(
+    runner: StageRunner, bs: int, context: int, steps: int, graphs: bool = False
+) -> list[float]:
     """Per-step wall times of ``steps`` decode steps of ``bs`` requests after a prefill of
-    ``context`` tokens each (the first two steps are warm-up)."""
+    ``context`` tokens each (the first two steps are warm-up); ``graphs``: replayed from CUDA
+    graphs captured after the prefill."""
     vocab = runner.model.cfg.vocab_size
     s = Session(runner, bs, context + steps + 4)
     last = {}
     for b in range(bs):
         last[b] = s.step({b: prompt(context, b, vocab)})[0]
+    if graphs:
+        runner.capture_graphs(bs)
     times = []
     for _ in range(steps + 2):
         sync()
@@ -92,6 +97,7 @@ def decode_ms(runner: StageRunner, bs: int, context: int, steps: int) -> list[fl
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
         last = dict(enumerate(out))
+    runner.graphs = None
     return times[2:]
 
 
@@ -170,15 +176,18 @@ def main() -> None:
         reached = min(cfg.n_routed_experts, bs * cfg.num_experts_per_tok)
         floor_ms = weight_bytes(gpu, reached) / (bw * 1e9) * 1e3
         row = report["decode"][bs] = {"floor_ms": floor_ms, "experts_reached": reached}
-        for path in ("kernels", "torch") if args.torch_too else ("kernels",):
+        paths = ("graphs", "kernels", "torch") if args.torch_too else ("graphs", "kernels")
+        for path in paths:
             if path == "torch":  # every kernel's torch reference (engramrt.kernels.use_triton)
                 os.environ[FORCE_TORCH_ENV] = "1"
-            times = decode_ms(gpu, bs, args.context, args.steps)
+            times = decode_ms(gpu, bs, args.context, args.steps, graphs=path == "graphs")
             os.environ.pop(FORCE_TORCH_ENV, None)
             med = statistics.median(times)
-            row[path] = {"ms": times, "median_ms": med, "x_floor": med / floor_ms}
-            print(f"decode bs {bs} ({path}): {med:.1f} ms a step, floor {floor_ms:.2f} ms "
-                  f"({med / floor_ms:.0f}x)", flush=True)  # fmt: skip
+            gbs = floor_ms / med * bw  # the weight bytes a step must read, over its time
+            row[path] = {"ms": times, "median_ms": med, "x_floor": med / floor_ms, "gbs": gbs}
+            print(f"decode bs {bs} ({path}): {med:.2f} ms a step, floor {floor_ms:.2f} ms "
+                  f"({med / floor_ms:.1f}x, {gbs:.0f} GB/s = {gbs / bw:.1%} of copy)",
+                  flush=True)  # fmt: skip
         if args.profile:
             profile_decode(gpu, bs, args.context, f"{args.profile}-bs{bs}.txt")
     if args.prefill:

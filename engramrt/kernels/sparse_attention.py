@@ -20,7 +20,7 @@ import triton.language as tl
 
 from engramrt.kernels.paged_attention import _dot, _interpreted
 
-NO_SCORE = -1e30  # the running max before any row: exp(-inf - NO_SCORE) is 0, never NaN
+NO_SCORE = tl.constexpr(-1e30)  # the running max before any row: exp(-inf - it) is 0, not NaN
 
 
 @triton.jit

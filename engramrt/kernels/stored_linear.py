@@ -23,14 +23,41 @@ BLOCK_K = 128
 
 
 @triton.jit
-def _fp4_values(packed, k):
-    """E2M1 codes (the byte's low nibble at even ``k``) as fp32, built from their bits: sign,
-    exponent ``e`` and mantissa ``m`` are ``m / 2`` at ``e = 0`` and ``(1 + m / 2) 2**(e-1)``
-    above (no table lookup: a gather per code was the kernel's bottleneck)."""
-    code = tl.where(k % 2 == 0, packed & 15, packed >> 4)
+def _e2m1(code):
+    """4-bit E2M1 codes as fp32, built from their bits: exponent ``e`` and mantissa ``m`` are
+    ``m / 2`` at ``e = 0`` and ``(1 + m / 2) 2**(e-1)`` above, bit 3 the sign (no table: a
+    gather per code was the first version's bottleneck)."""
     e, m = (code >> 1) & 3, code & 1
     bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
     return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0(raw):
+    """E8M0 scale bytes as fp32 powers of two: the byte is the exponent field (exact)."""
+    return ((raw.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_sums(prod, BN: tl.constexpr, G: tl.constexpr):
+    """``prod`` [BN, G * n] summed over each scale group's n columns: [BN, G]."""
+    return tl.sum(tl.reshape(prod, [BN, G, prod.shape[1] // G]), axis=2)
+
+
+@triton.jit
+def _spread(scale, BN: tl.constexpr, G: tl.constexpr, WIDTH: tl.constexpr):
+    """Scales [BN, G] repeated over each group's columns: [BN, WIDTH]."""
+    return tl.reshape(tl.broadcast_to(scale[:, :, None], [BN, G, WIDTH // G]), [BN, WIDTH])
+
+
+@triton.jit
+def _dot_acc(acc, a, w, IEEE: tl.constexpr):
+    """``acc + a @ w.T`` with ``w`` (exact values) in ``a``'s dtype."""
+    if IEEE:
+        acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision="ieee")
+    else:
+        acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+    return acc
 
 
 @triton.jit
@@ -41,7 +68,10 @@ def _stored_linear_kernel(
 ):  # fmt: skip
     """``GROUPED``: program ``pid_m`` takes the rows ``[lo, hi)`` of ``tiles[pid_m]`` = (expert,
     lo, hi) against expert ``e``'s weight (``W_STRIDE`` / ``S_STRIDE`` apart); an empty tile
-    loads nothing."""
+    loads nothing. FP4 bytes are read once each: even inputs against low nibbles, odd ones
+    against high nibbles. A GEMV (``BM == 1``) sums each scale group's exact products first and
+    scales the group's sum (a power of two: exact)."""
+    G: tl.constexpr = BK // 32  # scale groups a step
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if GROUPED:
         e = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
@@ -54,34 +84,46 @@ def _stored_linear_kernel(
         lo, end = pid_m * BM, M
         rm = lo + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
+    rn64 = rn[:, None].to(tl.int64)
+    a_rows = a_ptr + rm[:, None].to(tl.int64) * K
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     row = tl.zeros([BN], dtype=tl.float32)  # BM == 1: a GEMV, fp32 FMAs, no 16-row dot
     k_start = split * K_SPLIT
     live = (tl.zeros([BN, 1], dtype=tl.int64) + lo) < end  # an empty tile reads no weights
+    nmask = (rn[:, None] < N) & live
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BK):
-        rk = k0 + tl.arange(0, BK)
-        a = tl.load(a_ptr + rm[:, None].to(tl.int64) * K + rk[None, :],
-                    mask=(rm[:, None] < end) & (rk[None, :] < K), other=0.0)  # fmt: skip
-        wmask = (rn[:, None] < N) & (rk[None, :] < K) & live
+        kg = k0 // 32 + tl.arange(0, G)
         if FP4:
-            byte = tl.load(w_ptr + rn[:, None].to(tl.int64) * (K // 2) + rk[None, :] // 2,
-                           mask=wmask, other=0).to(tl.int32) & 0xFF  # fmt: skip
-            sb = tl.load(s_ptr + rn[:, None].to(tl.int64) * (K // 32) + rk[None, :] // 32,
-                         mask=wmask, other=127).to(tl.int32)  # fmt: skip
-            w = _fp4_values(byte, rk[None, :])
+            kp = k0 // 2 + tl.arange(0, BK // 2)  # byte columns; inputs 2 kp and 2 kp + 1
+            pm = nmask & (kp[None, :] < K // 2)
+            byte = tl.load(w_ptr + rn64 * (K // 2) + kp[None, :], mask=pm, other=0)
+            byte = byte.to(tl.int32) & 0xFF
+            w_even, w_odd = _e2m1(byte & 15), _e2m1(byte >> 4)
+            sc = _e8m0(tl.load(s_ptr + rn64 * (K // 32) + kg[None, :],
+                               mask=nmask & (kg[None, :] < K // 32), other=127))  # fmt: skip
+            am = (rm[:, None] < end) & (kp[None, :] < K // 2)
+            a_even = tl.load(a_rows + 2 * kp[None, :], mask=am, other=0.0)
+            a_odd = tl.load(a_rows + 2 * kp[None, :] + 1, mask=am, other=0.0)
+            if BM == 1:
+                prod = w_even * a_even.to(tl.float32) + w_odd * a_odd.to(tl.float32)
+                row += tl.sum(_group_sums(prod, BN, G) * sc, axis=1)
+            else:
+                spread = _spread(sc, BN, G, BK // 2)
+                acc = _dot_acc(acc, a_even, w_even * spread, IEEE)
+                acc = _dot_acc(acc, a_odd, w_odd * spread, IEEE)
         else:
-            byte = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], mask=wmask,
+            rk = k0 + tl.arange(0, BK)
+            byte = tl.load(w_ptr + rn64 * K + rk[None, :], mask=nmask & (rk[None, :] < K),
                            other=0)  # fmt: skip
-            sb = tl.load(s_ptr + (rn[:, None] // 32) * tl.cdiv(K, 32) + rk[None, :] // 32,
-                         mask=wmask, other=127).to(tl.int32)  # fmt: skip
             w = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        w = w * (sb << 23).to(tl.float32, bitcast=True)  # E8M0: the exponent field, exact
-        if BM == 1:
-            row += tl.sum(w * a.to(tl.float32), axis=1)
-        elif IEEE:
-            acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision="ieee")
-        else:
-            acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+            sc = _e8m0(tl.load(s_ptr + (rn64 // 32) * tl.cdiv(K, 32) + kg[None, :],
+                               mask=nmask & (kg[None, :] < tl.cdiv(K, 32)), other=127))  # fmt: skip
+            a = tl.load(a_rows + rk[None, :], mask=(rm[:, None] < end) & (rk[None, :] < K),
+                        other=0.0)  # fmt: skip
+            if BM == 1:
+                row += tl.sum(_group_sums(w * a.to(tl.float32), BN, G) * sc, axis=1)
+            else:
+                acc = _dot_acc(acc, a, w * _spread(sc, BN, G, BK), IEEE)
     if BM == 1:
         acc = row[None, :]
     out = out_ptr + split.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
@@ -90,6 +132,8 @@ def _stored_linear_kernel(
 
 def _launch(a, weight, scale, fp4, grid_m, bm, splits, tiles) -> torch.Tensor:
     m, k = a.shape
+    if k % 32:
+        raise ValueError(f"inputs must come in whole 32-wide scale blocks, got {k}")
     n = weight.shape[-2]
     steps = triton.cdiv(k, BLOCK_K)
     per = triton.cdiv(steps, splits) * BLOCK_K

@@ -105,6 +105,7 @@ class ForwardContext:
     num_real: torch.Tensor  # [1] rows at or past it are CUDA-graph padding
     table_width: torch.Tensor  # [1] W, the block table's row stride
     decode: bool = False  # one token per request: the decode kernels, the hasher's decode mode
+    padded: bool = False  # a CUDA graph's step: shapes may not depend on the runs (V4.1's scans)
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill kernel tiles (req, m0)
     token_slots: torch.Tensor | None = None  # [T] history slot of each token (not decode)
     # a mixed step's one-token runs, for the decode kernel: their token rows (T: padding),
@@ -169,7 +170,8 @@ class ForwardContext:
         views["block_table"] = views["block_table"].view(runs.bsz, runs.width)
         tiles = views.pop("tile_req", None), views.pop("tile_m0", None)
         return cls(list(slots), list(run_lens), list(start_pos), kv, flat, decode=decode,
-                   tiles=None if tiles[0] is None else tiles, **views, **kw)  # fmt: skip
+                   padded=pad is not None, tiles=None if tiles[0] is None else tiles, **views,
+                   **kw)  # fmt: skip
 
     def rope(self, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's rotary cos/sin rows, computed by the first layer that asks (in a CUDA

@@ -198,7 +198,7 @@ class StepRuns:
     table: torch.Tensor  # [T, W] its block table
     req: torch.Tensor  # [T] its run
     tables: torch.Tensor  # [B, W] the runs' block tables
-    max_end: int  # the largest run end: entries some token may see, at each ratio
+    max_end: int  # the largest run end (a graph's: the cache's capacity): what tokens may see
     topk: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
     rope: dict = field(default_factory=dict)
@@ -211,6 +211,8 @@ class StepRuns:
             p0 = ctx.start_pos_t[req]
             lens = ctx.query_start[1:] - ctx.query_start[:-1]
             ends = [p + n for p, n in zip(ctx.start_pos, ctx.run_lens, strict=True)]
+            if ctx.padded:  # a graph replays any lengths: scan what the cache can hold
+                ends = [ctx.kv.max_len]
             runs = ctx.step_cache["v41"] = cls(
                 ctx.positions, p0, ctx.query_start[req], p0 + lens[req], ctx.slot_ids[req],
                 ctx.slot_mapping >= 0, ctx.block_table[req], req, ctx.block_table,

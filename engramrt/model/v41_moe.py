@@ -86,7 +86,8 @@ class V41MoE(nn.Module):
         w13, s13, w2, s2 = self._stacked()
         t, k = ids.shape
         order = torch.sort(ids.flatten(), stable=True)
-        counts = torch.bincount(order.values, minlength=len(self.experts))
+        counts = torch.zeros(len(self.experts), dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, order.values, torch.ones_like(order.values))  # bincount syncs
         a = quant.act_roundtrip(x)[order.indices // k]
         h = grouped_stored_linear(a, w13, s13, True, counts)
         gate, up = h.float().chunk(2, dim=-1)

@@ -168,10 +168,16 @@ class StageRunner:
     def capture_graphs(self, max_batch: int, max_tokens: int = 0, verify: int = 0) -> None:
         """Capture decode steps up to ``max_batch`` requests, mixed steps up to ``max_tokens``
         tokens and verify steps of ``verify`` drafts a run (``StepGraphs``; CUDA only). The
-        reference MoE routes with data-dependent shapes, so MoE models stay eager."""
-        if self.model.cfg.ffn_type == "moe":
+        stand-in MoE routes with data-dependent shapes, so those models stay eager (V4.1's
+        grouped experts do not)."""
+        cfg = self.model.cfg
+        if cfg.ffn_type == "moe" and cfg.v41 is None:
             print("engramrt: MoE routing is not graph-capturable yet; decoding eagerly", flush=True)
             return
+        if cfg.v41 is not None and max_tokens:  # a graph scans the whole capacity
+            print("engramrt: V4.1 mixed steps run eagerly (a graph's indexer would scan all the "
+                  "cache can hold); decode steps replay CUDA graphs", flush=True)  # fmt: skip
+            max_tokens = 0
         if not use_triton(self.device):  # the torch reference attention is not capturable
             print("engramrt: CUDA graphs need the Triton kernels; decoding eagerly", flush=True)
             return

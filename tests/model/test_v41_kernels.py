@@ -68,3 +68,36 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
         any(p for k, p in calls if k == kind)  # every role; real
         for kind in ("index", "source", "reuse")
     )  # picks, scores
+
+
+@pytest.mark.gpu
+def test_decode_graphs_replay_the_eager_steps(v41_small: Path) -> None:
+    """V4.1 decode steps replayed from CUDA graphs (three requests in a graph of four, whose
+    indexer scans the cache's whole capacity) give the eager steps' greedy tokens and logits
+    (float32: padded GEMMs may round differently); the padded row writes only the spare ring
+    slot, never an unused slot's."""
+    from engramrt.runner.batch import StepBatch
+
+    runners = [StageRunner.load(v41_small, num_slots=4, max_len=128, device="cuda",
+                                dtype="float32") for _ in range(2)]  # fmt: skip
+    for r in runners:
+        r.allocate_kv(4, 128, 16, 32)
+    runners[1].capture_graphs(4)
+    assert runners[1].graphs is not None
+    prompts = [prompt(n, 20 + n) for n in (33, 9, 20)]
+    slots = [0, 2, 3]
+    blocks = [list(range(8 * s, 8 * s + 8)) for s in slots]
+    first = StepBatch([t for p in prompts for t in p], slots, [len(p) for p in prompts],
+                      [0, 0, 0], new_blocks=blocks)  # fmt: skip
+    out = [r.compute(first, last_only=True) for r in runners]
+    pos = [len(p) for p in prompts]
+    for _ in range(6):
+        nxt = out[0].argmax(-1).tolist()
+        batch = StepBatch(nxt, slots, [1, 1, 1], pos)
+        out = [r.compute(batch, last_only=True) for r in runners]
+        assert torch.equal(out[1].argmax(-1), out[0].argmax(-1))
+        scale = float(out[0].abs().max())
+        torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-4 * scale)
+        pos = [p + 1 for p in pos]
+    for ring in runners[1].kv.window.values():
+        assert not ring[1].any() and ring[4].any()  # slot 1 unused; slot 4 the spare
