@@ -102,12 +102,14 @@ def decode_ms(
 
 
 def profile_decode(runner: StageRunner, bs: int, context: int, path: str) -> None:
-    """One warmed decode step under torch.profiler: its ops by GPU time and by host time."""
+    """One warmed decode step replayed from its CUDA graph under torch.profiler: its kernels by
+    GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     vocab = runner.model.cfg.vocab_size
     s = Session(runner, bs, context + 8)
     last = {b: s.step({b: prompt(context, b, vocab)})[0] for b in range(bs)}
+    runner.capture_graphs(bs)  # the kernels a replayed step runs (CUPTI sees inside graphs)
     last = dict(enumerate(s.step({b: [last[b]] for b in range(bs)})))
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -117,6 +119,7 @@ def profile_decode(runner: StageRunner, bs: int, context: int, path: str) -> Non
     with open(path, "w") as f:
         f.write(table.table(sort_by="cuda_time_total", row_limit=40) + "\n")
         f.write(table.table(sort_by="cpu_time_total", row_limit=40) + "\n")
+    runner.graphs = None
 
 
 def prefill_ms(runner: StageRunner, tokens: int, reps: int = 2) -> list[float]:

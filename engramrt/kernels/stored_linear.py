@@ -39,18 +39,6 @@ def _e8m0(raw):
 
 
 @triton.jit
-def _group_sums(prod, BN: tl.constexpr, G: tl.constexpr):
-    """``prod`` [BN, G * n] summed over each scale group's n columns: [BN, G]."""
-    return tl.sum(tl.reshape(prod, [BN, G, prod.shape[1] // G]), axis=2)
-
-
-@triton.jit
-def _spread(scale, BN: tl.constexpr, G: tl.constexpr, WIDTH: tl.constexpr):
-    """Scales [BN, G] repeated over each group's columns: [BN, WIDTH]."""
-    return tl.reshape(tl.broadcast_to(scale[:, :, None], [BN, G, WIDTH // G]), [BN, WIDTH])
-
-
-@triton.jit
 def _dot_acc(acc, a, w, IEEE: tl.constexpr):
     """``acc + a @ w.T`` with ``w`` (exact values) in ``a``'s dtype."""
     if IEEE:
@@ -68,10 +56,8 @@ def _stored_linear_kernel(
 ):  # fmt: skip
     """``GROUPED``: program ``pid_m`` takes the rows ``[lo, hi)`` of ``tiles[pid_m]`` = (expert,
     lo, hi) against expert ``e``'s weight (``W_STRIDE`` / ``S_STRIDE`` apart); an empty tile
-    loads nothing. FP4 bytes are read once each: even inputs against low nibbles, odd ones
-    against high nibbles. A GEMV (``BM == 1``) sums each scale group's exact products first and
-    scales the group's sum (a power of two: exact)."""
-    G: tl.constexpr = BK // 32  # scale groups a step
+    loops over nothing. FP4 bytes are read once each: even inputs against low nibbles, odd ones
+    against high nibbles."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if GROUPED:
         e = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
@@ -89,41 +75,37 @@ def _stored_linear_kernel(
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     row = tl.zeros([BN], dtype=tl.float32)  # BM == 1: a GEMV, fp32 FMAs, no 16-row dot
     k_start = split * K_SPLIT
-    live = (tl.zeros([BN, 1], dtype=tl.int64) + lo) < end  # an empty tile reads no weights
-    nmask = (rn[:, None] < N) & live
-    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BK):
-        kg = k0 // 32 + tl.arange(0, G)
+    k_end = tl.where(lo < end, tl.minimum(k_start + K_SPLIT, K), k_start)  # empty tile: none
+    nmask = rn[:, None] < N
+    for k0 in range(k_start, k_end, BK):
         if FP4:
             kp = k0 // 2 + tl.arange(0, BK // 2)  # byte columns; inputs 2 kp and 2 kp + 1
             pm = nmask & (kp[None, :] < K // 2)
             byte = tl.load(w_ptr + rn64 * (K // 2) + kp[None, :], mask=pm, other=0)
             byte = byte.to(tl.int32) & 0xFF
-            w_even, w_odd = _e2m1(byte & 15), _e2m1(byte >> 4)
-            sc = _e8m0(tl.load(s_ptr + rn64 * (K // 32) + kg[None, :],
-                               mask=nmask & (kg[None, :] < K // 32), other=127))  # fmt: skip
+            sc = _e8m0(tl.load(s_ptr + rn64 * (K // 32) + kp[None, :] // 16, mask=pm, other=127))
+            w_even, w_odd = _e2m1(byte & 15) * sc, _e2m1(byte >> 4) * sc
             am = (rm[:, None] < end) & (kp[None, :] < K // 2)
             a_even = tl.load(a_rows + 2 * kp[None, :], mask=am, other=0.0)
             a_odd = tl.load(a_rows + 2 * kp[None, :] + 1, mask=am, other=0.0)
             if BM == 1:
-                prod = w_even * a_even.to(tl.float32) + w_odd * a_odd.to(tl.float32)
-                row += tl.sum(_group_sums(prod, BN, G) * sc, axis=1)
+                row += tl.sum(w_even * a_even.to(tl.float32) + w_odd * a_odd.to(tl.float32), 1)
             else:
-                spread = _spread(sc, BN, G, BK // 2)
-                acc = _dot_acc(acc, a_even, w_even * spread, IEEE)
-                acc = _dot_acc(acc, a_odd, w_odd * spread, IEEE)
+                acc = _dot_acc(acc, a_even, w_even, IEEE)
+                acc = _dot_acc(acc, a_odd, w_odd, IEEE)
         else:
             rk = k0 + tl.arange(0, BK)
-            byte = tl.load(w_ptr + rn64 * K + rk[None, :], mask=nmask & (rk[None, :] < K),
-                           other=0)  # fmt: skip
-            w = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            sc = _e8m0(tl.load(s_ptr + (rn64 // 32) * tl.cdiv(K, 32) + kg[None, :],
-                               mask=nmask & (kg[None, :] < tl.cdiv(K, 32)), other=127))  # fmt: skip
+            wm = nmask & (rk[None, :] < K)
+            byte = tl.load(w_ptr + rn64 * K + rk[None, :], mask=wm, other=0)
+            sc = _e8m0(tl.load(s_ptr + (rn64 // 32) * tl.cdiv(K, 32) + rk[None, :] // 32,
+                               mask=wm, other=127))  # fmt: skip
+            w = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
             a = tl.load(a_rows + rk[None, :], mask=(rm[:, None] < end) & (rk[None, :] < K),
                         other=0.0)  # fmt: skip
             if BM == 1:
-                row += tl.sum(_group_sums(w * a.to(tl.float32), BN, G) * sc, axis=1)
+                row += tl.sum(w * a.to(tl.float32), axis=1)
             else:
-                acc = _dot_acc(acc, a, w * _spread(sc, BN, G, BK), IEEE)
+                acc = _dot_acc(acc, a, w, IEEE)
     if BM == 1:
         acc = row[None, :]
     out = out_ptr + split.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
