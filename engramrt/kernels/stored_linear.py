@@ -39,6 +39,13 @@ def _e8m0(raw):
 
 
 @triton.jit
+def _spread(scale, BN: tl.constexpr, G: tl.constexpr, WIDTH: tl.constexpr):
+    """Scales [BN, G] repeated over each group's columns: [BN, WIDTH] (a tile's scales loaded
+    once each; a per-element gather costs the 16- and 64-row tiles 2-5x)."""
+    return tl.reshape(tl.broadcast_to(scale[:, :, None], [BN, G, WIDTH // G]), [BN, WIDTH])
+
+
+@triton.jit
 def _dot_acc(acc, a, w, IEEE: tl.constexpr):
     """``acc + a @ w.T`` with ``w`` (exact values) in ``a``'s dtype."""
     if IEEE:
@@ -56,7 +63,7 @@ def _stored_linear_kernel(
 ):  # fmt: skip
     """``GROUPED``: program ``pid_m`` takes the rows ``[lo, hi)`` of ``tiles[pid_m]`` = (expert,
     lo, hi) against expert ``e``'s weight (``W_STRIDE`` / ``S_STRIDE`` apart); an empty tile
-    loops over nothing. FP4 bytes are read once each: even inputs against low nibbles, odd ones
+    loads nothing. FP4 bytes are read once each: even inputs against low nibbles, odd ones
     against high nibbles."""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if GROUPED:
@@ -75,15 +82,23 @@ def _stored_linear_kernel(
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     row = tl.zeros([BN], dtype=tl.float32)  # BM == 1: a GEMV, fp32 FMAs, no 16-row dot
     k_start = split * K_SPLIT
-    k_end = tl.where(lo < end, tl.minimum(k_start + K_SPLIT, K), k_start)  # empty tile: none
-    nmask = rn[:, None] < N
-    for k0 in range(k_start, k_end, BK):
+    live = (tl.zeros([BN, 1], dtype=tl.int64) + lo) < end  # an empty tile reads no weights
+    nmask = (rn[:, None] < N) & live
+    G: tl.constexpr = BK // 32  # scale groups a step
+    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BK):
+        kg = k0 // 32 + tl.arange(0, G)
         if FP4:
             kp = k0 // 2 + tl.arange(0, BK // 2)  # byte columns; inputs 2 kp and 2 kp + 1
             pm = nmask & (kp[None, :] < K // 2)
             byte = tl.load(w_ptr + rn64 * (K // 2) + kp[None, :], mask=pm, other=0)
             byte = byte.to(tl.int32) & 0xFF
-            sc = _e8m0(tl.load(s_ptr + rn64 * (K // 32) + kp[None, :] // 16, mask=pm, other=127))
+            if BM == 1:  # the GEMV: each scale gathered per element (the faster form here)
+                sc = _e8m0(tl.load(s_ptr + rn64 * (K // 32) + kp[None, :] // 16, mask=pm,
+                                   other=127))  # fmt: skip
+            else:
+                sc = _spread(_e8m0(tl.load(s_ptr + rn64 * (K // 32) + kg[None, :],
+                                           mask=nmask & (kg[None, :] < K // 32), other=127)),
+                             BN, G, BK // 2)  # fmt: skip
             w_even, w_odd = _e2m1(byte & 15) * sc, _e2m1(byte >> 4) * sc
             am = (rm[:, None] < end) & (kp[None, :] < K // 2)
             a_even = tl.load(a_rows + 2 * kp[None, :], mask=am, other=0.0)
@@ -97,8 +112,13 @@ def _stored_linear_kernel(
             rk = k0 + tl.arange(0, BK)
             wm = nmask & (rk[None, :] < K)
             byte = tl.load(w_ptr + rn64 * K + rk[None, :], mask=wm, other=0)
-            sc = _e8m0(tl.load(s_ptr + (rn64 // 32) * tl.cdiv(K, 32) + rk[None, :] // 32,
-                               mask=wm, other=127))  # fmt: skip
+            srow = s_ptr + (rn64 // 32) * tl.cdiv(K, 32)
+            if BM == 1:
+                sc = _e8m0(tl.load(srow + rk[None, :] // 32, mask=wm, other=127))
+            else:
+                sc = _spread(_e8m0(tl.load(srow + kg[None, :], mask=nmask
+                                           & (kg[None, :] < tl.cdiv(K, 32)), other=127)),
+                             BN, G, BK)  # fmt: skip
             w = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
             a = tl.load(a_rows + rk[None, :], mask=(rm[:, None] < end) & (rk[None, :] < K),
                         other=0.0)  # fmt: skip

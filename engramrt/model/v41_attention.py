@@ -248,7 +248,7 @@ class V41Attention(nn.Module):
         per_group = cfg.n_heads // cfg.o_groups
         h0, h1 = g0 * per_group, g1 * per_group
         d, rank = cfg.head_dim, cfg.o_lora_rank
-        self.heads, self.head_dim, self.rope_dim = h1 - h0, d, cfg.rope_head_dim
+        self.heads, self.head_dim = h1 - h0, d
         self.window, self.groups, self.rank = cfg.window_size, g1 - g0, rank
         self.wq_a = StoredLinear(cfg.q_lora_rank, cfg.dim)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, dtype)
