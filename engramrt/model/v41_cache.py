@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from engramrt.model.context import KVCache
-from engramrt.v41_config import SOURCE, V41Config
+from engramrt.v41_config import REINDEX, SOURCE, V41Config
 
 
 def entry_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> float:
@@ -36,6 +36,20 @@ def slot_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> int:
     tails = sum(2 * cfg.head_dim * 4 for r in cfg.roles
                 if r.layer in layer_ids and r.kind == SOURCE and r.ratio == 2)  # fmt: skip
     return ring + tails
+
+
+def read_bytes(cfg: V41Config, layer_ids: list[int], context: int, itemsize: int) -> int:
+    """Cache bytes one decode token at ``context`` reads in ``layer_ids``: its window's latents
+    in every layer, its picked compressed rows in the compressed layers, and the index keys an
+    indexer scans (sources and re-indexers)."""
+    total = 0
+    for r in (cfg.roles[i] for i in layer_ids):
+        total += min(cfg.window_size, context) * cfg.head_dim
+        if r.ratio:
+            total += min(cfg.index_topk, context // r.ratio) * cfg.head_dim
+            if r.kind in (SOURCE, REINDEX):
+                total += context // r.ratio * cfg.index_head_dim
+    return total * itemsize
 
 
 def fixed_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int, slots: int) -> int:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from engramrt.engine.build import EngineOptions, check, kv_blocks
 from engramrt.engine.request import SamplingParams
-from engramrt.model import quant
+from engramrt.model import quant, v41_cache
 from engramrt.model.checkpoint import CheckpointError, load_model
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
@@ -207,3 +207,14 @@ def test_released_format_loads_and_broken_tensors_are_named(v41_small: Path, tmp
     shaped = variant("shaped", lambda t: t.update({name: t[name][:, :-1].contiguous()}))
     with pytest.raises(CheckpointError, match=name):
         load_model(shaped, "float32")
+
+
+def test_decode_read_bytes_counted_by_hand(runner) -> None:
+    """What a decode token at context 100 reads on v41-small (ratios [0, 2, 2, 1, 1, 1], window
+    16, top-k 8, 64-wide latents and index keys; indexers at layers 1 (ratio 2), 3 and 5)."""
+    cfg = runner.model.cfg.v41
+    window = 6 * 16 * 64
+    picked = 5 * 8 * 64
+    scanned = 50 * 64 + 100 * 64 + 100 * 64
+    assert v41_cache.read_bytes(cfg, list(range(6)), 100, 2) == 2 * (window + picked + scanned)
+    assert v41_cache.read_bytes(cfg, [0], 5, 4) == 4 * 5 * 64  # a short context's window
