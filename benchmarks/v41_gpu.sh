@@ -5,8 +5,9 @@
 #   PART=b  the V4.1 presets written on the GPU; generate, check-pp and the numbers of v41-small
 #   PART=c  v41-wide: generate, check-pp on the GPU, eval through a server, the decode and
 #           prefill numbers and the CPU fp32 / GPU bf16 agreement (benchmarks/v41_step.py)
-#   PART=d  issue 34: benchmarks/stored_linear_bench.py, then v41-wide decode at bs 1/16/64 with
-#           the stored-format linears and on the torch path, and an 8k prefill
+#   PART=d  issue 34: benchmarks/stored_linear_bench.py, then v41-wide decode at bs 1/16/64
+#           from CUDA graphs, eager with the kernels and on the torch path (a profile of each
+#           graph-replayed step), an 8k prefill, and bench throughput
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -47,12 +48,15 @@ case "${PART:-b}" in
     timeout 330 python3 -m benchmarks.v41_step --model /tmp/v41w --out "$out/v41w.json" \
       --agree-prompts 1 --agree-tokens 4 2>&1 | grep -v "^engramrt" | tee "$out/v41w.txt"
     ;;
-  d)  # issue 34: the stored-format linears alone, then v41-wide decode with them and without
-    timeout 200 python3 benchmarks/stored_linear_bench.py --out "$out/stored_linear.json" 2>&1 \
-      | tee "$out/stored_linear.txt"
+  d)  # issue 34: the stored-format linears alone, then v41-wide decode every way, throughput
+    timeout 100 python3 benchmarks/stored_linear_bench.py --out "$out/stored_linear.json" \
+      --rows 1,16,64 2>&1 | tee "$out/stored_linear.txt"
     preset v41-wide /tmp/v41w
-    timeout 300 python3 -m benchmarks.v41_step --model /tmp/v41w --out "$out/v41w.json" \
-      --torch-too --batches 1,16,64 --prefill 8192 --agree-prompts 0 2>&1 | grep -v "^engramrt" \
-      | tee "$out/v41w.txt"
+    timeout 260 python3 -m benchmarks.v41_step --model /tmp/v41w --out "$out/v41w.json" \
+      --torch-too --batches 1,16,64 --prefill 8192 --agree-prompts 1 --agree-tokens 8 \
+      --steps 6 --profile "$out/prof" 2>&1 | grep -v "^engramrt" | tee "$out/v41w.txt"
+    timeout 150 python3 -m engramrt bench throughput --model /tmp/v41w --num-prompts 64 \
+      --input-len 256 --output-len 64 --max-num-seqs 64 2>&1 | tee "$out/throughput.txt" \
+      | tail -5
     ;;
 esac
