@@ -76,19 +76,26 @@ def prompt(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(3, min(vocab, 1000)) for _ in range(n)]
 
 
+def prefilled(
+    runner: StageRunner, bs: int, context: int, steps: int, graphs: bool
+) -> tuple[Session, dict[int, int]]:
+    """``bs`` requests each prefilled with ``context`` tokens, room for ``steps`` more, and each
+    one's next token; ``graphs``: decode graphs captured after the prefill."""
+    vocab = runner.model.cfg.vocab_size
+    s = Session(runner, bs, context + steps + 4)
+    last = {b: s.step({b: prompt(context, b, vocab)})[0] for b in range(bs)}
+    if graphs:
+        runner.capture_graphs(bs)
+    return s, last
+
+
 def decode_ms(
     runner: StageRunner, bs: int, context: int, steps: int, graphs: bool = False
 ) -> list[float]:
     """Per-step wall times of ``steps`` decode steps of ``bs`` requests after a prefill of
     ``context`` tokens each (the first two steps are warm-up); ``graphs``: replayed from CUDA
     graphs captured after the prefill."""
-    vocab = runner.model.cfg.vocab_size
-    s = Session(runner, bs, context + steps + 4)
-    last = {}
-    for b in range(bs):
-        last[b] = s.step({b: prompt(context, b, vocab)})[0]
-    if graphs:
-        runner.capture_graphs(bs)
+    s, last = prefilled(runner, bs, context, steps, graphs)
     times = []
     for _ in range(steps + 2):
         sync()
@@ -102,14 +109,11 @@ def decode_ms(
 
 
 def profile_decode(runner: StageRunner, bs: int, context: int, path: str) -> None:
-    """One warmed decode step replayed from its CUDA graph under torch.profiler: its kernels by
-    GPU time."""
+    """One warmed decode step replayed from its CUDA graph under torch.profiler (CUPTI sees the
+    kernels inside a graph): its kernels by GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    vocab = runner.model.cfg.vocab_size
-    s = Session(runner, bs, context + 8)
-    last = {b: s.step({b: prompt(context, b, vocab)})[0] for b in range(bs)}
-    runner.capture_graphs(bs)  # the kernels a replayed step runs (CUPTI sees inside graphs)
+    s, last = prefilled(runner, bs, context, 4, graphs=True)
     last = dict(enumerate(s.step({b: [last[b]] for b in range(bs)})))
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
