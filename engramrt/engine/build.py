@@ -177,7 +177,8 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
     def fixed(layers: list[int]) -> int:  # V4.1's rings and tails: per slot, not per block
         if cfg.v41 is None:
             return 0
-        return v41_cache.fixed_bytes(cfg.v41, layers, size, opts.max_num_seqs)
+        return v41_cache.fixed_bytes(cfg.v41, layers, size, opts.max_num_seqs,
+                                     snapshots_for(opts))  # fmt: skip
 
     if runner.device.type != "cuda" or opts.kv_cache_memory_bytes is not None:
         cap = opts.max_num_seqs * -(-max_len // opts.block_size)
@@ -187,8 +188,9 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
         if budget < block:
             raise ValueError(
                 f"the KV cache budget cannot hold the per-sequence state of --max-num-seqs "
-                f"{opts.max_num_seqs} sequences ({held / 2**20:.0f} MiB of window rings "
-                "and compressor tails): lower --max-num-seqs or raise --kv-cache-memory-bytes"
+                f"{opts.max_num_seqs} sequences ({held / 2**20:.0f} MiB of window rings, "
+                "their snapshots and compressor tails): lower --max-num-seqs or raise "
+                "--kv-cache-memory-bytes"
             )
         return blocks_from_bytes(budget, block, cap)
     tokens = max(1, min(opts.max_num_batched_tokens, max_len * opts.max_num_seqs))
@@ -230,7 +232,7 @@ def build_stage(
         if driver:
             log("--engram off: every Engram layer is skipped (an ablation)")
     blocks = _agree(kv_blocks(runner, opts, cfg, max_len), device)
-    runner.allocate_kv(opts.max_num_seqs, max_len, opts.block_size, blocks)
+    runner.allocate_kv(opts.max_num_seqs, max_len, opts.block_size, blocks, snapshots_for(opts))
     if driver and device.type == "cuda":
         gib = runner.kv.nbytes / 2**30
         log(f"KV cache {blocks} blocks = {blocks * opts.block_size} tokens ({gib:.2f} GiB on "
@@ -255,10 +257,10 @@ def build_stage(
 def engine_for(pipe: Pipeline, opts: EngineOptions, cfg: ModelConfig, max_len: int) -> Engine:
     """The engine over a pipeline whose driving stage has its KV cache."""
     kv = pipe.runner.kv
+    snapshots = kv.num_snapshots
     prefix_caching = opts.enable_prefix_caching
-    if cfg.v41 is not None and prefix_caching:
-        log("prefix caching is off for V4.1 models: a hit cannot restore the window rings and "
-            "compressor tails, which no block holds")  # fmt: skip
+    if cfg.v41 is not None and prefix_caching and not snapshots:
+        log("prefix caching is off: this V4.1 cache keeps no window snapshots")
         prefix_caching = False
     config = EngineConfig(
         max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, kv.num_blocks,
@@ -268,8 +270,14 @@ def engine_for(pipe: Pipeline, opts: EngineOptions, cfg: ModelConfig, max_len: i
         uniform_drafts=pipe.runner.graphs is not None,
         # V4.1 is served text-only (no vision tower): its image token is refused in prompts
         text_only_image_token=cfg.engram.image_token_id if cfg.v41 is not None else None,
+        window_snapshots=snapshots,
     )  # fmt: skip
     return Engine(pipe, pipe.runner.tokenizer, config)
+
+
+def snapshots_for(opts: EngineOptions) -> int:
+    """V4.1's window snapshots: prefix caching's, none without it (GQA caches ignore it)."""
+    return v41_cache.default_snapshots(opts.max_num_seqs) if opts.enable_prefix_caching else 0
 
 
 def log(line: str) -> None:

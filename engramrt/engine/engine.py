@@ -88,6 +88,9 @@ class EngineConfig:
     # padded with its last token), so verify steps replay the runner's verify graphs
     uniform_drafts: bool = False
     text_only_image_token: int | None = None  # refused in prompts (``RequestLimits``)
+    # per-request state kept apart from the blocks for prefix hits (V4.1's window snapshots;
+    # ``BlockManager``); 0: the blocks hold it all
+    window_snapshots: int = 0
 
 
 @dataclass
@@ -126,7 +129,8 @@ class Engine:
         self.limits = RequestLimits(self.tokenizer_size, cfg.model_vocab_size, cfg.max_model_len,
                                     cfg.num_blocks, cfg.block_size, cfg.eos_token_id,
                                     cfg.text_only_image_token)  # fmt: skip
-        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                   cfg.window_snapshots)  # fmt: skip
         propose = self._propose if cfg.speculative is not None else None
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.long_prefill_token_threshold, propose)  # fmt: skip
@@ -231,7 +235,7 @@ class Engine:
                  if r.params.prompt_logprobs is not None]  # fmt: skip
         target_k = max(asked) if asked else None  # prompt tokens are scored only when asked
         tokens, targets, starts, new_blocks, rows, index, final = [], [], [], [], [], [], []
-        masks, drafts, counts = [], [], []
+        masks, drafts, counts, snapshots = [], [], [], []
         # a verify step's samples are the host's to choose: the stage keeps none of them
         kept = self.samples_kept and (
             self.cfg.speculative is None or not any(req.drafts for req, _ in scheduled)
@@ -273,6 +277,9 @@ class Engine:
                 held.tokens = end
             req.num_computed += n
             req.unread += samples
+            kept_window = None if req.drafts else self.blocks.keep_window(req, req.num_computed)
+            if kept_window is not None:
+                snapshots.append((req.slot, kept_window))
         batch = StepBatch(
             tokens,
             [req.slot for req, _ in scheduled],
@@ -289,6 +296,7 @@ class Engine:
             masks=masks,
             drafts=drafts if any(drafts) else None,
             commits=self.commits,
+            snapshots=snapshots,
         )
         self.commits = []
         launch = getattr(self.pipeline, "launch", None)
@@ -302,7 +310,8 @@ class Engine:
         controls = req.params.controls(self.cfg.eos_token_id)
         self.held[req] = Held(len(req.blocks), req.num_tokens)
         return NewRequest(req.slot, list(req.token_ids), req.num_prompt_tokens, req.num_computed,
-                          list(req.blocks), req.params.row(0), controls)  # fmt: skip
+                          list(req.blocks), req.params.row(0), controls,
+                          req.snapshot)  # fmt: skip
 
     def _apply(self, launched: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them. Rows of requests that finished or

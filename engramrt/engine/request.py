@@ -169,6 +169,8 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # prefix-cache bookkeeping: full blocks already registered
     prefix_key: bytes | None = None  # the chain key of the last registered block
+    snapshot: int | None = None  # a prefix hit's window snapshot (``BlockManager.snapshots``)
+    window_snapshot: tuple[int, int] | None = None  # (snapshot, block) of its latest boundary
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0

@@ -4,10 +4,10 @@ Running requests go first (decode, or the next chunk of a long prompt), then wai
 admitted while the token budget, the sequence limit, history slots and KV blocks allow. A prompt
 computes at most ``long_prefill_token_threshold`` tokens a step (vLLM's flag; 0: up to the
 budget), which bounds how much longer a decode step that carries a prompt chunk takes than a
-pure decode step. A
-request that cannot get a block preempts the most recently admitted running request, which
-gives back its blocks and slot and later recomputes its tokens (its Engram history is rebuilt
-from them when it is admitted again).
+pure decode step (and, where the block manager keeps snapshots, a prompt's run ends on its last
+full block boundary: ``BlockManager.cut``). A request that cannot get a block preempts the most
+recently admitted running request, which gives back its blocks and slot and later recomputes
+its tokens (its Engram history is rebuilt from them when it is admitted again).
 
 With overlap scheduling a running request may have a sampled token the host has not read yet
 (``Request.unread``): it counts as present (the next run computes it from the device), a request
@@ -67,6 +67,7 @@ class Scheduler:
             if req.length_capped:  # its last token is on the way: it finishes when applied
                 continue
             n = min(req.num_tokens + req.unread - req.num_computed, budget, self.chunk)
+            n = self.blocks.cut(req, req.num_computed, n)
             while not self.blocks.can_grow(req, req.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -93,7 +94,9 @@ class Scheduler:
             req.slot, req.status = self.free_slots.pop(), Status.RUNNING
             self.running.append(req)
             admitted.append(req)
-            n = min(req.num_tokens - req.num_computed, budget, self.chunk)
+            n = self.blocks.cut(
+                req, req.num_computed, min(req.num_tokens - req.num_computed, budget, self.chunk)
+            )
             batch.append((req, n))
             budget -= n
         return batch, admitted

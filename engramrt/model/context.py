@@ -54,6 +54,8 @@ class KVCache:
     sized for ``num_slots`` sequences of up to ``max_len`` tokens (which blocks each holds is
     the ``SlotTable``'s: ``engramrt.model.block_tables``)."""
 
+    num_snapshots = 0  # per-request state kept apart from the blocks (V4.1's window snapshots)
+
     def __init__(
         self,
         layer_ids: list[int],

@@ -12,8 +12,13 @@
 
 Ring and tail are read only at positions the request itself wrote before (a run starting at
 ``p`` reads the ring for positions ``p - window + 1 .. p - 1`` and the tail only when ``p`` is
-odd), so a slot's new owner needs no reset. They cannot be rebuilt from blocks, so a prefix
-cache hit cannot restore them: V4.1 engines run without prefix caching.
+odd), so a slot's new owner needs no reset.
+
+- **Window snapshots** (prefix caching): the rings of every layer of a slot, copied after a step
+  whose run ended on a block boundary (``save_windows``). Blocks hold the compressed entries
+  and index keys; only the ring cannot be rebuilt from them, so a prefix-cache hit ends at a
+  block boundary whose snapshot is kept and copies it into the new owner's ring (``admit``).
+  The block size is even, so a hit never starts inside a ratio-2 group: the tail is not needed.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from engramrt.model.context import KVCache
+from engramrt.runner.batch import NewRequest
 from engramrt.v41_config import REINDEX, SOURCE, V41Config
 
 
@@ -52,12 +58,26 @@ def read_bytes(cfg: V41Config, layer_ids: list[int], context: int, itemsize: int
     return total * itemsize
 
 
-def fixed_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int, slots: int) -> int:
+def snapshot_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> int:
+    """Bytes of one window snapshot: a slot's rings in ``layer_ids``."""
+    return cfg.window_size * cfg.head_dim * itemsize * len(layer_ids)
+
+
+def default_snapshots(slots: int) -> int:
+    """Window snapshots a cache keeps for prefix caching: two per slot (each running request's
+    latest block boundary, and as many finished or preempted prefixes)."""
+    return 2 * slots
+
+
+def fixed_bytes(
+    cfg: V41Config, layer_ids: list[int], itemsize: int, slots: int, snapshots: int = 0
+) -> int:
     """Bytes a cache for ``slots`` sequences holds whatever its blocks: their rings and tails,
-    the spare slot's, and each source's spare entry row."""
+    the spare slot's, each source's spare entry row and the window snapshots."""
     spare = sum((cfg.head_dim + cfg.index_head_dim) * itemsize for r in cfg.roles
                 if r.layer in layer_ids and r.kind == SOURCE)  # fmt: skip
-    return (slots + 1) * slot_bytes(cfg, layer_ids, itemsize) + spare
+    return ((slots + 1) * slot_bytes(cfg, layer_ids, itemsize) + spare
+            + snapshots * snapshot_bytes(cfg, layer_ids, itemsize))  # fmt: skip
 
 
 class V41Cache(KVCache):
@@ -73,6 +93,7 @@ class V41Cache(KVCache):
         device: torch.device | str,
         max_len: int,
         num_slots: int,
+        num_snapshots: int = 0,
     ):
         if block_size % 2:
             raise ValueError(f"--block-size must be even for V4.1 (ratio-2 groups), got "
@@ -83,8 +104,10 @@ class V41Cache(KVCache):
         slots, w, d = self.num_slots, cfg.window_size, cfg.head_dim
         # each tensor has a spare slot or row past the real ones: a batched write points the
         # tokens that write nothing there (no host-side selection, no graph break)
-        self.window = {r.layer: torch.zeros(slots + 1, w, d, dtype=dtype, device=device)
-                       for r in roles}  # fmt: skip
+        # every layer's rings in one tensor: a snapshot is one copy
+        self.rings = torch.zeros(len(roles), slots + 1, w, d, dtype=dtype, device=device)
+        self.window = {r.layer: self.rings[i] for i, r in enumerate(roles)}
+        self.snapshots = torch.zeros(len(roles), num_snapshots, w, d, dtype=dtype, device=device)
         sources = [r for r in roles if r.kind == SOURCE]
         rows = {r.layer: num_blocks * block_size // r.ratio + 1 for r in sources}
         self.compressed = {i: torch.zeros(n, d, dtype=dtype, device=device)
@@ -97,8 +120,25 @@ class V41Cache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        parts = (self.window, self.compressed, self.index_keys, self.tail)
-        return sum(t.numel() * t.element_size() for part in parts for t in part.values())
+        parts = (self.compressed, self.index_keys, self.tail)
+        tensors = [self.rings, self.snapshots, *(t for part in parts for t in part.values())]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def num_snapshots(self) -> int:
+        return self.snapshots.shape[1]
+
+    def save_windows(self, saves: list[tuple[int, int]]) -> None:
+        """(slot, snapshot) pairs: each slot's rings, as a step left them, into the snapshot."""
+        if saves:
+            pairs = torch.tensor(saves, device=self.rings.device)
+            self.snapshots[:, pairs[:, 1]] = self.rings[:, pairs[:, 0]]
+
+    def admit(self, new: NewRequest) -> None:
+        """A prefix-cache hit's rings come from the snapshot of the block boundary it ends at
+        (``SlotTable.states``)."""
+        if new.snapshot is not None:
+            self.rings[:, new.slot] = self.snapshots[:, new.snapshot]
 
     def entry_rows(self, table: torch.Tensor, entries: torch.Tensor, ratio: int) -> torch.Tensor:
         """Rows of the compressed cache (and index keys) holding ``entries`` ([..., C], or one

@@ -56,6 +56,7 @@ class NewRequest:
     blocks: list[int] | None = None  # its block table, whole (None: the slot's stays)
     sampling: SampleRow = field(default_factory=SampleRow)  # its parameters (``index`` unused)
     controls: Controls | None = None  # its logit controls (None: none asked)
+    snapshot: int | None = None  # a V4.1 prefix hit: the window snapshot its rings start from
 
     @property
     def needs_tokens_on_last_stage(self) -> bool:
@@ -102,6 +103,9 @@ class StepBatch:
     # (slot, the anchor and drafts of its last verify run, drafts accepted): history commits of
     # the previous step's verify runs, applied by the first stage before it hashes
     commits: list[tuple[int, list[int], int]] = field(default_factory=list)
+    # (slot, snapshot) of runs ending on a block boundary: V4.1 rings kept after the step for
+    # prefix hits there (``V41Cache.save_windows``)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def full_logits(self) -> bool:

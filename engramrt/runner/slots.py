@@ -12,8 +12,9 @@ hands each piece to the part of the stage that keeps it:
   does, and a device row per slot (temperature, top-p, min-p, top-k) that the sampler gathers by
   slot in one copy;
 - the logit controls (the last stage's ``LogitControls``: bias, penalties, min-tokens rows);
-- any other kind of per-slot model state (a sliding-window ring, a compressed cache, a recurrent
-  tail): an object with ``admit(new: NewRequest)`` added to ``states``, called on every stage.
+- any other kind of per-slot model state: an object with ``admit(new: NewRequest)`` in
+  ``states``, called on every stage. A cache that has one joins when it is sized (V4.1's rings
+  start from a prefix hit's window snapshot, ``V41Cache.admit``).
 
 After that a step brings deltas (``advance``): the blocks a run gained and the tokens the row
 lacks. A stage that samples where it embeds writes each sample into the row itself
@@ -23,7 +24,7 @@ it (overlap scheduling).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 GREEDY = SampleRow()
 
 
+@runtime_checkable
 class SlotState(Protocol):
     """Per-slot model state a stage keeps for the request in each slot."""
 
@@ -60,10 +62,16 @@ class SlotTable:
         self.params = torch.zeros(0, 4, device=device)  # [slots, (temperature, top_p, min_p, k)]
         self.controls = LogitControls(device)
         self.states: list[SlotState] = []
+        self.kv_state: SlotState | None = None  # the cache, when it keeps per-slot state
 
     def size_for(self, kv: KVCache) -> None:
-        """Block tables and token rows for a new cache (slots on their fixed blocks)."""
+        """Block tables and token rows for a new cache (slots on their fixed blocks); the cache
+        replaces its predecessor in ``states`` if it keeps per-slot state."""
         self.blocks = kv.fixed_tables()
+        self.states = [s for s in self.states if s is not self.kv_state]
+        self.kv_state = kv if isinstance(kv, SlotState) else None
+        if self.kv_state is not None:
+            self.states.append(kv)
         if self.first:
             self.tokens = None  # the old rows go before the new ones are allocated
             shape = (kv.num_slots, kv.max_len + 1)  # + 1: the sample after the last position

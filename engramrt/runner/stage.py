@@ -25,6 +25,7 @@ from engramrt.engram import load_hasher, load_tokenizer, prefetch
 from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.host_memory import check_reads, choose_placement, describe
 from engramrt.kernels import use_triton
+from engramrt.model import v41_cache
 from engramrt.model.checkpoint import engram_table_bytes, load_model
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
@@ -46,8 +47,10 @@ def new_kv_cache(
     max_len: int | None = None,
     block_size: int = 16,
     num_blocks: int | None = None,
+    snapshots: int | None = None,
 ) -> KVCache:
-    """Enough blocks for ``num_slots`` sequences of ``max_len`` unless ``num_blocks`` says."""
+    """Enough blocks for ``num_slots`` sequences of ``max_len`` unless ``num_blocks`` says;
+    ``snapshots``: V4.1's window snapshots for prefix caching (default: two a slot)."""
     cfg = model.cfg
     max_len = max_len or cfg.max_position_embeddings
     if max_len > cfg.max_position_embeddings:
@@ -59,8 +62,10 @@ def new_kv_cache(
         num_blocks = num_slots * -(-max_len // block_size)
     device = next(model.parameters()).device
     if cfg.v41 is not None:
+        if snapshots is None:
+            snapshots = v41_cache.default_snapshots(num_slots)
         return V41Cache(cfg.v41, model.layer_ids, num_blocks, block_size, model.dtype, device,
-                        max_len, num_slots)  # fmt: skip
+                        max_len, num_slots, snapshots)  # fmt: skip
     return KVCache(model.layer_ids, num_blocks, block_size, model.kv_heads, cfg.head_dim,
                    model.dtype, device, max_len, num_slots)  # fmt: skip
 
@@ -159,10 +164,15 @@ class StageRunner:
         return self.is_first and self.is_last and self.model.tp.solo
 
     def allocate_kv(
-        self, num_slots: int, max_len: int | None, block_size: int, num_blocks: int | None
+        self,
+        num_slots: int,
+        max_len: int | None,
+        block_size: int,
+        num_blocks: int | None,
+        snapshots: int | None = None,
     ) -> None:
         self.kv = None  # the old cache goes before the new one is allocated
-        self.kv = new_kv_cache(self.model, num_slots, max_len, block_size, num_blocks)
+        self.kv = new_kv_cache(self.model, num_slots, max_len, block_size, num_blocks, snapshots)
         self.slots.size_for(self.kv)
 
     def capture_graphs(self, max_batch: int, max_tokens: int = 0, verify: int = 0) -> None:
@@ -304,6 +314,8 @@ class StageRunner:
             out = self.forward(ctx, carry)
             ran = ctx.engram_ran
         self.engram_ran.update(ran)
+        if batch.snapshots:
+            self.kv.save_windows(batch.snapshots)
         return out
 
     def forward(self, ctx: ForwardContext, carry: Carry | None) -> torch.Tensor | Carry:

@@ -396,3 +396,58 @@ def test_incremental_registration_matches_rehash(seed: int) -> None:
     assert req.prefix_key == (keys[hit - 1] if hit else None)
     drive(bm, req, rng, 8)
     assert_refs(bm, [req])
+
+
+# --- window snapshots (V4.1) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_snapshot_hits_restore_exactly_their_prefix(seed: int) -> None:
+    """Random requests over a few shared prefixes, run in random chunks (cut as the scheduler
+    cuts them), a snapshot kept wherever a run ends on a boundary, random releases, few blocks
+    and snapshots. Every hit is the longest one whose last block has a snapshot (re-derived
+    from the oracle chain) and restores the snapshot saved for exactly that prefix; snapshots
+    and blocks stay one-to-one; a request's run ends on its prompt's last boundary."""
+    rng = random.Random(seed)
+    bs, snapshots = 4, 3
+    bm = BlockManager(40, bs, snapshots=snapshots)
+    saved: dict[int, bytes] = {}  # snapshot -> the chain key of the prefix it was saved for
+    stems = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+    running: list[Request] = []
+    for step in range(300):
+        if running and rng.random() < 0.3:
+            bm.release(running.pop(rng.randrange(len(running))))
+        elif rng.random() < 0.4:
+            req = make_req(str(step), rng.choice(stems)[: rng.randrange(4, 13)]
+                           + [rng.randrange(50) for _ in range(rng.randrange(0, 10))])  # fmt: skip
+            if not bm.can_admit(req):
+                continue
+            keys = oracle_keys(req.token_ids, bs)
+            want = 0
+            for k in range((req.num_tokens - 1) // bs, 0, -1):
+                block = bm.by_key.get(keys[k - 1])
+                if block is not None and block in bm.snapshot_of:
+                    want = k * bs
+                    break
+            bm.admit(req)
+            assert req.num_computed == want
+            if want:
+                assert saved[req.snapshot] == keys[want // bs - 1]
+            running.append(req)
+        for req in running:
+            left = req.num_tokens - req.num_computed
+            if left <= 0:
+                continue
+            n = bm.cut(req, req.num_computed, rng.randint(1, left))
+            edge = (req.num_tokens - 1) // bs * bs
+            assert not req.num_computed < edge < req.num_computed + n
+            bm.grow(req, req.num_computed + n)
+            req.num_computed += n
+            snapshot = bm.keep_window(req, req.num_computed)
+            if snapshot is not None:
+                saved[snapshot] = oracle_keys(req.token_ids, bs)[req.num_computed // bs - 1]
+            bm.register(req)
+        assert len(bm.snapshot_of) == len(bm.snapshot_lru)
+        assert {s: b for b, s in bm.snapshot_of.items()} == dict(bm.snapshot_lru)
+        assert sorted([*bm.free_snapshots, *bm.snapshot_lru]) == list(range(snapshots))
+        assert_refs(bm, running)

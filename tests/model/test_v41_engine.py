@@ -15,13 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engramrt.engine.block_manager import BlockManager
 from engramrt.engine.build import EngineOptions, check, kv_blocks
 from engramrt.engine.request import SamplingParams
 from engramrt.model import quant, v41_cache
 from engramrt.model.checkpoint import CheckpointError, load_model
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
-from tests.engine.test_engine import assert_idle, drain
+from tests.engine.test_engine import assert_idle, drain, run
 from tests.support.engine_factory import build_engine
 
 BLOCK = 16
@@ -124,9 +125,50 @@ def test_preemption_by_recompute_gives_identical_outputs(runner: StageRunner) ->
     assert [results[str(i)].ids for i in range(4)] == alone
 
 
+def turns(engine, first: list[int], rest: list[int], params: SamplingParams) -> list:
+    """A chat's two turns and an unrelated request between them (it takes the slot, so the
+    second turn's rings hold someone else's latents unless restored): each one's outputs."""
+    a = run(engine, {"a": (first, params)})["a"]
+    other = run(engine, {"o": (prompt(23, 99), params)})["o"]
+    b = run(engine, {"b": (first + a.ids + rest, params)})["b"]
+    return [(r.ids, [lp.logprob for lp in r.logprobs]) for r in (a, other, b)]
+
+
+@pytest.mark.parametrize("snapshots, hits_b, hits_c", [(None, 56, 44), (3, 56, 0), (1, 0, 0)])
+def test_prefix_hits_restore_the_window_and_equal_cold_runs(runner, snapshots, hits_b,
+                                                            hits_c) -> None:  # fmt: skip
+    """A second turn that repeats the first's prompt and outputs hits the blocks up to the
+    last boundary the first computed (its decode steps left a window snapshot there) and
+    generates what a cold engine does; a repeat of the first prompt hits up to its last full
+    block boundary (the prompt's run was cut there). Each request keeps two snapshots, its
+    prompt's and its latest; with fewer kept in all the least recently used go, the hits end
+    earlier or not at all, and outputs still match."""
+    first, rest = prompt(45, 31), prompt(9, 32)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    cold = turns(build_engine(runner, 256, 4, prefix_caching=False), first, rest, params)
+    engine = build_engine(runner, 256, 4)
+    if snapshots is not None:  # the same cache, fewer snapshots kept
+        engine.blocks = BlockManager(engine.cfg.num_blocks, 4, True, snapshots)
+        engine.scheduler.blocks = engine.blocks
+    assert engine.blocks.snapshots == (snapshots or 8)
+    warm = turns(engine, first, rest, params)
+    for (ids, lps), (want_ids, want_lps) in zip(warm, cold, strict=True):
+        assert ids == want_ids
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), atol=1e-4, rtol=0)
+    # kept (by when each was last used): a's 44 and 56 (its latest, moved on from 48 and 52),
+    # the other's 20 and 32; b hits the 45 + 11 tokens a computed where 56 is still kept
+    assert engine.stats()["prefix_cache_hits"] == hits_b
+    again = run(engine, {"c": (first, params)})["c"]
+    assert again.ids == cold[0][0]
+    # b added 64 and 76: with three, the least recently used (44, 20, 32) went
+    assert engine.stats()["prefix_cache_hits"] == hits_b + hits_c
+    assert_idle(engine)
+
+
 def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys) -> None:
     """Illegal cuts, speculation and odd block sizes are errors naming the rule; prefix
-    caching is switched off with a log line; the image token is a 400 (text-only serving)."""
+    caching over a cache without window snapshots is switched off with a log line; the image
+    token is a 400 (text-only serving)."""
     base = {"model_dir": v41_small, "partition": [6], "max_model_len": 256}
     check(EngineOptions(**{**base, "partition": [3, 3]}))  # a legal cut
     for bad, words in [
@@ -140,9 +182,12 @@ def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys
             check(EngineOptions(**{**base, **bad}))
         assert all(w in str(err.value) for w in words), err.value
     runner = StageRunner.load(v41_small, num_slots=2, max_len=64, dtype="float32")
-    engine = build_engine(runner, 64, 2, max_num_seqs=2, block_size=4, num_blocks=32)
-    assert not engine.cfg.enable_prefix_caching
-    assert "prefix caching is off for V4.1" in capsys.readouterr().err
+    runner.allocate_kv(2, 64, 4, 32, snapshots=0)
+    engine = build_engine(runner, 64, 2, max_num_seqs=2, allocate=False)
+    assert not engine.cfg.enable_prefix_caching and not engine.blocks.snapshots
+    assert "prefix caching is off: this V4.1 cache keeps no window snapshots" in (
+        capsys.readouterr().err
+    )
     image = runner.model.cfg.engram.image_token_id
     with pytest.raises(ValueError, match=f"image token id {image}"):
         engine.limits.check([7, image, 8], SamplingParams(max_tokens=2))
@@ -150,22 +195,39 @@ def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys
 
 def test_kv_sizing_counts_compressed_entries_and_rings(v41_small: Path, runner) -> None:
     """A byte budget buys blocks at the compressed KV's and index keys' bytes a token (each
-    source's 64 + 64 values over its ratio) after the per-slot rings and tails."""
+    source's 64 + 64 values over its ratio) after the per-slot rings and tails, and, with
+    prefix caching, two window snapshots a slot."""
     cfg = runner.model.cfg
-    opts = EngineOptions(v41_small, [6], 256, max_num_seqs=4, block_size=16,
-                         kv_cache_memory_bytes=2**20)  # fmt: skip
     # 6 rings of 16 x 64, one ratio-2 tail (a, s), for 4 slots and the spare; a spare entry
-    # (64 + 64 values) at each source
+    # (64 + 64 values) at each source; a snapshot: 6 rings
     rings = 5 * (6 * 16 * 64 * 4 + 2 * 64 * 4) + 2 * (64 + 64) * 4
+    snapshot = 6 * 16 * 64 * 4
     per_token = (64 + 64) * 4 / 2 + (64 + 64) * 4 / 1  # sources at layers 1 (r 2), 3 (r 1)
-    want = min(4 * 16, int((2**20 - rings) // (16 * per_token)))
-    assert kv_blocks(runner, opts, cfg, 256) == want
-    runner.allocate_kv(4, 256, 16, want)
-    assert runner.kv.nbytes == rings + want * 16 * per_token
-    small = EngineOptions(v41_small, [6], 256, max_num_seqs=4, block_size=16,
-                          kv_cache_memory_bytes=rings)  # fmt: skip
-    with pytest.raises(ValueError, match="--max-num-seqs 4 .* window rings"):
-        kv_blocks(runner, small, cfg, 256)
+    for caching, fixed in [(False, rings), (True, rings + 8 * snapshot)]:
+        opts = EngineOptions(
+            v41_small,
+            [6],
+            256,
+            max_num_seqs=4,
+            block_size=16,
+            kv_cache_memory_bytes=2**20,
+            enable_prefix_caching=caching,
+        )
+        want = min(4 * 16, int((2**20 - fixed) // (16 * per_token)))
+        assert kv_blocks(runner, opts, cfg, 256) == want
+        runner.allocate_kv(4, 256, 16, want, snapshots=8 if caching else 0)
+        assert runner.kv.nbytes == fixed + want * 16 * per_token
+        small = EngineOptions(
+            v41_small,
+            [6],
+            256,
+            max_num_seqs=4,
+            block_size=16,
+            kv_cache_memory_bytes=fixed,
+            enable_prefix_caching=caching,
+        )
+        with pytest.raises(ValueError, match="--max-num-seqs 4 .* window rings"):
+            kv_blocks(runner, small, cfg, 256)
 
 
 def test_released_format_loads_and_broken_tensors_are_named(v41_small: Path, tmp_path, capsys):

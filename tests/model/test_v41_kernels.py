@@ -101,3 +101,27 @@ def test_decode_graphs_replay_the_eager_steps(v41_small: Path) -> None:
         pos = [p + 1 for p in pos]
     for ring in runners[1].kv.window.values():
         assert not ring[1].any() and ring[4].any()  # slot 1 unused; slot 4 the spare
+
+
+@pytest.mark.gpu
+def test_prefix_hits_after_graph_steps_equal_cold_runs(v41_small: Path) -> None:
+    """Window snapshots saved after CUDA-graph decode steps (outside the graph) restore the
+    rings a cold engine computes: a second turn that hits generates the same greedy tokens."""
+    from engramrt.engine.request import SamplingParams
+    from tests.model.test_v41_engine import turns
+    from tests.support.engine_factory import build_engine
+
+    runner = StageRunner.load(v41_small, num_slots=4, max_len=256, device="cuda",
+                              dtype="float32")  # fmt: skip
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    outs, hits = [], []
+    for caching in (False, True):
+        runner.allocate_kv(4, 256, 4, 256)
+        runner.capture_graphs(4)
+        engine = build_engine(runner, 256, 4, prefix_caching=caching, allocate=False)
+        outs.append(turns(engine, prompt(45, 31), prompt(9, 32), params))
+        hits.append(engine.stats()["prefix_cache_hits"])
+    assert hits == [0, 56]
+    for (ids, lps), (want_ids, want_lps) in zip(outs[1], outs[0], strict=True):
+        assert ids == want_ids
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), atol=1e-3, rtol=0)
