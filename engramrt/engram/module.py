@@ -13,25 +13,12 @@ from torch import nn
 
 from engramrt.config import EngramConfig
 from engramrt.engram.layout import EngramLayout
-from engramrt.engram.table import SCALE_BLOCK, EngramTable
+from engramrt.engram.table import EngramTable
 from engramrt.kernels import use_triton
+from engramrt.model import quant
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 
 GATE_CLAMP = 1e-6  # |dot| floor before the sqrt; keeps the gate away from exactly 0.5
-
-
-def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """An fp8 e4m3 matrix with one e8m0 scale per 32x32 block, to bf16 (exact)."""
-    rows, cols = weight.shape
-    want = [-(-rows // SCALE_BLOCK), -(-cols // SCALE_BLOCK)]
-    if list(scale.shape) != want:
-        raise ValueError(
-            f"block scale shape {list(scale.shape)} != {want} for weight {[rows, cols]}"
-        )
-    if scale.dtype != torch.float8_e8m0fnu:
-        scale = scale.view(torch.float8_e8m0fnu)
-    full = scale.float().repeat_interleave(SCALE_BLOCK, 0).repeat_interleave(SCALE_BLOCK, 1)
-    return (weight.float() * full[:rows, :cols]).to(torch.bfloat16)
 
 
 def gate_from_dot(dot: torch.Tensor) -> torch.Tensor:
@@ -112,7 +99,7 @@ class Engram(nn.Module):
     def load_wkv(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Take a bf16/fp32 weight, or an fp8 block-scaled one (dequantized here once)."""
         if scale is not None:
-            weight = dequantize_blocks(weight, scale)
+            weight = quant.dequant_fp8_weight(weight, scale, torch.bfloat16)
         if weight.shape != self.wkv.weight.shape:
             raise ValueError(
                 f"engram.wkv.weight of layer {self.layer_id}: expected "

@@ -20,6 +20,7 @@ import triton.language as tl
 
 SMS = 132  # H200; only a split heuristic
 BLOCK_K = 128
+BN = 64  # output features a program computes
 
 
 @triton.jit
@@ -152,9 +153,6 @@ def _launch(a, weight, scale, fp4, grid_m, bm, splits, tiles) -> torch.Tensor:
         FP4=fp4, IEEE=a.dtype == torch.float32, GROUPED=grouped, BM=bm, BN=BN, BK=BLOCK_K,
     )  # fmt: skip
     return (part[0] if splits == 1 else part.sum(0)).to(a.dtype)
-
-
-BN = 64
 
 
 def stored_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -26,7 +26,6 @@ from tqdm import tqdm
 
 from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engram.host_memory import HostMapping, mapping_bytes
-from engramrt.engram.module import dequantize_blocks
 from engramrt.engram.table import EngramTable
 from engramrt.model import quant
 from engramrt.model.decoder import EngramMHCModel
@@ -396,18 +395,6 @@ def _install_engram(
         except ValueError as exc:
             named = f"{prefix}.embed.scale" if scale is not None else f"{prefix}.embed.weight"
             raise CheckpointError(f"tensor {named}: {exc}") from exc
-        wkv_scale = state.pop(f"{prefix}.wkv.scale", None)
-        if wkv_scale is not None:
-            name = f"{prefix}.wkv.weight"
-            if state[name].dtype != torch.float8_e4m3fn:
-                raise CheckpointError(
-                    f"tensor {prefix}.wkv.scale is given but {name} is {state[name].dtype}, "
-                    "not float8_e4m3fn"
-                )
-            try:
-                state[name] = dequantize_blocks(state[name], wkv_scale)
-            except ValueError as exc:
-                raise CheckpointError(f"tensor {prefix}.wkv.scale: {exc}") from exc
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

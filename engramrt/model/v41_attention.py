@@ -68,6 +68,12 @@ def device_frequencies(key: tuple, device: torch.device) -> torch.Tensor:
     return rope_frequencies(*key).to(device)
 
 
+def angles_at(positions: torch.Tensor, key: tuple) -> torch.Tensor:
+    """RoPE angles ``[T, rope_dim / 2]`` at ``positions`` for one frequency table (``key``:
+    ``rope_frequencies``' arguments)."""
+    return positions.float()[:, None] * device_frequencies(key, positions.device)
+
+
 def rotate_tail(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing ``2 * angles.shape[-1]`` dims of ``x`` [T, ..., D] by ``angles``
     [T, rd / 2], pairing **adjacent** elements (a complex number each), in fp32, rounded once;
@@ -195,7 +201,6 @@ class StepRuns:
     end: torch.Tensor  # [T] its run's end position
     slot: torch.Tensor  # [T] its cache slot
     real: torch.Tensor  # [T] False: a CUDA-graph padding token, written nowhere
-    table: torch.Tensor  # [T, W] its block table
     req: torch.Tensor  # [T] its run
     tables: torch.Tensor  # [B, W] the runs' block tables
     max_end: int  # the largest run end (a graph's: the cache's capacity): what tokens may see
@@ -215,7 +220,7 @@ class StepRuns:
                 ends = [ctx.kv.max_len]
             runs = ctx.step_cache["v41"] = cls(
                 ctx.positions, p0, ctx.query_start[req], p0 + lens[req], ctx.slot_ids[req],
-                ctx.slot_mapping >= 0, ctx.block_table[req], req, ctx.block_table,
+                ctx.slot_mapping >= 0, req, ctx.block_table,
                 max(ends, default=0),
             )  # fmt: skip
         return runs
@@ -223,7 +228,7 @@ class StepRuns:
     def angles(self, key: tuple) -> torch.Tensor:
         """The step's RoPE angles ``[T, rope_dim / 2]`` for one frequency table."""
         if key not in self.rope:
-            self.rope[key] = self.pos.float()[:, None] * device_frequencies(key, self.pos.device)
+            self.rope[key] = angles_at(self.pos, key)
         return self.rope[key]
 
     def chunks(self) -> list[slice]:
@@ -277,9 +282,6 @@ class V41Attention(nn.Module):
         self.rope_key = (cfg.rope_head_dim, cfg.compress_rope_theta if role.ratio else
                          cfg.rope_theta, yarn)  # fmt: skip
 
-    def angles(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions.float()[:, None] * device_frequencies(self.rope_key, positions.device)
-
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cache: V41Cache = ctx.kv
         step = StepRuns.of(ctx)
@@ -298,9 +300,8 @@ class V41Attention(nn.Module):
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
         # the last ``window`` tokens of each run stay in its ring; the rest go to the spare slot
         keep = step.real & (step.pos >= step.end - self.window)
-        spare = (cache.num_slots * self.window) + step.pos % self.window
-        ring.index_copy_(0, torch.where(keep, step.slot * self.window + step.pos % self.window,
-                                        spare), kv)  # fmt: skip
+        slot = torch.where(keep, step.slot, cache.num_slots)
+        ring.index_copy_(0, slot * self.window + step.pos % self.window, kv)
         o = rotate_tail(out, angles, inverse=True).flatten(1).unflatten(-1, (self.groups, -1))
         u = torch.einsum("tgd,grd->tgr", o, self.wo_a.weight.unflatten(0, (self.groups, self.rank)))
         y = self.wo_b(u.flatten(1))
@@ -313,8 +314,8 @@ class V41Attention(nn.Module):
         latent = self.compressor(x, pos > step.p0, cache.tail.get(i), step.slot,
                                  step.real & (pos % 2 == 0) & (pos == step.end - 1))  # fmt: skip
         closes = step.real & ((pos + 1) % r == 0)
-        at = self.angles(pos - (r - 1))  # RoPE at the group's first position
-        rows = cache.entry_rows(step.table, pos // r, r)
+        at = angles_at(pos - (r - 1), self.rope_key)  # RoPE at the group's first position
+        rows = cache.entry_rows(step.tables, step.req, pos // r, r)
         rows = torch.where(closes, rows, len(cache.compressed[i]) - 1)  # the spare row
         cache.index_keys[i].index_copy_(0, rows, self.indexer.keys(latent, at))
         latent = quant.fp4_roundtrip(rotate_tail(latent, at), quant.E4M3_SCALE)
@@ -343,7 +344,8 @@ class V41Attention(nn.Module):
             if every is not None:
                 scores = every[c]
             else:
-                rows = cache.entry_rows(step.table[c], entries.expand(len(seen), -1), r)
+                rows = cache.entry_rows(step.tables, step.req[c], entries.expand(len(seen), -1),
+                                        r)  # fmt: skip
                 scores = self.indexer.scores(q[c], w[c], keys[rows])
                 scores = scores.masked_fill(entries >= seen.unsqueeze(-1), -math.inf)
             if role.builds_candidates:
@@ -362,14 +364,14 @@ class V41Attention(nn.Module):
         dtype (as the reference's kernel casts them) before they weigh the rows."""
         w, dev = self.window, q.device
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
+        comp, rows = None, None
+        if picks is not None:  # the picked entries' rows, -1 where none
+            comp = cache.compressed[self.role.kv_source]
+            rows = cache.entry_rows(step.tables, step.req, picks.clamp_min(0), self.role.ratio)
+            rows = torch.where(picks >= 0, rows, -1)
         if use_triton(dev):  # the same, one launch, no rows gathered into memory
             from engramrt.kernels.sparse_attention import sparse_attention
 
-            comp, rows = None, None
-            if picks is not None:
-                comp = cache.compressed[self.role.kv_source]
-                rows = cache.entry_rows(step.table, picks.clamp_min(0), self.role.ratio)
-                rows = torch.where(picks >= 0, rows, -1)
             return sparse_attention(q, kv, ring, comp, rows, step.pos, step.p0, step.q0,
                                     step.slot, self.attn_sink, self.softmax_scale, w)  # fmt: skip
         out = torch.empty_like(q)
@@ -380,18 +382,16 @@ class V41Attention(nn.Module):
             seen = at <= pos
             here = step.q0[c, None] + (at - p0)  # this run's rows
             ring_rows = step.slot[c, None] * w + at % w
-            rows = torch.where((at >= p0).unsqueeze(-1), kv[here.clamp(0, len(kv) - 1)],
+            both = torch.where((at >= p0).unsqueeze(-1), kv[here.clamp(0, len(kv) - 1)],
                                ring[ring_rows])  # fmt: skip
-            if picks is not None:
-                mine, role = picks[c], self.role
-                at_rows = cache.entry_rows(step.table[c], mine.clamp_min(0), role.ratio)
-                rows = torch.cat([rows, cache.compressed[role.kv_source][at_rows]], dim=1)
-                seen = torch.cat([seen, mine >= 0], dim=1)
-            s = torch.einsum("mhd,mrd->mhr", q[c].float(), rows.float()) * self.softmax_scale
+            if rows is not None:
+                both = torch.cat([both, comp[rows[c].clamp_min(0)]], dim=1)
+                seen = torch.cat([seen, rows[c] >= 0], dim=1)
+            s = torch.einsum("mhd,mrd->mhr", q[c].float(), both.float()) * self.softmax_scale
             s = s.masked_fill(~seen[:, None, :], -math.inf)
             top = s.amax(-1, keepdim=True).clamp_min(NO_SCORE)
             p = torch.exp(s - top)
             denom = p.sum(-1) + torch.exp(self.attn_sink.float() - top.squeeze(-1))
-            o = torch.einsum("mhr,mrd->mhd", p.to(q.dtype).float(), rows.float())
+            o = torch.einsum("mhr,mrd->mhd", p.to(q.dtype).float(), both.float())
             out[c] = (o / denom.unsqueeze(-1)).to(q.dtype)
         return out

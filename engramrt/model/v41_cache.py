@@ -140,13 +140,15 @@ class V41Cache(KVCache):
         if new.snapshot is not None:
             self.rings[:, new.slot] = self.snapshots[:, new.snapshot]
 
-    def entry_rows(self, table: torch.Tensor, entries: torch.Tensor, ratio: int) -> torch.Tensor:
-        """Rows of the compressed cache (and index keys) holding ``entries`` ([..., C], or one
-        entry a table row) of the requests whose block tables are ``table`` [..., W]; an entry
-        past the table reads its last block (the caller masks what a query cannot see)."""
-        one = entries.dim() < table.dim()
-        pos = (entries.unsqueeze(-1) if one else entries) * ratio
-        per = self.block_size // ratio
-        block = table.gather(-1, (pos // self.block_size).clamp_max(table.shape[-1] - 1))
-        rows = block * per + (pos % self.block_size) // ratio
-        return rows.squeeze(-1) if one else rows
+    def entry_rows(self, tables: torch.Tensor, req: torch.Tensor, entries: torch.Tensor,
+                   ratio: int) -> torch.Tensor:  # fmt: skip
+        """Rows of the compressed cache (and index keys) holding ``entries``, each of the
+        request ``req`` gives (an index into the block tables ``tables`` [B, W]; ``req`` has
+        ``entries``' shape or its leading dims); an entry past a table reads its last block
+        (the caller masks what a query cannot see)."""
+        pos = entries * ratio
+        at = (pos // self.block_size).clamp_max(tables.shape[-1] - 1)
+        while req.dim() < at.dim():
+            req = req.unsqueeze(-1)
+        block = tables[req, at]
+        return block * (self.block_size // ratio) + (pos % self.block_size) // ratio

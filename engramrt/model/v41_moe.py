@@ -27,6 +27,15 @@ from engramrt.tensor_parallel import SINGLE, TensorParallel
 from engramrt.v41_config import V41Config
 
 
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``silu(gate) * up`` in fp32, the gate clamped from above and the up branch to
+    [-limit, limit], times the routing weight when given."""
+    h = F.silu(gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)
+    return h if weight is None else weight * h
+
+
 class Expert(nn.Module):
     """``span``: the intermediate features a tensor-parallel rank holds (w1/w3 rows, w2
     columns); its output is then a partial sum."""
@@ -41,11 +50,7 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        gate = self.w1(x).float().clamp(max=self.limit)
-        up = self.w3(x).float().clamp(-self.limit, self.limit)
-        h = F.silu(gate) * up
-        if weight is not None:
-            h = weight * h
+        h = clamped_swiglu(self.w1(x), self.w3(x), self.limit, weight)
         return self.w2(h.to(x.dtype))
 
 
@@ -90,10 +95,9 @@ class V41MoE(nn.Module):
         counts.scatter_add_(0, order.values, torch.ones_like(order.values))  # bincount syncs
         a = quant.act_roundtrip(x)[order.indices // k]
         h = grouped_stored_linear(a, w13, s13, True, counts)
-        gate, up = h.float().chunk(2, dim=-1)
-        limit = self.shared_experts.limit
-        h = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-        h = weights.flatten()[order.indices, None] * h
+        gate, up = h.chunk(2, dim=-1)
+        h = clamped_swiglu(gate, up, self.shared_experts.limit,
+                           weights.flatten()[order.indices, None])  # fmt: skip
         out = grouped_stored_linear(quant.act_roundtrip(h.to(x.dtype)), w2, s2, True, counts)
         place = torch.empty_like(order.indices)  # where each pair's row went in the sort
         place[order.indices] = torch.arange(len(place), device=x.device)

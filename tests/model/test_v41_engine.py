@@ -71,7 +71,7 @@ def caches(runner: StageRunner, slot: int, n: int) -> dict[str, torch.Tensor]:
     table = torch.tensor(blocks_for(slot, n))
     for layer, comp in kv.compressed.items():
         r = runner.model.cfg.v41.roles[layer].ratio
-        rows = kv.entry_rows(table, torch.arange(n // r), r)
+        rows = kv.entry_rows(table[None], torch.tensor([0]), torch.arange(n // r), r)
         out[f"compressed.{layer}"] = comp[rows]
         out[f"index_keys.{layer}"] = kv.index_keys[layer][rows]
     for layer, ring in kv.window.items():
