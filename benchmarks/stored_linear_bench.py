@@ -5,6 +5,10 @@ floor (the stored weight and scales, the activations and the output, once each, 
 bandwidth measured in the same run).
 
     python benchmarks/stored_linear_bench.py --out stored_linear.json
+    python benchmarks/stored_linear_bench.py --out sweep.json --sweep  # launch settings
+
+``--sweep`` times the kernel's launch settings (output features a program, K a step, warps,
+split-K programs, row tiles) at decode sizes: where its defaults come from.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import json
 import torch
 
 from benchmarks.hash_bench import copy_bandwidth_gbs, median_us
-from engramrt.kernels.stored_linear import stored_linear
+from engramrt.kernels.stored_linear import SMS, _launch, stored_linear
 from engramrt.model import quant
 
 SHAPES = {  # name: (N, K, fp4) at V4.1-Flash's widths
@@ -48,13 +52,57 @@ def graph_us(fn, device: str) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def sweep(bw: float, dev: str) -> list[dict]:
+    """Every launch setting at M = 1 (and the row tile at M = 16 / 64) for each shape: GPU time
+    of a graph replay after an L2 flush, against the byte floor."""
+    out, g = [], torch.Generator(device=dev).manual_seed(1)
+    for name, (n, k, fp4) in SHAPES.items():
+        w = torch.randn(n, k, device=dev, generator=g) / k**0.5
+        stored, scale = quant.fp4_weight(w) if fp4 else quant.fp8_weight(w)
+        for m in (1, 16, 64):
+            a = quant.act_roundtrip(torch.randn(m, k, device=dev, generator=g)).bfloat16()
+            floor = (stored.numel() + scale.numel() + a.numel() * 2 + m * n * 2) / (bw * 1e3)
+            settings = [
+                (1, bn, bk, warps, waves)
+                for bn in (16, 32, 64, 128)
+                for bk in (128, 256)
+                for warps in (2, 4, 8)
+                for waves in (0, 1, 2, 4)
+            ]
+            if m > 1:
+                settings = [(bm, 64, 128, 4, 0) for bm in (16, 64) if bm <= max(16, m)]
+            for bm, bn, bk, warps, waves in settings:
+                tiles = -(-n // bn) * -(-m // bm)
+                splits = max(1, min(-(-k // bk), waves * SMS // tiles)) if waves else 1
+                us = graph_us(
+                    lambda a=a, bm=bm, bn=bn, bk=bk, w=warps, s=splits: _launch(
+                        a, stored, scale, fp4, -(-m // bm), bm, s, None, bn, bk, w
+                    ),
+                    dev,
+                )
+                row = {"shape": name, "m": m, "bm": bm, "bn": bn, "bk": bk, "warps": warps,
+                       "splits": splits, "us": us, "x_floor": us / floor}  # fmt: skip
+                out.append(row)
+            best = min((r for r in out if r["shape"] == name and r["m"] == m),
+                       key=lambda r: r["us"])  # fmt: skip
+            print(f"{name:<14} M {m:>3}: best {best['us']:.1f} us ({best['x_floor']:.1f}x "
+                  f"floor) at bm {best['bm']} bn {best['bn']} bk {best['bk']} warps "
+                  f"{best['warps']} splits {best['splits']}", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,16,64,8192")
+    ap.add_argument("--sweep", action="store_true", help="time the kernel's launch settings")
     args = ap.parse_args()
     dev = "cuda"
     bw = copy_bandwidth_gbs(dev)
+    if args.sweep:
+        with open(args.out, "w") as f:
+            json.dump({"copy_gbs": bw, "sweep": sweep(bw, dev)}, f, indent=1)
+        return
     rows, g = [], torch.Generator(device=dev).manual_seed(0)
     print(f"copy bandwidth {bw:.0f} GB/s")
     print(f"{'shape':<14}{'M':>6}{'kernel us':>11}{'graph us':>10}{'torch us':>10}{'bf16 us':>9}"

@@ -136,21 +136,23 @@ def _stored_linear_kernel(
     tl.store(out, acc, mask=(rm[:, None] < end) & (rn[None, :] < N))
 
 
-def _launch(a, weight, scale, fp4, grid_m, bm, splits, tiles) -> torch.Tensor:
+def _launch(a, weight, scale, fp4, grid_m, bm, splits, tiles, bn=BN, bk=BLOCK_K,
+            warps=4) -> torch.Tensor:  # fmt: skip
     m, k = a.shape
     if k % 32:
         raise ValueError(f"inputs must come in whole 32-wide scale blocks, got {k}")
     n = weight.shape[-2]
-    steps = triton.cdiv(k, BLOCK_K)
-    per = triton.cdiv(steps, splits) * BLOCK_K
+    steps = triton.cdiv(k, bk)
+    per = triton.cdiv(steps, splits) * bk
     splits = triton.cdiv(k, per)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
-    grid = (triton.cdiv(n, BN), grid_m, splits)
+    grid = (triton.cdiv(n, bn), grid_m, splits)
     grouped = tiles is not None
     _stored_linear_kernel[grid](
         a, weight.view(torch.uint8), scale.view(torch.uint8), part, tiles if grouped else a,
         m, n, k, per, weight[0].numel() if grouped else 0, scale[0].numel() if grouped else 0,
-        FP4=fp4, IEEE=a.dtype == torch.float32, GROUPED=grouped, BM=bm, BN=BN, BK=BLOCK_K,
+        FP4=fp4, IEEE=a.dtype == torch.float32, GROUPED=grouped, BM=bm, BN=bn, BK=bk,
+        num_warps=warps,
     )  # fmt: skip
     return (part[0] if splits == 1 else part.sum(0)).to(a.dtype)
 

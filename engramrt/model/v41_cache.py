@@ -23,11 +23,15 @@ odd), so a slot's new owner needs no reset.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engramrt.model.context import KVCache
-from engramrt.runner.batch import NewRequest
 from engramrt.v41_config import REINDEX, SOURCE, V41Config
+
+if TYPE_CHECKING:
+    from engramrt.runner.batch import NewRequest
 
 
 def entry_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> float:
