@@ -157,6 +157,16 @@ def _launch(a, weight, scale, fp4, grid_m, bm, splits, tiles, bn=BN, bk=BLOCK_K,
     return (part[0] if splits == 1 else part.sum(0)).to(a.dtype)
 
 
+def _settings(rows: int, fp4: bool) -> tuple[int, int, int]:
+    """(rows a tile, output features a program, warps) for ``rows`` rows a weight, from
+    ``benchmarks/stored_linear_bench.py --sweep`` on an H200: an FP8 GEMV reads 128 features a
+    program with 8 warps (half the time of 64 with 4), an FP4 one 64 with 4; FP4 tiles stop at
+    16 rows (64-row tiles decode every weight for rows an expert mostly lacks: 2x slower)."""
+    if rows == 1:
+        return (1, 64, 4) if fp4 else (1, 128, 8)
+    return (16, BN, 4) if rows <= 16 or fp4 else (64, BN, 4)
+
+
 def stored_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                   fp4: bool) -> torch.Tensor:  # fmt: skip
     """``a`` [M, K] (already through ``act_quant``, bf16 or fp32) times the stored weight
@@ -165,10 +175,11 @@ def stored_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     m, k = a.shape
     n = weight.shape[0]
     a = a.contiguous()
-    bm = 1 if m == 1 else 16 if m <= 16 else 64
-    tiles = triton.cdiv(n, BN) * triton.cdiv(m, bm)
+    bm, bn, warps = _settings(m, fp4)
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     splits = max(1, min(triton.cdiv(k, BLOCK_K), 2 * SMS // tiles)) if m <= 16 else 1
-    return _launch(a, weight, scale, fp4, triton.cdiv(m, bm), bm, splits, None)
+    return _launch(a, weight, scale, fp4, triton.cdiv(m, bm), bm, splits, None, bn,
+                   warps=warps)  # fmt: skip
 
 
 def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
@@ -193,6 +204,7 @@ def grouped_stored_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     stored weight (``weight`` [E, N, ...], ``scale`` [E, ...]): one launch for every expert
     (a mixture-of-experts layer's). Out ``[R, N]``."""
     rows = len(a)
-    bm = 1 if rows <= len(counts) else 16 if rows <= 16 * len(counts) else 64
+    bm, bn, warps = _settings(-(-rows // len(counts)), fp4)  # by the rows an expert averages
     tiles = group_tiles(counts, rows, bm)
-    return _launch(a.contiguous(), weight, scale, fp4, len(tiles), bm, 1, tiles)
+    return _launch(a.contiguous(), weight, scale, fp4, len(tiles), bm, 1, tiles, bn,
+                   warps=warps)  # fmt: skip
