@@ -7,7 +7,10 @@
 #           prefill numbers and the CPU fp32 / GPU bf16 agreement (benchmarks/v41_step.py)
 #   PART=d  issue 34: benchmarks/stored_linear_bench.py, then v41-wide decode at bs 1/16/64
 #           from CUDA graphs, eager with the kernels and on the torch path (a profile of each
-#           graph-replayed step), an 8k prefill, and bench throughput
+#           graph-replayed step), an 8k prefill against the measured matmul rates (profiled),
+#           and the decode steps again with every Engram layer skipped (its end-to-end cost)
+#   PART=e  issue 34: bench throughput on v41-wide, then `engramrt serve` of v41-wide and
+#           `bench serve` at c = 1/16/64 (benchmarks/serve_gpu.sh)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -52,11 +55,17 @@ case "${PART:-b}" in
     timeout 100 python3 benchmarks/stored_linear_bench.py --out "$out/stored_linear.json" \
       --rows 1,16,64 2>&1 | tee "$out/stored_linear.txt"
     preset v41-wide /tmp/v41w
-    timeout 260 python3 -m benchmarks.v41_step --model /tmp/v41w --out "$out/v41w.json" \
+    timeout 400 python3 -m benchmarks.v41_step --model /tmp/v41w --out "$out/v41w.json" \
       --torch-too --batches 1,16,64 --prefill 8192 --agree-prompts 1 --agree-tokens 8 \
-      --steps 6 --profile "$out/prof" 2>&1 | grep -v "^engramrt" | tee "$out/v41w.txt"
-    timeout 150 python3 -m engramrt bench throughput --model /tmp/v41w --num-prompts 64 \
+      --steps 6 --profile "$out/prof" --engram-cost 2>&1 | grep -v "^engramrt" \
+      | tee "$out/v41w.txt"
+    ;;
+  e)  # issue 34: throughput, then the server at three concurrencies
+    preset v41-wide /tmp/mv41-wide
+    timeout 150 python3 -m engramrt bench throughput --model /tmp/mv41-wide --num-prompts 64 \
       --input-len 256 --output-len 64 --max-num-seqs 64 2>&1 | tee "$out/throughput.txt" \
       | tail -5
+    PRESET=v41-wide BENCH_SIZES=none timeout 400 bash benchmarks/serve_gpu.sh "$out/serve" \
+      2>&1 | tee "$out/serve.txt"
     ;;
 esac

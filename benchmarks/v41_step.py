@@ -8,6 +8,13 @@ routed experts the batch reaches and the shared one, norms, mixes, the Engram ro
 the caches are small next to them) over the copy bandwidth measured in the same run. The torch
 path dequantises every FP8/FP4 weight on each use, so it is far above that floor: issue 34's
 kernels read the weights as stored.
+
+``--prefill N`` also counts the prefill's FLOPs (every linear a token passes, the routed experts
+its top-k reaches, attention over its window and picks, the indexer's scores over every entry it
+sees) against the matmul rates measured in the same run (bf16 ``torch.mm`` and FP8
+``torch._scaled_mm`` at the prefill's size), and ``--profile`` profiles it too. ``--engram-cost``
+ends with the decode steps again, with every Engram layer skipped (``--engram off``): the
+Engram's end-to-end cost.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from engramrt.kernels import FORCE_TORCH_ENV
 from engramrt.model.quant import StoredLinear
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
+from engramrt.v41_config import REINDEX, SOURCE
 
 BLOCK = 16
 
@@ -126,6 +134,64 @@ def profile_decode(runner: StageRunner, bs: int, context: int, path: str) -> Non
     runner.graphs = None
 
 
+def prefill_flops(runner: StageRunner, tokens: int) -> float:
+    """FLOPs of one prefill of ``tokens``: 2 x inputs x outputs a linear and a token (a routed
+    expert's times the share of tokens that reach it), 4 x head_dim a query head and a row it
+    attends (scores and values; window and picks), 2 x the indexer's heads x dim a visible
+    entry (a token at position p sees p // ratio)."""
+    v = runner.model.cfg.v41
+    share = v.n_activated_experts / v.n_routed_experts
+    total = 0.0
+    for name, mod in runner.model.named_modules():
+        if isinstance(mod, StoredLinear):
+            out, inp = mod.weight.shape[0], mod.weight.shape[1] * (2 if mod.fp4 else 1)
+        elif isinstance(mod, torch.nn.Linear):
+            out, inp = mod.weight.shape
+        else:
+            continue
+        if name == "head" or name.endswith(".head"):
+            continue  # logits at the last token only
+        total += 2 * out * inp * tokens * (share if ".experts." in name else 1)
+    attended = sum(min(v.window_size, p + 1) + (min(v.index_topk, (p + 1) // r.ratio)
+                                                if r.ratio else 0)
+                   for r in (v.roles[i] for i in runner.model.layer_ids)
+                   for p in range(tokens))  # fmt: skip
+    total += 4 * v.head_dim * v.n_heads * attended
+    scanned = sum(tokens * tokens / (2 * r.ratio) for r in (v.roles[i] for i in
+                  runner.model.layer_ids) if r.kind in (SOURCE, REINDEX))  # fmt: skip
+    return total + 2 * v.index_n_heads * v.index_head_dim * scanned
+
+
+def matmul_tflops(tokens: int, dim: int, device: str) -> dict[str, float]:
+    """Measured matmul rates at a prefill's size: bf16 ``torch.mm`` and FP8 (E4M3)
+    ``torch._scaled_mm`` of [tokens, dim] x [dim, dim]."""
+    from benchmarks.hash_bench import median_us
+
+    a = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+    b = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
+    flops = 2 * tokens * dim * dim
+    rates = {"bf16": flops / median_us(lambda: a @ b, device) / 1e6}
+    a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    rates["fp8"] = flops / median_us(lambda: torch._scaled_mm(a8, b8, one, one,
+                                                              out_dtype=torch.bfloat16),
+                                     device) / 1e6  # fmt: skip
+    return rates
+
+
+def profile_prefill(runner: StageRunner, tokens: int, path: str) -> None:
+    """One warmed prefill under torch.profiler: its kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prefill_ms(runner, tokens, reps=0)
+    s = Session(runner, 1, tokens + 1)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        s.step({0: prompt(tokens, 7, runner.model.cfg.vocab_size)})
+        sync()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40) + "\n")
+
+
 def prefill_ms(runner: StageRunner, tokens: int, reps: int = 2) -> list[float]:
     times = []
     for r in range(reps + 1):
@@ -165,6 +231,8 @@ def main() -> None:
     ap.add_argument("--agree-tokens", type=int, default=32)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--torch-too", action="store_true", help="decode on the torch path as well")
+    ap.add_argument("--engram-cost", action="store_true",
+                    help="decode again with every Engram layer skipped")  # fmt: skip
     ap.add_argument(
         "--profile",
         help="write a torch.profiler table of one decode step per "
@@ -199,9 +267,18 @@ def main() -> None:
             profile_decode(gpu, bs, args.context, f"{args.profile}-bs{bs}.txt")
     if args.prefill:
         times = prefill_ms(gpu, args.prefill)
-        report["prefill"] = {"tokens": args.prefill, "ms": times}
+        flops = prefill_flops(gpu, args.prefill)
+        rates = matmul_tflops(args.prefill, cfg.hidden_size, args.device)
+        got = flops / min(times) / 1e9
+        report["prefill"] = {"tokens": args.prefill, "ms": times, "flops": flops,
+                             "tflops": got, "matmul_tflops": rates}  # fmt: skip
         print(f"prefill {args.prefill}: {min(times):.0f} ms "
-              f"({args.prefill / min(times) * 1e3:.0f} tok/s)", flush=True)  # fmt: skip
+              f"({args.prefill / min(times) * 1e3:.0f} tok/s); {flops / 1e12:.1f} TFLOP, "
+              f"{got:.1f} TFLOP/s = {got / rates['bf16']:.1%} of bf16 mm "
+              f"({rates['bf16']:.0f}), {got / rates['fp8']:.1%} of FP8 mm "
+              f"({rates['fp8']:.0f})", flush=True)  # fmt: skip
+        if args.profile:
+            profile_prefill(gpu, args.prefill, f"{args.profile}-prefill.txt")
     # greedy agreement: GPU bf16 against CPU fp32 on the same prompts
     cpu = StageRunner.load(args.model, 1, None, "cpu", "float32", num_blocks=0)
     rows = []
@@ -219,6 +296,15 @@ def main() -> None:
               f"difference; teacher-forced top-1 agreement {top:.1%}, median relative logit "
               f"error {rel:.3f}", flush=True)  # fmt: skip
     report["agreement"] = rows
+    if args.engram_cost:  # last: the model keeps its Engram layers skipped
+        gpu.model.disable_engram()
+        for bs in map(int, args.batches.split(",")):
+            med = statistics.median(decode_ms(gpu, bs, args.context, args.steps, graphs=True))
+            row = report["decode"][bs]
+            row["graphs_no_engram"] = {"median_ms": med}
+            cost = row["graphs"]["median_ms"] / med - 1
+            print(f"decode bs {bs} (graphs) with every Engram layer skipped: {med:.2f} ms; the "
+                  f"Engram costs {cost:.1%} of a step", flush=True)  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 
