@@ -159,12 +159,13 @@ class EngramMHCModel(nn.Module):
 
     engram_enabled = True
 
-    def disable_engram(self) -> None:
+    def disable_engram(self, disabled: bool = True) -> None:
         """The ablation ``--engram off`` asks for on purpose: every Engram layer skipped (the
-        residual passes through), and the fail-closed check expects none to run."""
-        self.engram_enabled = False
+        residual passes through), and the fail-closed check expects none to run; ``False``
+        turns them back on (a benchmark's A/B)."""
+        self.engram_enabled = not disabled
         for block in self.layers.values():
-            block.engram_enabled = False
+            block.engram_enabled = not disabled
 
     def embed_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream ``[T, hc, D]`` (the embedding in every copy) and the first pre-mix. Under

@@ -142,7 +142,12 @@ class V41MoE(nn.Module):
     def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[T, dim]``; ``image`` ``[T]`` bool (image-span tokens) or None."""
         weights, ids = self.route(x, image)
-        if use_triton(x.device):
+        # decode-sized steps: grouped launches (no host sync, graph-safe); where the experts
+        # average more rows than the stored-format kernel takes (a prefill), each runs as a GEMM
+        # (``StoredLinear``: cuBLAS over a dequantised copy): the grouped FP4 dot tiles took 75%
+        # of an 8k prefill
+        few = len(ids) * self.k <= len(self.experts) * quant.STORED_KERNEL_ROWS
+        if use_triton(x.device) and (few or torch.cuda.is_current_stream_capturing()):
             y = self._grouped(x, weights, ids)
         else:
             y = torch.zeros_like(x, dtype=torch.float32)
