@@ -15,7 +15,6 @@ from engramrt.config import EngramConfig
 from engramrt.engram.layout import EngramLayout
 from engramrt.engram.table import EngramTable
 from engramrt.kernels import use_triton
-from engramrt.model import quant
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 
 GATE_CLAMP = 1e-6  # |dot| floor before the sqrt; keeps the gate away from exactly 0.5
@@ -96,10 +95,9 @@ class Engram(nn.Module):
             self.shards = {f"embed.{n}": (0, *self.row_span) for n in ("weight", "scale")}
         self.embed = table  # checkpoint name: layers.{i}.engram.embed.{weight,scale}
 
-    def load_wkv(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        """Take a bf16/fp32 weight, or an fp8 block-scaled one (dequantized here once)."""
-        if scale is not None:
-            weight = quant.dequant_fp8_weight(weight, scale, torch.bfloat16)
+    def load_wkv(self, weight: torch.Tensor) -> None:
+        """Take a bf16/fp32 weight (a checkpoint's FP8 one is dequantised at load, with the
+        model's other FP8 weights: ``checkpoint._dequantise_at_load``)."""
         if weight.shape != self.wkv.weight.shape:
             raise ValueError(
                 f"engram.wkv.weight of layer {self.layer_id}: expected "

@@ -15,6 +15,7 @@ import torch
 from engramrt.config import EngramConfig
 from engramrt.engram.module import Engram, engram_gate, gate_from_dot
 from engramrt.engram.table import EngramTable
+from engramrt.model import quant
 from tests.support.fp8_oracle import e4m3_value
 
 CLAMP = 1e-6  # hard-coded gate clamp
@@ -284,6 +285,10 @@ def test_gated_engram_forward_without_ids_or_table():
 # ----------------------------------------------------------------------------- load_wkv
 
 
+def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return quant.dequant_fp8_weight(weight, scale, torch.bfloat16)
+
+
 def block_oracle(wb: np.ndarray, sb: np.ndarray) -> torch.Tensor:
     """value[r, c] = e4m3(w[r, c]) * 2**(s[r//32, c//32] - 127), rounded once to bf16."""
     rows, cols = wb.shape
@@ -313,14 +318,16 @@ def fp8_wkv(seed: int) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scale_as", ["e8m0", "uint8"])
 def test_gated_engram_load_wkv_fp8_blocks_match_oracle(dtype, scale_as):
-    """load_wkv dequantizes e4m3 with one e8m0 scale per 32x32 block (ceil blocks) exactly."""
+    """An FP8 wkv (as a checkpoint stores it, dequantised at load by
+    ``quant.dequant_fp8_weight``) becomes e4m3 times one e8m0 scale per 32x32 block (ceil
+    blocks), exactly."""
     wb, sb = fp8_wkv(20)
     assert sb.shape == (7, 3)
     scale = torch.from_numpy(sb)
     if scale_as == "e8m0":
         scale = scale.view(torch.float8_e8m0fnu)
     mod = Engram(WKV_CFG, 0, None, dtype=dtype)
-    mod.load_wkv(torch.from_numpy(wb).view(torch.float8_e4m3fn), scale)
+    mod.load_wkv(fp8_dequant(torch.from_numpy(wb).view(torch.float8_e4m3fn), scale))
     want = block_oracle(wb, sb)
     assert (want[:32, :32] != 0).any()  # the scale-byte-0 block is 2**-127, not zero
     assert_bitwise(mod.wkv.weight.detach(), want.to(dtype))
@@ -334,17 +341,15 @@ def test_gated_engram_load_wkv_wrong_weight_shape():
     wb = np.zeros((WKV_OUT, WKV_IN + 32), dtype=np.uint8)
     sb = np.full((7, 4), 127, dtype=np.uint8)
     with pytest.raises(ValueError, match=r"expected \[200, 80\].*got \[200, 112\]"):
-        mod.load_wkv(torch.from_numpy(wb).view(torch.float8_e4m3fn), torch.from_numpy(sb))
+        mod.load_wkv(fp8_dequant(torch.from_numpy(wb).view(torch.float8_e4m3fn),
+                                 torch.from_numpy(sb)))  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", [(7, 2), (6, 3), (200, 80), (3, 7)])
 def test_gated_engram_load_wkv_wrong_scale_shape(shape):
     """A block scale that is not [ceil(out/32), ceil(in/32)] raises ValueError naming it."""
-    mod = Engram(WKV_CFG, 0, None, dtype=torch.float32)
     wb, _ = fp8_wkv(21)
     with pytest.raises(ValueError, match=r"\[7, 3\]") as err:
-        mod.load_wkv(
-            torch.from_numpy(wb).view(torch.float8_e4m3fn),
-            torch.full(shape, 127, dtype=torch.uint8),
-        )
+        fp8_dequant(torch.from_numpy(wb).view(torch.float8_e4m3fn),
+                    torch.full(shape, 127, dtype=torch.uint8))  # fmt: skip
     assert str(list(shape)) in str(err.value)
