@@ -164,18 +164,20 @@ def test_step_message_round_trip_keeps_every_field_exactly(with_tokens: bool) ->
     """What one stage encodes, the next decodes unchanged, every field by name: seeds stay
     exact integers, sampling floats exact bits; the tokens (the step's and the admitted
     requests') travel only to a first stage's TP followers, unless penalties need an admitted
-    request's on the last stage; verify commits stay on the first stage's leader."""
+    request's on the last stage; verify commits stay on the first stage's leader; the window
+    snapshots to keep and restore (V4.1 prefix caching) reach every stage."""
     controls = Controls(0.5, -0.25, 1.3, {7: -100.0, 2: 0.1}, 3, [1, 9], [2, 7, 8], [4])
     admitted = [
         NewRequest(3, [5, 6, 7], 2, 1, [4, 7], SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4, False),
-                   controls),
+                   controls, snapshot=5),
         NewRequest(1, [8, 9], 2, 0, [2], SampleRow(seed=2**63 - 1, min_p=1e-300)),
     ]  # fmt: skip
     batch = StepBatch([9, 2**40, 0], [3, 1], [2, 1], [5, 9], new_blocks=[[4, 7], [2]],
                       block_starts=[1, 0], admitted=admitted, token_counts=[2, 1],
                       sample_index=[4, 0], final=[False, True], return_logits=True,
                       targets=[11, -1, 4], target_k=2, masks=[(0, [5, -(2**31), 2**31 - 1])],
-                      drafts=[1, 0], commits=[(1, [4, 5], 1)])  # fmt: skip
+                      drafts=[1, 0], commits=[(1, [4, 5], 1)],
+                      snapshots=[(3, 0), (1, 7)])  # fmt: skip
     got = decode_batch(encode_batch(batch, with_tokens))
     # the second request's tokens stay on the first stage (no penalties need them further on)
     kept = admitted if with_tokens else [admitted[0], dataclasses.replace(admitted[1], tokens=[])]
