@@ -22,6 +22,7 @@ from engramrt.config import ModelConfig, load_json, model_config
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.speculative import SpecConfig
 from engramrt.engram import load_tokenizer
+from engramrt.kernels import compiles
 from engramrt.kernels.compiles import compilations, count_compilations
 from engramrt.model import v41_cache
 from engramrt.model.checkpoint import check_layer_count, default_dtype
@@ -249,6 +250,7 @@ def build_stage(
                 "eagerly")  # fmt: skip
     if driver and counting and compilations():
         log(f"{compilations()} Triton kernel variants compiled at start-up")
+    compiles.serving()
     if not driver:
         return pipe, None
     return pipe, engine_for(pipe, opts, cfg, max_len)

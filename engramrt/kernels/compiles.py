@@ -4,8 +4,11 @@ a step for ~0.5 s, so the server logs how many start-up compiled and exports the
 
 from __future__ import annotations
 
+import sys
+
 _count = 0
 _installed = False
+_serving = False  # start-up is over: a compilation now stalls a request, and says so
 _recent: list[str] = []  # the last few compiled variants, for messages
 
 
@@ -28,11 +31,20 @@ def count_compilations() -> bool:
         _count += 1
         _recent.append(str(kwargs.get("repr", "?")))
         del _recent[:-8]
+        if _serving:
+            print(f"engramrt: a Triton kernel variant compiled while serving (the step stalls): "
+                  f"{_recent[-1]}", file=sys.stderr, flush=True)  # fmt: skip
         return previous(*args, **kwargs) if previous is not None else None
 
     runtime.jit_post_compile_hook = hook
     _installed = True
     return True
+
+
+def serving(on: bool = True) -> None:
+    """Start-up is over (``on``): from now on each compilation is logged with its variant."""
+    global _serving
+    _serving = on
 
 
 def compilations() -> int:
