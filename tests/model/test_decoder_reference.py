@@ -296,6 +296,27 @@ def test_wrong_variants_are_far_from_engramrt() -> None:
     assert max_rel_diff(got, reference_logits(no_engram, ids, TOKENS)) > 1e-2
 
 
+def test_engram_skipped_then_turned_back_on() -> None:
+    """``disable_engram()`` gives the logits of a reference whose Engram adds nothing (its
+    value projection zeroed); ``disable_engram(False)`` the reference with the Engram again."""
+    model, raw = build(num_hidden_layers=2, engram_layer_ids=[0, 1])
+    silent, _ = build(num_hidden_layers=2, engram_layer_ids=[0, 1])
+    for i in (0, 1):
+        with torch.no_grad():
+            silent.layers[str(i)].engram.wkv.weight.zero_()
+    ids = reference_hash_ids(raw, TOKENS)
+    model.disable_engram()
+    assert (
+        max_rel_diff(engramrt_logits(model, raw, TOKENS), reference_logits(silent, ids, TOKENS))
+        < 1e-4
+    )
+    model.disable_engram(False)
+    assert (
+        max_rel_diff(engramrt_logits(model, raw, TOKENS), reference_logits(model, ids, TOKENS))
+        < 1e-4
+    )
+
+
 def test_moe_decoder_matches_reference() -> None:
     """MoE FFN: softmax router in fp32, top-k renormalised, routed + shared SwiGLUs."""
     model, raw = build(
