@@ -19,7 +19,8 @@ from engramrt.kernels.paged_attention import _dot, _interpreted
 BLOCK_N, CHUNK = 64, 1024
 
 
-@triton.jit
+# the entry count and table width vary by step: specialising on them compiles while serving
+@triton.jit(do_not_specialize=["C", "TW"])
 def _index_scores_kernel(
     q_ptr, w_ptr, keys_ptr, table_ptr, req_ptr, pos_ptr, out_ptr, C, TW,
     R: tl.constexpr, BS: tl.constexpr, H: tl.constexpr, DI: tl.constexpr,

@@ -34,7 +34,7 @@ def _softmax_step(acc, m_i, l_i, q, rows, valid, scale, F32: tl.constexpr):
     return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K_PICKS"])  # min(top-k, entries): varies by step
 def _sparse_attention_kernel(
     q_ptr, kv_ptr, ring_ptr, comp_ptr, picks_ptr, pos_ptr, p0_ptr, q0_ptr, slot_ptr, sink_ptr,
     out_ptr, scale, K_PICKS,

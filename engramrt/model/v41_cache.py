@@ -40,9 +40,14 @@ def entry_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> float:
                for r in cfg.roles if r.layer in layer_ids and r.kind == SOURCE)  # fmt: skip
 
 
+def rings_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> int:
+    """Bytes of a slot's window rings in ``layer_ids`` (and of one window snapshot)."""
+    return cfg.window_size * cfg.head_dim * itemsize * len(layer_ids)
+
+
 def slot_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> int:
     """Bytes of window rings and compressor tails a slot holds in ``layer_ids``."""
-    ring = cfg.window_size * cfg.head_dim * itemsize * len(layer_ids)
+    ring = rings_bytes(cfg, layer_ids, itemsize)
     tails = sum(2 * cfg.head_dim * 4 for r in cfg.roles
                 if r.layer in layer_ids and r.kind == SOURCE and r.ratio == 2)  # fmt: skip
     return ring + tails
@@ -62,11 +67,6 @@ def read_bytes(cfg: V41Config, layer_ids: list[int], context: int, itemsize: int
     return total * itemsize
 
 
-def snapshot_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> int:
-    """Bytes of one window snapshot: a slot's rings in ``layer_ids``."""
-    return cfg.window_size * cfg.head_dim * itemsize * len(layer_ids)
-
-
 def default_snapshots(slots: int) -> int:
     """Window snapshots a cache keeps for prefix caching: two per slot (each running request's
     latest block boundary, and as many finished or preempted prefixes)."""
@@ -81,7 +81,7 @@ def fixed_bytes(
     spare = sum((cfg.head_dim + cfg.index_head_dim) * itemsize for r in cfg.roles
                 if r.layer in layer_ids and r.kind == SOURCE)  # fmt: skip
     return ((slots + 1) * slot_bytes(cfg, layer_ids, itemsize) + spare
-            + snapshots * snapshot_bytes(cfg, layer_ids, itemsize))  # fmt: skip
+            + snapshots * rings_bytes(cfg, layer_ids, itemsize))  # fmt: skip
 
 
 class V41Cache(KVCache):

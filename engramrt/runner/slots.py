@@ -31,12 +31,13 @@ import torch
 
 from engramrt.engram.hashing import EngramHasher
 from engramrt.model.block_tables import BlockTables
+from engramrt.model.context import KVCache
 from engramrt.runner.batch import NewRequest, SampleRow, StepBatch
 from engramrt.runner.logit_controls import LogitControls
 from engramrt.transfer import to_device
 
 if TYPE_CHECKING:
-    from engramrt.model.context import ForwardContext, KVCache
+    from engramrt.model.context import ForwardContext
 
 GREEDY = SampleRow()
 
@@ -62,15 +63,13 @@ class SlotTable:
         self.params = torch.zeros(0, 4, device=device)  # [slots, (temperature, top_p, min_p, k)]
         self.controls = LogitControls(device)
         self.states: list[SlotState] = []
-        self.kv_state: SlotState | None = None  # the cache, when it keeps per-slot state
 
     def size_for(self, kv: KVCache) -> None:
         """Block tables and token rows for a new cache (slots on their fixed blocks); the cache
         replaces its predecessor in ``states`` if it keeps per-slot state."""
         self.blocks = kv.fixed_tables()
-        self.states = [s for s in self.states if s is not self.kv_state]
-        self.kv_state = kv if isinstance(kv, SlotState) else None
-        if self.kv_state is not None:
+        self.states = [s for s in self.states if not isinstance(s, KVCache)]
+        if isinstance(kv, SlotState):
             self.states.append(kv)
         if self.first:
             self.tokens = None  # the old rows go before the new ones are allocated
