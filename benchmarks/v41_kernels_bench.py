@@ -1,7 +1,9 @@
-"""V4.1's sparse attention and indexer-score kernels alone at Flash's widths (issue 34 item 8):
-GPU time of a CUDA-graph replay after an L2 flush, against the byte floor (what a launch must
-read and write once: queries, each token's window rows and picked rows or its request's index
-keys, the output) over the copy bandwidth measured in the same run.
+"""V4.1's sparse attention, indexer-score and top-k selection kernels alone at Flash's widths
+(issue 34 item 8): GPU time of a CUDA-graph replay after an L2 flush, against the byte floor
+(what a launch must read and write once: queries, each token's window rows and picked rows or
+its request's index keys or its scores, the output) over the copy bandwidth measured in the
+same run. The selection also against the torch path's stable sort, on rows as wide as a CUDA
+graph's (``--capacity`` positions) and as an eager step's (the context).
 
     python benchmarks/v41_kernels_bench.py --out v41_kernels.json [--context 4096]
 
@@ -13,6 +15,7 @@ keys (ratio 2: ``context / 2`` entries). Prefill: one run of ``--prefill`` token
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -21,6 +24,8 @@ from benchmarks.hash_bench import copy_bandwidth_gbs
 from benchmarks.stored_linear_bench import graph_us
 from engramrt.kernels.index_scores import index_scores
 from engramrt.kernels.sparse_attention import sparse_attention
+from engramrt.kernels.top_select import top_select
+from engramrt.model.v41_attention import sorted_picks
 
 HEADS, D, WINDOW, TOPK = 64, 512, 128, 512  # V4.1-Flash (bundled config)
 INDEX_HEADS, INDEX_D, RATIO, BLOCK = 32, 128, 2, 16
@@ -75,12 +80,29 @@ def index_case(bs: int, run: int, context: int, dev: str):
     return launch, nbytes, flops
 
 
+def select_case(bs: int, run: int, context: int, dev: str, width: int, sort: bool):
+    """Top-``TOPK`` of rows ``width`` entries wide, each token seeing its ``(pos + 1) / r``."""
+    g = torch.Generator(device=dev).manual_seed(bs * 13 + run)
+    t = bs * run
+    scores = torch.randn(t, width, device=dev, generator=g).bfloat16()
+    pos = (context - run + torch.arange(run, device=dev)).repeat(bs)
+    seen = (pos + 1) // RATIO
+    pick = sorted_picks if sort else top_select
+
+    def launch():
+        return pick(scores, seen, min(TOPK, width))
+
+    nbytes = 2 * int(seen.sum()) + t * TOPK * 8  # what each token sees, once; the picks
+    return launch, nbytes, 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--prefill", type=int, default=2048, help="one run's tokens (0: none)")
+    ap.add_argument("--capacity", type=int, default=65536, help="a CUDA graph's positions")
     args = ap.parse_args()
     dev = "cuda"
     bw = copy_bandwidth_gbs(dev)
@@ -89,18 +111,25 @@ def main() -> None:
     if args.prefill:
         cases.append((1, args.prefill))
     rows = []
-    for kernel, make in (("sparse_attention", attention_case), ("index_scores", index_case)):
+    wide, narrow = args.capacity // RATIO, args.context // RATIO
+    kernels = [("sparse_attention", attention_case), ("index_scores", index_case)]
+    for name, sort in (("top_select", False), ("sort (torch path)", True)):
+        for label, width in (("graph", wide), ("eager", narrow)):
+            make = functools.partial(select_case, width=width, sort=sort)
+            kernels.append((f"{name}, {label} row", make))
+    for kernel, make in kernels:
         for bs, run in cases:
             launch, nbytes, flops = make(bs, run, args.context, dev)
             us = graph_us(launch, dev)
             floor = nbytes / (bw * 1e3)
             rows.append({"kernel": kernel, "bs": bs, "run": run, "us": us, "floor_us": floor,
                          "bytes": nbytes, "tflops": flops / us / 1e6})  # fmt: skip
-            print(f"{kernel:<17} bs {bs:>3} x {run:>5} tokens: {us:8.1f} us, floor "
+            print(f"{kernel:<30} bs {bs:>3} x {run:>5} tokens: {us:8.1f} us, floor "
                   f"{floor:7.1f} us ({us / floor:5.1f}x), {flops / us / 1e6:6.1f} TFLOP/s",
                   flush=True)  # fmt: skip
     with open(args.out, "w") as f:
-        json.dump({"copy_gbs": bw, "context": args.context, "rows": rows}, f, indent=1)
+        json.dump({"copy_gbs": bw, "context": args.context, "capacity": args.capacity,
+                   "rows": rows}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

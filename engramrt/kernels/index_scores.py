@@ -5,7 +5,9 @@ tables (the torch path gathers each token's keys into memory first).
 A program takes one token and ``CHUNK`` entries, its queries loaded once, ``BLOCK_N`` keys a
 step; rounded where the torch path rounds in the activation dtype (the dot, the weighted
 product; the sum over heads in fp32, rounded once), so the scores equal it up to the order of
-fp32 sums. Entries the token cannot see (``c >= (p + 1) // ratio``) score ``-inf``.
+fp32 sums. Entries the token cannot see (``c >= (p + 1) // ratio``) score ``-inf`` without a
+key read: a CUDA graph's step scores against the cache's capacity, and pays writes, not dots,
+for what lies past each token.
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ def _index_scores_kernel(
     w = tl.load(w_ptr + t * H + h, mask=h < H, other=0).to(tl.float32)
     req = tl.load(req_ptr + t).to(tl.int64)
     seen = (tl.load(pos_ptr + t) + 1) // R
-    for start in range(c0, tl.minimum(c0 + CHUNK, C), BLOCK_N):
+    hi = tl.minimum(c0 + CHUNK, C)
+    # entries the token sees are scored; past them a CUDA graph's step (which scans the cache's
+    # capacity) only writes -inf
+    mid = c0 + tl.cdiv(tl.maximum(tl.minimum(hi, seen) - c0, 0), BLOCK_N) * BLOCK_N
+    for start in range(mid, hi, BLOCK_N):
+        c = start + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + t * C + c, tl.full((BLOCK_N,), float("-inf"), q.dtype), mask=c < hi)
+    for start in range(c0, mid, BLOCK_N):
         c = start + tl.arange(0, BLOCK_N)
         ok = c < seen
         p = c * R
@@ -45,7 +54,7 @@ def _index_scores_kernel(
         s = (tl.maximum(s, 0.0) * w[:, None]).to(q.dtype).to(tl.float32)
         total = tl.sum(s, axis=0)
         tl.store(out_ptr + t * C + c, tl.where(ok, total, float("-inf")).to(q.dtype),
-                 mask=c < C)  # fmt: skip
+                 mask=c < hi)  # fmt: skip
 
 
 def index_scores(

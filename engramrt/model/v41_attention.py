@@ -165,35 +165,65 @@ class Indexer(nn.Module):
         return (s * w.unsqueeze(-1)).sum(dim=1)
 
     def candidates(self, scores: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        """The candidate mask ``[n, C]``: per query the ``blocks`` best blocks of
-        ``block_size`` entries by their best score, the block of its newest entry always in,
-        blocks it cannot reach never."""
-        n, width = scores.shape
+        """The candidate blocks ``[n, NB]`` (bool) of ``block_size`` entries: per query the
+        ``blocks`` best by their best score, the block of its newest entry always in, blocks it
+        cannot reach never."""
+        width = scores.shape[1]
         padded = F.pad(scores, (0, -width % self.block_size), value=-math.inf)
         best = padded.unflatten(-1, (-1, self.block_size)).amax(-1)
-        newest = ((seen - 1) // self.block_size).unsqueeze(-1)
-        best = best.masked_fill(torch.arange(best.shape[-1], device=best.device) == newest,
+        reach = (seen + self.block_size - 1) // self.block_size  # blocks it can reach
+        nb = best.shape[-1]
+        best = best.masked_fill(torch.arange(nb, device=best.device) == reach.unsqueeze(-1) - 1,
                                 math.inf)  # fmt: skip
-        order = torch.sort(best, dim=-1, descending=True, stable=True)
-        k = min(self.blocks, best.shape[-1])
-        keep = torch.zeros_like(best, dtype=torch.bool)
-        keep.scatter_(-1, order.indices[:, :k], order.values[:, :k] > -math.inf)
-        return keep.repeat_interleave(self.block_size, dim=-1)[:, :width]
+        picks = top_by_position(best, reach, min(self.blocks, nb))
+        keep = torch.zeros(len(best), nb + 1, dtype=torch.bool, device=best.device)
+        return keep.scatter_(1, torch.where(picks >= 0, picks, nb), True)[:, :nb]
 
-    def select(self, scores: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        """Top-``index_topk`` entries ``[n, k]`` sorted by position, -1 where a query cannot
-        reach the pick; equal scores: the lower position first."""
+    def select(self, scores: torch.Tensor, seen: torch.Tensor,
+               allowed: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Top-``index_topk`` entries ``[n, k]`` (``top_by_position``); ``allowed``: the
+        candidate blocks, outside which an entry scores ``-inf``."""
         k = min(self.topk, scores.shape[-1])
-        picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-        picks = picks.sort(dim=-1).values
-        return torch.where(picks < seen.unsqueeze(-1), picks, -1)
+        return top_by_position(scores, seen, k, allowed, self.block_size)
+
+
+def top_by_position(
+    scores: torch.Tensor, seen: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
+    block: int = 1,
+) -> torch.Tensor:  # fmt: skip
+    """The ``k`` best of each row's first ``seen`` entries ``[n, k]``, sorted by position, -1
+    past the last; equal scores: the lower position first. ``allowed`` [n, NB]: entry ``c``
+    scores ``-inf`` unless ``allowed[:, c // block]`` (still a pick if fewer than ``k`` others
+    are left). On CUDA one kernel that finds the k-th score without sorting
+    (``engramrt.kernels.top_select``): a CUDA graph's row is as wide as the cache's capacity."""
+    if use_triton(scores.device):
+        from engramrt.kernels.top_select import top_select
+
+        return top_select(scores, seen, k, allowed, block)
+    return sorted_picks(scores, seen, k, allowed, block)
+
+
+def sorted_picks(
+    scores: torch.Tensor, seen: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
+    block: int = 1,
+) -> torch.Tensor:  # fmt: skip
+    """``top_by_position`` by a stable sort of each whole row (the torch path)."""
+    width = scores.shape[-1]
+    entries = torch.arange(width, device=scores.device)
+    hidden = entries >= seen.unsqueeze(-1)
+    if allowed is not None:
+        hidden |= ~allowed.repeat_interleave(block, dim=-1)[:, :width]
+    scores = scores.masked_fill(hidden, -math.inf)
+    picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    picks = picks.sort(dim=-1).values
+    return torch.where(picks < seen.unsqueeze(-1), picks, -1)
 
 
 @dataclass
 class StepRuns:
     """A step's runs seen from each of its ``T`` tokens, built by the step's first V4.1 layer
     (``of``); later layers also read what the sources publish: ``topk`` [T, k] (entry ids in
-    the token's request, -1: none) and ``candidates`` [T, C]."""
+    the token's request, -1: none) and ``candidates`` [T, NB] (candidate blocks)."""
 
     pos: torch.Tensor  # [T] position
     p0: torch.Tensor  # [T] its run's first position
@@ -332,27 +362,25 @@ class V41Attention(nn.Module):
         q, w = self.indexer.queries(x, qr, angles)
         keys = cache.index_keys[role.index_source]
         entries = torch.arange(count, device=dev)
-        every = None
-        if use_triton(dev):  # the same scores, keys read through the block tables
-            from engramrt.kernels.index_scores import index_scores
-
-            every = index_scores(q, w, keys, step.tables, step.req, step.pos, r,
-                                 cache.block_size, count)  # fmt: skip
         picks, cands = [], []
         for c in step.chunks():
             seen = (step.pos[c] + 1) // r
-            if every is not None:
-                scores = every[c]
+            if use_triton(dev):  # keys read through the block tables, no copy in memory
+                from engramrt.kernels.index_scores import index_scores
+
+                scores = index_scores(q[c], w[c], keys, step.tables, step.req[c], step.pos[c],
+                                      r, cache.block_size, count)  # fmt: skip
             else:
                 rows = cache.entry_rows(step.tables, step.req[c], entries.expand(len(seen), -1),
                                         r)  # fmt: skip
                 scores = self.indexer.scores(q[c], w[c], keys[rows])
                 scores = scores.masked_fill(entries >= seen.unsqueeze(-1), -math.inf)
+            allowed = None
             if role.builds_candidates:
                 cands.append(self.indexer.candidates(scores, seen))
             elif role.candidates_from is not None:
-                scores = scores.masked_fill(~step.candidates[c], -math.inf)
-            picks.append(self.indexer.select(scores, seen))
+                allowed = step.candidates[c]
+            picks.append(self.indexer.select(scores, seen, allowed))
         if cands:
             step.candidates = torch.cat(cands)
         step.topk = torch.cat(picks)

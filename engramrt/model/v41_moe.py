@@ -139,6 +139,12 @@ class V41MoE(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * self.route_scale, ids
 
+    @property
+    def grouped_tokens(self) -> int:
+        """The most tokens a step can have and still run its experts grouped (the launches a
+        CUDA graph can hold); above it they run as GEMMs."""
+        return len(self.experts) * quant.STORED_KERNEL_ROWS // self.k
+
     def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[T, dim]``; ``image`` ``[T]`` bool (image-span tokens) or None."""
         weights, ids = self.route(x, image)
@@ -146,7 +152,7 @@ class V41MoE(nn.Module):
         # average more rows than the stored-format kernel takes (a prefill), each runs as a GEMM
         # (``StoredLinear``: cuBLAS over a dequantised copy): the grouped FP4 dot tiles took 75%
         # of an 8k prefill
-        few = len(ids) * self.k <= len(self.experts) * quant.STORED_KERNEL_ROWS
+        few = len(ids) <= self.grouped_tokens
         if use_triton(x.device) and (few or torch.cuda.is_current_stream_capturing()):
             y = self._grouped(x, weights, ids)
         else:

@@ -31,6 +31,7 @@ from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.model.trace import Tracer
 from engramrt.model.v41_cache import V41Cache
+from engramrt.model.v41_moe import V41MoE
 from engramrt.runner.batch import DeviceResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
 from engramrt.runner.graphs import StepGraphs
@@ -178,16 +179,17 @@ class StageRunner:
     def capture_graphs(self, max_batch: int, max_tokens: int = 0, verify: int = 0) -> None:
         """Capture decode steps up to ``max_batch`` requests, mixed steps up to ``max_tokens``
         tokens and verify steps of ``verify`` drafts a run (``StepGraphs``; CUDA only). The
-        stand-in MoE routes with data-dependent shapes, so those models stay eager (V4.1's
-        grouped experts do not)."""
+        stand-in MoE routes with data-dependent shapes, so those models stay eager; V4.1's
+        experts run grouped (graph-safe) up to ``V41MoE.grouped_tokens`` a step."""
         cfg = self.model.cfg
         if cfg.ffn_type == "moe" and cfg.v41 is None:
             print("engramrt: MoE routing is not graph-capturable yet; decoding eagerly", flush=True)
             return
-        if cfg.v41 is not None and max_tokens:  # a graph scans the whole capacity
-            print("engramrt: V4.1 mixed steps run eagerly (a graph's indexer would scan all the "
-                  "cache can hold); decode steps replay CUDA graphs", flush=True)  # fmt: skip
-            max_tokens = 0
+        moe = [m.grouped_tokens for m in self.model.modules() if isinstance(m, V41MoE)]
+        if moe and max_tokens > min(moe):  # a larger step's experts run as GEMMs, eagerly
+            max_tokens = min(moe)
+            print(f"engramrt: V4.1 mixed steps of more than {max_tokens} tokens run eagerly (their "
+                  "experts run as GEMMs)", flush=True)  # fmt: skip
         if not use_triton(self.device):  # the torch reference attention is not capturable
             print("engramrt: CUDA graphs need the Triton kernels; decoding eagerly", flush=True)
             return

@@ -17,18 +17,19 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, DI, BS = 5, 32, 8
 
 
-@pytest.mark.parametrize("ratio", [1, 2])
-def test_index_scores_are_the_restatement(ratio: int, monkeypatch) -> None:
+@pytest.mark.parametrize("ratio,extra", [(1, 0), (2, 0), (2, 70)])
+def test_index_scores_are_the_restatement(ratio: int, extra: int, monkeypatch) -> None:
+    """``extra``: entries past every token's own, as in a CUDA graph's capacity-wide scan."""
     monkeypatch.setattr(kernel, "CHUNK", 64)  # several programs a token
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     g = torch.Generator().manual_seed(ratio)
     per = BS // ratio
     blocks = 40
     keys = torch.randn(blocks * per, DI, generator=g).to(dtype)
-    table = torch.stack([torch.randperm(blocks, generator=g)[:20] for _ in range(2)])
+    table = torch.stack([torch.randperm(blocks, generator=g)[:30] for _ in range(2)])
     pos = torch.tensor([150, 3, 0, 151, 152, 97])  # request 0 decodes and prefills; request 1
     req = torch.tensor([0, 1, 1, 0, 0, 1])
-    count = max((int(p) + 1) // ratio for p in pos)
+    count = max((int(p) + 1) // ratio for p in pos) + extra
     q = torch.randn(len(pos), H, DI, generator=g).to(dtype)
     w = (torch.randn(len(pos), H, generator=g) * 0.3).to(dtype)
     on = [x.to(DEVICE) for x in (q, w, keys, table, req, pos)]

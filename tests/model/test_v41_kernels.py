@@ -26,9 +26,15 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
     attend, index, select, calls = cls._attend, cls._index, v41_attention.Indexer.select, []
     scored: list[torch.Tensor] = []
 
-    def keep(self, scores, seen):
+    def keep(self, scores, seen, allowed=None):  # the same scores through both selections
         scored.append(scores)
-        return select(self, scores, seen)
+        picks = []
+        for kernels in (False, True):
+            monkeypatch.setattr(v41_attention, "use_triton", lambda device, k=kernels: k)
+            picks.append(select(self, scores, seen, allowed))
+        assert torch.equal(*picks)
+        calls.append(("select", allowed is not None))
+        return picks[1]
 
     def both_index(self, x, qr, angles, step, cache):
         scored.clear()
@@ -64,43 +70,61 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
     run_steps(runner, [[(0, a[:13])], [(0, a[13:40]), (1, b[:21])],
                        [(1, b[21:22]), (0, a[40:41])], [(0, a[41:44]), (1, b[22:23])]])  # fmt: skip
     kinds = {kind for kind, _ in calls}
-    assert len(kinds) == 5 and all(
+    assert len(kinds) == 6 and all(
         any(p for k, p in calls if k == kind)  # every role; real
-        for kind in ("index", "source", "reuse")
-    )  # picks, scores
+        for kind in ("index", "source", "reuse", "select")
+    )  # picks, scores, a re-indexer's candidate blocks
 
 
 @pytest.mark.gpu
-def test_decode_graphs_replay_the_eager_steps(v41_small: Path) -> None:
-    """V4.1 decode steps replayed from CUDA graphs (three requests in a graph of four, whose
-    indexer scans the cache's whole capacity) give the eager steps' greedy tokens and logits
-    (float32: padded GEMMs may round differently); the padded row writes only the spare ring
-    slot, never an unused slot's."""
+def test_graphs_replay_the_eager_steps(v41_small: Path) -> None:
+    """V4.1 steps replayed from CUDA graphs, whose indexers score against the cache's whole
+    capacity, give the eager steps' greedy tokens and logits (float32: padded GEMMs may round
+    differently): a prefill of three prompts and, later, a newcomer's prompt in two chunks beside
+    three decoding requests (mixed graphs), decode steps of three in a graph of four. The padded
+    row writes only the spare ring slot, never an unused slot's."""
     from engramrt.runner.batch import StepBatch
 
     runners = [StageRunner.load(v41_small, num_slots=4, max_len=128, device="cuda",
                                 dtype="float32") for _ in range(2)]  # fmt: skip
     for r in runners:
         r.allocate_kv(4, 128, 16, 32)
-    runners[1].capture_graphs(4)
-    assert runners[1].graphs is not None
+    runners[1].capture_graphs(4, 64)
+    graphs, replayed = runners[1].graphs, []
+    replay = graphs.replay
+    graphs.replay = lambda host, shape, carry: replayed.append(shape) or replay(host, shape, carry)
     prompts = [prompt(n, 20 + n) for n in (33, 9, 20)]
-    slots = [0, 2, 3]
-    blocks = [list(range(8 * s, 8 * s + 8)) for s in slots]
-    first = StepBatch([t for p in prompts for t in p], slots, [len(p) for p in prompts],
-                      [0, 0, 0], new_blocks=blocks)  # fmt: skip
-    out = [r.compute(first, last_only=True) for r in runners]
+    late = prompt(19, 40)
+    blocks = [list(range(8 * s, 8 * s + 8)) for s in range(4)]
+    steps = [StepBatch([t for p in prompts for t in p], [0, 2, 3], [len(p) for p in prompts],
+                       [0, 0, 0], new_blocks=[blocks[s] for s in (0, 2, 3)])]  # fmt: skip
     pos = [len(p) for p in prompts]
-    for _ in range(6):
-        nxt = out[0].argmax(-1).tolist()
-        batch = StepBatch(nxt, slots, [1, 1, 1], pos)
-        out = [r.compute(batch, last_only=True) for r in runners]
-        assert torch.equal(out[1].argmax(-1), out[0].argmax(-1))
+    for n in range(9):
+        out = [r.compute(steps[-1], last_only=True) for r in runners]
+        assert torch.equal(out[1].argmax(-1), out[0].argmax(-1)), n
         scale = float(out[0].abs().max())
         torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-4 * scale)
-        pos = [p + 1 for p in pos]
-    for ring in runners[1].kv.window.values():
-        assert not ring[1].any() and ring[4].any()  # slot 1 unused; slot 4 the spare
+        nxt = out[0].argmax(-1).tolist()
+        if n == 3:  # slot 1 still unused: graph padding wrote only the spare slot
+            for ring in runners[1].kv.window.values():
+                assert not ring[1].any() and ring[4].any()
+        if n in (3, 4):  # the newcomer's prompt in chunks of 12 and 7, after the decode rows
+            chunk = late[:12] if n == 3 else late[12:]
+            steps.append(
+                StepBatch(
+                    nxt[:3] + chunk,
+                    [0, 2, 3, 1],
+                    [1, 1, 1, len(chunk)],
+                    [*pos, 0 if n == 3 else 12],
+                    new_blocks=[[], [], [], blocks[1]] if n == 3 else None,
+                )
+            )
+        else:
+            slots = [0, 2, 3] if n < 5 else [0, 2, 3, 1]
+            steps.append(StepBatch(nxt[: len(slots)], slots, [1] * len(slots), pos))
+        pos = [p + 1 for p in pos[:3]] + ([19] if n == 4 else [pos[3] + 1] if n > 4 else [])
+    kinds = [s.decode for s in replayed]
+    assert len(replayed) == 9 and kinds.count(False) == 3, replayed  # prefill, two chunks
 
 
 @pytest.mark.gpu
