@@ -54,7 +54,7 @@ def _top_select_kernel(
     thr = tl.zeros((), tl.int64)  # the k-th best key, a digit a pass (-1 when no search)
     above = tl.zeros((), tl.int64)  # keys known to be above it
     for i in tl.static_range(BITS // RADIX):
-        shift: tl.constexpr = BITS - RADIX * (i + 1)
+        shift = BITS - RADIX * (i + 1)
         hist = tl.zeros((1 << RADIX,), tl.int32)
         for c0 in range(0, span, BLOCK):
             c = c0 + tl.arange(0, BLOCK)
