@@ -110,13 +110,14 @@ def test_graphs_replay_the_eager_steps(v41_small: Path) -> None:
                 assert not ring[1].any() and ring[4].any()
         if n in (3, 4):  # the newcomer's prompt in chunks of 12 and 7, after the decode rows
             chunk = late[:12] if n == 3 else late[12:]
+            table = {"new_blocks": [[], [], [], blocks[1]], "block_starts": [8, 8, 8, 0]}
             steps.append(
                 StepBatch(
                     nxt[:3] + chunk,
                     [0, 2, 3, 1],
                     [1, 1, 1, len(chunk)],
                     [*pos, 0 if n == 3 else 12],
-                    new_blocks=[[], [], [], blocks[1]] if n == 3 else None,
+                    **(table if n == 3 else {}),
                 )
             )
         else:
