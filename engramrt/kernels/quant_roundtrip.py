@@ -42,27 +42,43 @@ def _pow2_ceil(amax, INV: tl.constexpr):
 
 
 @triton.jit
+def _scales(amax, KIND: tl.constexpr):
+    """(scale, its reciprocal; the E4M3-scaled kind divides) of blocks whose amax is ``amax``."""
+    if KIND == 0:  # E4M3 values, power-of-two scale of amax / 448
+        scale, inv = _pow2_ceil(tl.maximum(amax, 1e-4), 0.002232142857142857)
+    elif KIND == 1:  # E2M1 values, power-of-two scale of amax / 6
+        scale, inv = _pow2_ceil(tl.maximum(amax, 6.0 * 2.0**-126), 0.16666666666666666)
+    else:  # E2M1 values, E4M3 scale of amax / 6
+        s = tl.div_rn(tl.maximum(amax, 6.0 * 2.0**-9), tl.full(amax.shape, 6.0, tl.float32))
+        scale = _round_to_grid(tl.minimum(s, 448.0), 3, -6)
+        inv = scale
+    return scale, inv
+
+
+@triton.jit
+def _on_grid(g, scale, inv, KIND: tl.constexpr):
+    """Values ``g`` [blocks, n] (fp32) quantised with their block's ``scale`` and back."""
+    if KIND == 0:
+        v = tl.minimum(tl.maximum(g * inv[:, None], -448.0), 448.0)
+        q = _round_to_grid(v, 3, -6)
+    elif KIND == 1:
+        q = _round_to_grid(tl.minimum(tl.maximum(g * inv[:, None], -6.0), 6.0), 1, 0)
+    else:
+        v = tl.div_rn(g, tl.broadcast_to(scale[:, None], g.shape))
+        q = _round_to_grid(tl.minimum(tl.maximum(v, -6.0), 6.0), 1, 0)
+    return q * scale[:, None]
+
+
+@triton.jit
 def _roundtrip_kernel(x_ptr, out_ptr, n_blocks, KIND: tl.constexpr, B: tl.constexpr,
                       NB: tl.constexpr):  # fmt: skip
     blk = tl.program_id(0) * NB + tl.arange(0, NB)
     offs = blk[:, None].to(tl.int64) * B + tl.arange(0, B)[None, :]
     mask = blk[:, None] < n_blocks
     g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(g), axis=1)
-    if KIND == 0:  # E4M3 values, power-of-two scale of amax / 448
-        scale, inv = _pow2_ceil(tl.maximum(amax, 1e-4), 0.002232142857142857)
-        v = tl.minimum(tl.maximum(g * inv[:, None], -448.0), 448.0)
-        q = _round_to_grid(v, 3, -6)
-    elif KIND == 1:  # E2M1 values, power-of-two scale of amax / 6
-        scale, inv = _pow2_ceil(tl.maximum(amax, 6.0 * 2.0**-126), 0.16666666666666666)
-        q = _round_to_grid(tl.minimum(tl.maximum(g * inv[:, None], -6.0), 6.0), 1, 0)
-    else:  # E2M1 values, E4M3 scale of amax / 6
-        s = tl.div_rn(tl.maximum(amax, 6.0 * 2.0**-9), tl.full(amax.shape, 6.0, tl.float32))
-        scale = _round_to_grid(tl.minimum(s, 448.0), 3, -6)
-        v = tl.div_rn(g, tl.broadcast_to(scale[:, None], g.shape))
-        q = _round_to_grid(tl.minimum(tl.maximum(v, -6.0), 6.0), 1, 0)
-    out = q * scale[:, None]
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    scale, inv = _scales(tl.max(tl.abs(g), axis=1), KIND)
+    tl.store(out_ptr + offs, _on_grid(g, scale, inv, KIND).to(out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
 
 
 def roundtrip(x: torch.Tensor, kind: int) -> torch.Tensor:

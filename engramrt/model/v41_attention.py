@@ -74,20 +74,49 @@ def angles_at(positions: torch.Tensor, key: tuple) -> torch.Tensor:
     return positions.float()[:, None] * device_frequencies(key, positions.device)
 
 
-def rotate_tail(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing ``2 * angles.shape[-1]`` dims of ``x`` [T, ..., D] by ``angles``
-    [T, rd / 2], pairing **adjacent** elements (a complex number each), in fp32, rounded once;
-    ``inverse``: the conjugate rotation."""
-    rd = 2 * angles.shape[-1]
-    while angles.dim() < x.dim():
-        angles = angles.unsqueeze(1)
-    cos, sin = angles.cos(), angles.sin()
+def rotate_tail(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    """Rotate the trailing ``2 * cos.shape[-1]`` dims of ``x`` [T, ..., D] by the angles whose
+    ``cos`` and ``sin`` are given [T, rd / 2], pairing **adjacent** elements (a complex number
+    each), in fp32, rounded once; ``inverse``: the conjugate rotation."""
+    rd = 2 * cos.shape[-1]
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if inverse:
         sin = -sin
     pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))
     re, im = pairs[..., 0], pairs[..., 1]
     turned = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2)
     return torch.cat([x[..., :-rd], turned.to(x.dtype)], dim=-1)
+
+
+ACT = "act"  # rope_quant's kinds: the window KV's FP8 round trip, or an FP4 scale kind
+
+
+def rope_quant(
+    x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], kind: str | None = None,
+    inverse: bool = False, cache: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``rotate_tail`` by ``rot`` (cos, sin), then the ``kind`` round trip (None: none;
+    ``ACT``; ``quant.POW2_SCALE`` or ``quant.E4M3_SCALE``: FP4), also written to ``cache`` at
+    ``rows`` [T] (one row a token). On CUDA one launch (``engramrt.kernels.rope_quant``)."""
+    if use_triton(x.device):
+        from engramrt.kernels import quant_roundtrip as rt
+        from engramrt.kernels.rope_quant import NONE
+        from engramrt.kernels.rope_quant import rope_quant as fused
+
+        code = {None: NONE, ACT: rt.ACT, quant.POW2_SCALE: rt.FP4_POW2,
+                quant.E4M3_SCALE: rt.FP4_E4M3}[kind]  # fmt: skip
+        return fused(x, *rot, code, inverse, cache, rows)
+    y = rotate_tail(x, *rot, inverse)
+    if kind == ACT:
+        y = quant.act_roundtrip(y)
+    elif kind is not None:
+        y = quant.fp4_roundtrip(y, kind)
+    if cache is not None:
+        cache.index_copy_(0, rows, y.reshape(len(rows), *cache.shape[1:]))
+    return y
 
 
 def tp_span(tp: TensorParallel, lo: int, hi: int) -> tuple[int, int] | None:
@@ -147,16 +176,15 @@ class Indexer(nn.Module):
             self.wk = nn.Linear(cfg.head_dim, self.dim, bias=False, dtype=dtype)
             self.k_norm = RMSNorm(self.dim, cfg.norm_eps, dtype)
 
-    def keys(self, latent: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        """Index keys of pre-RoPE latents: RoPE at each group's first position, FP4 (pow2/32)."""
-        k = rotate_tail(self.k_norm(self.wk(latent)), angles)
-        return quant.fp4_roundtrip(k, quant.POW2_SCALE)
+    def write_keys(self, latent, rot, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """Index keys of pre-RoPE latents into ``keys`` at ``rows``: RoPE at each group's first
+        position (``rot``), FP4 (pow2/32)."""
+        rope_quant(self.k_norm(self.wk(latent)), rot, quant.POW2_SCALE, cache=keys, rows=rows)
 
-    def queries(self, x, qr, angles) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(self, x, qr, rot) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's FP4 queries ``[T, heads, dim]`` and head weights ``[T, heads]``."""
         q = self.wq_b(qr).unflatten(-1, (self.heads, self.dim))
-        q = quant.fp4_roundtrip(rotate_tail(q, angles), quant.POW2_SCALE)
-        return q, self.weights_proj(x) * self.scale
+        return rope_quant(q, rot, quant.POW2_SCALE), self.weights_proj(x) * self.scale
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """``[n, C]`` scores of queries ``q`` [n, heads, dim] (head weights ``w``) against
@@ -236,7 +264,7 @@ class StepRuns:
     max_end: int  # the largest run end (a graph's: the cache's capacity): what tokens may see
     topk: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
-    rope: dict = field(default_factory=dict)
+    memo: dict = field(default_factory=dict)  # what every layer of the step would recompute
 
     @classmethod
     def of(cls, ctx: ForwardContext) -> StepRuns:
@@ -255,11 +283,32 @@ class StepRuns:
             )  # fmt: skip
         return runs
 
-    def angles(self, key: tuple) -> torch.Tensor:
-        """The step's RoPE angles ``[T, rope_dim / 2]`` for one frequency table."""
-        if key not in self.rope:
-            self.rope[key] = angles_at(self.pos, key)
-        return self.rope[key]
+    def rotation(self, key: tuple, back: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, rope_dim / 2]`` of one frequency table at each token's position
+        less ``back`` (a group's first position), once a step."""
+        if (key, back) not in self.memo:
+            angles = angles_at(self.pos - back, key)
+            self.memo[key, back] = angles.cos(), angles.sin()
+        return self.memo[key, back]
+
+    def ring_rows(self, window: int, spare: int) -> torch.Tensor:
+        """Each token's window-ring row: the last ``window`` tokens of each run stay in its
+        slot's ring, the rest (and padding) go to the ``spare`` slot."""
+        if ("ring", window) not in self.memo:
+            keep = self.real & (self.pos >= self.end - window)
+            slot = torch.where(keep, self.slot, spare)
+            self.memo["ring", window] = slot * window + self.pos % window
+        return self.memo["ring", window]
+
+    def closing_rows(self, cache: V41Cache, ratio: int) -> torch.Tensor:
+        """The compressed-cache row of the group each token closes; the spare row where it
+        closes none."""
+        if ("closes", ratio) not in self.memo:
+            closes = self.real & ((self.pos + 1) % ratio == 0)
+            rows = cache.entry_rows(self.tables, self.req, self.pos // ratio, ratio)
+            spare = cache.num_blocks * cache.block_size // ratio
+            self.memo["closes", ratio] = torch.where(closes, rows, spare)
+        return self.memo["closes", ratio]
 
     def chunks(self) -> list[slice]:
         """Query chunks whose scores are formed at once (bounds a long prefill's memory)."""
@@ -315,24 +364,22 @@ class V41Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cache: V41Cache = ctx.kv
         step = StepRuns.of(ctx)
-        angles = step.angles(self.rope_key)
+        rot = step.rotation(self.rope_key)
         qr = self.q_norm(self.wq_a(x))
-        q = rotate_tail(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), angles)
-        kv = quant.act_roundtrip(rotate_tail(self.kv_norm(self.wkv(x)), angles))
+        q = rope_quant(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), rot)
+        kv = rope_quant(self.kv_norm(self.wkv(x)), rot, ACT)
         picks = None
         if self.role.kind == SOURCE:
             self._compress(x, step, cache)
         if self.role.kind in (SOURCE, REINDEX):
-            self._index(x, qr, angles, step, cache)
+            self._index(x, qr, rot, step, cache)
         if self.role.kind != WINDOW:
             picks = step.topk
         out = self._attend(q, kv, picks, step, cache)
+        # after attending: a run's own latents may overwrite ring rows its first tokens read
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
-        # the last ``window`` tokens of each run stay in its ring; the rest go to the spare slot
-        keep = step.real & (step.pos >= step.end - self.window)
-        slot = torch.where(keep, step.slot, cache.num_slots)
-        ring.index_copy_(0, slot * self.window + step.pos % self.window, kv)
-        o = rotate_tail(out, angles, inverse=True).flatten(1).unflatten(-1, (self.groups, -1))
+        ring.index_copy_(0, step.ring_rows(self.window, cache.num_slots), kv)
+        o = rope_quant(out, rot, inverse=True).flatten(1).unflatten(-1, (self.groups, -1))
         u = torch.einsum("tgd,grd->tgr", o, self.wo_a.weight.unflatten(0, (self.groups, self.rank)))
         y = self.wo_b(u.flatten(1))
         return y if self.tp.solo else self.tp.all_reduce(y.float()).to(y.dtype)
@@ -343,15 +390,12 @@ class V41Attention(nn.Module):
         pos = step.pos
         latent = self.compressor(x, pos > step.p0, cache.tail.get(i), step.slot,
                                  step.real & (pos % 2 == 0) & (pos == step.end - 1))  # fmt: skip
-        closes = step.real & ((pos + 1) % r == 0)
-        at = angles_at(pos - (r - 1), self.rope_key)  # RoPE at the group's first position
-        rows = cache.entry_rows(step.tables, step.req, pos // r, r)
-        rows = torch.where(closes, rows, len(cache.compressed[i]) - 1)  # the spare row
-        cache.index_keys[i].index_copy_(0, rows, self.indexer.keys(latent, at))
-        latent = quant.fp4_roundtrip(rotate_tail(latent, at), quant.E4M3_SCALE)
-        cache.compressed[i].index_copy_(0, rows, latent)
+        at = step.rotation(self.rope_key, r - 1)  # RoPE at the group's first position
+        rows = step.closing_rows(cache, r)
+        self.indexer.write_keys(latent, at, cache.index_keys[i], rows)
+        rope_quant(latent, at, quant.E4M3_SCALE, cache=cache.compressed[i], rows=rows)
 
-    def _index(self, x, qr, angles, step: StepRuns, cache: V41Cache) -> None:
+    def _index(self, x, qr, rot, step: StepRuns, cache: V41Cache) -> None:
         """Publish each token's top-k entries of the index source's keys (and, at the candidate
         source, its candidate blocks): ``step.topk`` [T, k], -1 where none."""
         role, dev, r = self.role, x.device, self.role.ratio
@@ -359,7 +403,7 @@ class V41Attention(nn.Module):
         if count == 0:
             step.topk = torch.full((len(x), 0), -1, dtype=torch.int64, device=dev)
             return
-        q, w = self.indexer.queries(x, qr, angles)
+        q, w = self.indexer.queries(x, qr, rot)
         keys = cache.index_keys[role.index_source]
         entries = torch.arange(count, device=dev)
         picks, cands = [], []

@@ -1,0 +1,51 @@
+"""V4.1's fused RoPE + round trip + cache write (``engramrt.kernels.rope_quant``) bit for bit
+against the torch path of ``engramrt.model.v41_attention.rope_quant`` (``rotate_tail``, then
+``engramrt.model.quant``'s round trip, then ``index_copy_``): every kind, the inverse rotation,
+one and several heads, a rotated tail narrower than the row, bf16 and fp32, values over a wide
+range so that round trips saturate and blocks' scales differ; rows of -1 write nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engramrt.kernels import quant_roundtrip as rt
+from engramrt.kernels.rope_quant import NONE
+from engramrt.kernels.rope_quant import rope_quant as fused
+from engramrt.model import quant
+from engramrt.model.v41_attention import ACT, rope_quant
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KINDS = {None: NONE, ACT: rt.ACT, quant.POW2_SCALE: rt.FP4_POW2, quant.E4M3_SCALE: rt.FP4_E4M3}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_is_the_torch_path_bitwise(kind, dtype) -> None:
+    g = torch.Generator().manual_seed(len(str(kind)) + (dtype == torch.bfloat16))
+    t, d, rd = 7, 64, 16
+    for heads, inverse in ((1, False), (3, True)):
+        shape = (t, d) if heads == 1 else (t, heads, d)
+        x = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-6, 9, shape, generator=g)))
+        x = x.to(dtype)
+        angles = torch.rand(t, rd // 2, generator=g) * 40
+        cos, sin = angles.cos(), angles.sin()
+        rows = torch.randperm(12, generator=g)[:t]
+        want_cache = torch.zeros(12, heads * d, dtype=dtype)
+        want = rope_quant(x, (cos, sin), kind, inverse, want_cache, rows)  # the CPU: torch
+        cache = torch.zeros(12, heads * d, dtype=dtype, device=DEVICE)
+        dev = [v.to(DEVICE) for v in (x, cos, sin, rows)]
+        got = fused(dev[0], dev[1], dev[2], KINDS[kind], inverse, cache, dev[3]).cpu()
+        # bitwise (an exact zero's sign aside)
+        assert torch.equal(got, want), (heads, inverse)
+        assert torch.equal(cache.cpu(), want_cache), (heads, inverse)
+
+
+def test_rows_of_minus_one_write_nothing() -> None:
+    x = torch.randn(3, 32, device=DEVICE)
+    cos, sin = torch.ones(3, 4, device=DEVICE), torch.zeros(3, 4, device=DEVICE)
+    cache = torch.zeros(4, 32, device=DEVICE)
+    out = fused(x, cos, sin, NONE, False, cache, torch.tensor([2, -1, 0], device=DEVICE))
+    assert torch.equal(out, x)  # a zero angle turns nothing
+    assert torch.equal(cache[[2, 0]], x[[0, 2]]) and not cache[[1, 3]].any()
