@@ -24,6 +24,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x.device):
+            from engramrt.kernels import rms_norm as kernel
+
+            if x.shape[-1] <= kernel.MAX_WIDTH:  # one launch, not eight
+                return kernel.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 

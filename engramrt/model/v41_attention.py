@@ -150,14 +150,20 @@ class Compressor(nn.Module):
             return self.norm(self.wkv(x))
         xf = x.float()
         a, s = self.wkv(xf), self.wgate(xf)
-        held = tail[slot]
-        before = inside.unsqueeze(-1)
-        pa = torch.where(before, a.roll(1, 0), held[:, 0])
-        ps = torch.where(before, s.roll(1, 0), held[:, 1])
-        rows = torch.where(keep, slot, len(tail) - 1)
+        if use_triton(x.device):  # one launch (engramrt.kernels.compressor)
+            from engramrt.kernels.compressor import pool_norm
+
+            out = pool_norm(a, s, tail, inside, slot, self.norm.weight, self.norm.eps, x.dtype)
+        else:
+            held = tail[slot]
+            before = inside.unsqueeze(-1)
+            pa = torch.where(before, a.roll(1, 0), held[:, 0])
+            ps = torch.where(before, s.roll(1, 0), held[:, 1])
+            pooled = (torch.stack([pa, a], 1) * torch.stack([ps, s], 1).softmax(dim=1)).sum(1)
+            out = self.norm(pooled.to(x.dtype))
+        rows = torch.where(keep, slot, len(tail) - 1)  # after the reads above
         tail.index_copy_(0, rows, torch.stack([a, s], dim=1))
-        pooled = (torch.stack([pa, a], 1) * torch.stack([ps, s], 1).softmax(dim=1)).sum(dim=1)
-        return self.norm(pooled.to(x.dtype))
+        return out
 
 
 class Indexer(nn.Module):

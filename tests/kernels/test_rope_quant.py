@@ -27,7 +27,7 @@ def test_fused_is_the_torch_path_bitwise(kind, dtype) -> None:
     t, d, rd = 7, 64, 16
     for heads, inverse in ((1, False), (3, True)):
         shape = (t, d) if heads == 1 else (t, heads, d)
-        x = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-6, 9, shape, generator=g)))
+        x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-6, 9, shape, generator=g))
         x = x.to(dtype)
         angles = torch.rand(t, rd // 2, generator=g) * 40
         cos, sin = angles.cos(), angles.sin()

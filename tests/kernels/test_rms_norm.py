@@ -1,0 +1,28 @@
+"""The one-launch RMSNorm (``engramrt.kernels.rms_norm``) against the torch path
+(``engramrt.model.layers.rms_norm``): rows of several widths (a power of two and not), leading
+dims kept, magnitudes far from one; equal to fp32 rounding (the sum of squares in another
+order), one bf16 rounding on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engramrt.kernels.rms_norm import rms_norm as kernel
+from engramrt.model.layers import rms_norm
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("width", [48, 512])
+def test_kernel_is_the_torch_path(width: int) -> None:
+    g = torch.Generator().manual_seed(width)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x = (torch.randn(3, 5, width, generator=g) * torch.rand(3, 5, 1, generator=g) * 100).to(dtype)
+    w = (torch.randn(width, generator=g) + 1).to(dtype)
+    want = rms_norm(x, w, 1e-6)
+    got = kernel(x.to(DEVICE), w.to(DEVICE), 1e-6).cpu()
+    assert got.shape == want.shape and got.dtype == want.dtype
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
