@@ -56,7 +56,9 @@ def _dot_acc(acc, a, w, IEEE: tl.constexpr):
     return acc
 
 
-@triton.jit
+# the row count varies by step (and, in the eager per-expert loop, by routing): specialising
+# on it compiled a variant while serving
+@triton.jit(do_not_specialize=["M"])
 def _stored_linear_kernel(
     a_ptr, w_ptr, s_ptr, out_ptr, tiles_ptr, M, N, K, K_SPLIT, W_STRIDE, S_STRIDE,
     FP4: tl.constexpr, IEEE: tl.constexpr, GROUPED: tl.constexpr,

@@ -145,6 +145,16 @@ class V41MoE(nn.Module):
         CUDA graph can hold); above it they run as GEMMs."""
         return len(self.experts) * quant.STORED_KERNEL_ROWS // self.k
 
+    def warm_up(self, dtype: torch.dtype) -> None:
+        """Run an expert on 1, 2 and ``STORED_KERNEL_ROWS`` rows: the stored-format kernel's
+        launch settings of every row count the per-expert loop can meet (routing decides which
+        it meets while serving; the engine's warm-up steps repeat one token, so every token
+        goes to the same experts)."""
+        x = torch.zeros(quant.STORED_KERNEL_ROWS, self.gate.weight.shape[1], dtype=dtype,
+                        device=self.gate.weight.device)  # fmt: skip
+        for rows in (1, 2, quant.STORED_KERNEL_ROWS):
+            self.experts[0](x[:rows], torch.ones(rows, 1, device=x.device))
+
     def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[T, dim]``; ``image`` ``[T]`` bool (image-span tokens) or None."""
         weights, ids = self.route(x, image)

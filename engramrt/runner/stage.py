@@ -240,7 +240,8 @@ class StageRunner:
         """Compile, before the first request, every kernel variant a mixed step can need: Triton
         compiles on first use (~0.5 s a variant, paid by whichever request meets it), and the
         launch parameters depend on the step only through a few buckets (``warm_up_plan``);
-        decode sizes are covered by graph capture. Leaves no history behind (its KV rows are in
+        decode sizes are covered by graph capture, V4.1's per-expert row counts by
+        ``V41MoE.warm_up``. Leaves no history behind (its KV rows are in
         blocks the engine has not handed out yet)."""
         if self.device.type != "cuda" or self.kv is None:
             return
@@ -256,6 +257,9 @@ class StageRunner:
             fake = [self.model.cfg.bos_token_id or 0] * tokens if self.is_first else None
             slots = list(range(len(runs)))
             self.compute(StepBatch(fake, slots, runs, [0] * len(runs), new_blocks=tables), carry)
+        for moe in self.model.modules():
+            if isinstance(moe, V41MoE):
+                moe.warm_up(self.model.dtype)
         torch.cuda.synchronize(self.device)
         if self.hasher is not None:
             self.hasher.history.table.zero_()

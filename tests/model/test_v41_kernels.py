@@ -150,3 +150,32 @@ def test_prefix_hits_after_graph_steps_equal_cold_runs(v41_small: Path) -> None:
     for (ids, lps), (want_ids, want_lps) in zip(outs[1], outs[0], strict=True):
         assert ids == want_ids
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_expert_warm_up_covers_every_row_count(v41_small: Path) -> None:
+    """After ``V41MoE.warm_up`` (the stored-format kernel's compiled variants dropped first), an
+    expert given any row count the per-expert loop can give it (1 to ``STORED_KERNEL_ROWS``;
+    above, cuBLAS) compiles nothing: serving met one such variant when routing gave an expert
+    few rows of a long step."""
+    from engramrt.kernels import stored_linear
+    from engramrt.kernels.compiles import compilations, count_compilations, recent
+    from engramrt.model.quant import STORED_KERNEL_ROWS
+    from engramrt.model.v41_moe import V41MoE
+
+    kernel = stored_linear._stored_linear_kernel
+    if not count_compilations() or not hasattr(kernel, "device_caches"):
+        pytest.skip("this Triton has no post-compile hook or per-device kernel caches")
+    runner = StageRunner.load(v41_small, num_slots=2, max_len=64, device="cuda",
+                              dtype="bfloat16")  # fmt: skip
+    moe = next(m for m in runner.model.modules() if isinstance(m, V41MoE))
+    start = compilations()
+    kernel.device_caches.clear()
+    moe.warm_up(torch.bfloat16)
+    before = compilations()
+    assert before > start  # the warm-up compiled (the caches were empty)
+    x = torch.randn(STORED_KERNEL_ROWS, moe.gate.weight.shape[1], device="cuda").bfloat16()
+    for rows in range(1, STORED_KERNEL_ROWS + 1):
+        moe.experts[rows % len(moe.experts)](x[:rows], torch.ones(rows, 1, device="cuda"))
+    torch.cuda.synchronize()
+    assert compilations() == before, recent()
