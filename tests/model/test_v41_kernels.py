@@ -26,21 +26,25 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
     attend, index, select, calls = cls._attend, cls._index, v41_attention.Indexer.select, []
     scored: list[torch.Tensor] = []
 
-    def keep(self, scores, seen, allowed=None):  # the same scores through both selections
+    def keep(self, scores, seen, allowed=None):  # on the kernel pass: both selections
         scored.append(scores)
-        picks = []
-        for kernels in (False, True):
-            monkeypatch.setattr(v41_attention, "use_triton", lambda device, k=kernels: k)
-            picks.append(select(self, scores, seen, allowed))
-        assert torch.equal(*picks)
+        current = v41_attention.use_triton
+        if not current(scores.device):
+            return select(self, scores, seen, allowed)
+        got = select(self, scores, seen, allowed)
+        monkeypatch.setattr(v41_attention, "use_triton", lambda device: False)
+        assert torch.equal(got, select(self, scores, seen, allowed))  # the same scores
+        monkeypatch.setattr(v41_attention, "use_triton", current)
         calls.append(("select", allowed is not None))
-        return picks[1]
+        return got
 
     def both_index(self, x, qr, angles, step, cache):
         scored.clear()
         for kernels in (False, True):
             monkeypatch.setattr(v41_attention, "use_triton", lambda device, k=kernels: k)
             index(self, x, qr, angles, step, cache)
+        # the rest of the layer on the torch path (the interpreter's kernels are slow)
+        monkeypatch.setattr(v41_attention, "use_triton", lambda device: False)
         if not scored:  # nothing to see yet
             return
         want, got = (torch.cat(scored[: len(scored) // 2]), torch.cat(scored[len(scored) // 2 :]))
@@ -63,6 +67,20 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
         torch.testing.assert_close(got.float() / scale, want.float() / scale, rtol=0, atol=tol)
         return got
 
+    from engramrt.kernels import rope_quant as fused
+    from engramrt.kernels.quant_roundtrip import ACT, FP4_E4M3, FP4_POW2
+    from engramrt.model.quant import E4M3_SCALE, POW2_SCALE
+
+    names = {fused.NONE: None, ACT: v41_attention.ACT, FP4_POW2: POW2_SCALE, FP4_E4M3: E4M3_SCALE}
+
+    def rope_on_torch(x, cos, sin, kind, inverse, cache, rows):  # bitwise the same (its test),
+        current = v41_attention.use_triton  # and the interpreter's is slow
+        monkeypatch.setattr(v41_attention, "use_triton", lambda device: False)
+        out = v41_attention.rope_quant(x, (cos, sin), names[kind], inverse, cache, rows)
+        monkeypatch.setattr(v41_attention, "use_triton", current)
+        return out
+
+    monkeypatch.setattr(fused, "rope_quant", rope_on_torch)
     monkeypatch.setattr(cls, "_attend", both)
     monkeypatch.setattr(cls, "_index", both_index)
     monkeypatch.setattr(v41_attention.Indexer, "select", keep)
