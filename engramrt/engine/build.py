@@ -129,11 +129,6 @@ def check(opts: EngineOptions) -> tuple[ModelConfig, int]:
 
 def _check_v41(opts: EngineOptions, cfg: ModelConfig) -> None:
     """What the V4.1 torch path does not run yet is an error before anything loads."""
-    if opts.speculative is not None:
-        raise ValueError(
-            "--speculative-config is not supported for V4.1 models yet: a rejected draft would "
-            "have to roll back the window rings and compressor tails (DSpark comes later)"
-        )
     if opts.block_size % 2:
         raise ValueError(f"--block-size must be even for V4.1 (ratio-2 groups), got "
                          f"{opts.block_size}")  # fmt: skip
@@ -179,7 +174,7 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
         if cfg.v41 is None:
             return 0
         return v41_cache.fixed_bytes(cfg.v41, layers, size, opts.max_num_seqs,
-                                     snapshots_for(opts))  # fmt: skip
+                                     snapshots_for(opts), opts.verify_drafts)  # fmt: skip
 
     if runner.device.type != "cuda" or opts.kv_cache_memory_bytes is not None:
         cap = opts.max_num_seqs * -(-max_len // opts.block_size)
@@ -233,7 +228,8 @@ def build_stage(
         if driver:
             log("--engram off: every Engram layer is skipped (an ablation)")
     blocks = _agree(kv_blocks(runner, opts, cfg, max_len), device)
-    runner.allocate_kv(opts.max_num_seqs, max_len, opts.block_size, blocks, snapshots_for(opts))
+    runner.allocate_kv(opts.max_num_seqs, max_len, opts.block_size, blocks, snapshots_for(opts),
+                       opts.verify_drafts)  # fmt: skip
     if driver and device.type == "cuda":
         gib = runner.kv.nbytes / 2**30
         log(f"KV cache {blocks} blocks = {blocks * opts.block_size} tokens ({gib:.2f} GiB on "

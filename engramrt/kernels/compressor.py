@@ -1,11 +1,11 @@
 """DeepSeek-V4.1's ratio-2 compressor pooling and its norm in one launch
 (``engramrt.model.v41_attention.Compressor``; the torch path takes about fifteen): each token's
-group of two, the previous row of its run or, for a run's first token, its slot's tail (the
-group's first token from an earlier step), softmax-weighted per channel by their gate scores in
-fp32, rounded to the activation dtype, then RMS-normalised. The tail is written after (a run's
-first token reads the tail its last one replaces). Products are not fused into FMAs; ``exp``
-and the norm's sum of squares differ from torch's in the last fp32 bit, so results agree to one
-rounding of the activation dtype, not bitwise.
+group of two, the previous row of its run or, for a run's first token, a row of its slot's tail
+(the group's first token from an earlier step), softmax-weighted per channel by their gate
+scores in fp32, rounded to the activation dtype, then RMS-normalised. The tail is written after
+(a run's first token reads the tail its last one replaces). Products are not fused into FMAs;
+``exp`` and the norm's sum of squares differ from torch's in the last fp32 bit, so results agree
+to one rounding of the activation dtype, not bitwise.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _pool_norm_kernel(a_ptr, s_ptr, tail_ptr, inside_ptr, slot_ptr, w_ptr, out_ptr, eps,
+def _pool_norm_kernel(a_ptr, s_ptr, tail_ptr, inside_ptr, row_ptr, w_ptr, out_ptr, eps,
                       D: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
     a = tl.load(a_ptr + t * D + d)
     s = tl.load(s_ptr + t * D + d)
     inside = (tl.load(inside_ptr + t) + d * 0) != 0
-    held = tail_ptr + tl.load(slot_ptr + t).to(tl.int64) * 2 * D + d  # (projection, score)
+    held = tail_ptr + tl.load(row_ptr + t).to(tl.int64) * 2 * D + d  # (projection, score)
     pa = tl.where(inside, tl.load(a_ptr + (t - 1) * D + d, mask=inside, other=0.0),
                   tl.load(held, mask=~inside, other=0.0))  # fmt: skip
     ps = tl.where(inside, tl.load(s_ptr + (t - 1) * D + d, mask=inside, other=0.0),
@@ -39,15 +39,16 @@ def _pool_norm_kernel(a_ptr, s_ptr, tail_ptr, inside_ptr, slot_ptr, w_ptr, out_p
 
 def pool_norm(
     a: torch.Tensor, s: torch.Tensor, tail: torch.Tensor, inside: torch.Tensor,
-    slot: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
+    rows: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
-    """Projections ``a`` and gate scores ``s`` [T, D] (fp32), the slots' ``tail`` [S, 2, D];
-    ``inside`` [T]: the token's group starts at the previous row. Out ``[T, D]`` in ``dtype``."""
+    """Projections ``a`` and gate scores ``s`` [T, D] (fp32), the ``tail`` [R, 2, D] and the
+    row of it each token reads (``rows`` [T]) where its group does not start at the previous
+    row (``inside`` [T]). Out ``[T, D]`` in ``dtype``."""
     t, d = a.shape
     if d & (d - 1):
         raise ValueError(f"the latent width must be a power of two, got {d}")
     out = torch.empty(t, d, dtype=dtype, device=a.device)
     if t:
-        _pool_norm_kernel[(t,)](a.contiguous(), s.contiguous(), tail, inside, slot, weight,
+        _pool_norm_kernel[(t,)](a.contiguous(), s.contiguous(), tail, inside, rows, weight,
                                 out, eps, D=d, enable_fp_fusion=False)  # fmt: skip
     return out

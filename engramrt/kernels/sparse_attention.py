@@ -38,7 +38,7 @@ def _softmax_step(acc, m_i, l_i, q, rows, valid, scale, F32: tl.constexpr):
 def _sparse_attention_kernel(
     q_ptr, kv_ptr, ring_ptr, comp_ptr, picks_ptr, pos_ptr, p0_ptr, q0_ptr, slot_ptr, sink_ptr,
     out_ptr, scale, K_PICKS,
-    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, RING: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
@@ -58,7 +58,7 @@ def _sparse_attention_kernel(
         mine = valid & (u >= p0)  # this run's rows: kv; earlier ones: the ring
         rows = tl.load(kv_ptr + (q0 + u - p0)[:, None] * D + d[None, :], mask=mine[:, None],
                        other=0)  # fmt: skip
-        rows += tl.load(ring_ptr + (slot * W + u % W)[:, None] * D + d[None, :],
+        rows += tl.load(ring_ptr + (slot * RING + u % RING)[:, None] * D + d[None, :],
                         mask=(valid & ~mine)[:, None], other=0)  # fmt: skip
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, rows, valid, scale, F32)
     for j0 in range(0, K_PICKS, BLOCK_N):  # the picked compressed rows (-1: none)
@@ -76,7 +76,7 @@ def _sparse_attention_kernel(
 def sparse_attention(
     q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None,
     picks: torch.Tensor | None, pos: torch.Tensor, p0: torch.Tensor, q0: torch.Tensor,
-    slot: torch.Tensor, sink: torch.Tensor, scale: float, window: int,
+    slot: torch.Tensor, sink: torch.Tensor, scale: float, window: int, ring_len: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``q`` [T, H, D] over each token's window (``kv`` [T, D] this step's latents, ``ring``
     [slots * window, D] the earlier ones) and its ``picks`` [T, k] (rows of ``comp``, -1:
@@ -93,7 +93,7 @@ def sparse_attention(
     block_h = 16  # tl.dot's least rows; heads past H are masked
     _sparse_attention_kernel[(t, triton.cdiv(h, block_h))](
         q.contiguous(), kv.contiguous(), ring, comp, picks.contiguous(), pos, p0, q0, slot, sink,
-        out, scale, picks.shape[1], H=h, D=d, W=window, BLOCK_H=block_h,
+        out, scale, picks.shape[1], H=h, D=d, W=window, RING=ring_len or window, BLOCK_H=block_h,
         BLOCK_N=64 if d <= 128 else 32, F32=q.dtype == torch.float32 or _interpreted(),
     )  # fmt: skip
     return out

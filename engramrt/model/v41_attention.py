@@ -139,13 +139,15 @@ class Compressor(nn.Module):
         )
         self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, inside: torch.Tensor, tail: torch.Tensor | None,
-                slot: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, inside: torch.Tensor, tail: torch.Tensor | None,
+        reads: torch.Tensor | None, writes: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
         """Each token's group latent ``[T, D]``, meaningful where the token closes its group
         (ratio 1: every token; ratio 2: odd positions, whose group's first token is the previous
-        row where ``inside`` its run, else its ``slot``'s ``tail`` [slots + 1, 2, D]). The
-        tokens marked ``keep`` (an even position ending its run) are then held in the tail;
-        the last tail row is a spare that takes the others' writes."""
+        row where ``inside`` its run, else row ``reads`` of ``tail`` [rows, 2, D]). The tokens'
+        projections and scores then go to the tail rows ``writes`` (a spare row for those that
+        keep nothing)."""
         if self.ratio == 1:
             return self.norm(self.wkv(x))
         xf = x.float()
@@ -153,16 +155,15 @@ class Compressor(nn.Module):
         if use_triton(x.device):  # one launch (engramrt.kernels.compressor)
             from engramrt.kernels.compressor import pool_norm
 
-            out = pool_norm(a, s, tail, inside, slot, self.norm.weight, self.norm.eps, x.dtype)
+            out = pool_norm(a, s, tail, inside, reads, self.norm.weight, self.norm.eps, x.dtype)
         else:
-            held = tail[slot]
+            held = tail[reads]
             before = inside.unsqueeze(-1)
             pa = torch.where(before, a.roll(1, 0), held[:, 0])
             ps = torch.where(before, s.roll(1, 0), held[:, 1])
             pooled = (torch.stack([pa, a], 1) * torch.stack([ps, s], 1).softmax(dim=1)).sum(1)
             out = self.norm(pooled.to(x.dtype))
-        rows = torch.where(keep, slot, len(tail) - 1)  # after the reads above
-        tail.index_copy_(0, rows, torch.stack([a, s], dim=1))
+        tail.index_copy_(0, writes, torch.stack([a, s], dim=1))  # after the reads above
         return out
 
 
@@ -297,14 +298,27 @@ class StepRuns:
             self.memo[key, back] = angles.cos(), angles.sin()
         return self.memo[key, back]
 
-    def ring_rows(self, window: int, spare: int) -> torch.Tensor:
-        """Each token's window-ring row: the last ``window`` tokens of each run stay in its
-        slot's ring, the rest (and padding) go to the ``spare`` slot."""
-        if ("ring", window) not in self.memo:
-            keep = self.real & (self.pos >= self.end - window)
-            slot = torch.where(keep, self.slot, spare)
-            self.memo["ring", window] = slot * window + self.pos % window
-        return self.memo["ring", window]
+    def ring_rows(self, cache: V41Cache) -> torch.Tensor:
+        """Each token's window-ring row: the last ``ring_len`` tokens of each run stay in its
+        slot's ring, the rest (and padding) go to the spare slot."""
+        if "ring" not in self.memo:
+            n = cache.ring_len
+            keep = self.real & (self.pos >= self.end - n)
+            self.memo["ring"] = torch.where(keep, self.slot, cache.num_slots) * n + self.pos % n
+        return self.memo["ring"]
+
+    def tail_rows(self, cache: V41Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the compressor-tail row each token would read: its group's first half, position
+        ``p - 1``; the row it writes: even positions among its run's last ``2 * tail_rows``,
+        the spare slot's last row for the rest)."""
+        if "tail" not in self.memo:
+            n = cache.tail_rows
+            reads = self.slot * n + ((self.pos - 1) // 2) % n
+            keep = self.real & (self.pos % 2 == 0) & (self.pos >= self.end - 2 * n)
+            spare = (cache.num_slots + 1) * n - 1
+            self.memo["tail"] = reads, torch.where(keep, self.slot * n + (self.pos // 2) % n,
+                                                   spare)  # fmt: skip
+        return self.memo["tail"]
 
     def closing_rows(self, cache: V41Cache, ratio: int) -> torch.Tensor:
         """The compressed-cache row of the group each token closes; the spare row where it
@@ -384,7 +398,7 @@ class V41Attention(nn.Module):
         out = self._attend(q, kv, picks, step, cache)
         # after attending: a run's own latents may overwrite ring rows its first tokens read
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
-        ring.index_copy_(0, step.ring_rows(self.window, cache.num_slots), kv)
+        ring.index_copy_(0, step.ring_rows(cache), kv)
         o = rope_quant(out, rot, inverse=True).flatten(1).unflatten(-1, (self.groups, -1))
         u = torch.einsum("tgd,grd->tgr", o, self.wo_a.weight.unflatten(0, (self.groups, self.rank)))
         y = self.wo_b(u.flatten(1))
@@ -394,8 +408,12 @@ class V41Attention(nn.Module):
         """A source's compressed entries and index keys of the groups its tokens close."""
         r, i = self.role.ratio, self.layer_id
         pos = step.pos
-        latent = self.compressor(x, pos > step.p0, cache.tail.get(i), step.slot,
-                                 step.real & (pos % 2 == 0) & (pos == step.end - 1))  # fmt: skip
+        latent = self.compressor(
+            x,
+            pos > step.p0,
+            cache.tail.get(i),
+            *(step.tail_rows(cache) if r == 2 else (None, None)),
+        )
         at = step.rotation(self.rope_key, r - 1)  # RoPE at the group's first position
         rows = step.closing_rows(cache, r)
         self.indexer.write_keys(latent, at, cache.index_keys[i], rows)
@@ -451,7 +469,8 @@ class V41Attention(nn.Module):
             from engramrt.kernels.sparse_attention import sparse_attention
 
             return sparse_attention(q, kv, ring, comp, rows, step.pos, step.p0, step.q0,
-                                    step.slot, self.attn_sink, self.softmax_scale, w)  # fmt: skip
+                                    step.slot, self.attn_sink, self.softmax_scale, w,
+                                    cache.ring_len)  # fmt: skip
         out = torch.empty_like(q)
         span = torch.arange(w, device=dev)
         for c in step.chunks():
@@ -459,7 +478,7 @@ class V41Attention(nn.Module):
             at = (pos - w + 1).clamp_min(0) + span  # [m, W]: oldest first, past ``pos`` unseen
             seen = at <= pos
             here = step.q0[c, None] + (at - p0)  # this run's rows
-            ring_rows = step.slot[c, None] * w + at % w
+            ring_rows = step.slot[c, None] * cache.ring_len + at % cache.ring_len
             both = torch.where((at >= p0).unsqueeze(-1), kv[here.clamp(0, len(kv) - 1)],
                                ring[ring_rows])  # fmt: skip
             if rows is not None:

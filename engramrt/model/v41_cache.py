@@ -5,10 +5,11 @@
   block that holds position ``j*r``; a block of ``block_size`` positions holds
   ``block_size / r`` entries. Freeing a request's blocks frees its entries; preemption
   recomputes them.
-- **Window ring** (every layer): the last ``window_size`` latents of each slot, at
-  ``position % window_size``. Per slot, not per token: a request needs it whatever its length.
+- **Window ring** (every layer): the last ``window_size`` (+ ``slack``) latents of each slot,
+  at ``position % ring_len``. Per slot, not per token: a request needs it whatever its length.
 - **Compressor tail** (ratio-2 sources): the projection and gate score of a group's first token
-  while its second has not come yet (a prompt chunk or a step that ends on an even position).
+  while its second has not come yet (a prompt chunk or a step that ends on an even position):
+  ``tail_rows`` rows a slot, even position ``p`` at row ``(p / 2) % tail_rows``.
 
 Ring and tail are read only at positions the request itself wrote before (a run starting at
 ``p`` reads the ring for positions ``p - window + 1 .. p - 1`` and the tail only when ``p`` is
@@ -40,15 +41,21 @@ def entry_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> float:
                for r in cfg.roles if r.layer in layer_ids and r.kind == SOURCE)  # fmt: skip
 
 
-def rings_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> int:
+def rings_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int, slack: int = 0) -> int:
     """Bytes of a slot's window rings in ``layer_ids`` (and of one window snapshot)."""
-    return cfg.window_size * cfg.head_dim * itemsize * len(layer_ids)
+    return (cfg.window_size + slack) * cfg.head_dim * itemsize * len(layer_ids)
 
 
-def slot_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> int:
+def tail_rows(slack: int) -> int:
+    """Compressor-tail rows a slot keeps: one, and one more for every two drafts a verify run
+    may write past the accepted position."""
+    return slack // 2 + 1
+
+
+def slot_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int, slack: int = 0) -> int:
     """Bytes of window rings and compressor tails a slot holds in ``layer_ids``."""
-    ring = rings_bytes(cfg, layer_ids, itemsize)
-    tails = sum(2 * cfg.head_dim * 4 for r in cfg.roles
+    ring = rings_bytes(cfg, layer_ids, itemsize, slack)
+    tails = sum(2 * cfg.head_dim * 4 * tail_rows(slack) for r in cfg.roles
                 if r.layer in layer_ids and r.kind == SOURCE and r.ratio == 2)  # fmt: skip
     return ring + tails
 
@@ -74,14 +81,19 @@ def default_snapshots(slots: int) -> int:
 
 
 def fixed_bytes(
-    cfg: V41Config, layer_ids: list[int], itemsize: int, slots: int, snapshots: int = 0
+    cfg: V41Config,
+    layer_ids: list[int],
+    itemsize: int,
+    slots: int,
+    snapshots: int = 0,
+    slack: int = 0,
 ) -> int:
     """Bytes a cache for ``slots`` sequences holds whatever its blocks: their rings and tails,
     the spare slot's, each source's spare entry row and the window snapshots."""
     spare = sum((cfg.head_dim + cfg.index_head_dim) * itemsize for r in cfg.roles
                 if r.layer in layer_ids and r.kind == SOURCE)  # fmt: skip
-    return ((slots + 1) * slot_bytes(cfg, layer_ids, itemsize) + spare
-            + snapshots * rings_bytes(cfg, layer_ids, itemsize))  # fmt: skip
+    return ((slots + 1) * slot_bytes(cfg, layer_ids, itemsize, slack) + spare
+            + snapshots * rings_bytes(cfg, layer_ids, itemsize, slack))  # fmt: skip
 
 
 class V41Cache(KVCache):
@@ -98,14 +110,20 @@ class V41Cache(KVCache):
         max_len: int,
         num_slots: int,
         num_snapshots: int = 0,
+        slack: int = 0,
     ):
+        """``slack``: the drafts a verify run may write past the accepted position (speculative
+        decoding): each ring holds ``window + slack`` rows and each tail ``tail_rows(slack)``,
+        so a rejected draft's writes land where no later query reads (rollback without a
+        copy)."""
         if block_size % 2:
             raise ValueError(f"--block-size must be even for V4.1 (ratio-2 groups), got "
                              f"{block_size}")  # fmt: skip
         super().__init__([], num_blocks, block_size, 1, cfg.head_dim, dtype, device, max_len,
                          num_slots)  # fmt: skip
         roles = [cfg.roles[i] for i in layer_ids]
-        slots, w, d = self.num_slots, cfg.window_size, cfg.head_dim
+        slots, w, d = self.num_slots, cfg.window_size + slack, cfg.head_dim
+        self.ring_len, self.tail_rows = w, tail_rows(slack)
         # each tensor has a spare slot or row past the real ones: a batched write points the
         # tokens that write nothing there (no host-side selection, no graph break)
         # every layer's rings in one tensor: a snapshot is one copy
@@ -119,7 +137,7 @@ class V41Cache(KVCache):
         self.index_keys = {i: torch.zeros(n, cfg.index_head_dim, dtype=dtype, device=device)
                            for i, n in rows.items()}  # fmt: skip
         # (projection, gate score) of a ratio-2 group's first token, fp32 as the compressor
-        self.tail = {r.layer: torch.zeros(slots + 1, 2, d, device=device)
+        self.tail = {r.layer: torch.zeros((slots + 1) * self.tail_rows, 2, d, device=device)
                      for r in sources if r.ratio == 2}  # fmt: skip
 
     @property

@@ -49,9 +49,11 @@ def new_kv_cache(
     block_size: int = 16,
     num_blocks: int | None = None,
     snapshots: int | None = None,
+    slack: int = 0,
 ) -> KVCache:
     """Enough blocks for ``num_slots`` sequences of ``max_len`` unless ``num_blocks`` says;
-    ``snapshots``: V4.1's window snapshots for prefix caching (default: two a slot)."""
+    ``snapshots``: V4.1's window snapshots for prefix caching (default: two a slot);
+    ``slack``: the drafts a verify run may carry (V4.1's rings and tails make room for them)."""
     cfg = model.cfg
     max_len = max_len or cfg.max_position_embeddings
     if max_len > cfg.max_position_embeddings:
@@ -66,7 +68,7 @@ def new_kv_cache(
         if snapshots is None:
             snapshots = v41_cache.default_snapshots(num_slots)
         return V41Cache(cfg.v41, model.layer_ids, num_blocks, block_size, model.dtype, device,
-                        max_len, num_slots, snapshots)  # fmt: skip
+                        max_len, num_slots, snapshots, slack)  # fmt: skip
     return KVCache(model.layer_ids, num_blocks, block_size, model.kv_heads, cfg.head_dim,
                    model.dtype, device, max_len, num_slots)  # fmt: skip
 
@@ -171,9 +173,11 @@ class StageRunner:
         block_size: int,
         num_blocks: int | None,
         snapshots: int | None = None,
+        slack: int = 0,
     ) -> None:
         self.kv = None  # the old cache goes before the new one is allocated
-        self.kv = new_kv_cache(self.model, num_slots, max_len, block_size, num_blocks, snapshots)
+        self.kv = new_kv_cache(self.model, num_slots, max_len, block_size, num_blocks, snapshots,
+                               slack)  # fmt: skip
         self.slots.size_for(self.kv)
 
     def capture_graphs(self, max_batch: int, max_tokens: int = 0, verify: int = 0) -> None:

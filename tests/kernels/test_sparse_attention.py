@@ -18,12 +18,12 @@ W, H, D, K = 8, 5, 32, 6
 RUNS = [(7, 5, 2), (20, 1, 0), (0, 11, 3)]  # (first position, tokens, ring slot)
 
 
-def restated(q, kv, ring, comp, picks, sink, scale):
+def restated(q, kv, ring, comp, picks, sink, scale, ring_len=W):
     out, t = torch.zeros(q.shape, dtype=torch.float64), 0
     for p0, n, slot in RUNS:
         for i in range(n):
             p = p0 + i
-            rows = [kv[t - i + (u - p0)] if u >= p0 else ring[slot * W + u % W]
+            rows = [kv[t - i + (u - p0)] if u >= p0 else ring[slot * ring_len + u % ring_len]
                     for u in range(max(0, p - W + 1), p + 1)]  # fmt: skip
             rows += [comp[r] for r in picks[t].tolist() if r >= 0]
             rows = torch.stack(rows).double()
@@ -35,15 +35,17 @@ def restated(q, kv, ring, comp, picks, sink, scale):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sparse_attention_is_the_restatement(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,ring_len", [(torch.float32, W), (torch.bfloat16, W),
+                                            (torch.float32, W + 3)])  # fmt: skip
+def test_sparse_attention_is_the_restatement(dtype: torch.dtype, ring_len: int) -> None:
+    """``ring_len`` > W: rings with room for a verify run's drafts (speculative decoding)."""
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("the interpreter's dot on bf16 is not the GPU's")
     g = torch.Generator().manual_seed(0)
     t = sum(n for _, n, _ in RUNS)
     q = (torch.randn(t, H, D, generator=g) * 2).to(dtype)
     kv = torch.randn(t, D, generator=g).to(dtype)
-    ring = torch.randn(4 * W, D, generator=g).to(dtype)
+    ring = torch.randn(4 * ring_len, D, generator=g).to(dtype)
     comp = torch.randn(30, D, generator=g).to(dtype)
     picks = torch.randint(0, 30, (t, K), generator=g)
     picks[picks % 3 == 0] = -1
@@ -54,8 +56,8 @@ def test_sparse_attention_is_the_restatement(dtype: torch.dtype) -> None:
     q0 = torch.tensor([q0 for (_, n, _), q0 in zip(RUNS, [0, 5, 6], strict=True) for _ in range(n)])
     slot = torch.tensor([s for _, n, s in RUNS for _ in range(n)])
     on = [x.to(DEVICE) for x in (q, kv, ring, comp, picks, pos, p0, q0, slot, sink)]
-    got = sparse_attention(*on[:5], *on[5:9], on[9], D**-0.5, W).cpu()
-    want = restated(q, kv, ring, comp, picks, sink, D**-0.5)
+    got = sparse_attention(*on[:5], *on[5:9], on[9], D**-0.5, W, ring_len).cpu()
+    want = restated(q, kv, ring, comp, picks, sink, D**-0.5, ring_len)
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 probabilities and output
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)

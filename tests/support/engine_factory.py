@@ -29,8 +29,9 @@ def build_engine(
 ) -> Engine:
     """``allocate=False`` keeps the runner's cache (one with captured graphs)."""
     assert max_num_seqs <= slots
-    if allocate:
-        session.allocate_kv(slots, max_len, block_size, num_blocks)
+    if allocate:  # room for the drafts past the accepted position (V4.1's rings and tails)
+        slack = 0 if speculative is None else speculative.num_speculative_tokens
+        session.allocate_kv(slots, max_len, block_size, num_blocks, slack=slack)
     opts = EngineOptions(
         Path(), [len(session.model.layer_ids)], max_len, max_num_seqs, max_num_batched_tokens,
         session.kv.block_size, enable_prefix_caching=prefix_caching, async_scheduling=overlap,
