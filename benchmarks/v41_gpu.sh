@@ -11,6 +11,9 @@
 #           and the decode steps again with every Engram layer skipped (its end-to-end cost)
 #   PART=e  issue 34: bench throughput on v41-wide, then `engramrt serve` of v41-wide and
 #           `bench serve` at c = 1/16/64 (benchmarks/serve_gpu.sh)
+#   PART=f  issue 35: v41-wide latency (bs 1 and 16, 128 in, 64 out) without and with n-gram
+#           speculation (4 drafts; verify steps from CUDA graphs): the verify step against a
+#           plain one; then `serve` at c = 1/16 and its compilation log lines
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -67,5 +70,22 @@ case "${PART:-b}" in
       | tail -5
     PRESET=v41-wide BENCH_SIZES=none timeout 400 bash benchmarks/serve_gpu.sh "$out/serve" \
       2>&1 | tee "$out/serve.txt"
+    ;;
+  f)  # issue 35: n-gram verify steps on V4.1 against plain steps; compilations while serving
+    preset v41-wide /tmp/mv41-wide
+    ngram='{"method": "ngram", "num_speculative_tokens": 4}'
+    for bs in 1 16; do
+      for kind in repeat; do
+        for spec in "" "$ngram"; do
+          timeout 120 python3 -m engramrt bench throughput --model /tmp/mv41-wide \
+            --batch-size $bs --input-len 128 --output-len 64 --prompt-kind $kind \
+            ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
+            | tee -a "$out/verify.txt" | tail -3
+        done
+      done
+    done
+    PRESET=v41-wide BENCH_SIZES=none CONCURRENCY="1 16" timeout 300 \
+      bash benchmarks/serve_gpu.sh "$out/serve" 2>&1 | tee "$out/serve.txt" | tail -8
+    grep -i "compil" "$out/serve/serve.log" | tail -8
     ;;
 esac

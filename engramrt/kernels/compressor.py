@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engramrt.kernels.rms_norm import normalised
+
 
 @triton.jit
 def _pool_norm_kernel(a_ptr, s_ptr, tail_ptr, inside_ptr, row_ptr, w_ptr, out_ptr, eps,
@@ -32,9 +34,8 @@ def _pool_norm_kernel(a_ptr, s_ptr, tail_ptr, inside_ptr, row_ptr, w_ptr, out_pt
     e0, e1 = tl.exp(ps - top), tl.exp(s - top)
     total = e0 + e1
     pooled = (pa * (e0 / total) + a * (e1 / total)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = pooled * tl.rsqrt(tl.sum(pooled * pooled, axis=0) / D + eps)
     w = tl.load(w_ptr + d).to(tl.float32)
-    tl.store(out_ptr + t * D + d, (y * w).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + t * D + d, normalised(pooled, w, eps, D).to(out_ptr.dtype.element_ty))
 
 
 def pool_norm(

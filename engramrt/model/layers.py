@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         if use_triton(x.device):
             from engramrt.kernels import rms_norm as kernel
 
-            if x.shape[-1] <= kernel.MAX_WIDTH:  # one launch, not eight
+            if x.shape[-1] <= kernel.MAX_WIDTH:  # one launch, not eight (one program a row)
                 return kernel.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 

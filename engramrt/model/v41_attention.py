@@ -326,8 +326,7 @@ class StepRuns:
         if ("closes", ratio) not in self.memo:
             closes = self.real & ((self.pos + 1) % ratio == 0)
             rows = cache.entry_rows(self.tables, self.req, self.pos // ratio, ratio)
-            spare = cache.num_blocks * cache.block_size // ratio
-            self.memo["closes", ratio] = torch.where(closes, rows, spare)
+            self.memo["closes", ratio] = torch.where(closes, rows, cache.spare_row(ratio))
         return self.memo["closes", ratio]
 
     def chunks(self) -> list[slice]:

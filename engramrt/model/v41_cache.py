@@ -131,7 +131,7 @@ class V41Cache(KVCache):
         self.window = {r.layer: self.rings[i] for i, r in enumerate(roles)}
         self.snapshots = torch.zeros(len(roles), num_snapshots, w, d, dtype=dtype, device=device)
         sources = [r for r in roles if r.kind == SOURCE]
-        rows = {r.layer: num_blocks * block_size // r.ratio + 1 for r in sources}
+        rows = {r.layer: self.spare_row(r.ratio) + 1 for r in sources}
         self.compressed = {i: torch.zeros(n, d, dtype=dtype, device=device)
                            for i, n in rows.items()}  # fmt: skip
         self.index_keys = {i: torch.zeros(n, cfg.index_head_dim, dtype=dtype, device=device)
@@ -161,6 +161,11 @@ class V41Cache(KVCache):
         (``SlotTable.states``)."""
         if new.snapshot is not None:
             self.rings[:, new.slot] = self.snapshots[:, new.snapshot]
+
+    def spare_row(self, ratio: int) -> int:
+        """The row of a ratio's compressed cache (and index keys) that takes the writes of the
+        tokens that close no group: the last, past every block's entries."""
+        return self.num_blocks * self.block_size // ratio
 
     def entry_rows(self, tables: torch.Tensor, req: torch.Tensor, entries: torch.Tensor,
                    ratio: int) -> torch.Tensor:  # fmt: skip

@@ -286,23 +286,28 @@ def test_greedy_with_ngram_speculation_equals_without(runner: StageRunner, kw: d
     run the reference never makes: the rejected drafts' ring rows, tail rows and compressed
     entries land where no later query reads them (rings of ``window + K`` rows, tails of
     ``K / 2 + 1``), so greedy tokens equal decoding without speculation, with whole and
-    chunked prompts. The random model never repeats itself, so the drafts come from the output
-    without speculation, the first ``j`` of them right and the rest wrong (``j`` cycling 0..K
-    with the position): every acceptance length, every rollback length. One request at a time:
-    V4.1 in fp32 is not batch-invariant (a GEMM's rounding depends on its row count, and the
-    FP8/FP4 round trips turn a last-bit difference into a different grid point), so requests
-    batched in other shapes may part for reasons that are no rollback's."""
+    chunked prompts (``speculation_equals_plain``)."""
+    speculation_equals_plain(lambda **kw: build_engine(runner, 256, 4, **kw), kw)
+
+
+def speculation_equals_plain(engine_with, kw: dict, k: int = 4):
+    """Greedy tokens with drafts equal those without. The random model never repeats itself,
+    so the drafts come from the output without speculation, the first ``j`` of them right and
+    the rest wrong (``j`` cycling 0..K with the position): every acceptance length, every
+    rollback length. One request at a time: V4.1 in fp32 is not batch-invariant (a GEMM's
+    rounding depends on its row count, and the FP8/FP4 round trips turn a last-bit difference
+    into a different grid point), so requests batched in other shapes may part for reasons
+    that are no rollback's. Returns the engine that speculated."""
     from dataclasses import replace
 
     from engramrt.engine.speculative import SpecConfig
     from tests.engine.test_speculative import _run  # (a verify step's spare blocks go back
     # before the stage's tables learn it: the table check of ``run`` does not apply)
 
-    k = 4
     prompts = [prompt(n, 80 + n) for n in (30, 9, 41, 17)]
     params = [SamplingParams(max_tokens=28, temperature=0, ignore_eos=True)] * len(prompts)
     cfg = {"max_num_seqs": 1, "block_size": 4, "num_blocks": 64, **kw}
-    want = _run(build_engine(runner, 256, 4, **cfg), prompts, params)
+    want = _run(engine_with(**cfg), prompts, params)
 
     class Oracle(SpecConfig):
         def propose(self, tokens: list[int], limit: int) -> list[int]:
@@ -312,9 +317,10 @@ def test_greedy_with_ngram_speculation_equals_without(runner: StageRunner, kw: d
             drafts = want[i][done : done + min(k, limit)]
             return drafts[:right] + [(t + 1) % 1000 for t in drafts[right:]]
 
-    engine = build_engine(runner, 256, 4, speculative=SpecConfig(k), **cfg)
+    engine = engine_with(speculative=SpecConfig(k), **cfg)
     engine.cfg = replace(engine.cfg, speculative=Oracle(k))
     assert _run(engine, prompts, params) == want
     stats = engine.stats()
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert_idle(engine)
+    return engine

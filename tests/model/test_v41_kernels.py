@@ -197,3 +197,28 @@ def test_expert_warm_up_covers_every_row_count(v41_small: Path) -> None:
         moe.experts[rows % len(moe.experts)](x[:rows], torch.ones(rows, 1, device="cuda"))
     torch.cuda.synchronize()
     assert compilations() == before, recent()
+
+
+@pytest.mark.gpu
+def test_speculation_through_verify_graphs_equals_without(v41_small: Path) -> None:
+    """n-gram speculation on V4.1 with its verify steps replayed from CUDA graphs (every run an
+    anchor and four drafts, the kernels reading rings of ``window + 4`` rows): greedy tokens
+    equal decoding without speculation, every acceptance and rollback length
+    (``speculation_equals_plain``)."""
+    from tests.model.test_v41_engine import speculation_equals_plain
+    from tests.support.engine_factory import build_engine
+
+    k = 4
+    runner = StageRunner.load(v41_small, num_slots=1, max_len=256, device="cuda",
+                              dtype="float32", num_blocks=0)  # fmt: skip
+    runner.allocate_kv(1, 256, 4, 64, slack=k)
+    runner.capture_graphs(1, 64, verify=k)
+    replayed = []
+    replay = runner.graphs.replay
+    runner.graphs.replay = lambda h, shape, c: replayed.append(shape) or replay(h, shape, c)
+
+    def engine_with(**kw):
+        return build_engine(runner, 256, 1, allocate=False, **kw)
+
+    speculation_equals_plain(engine_with, {})
+    assert any(s.verify == k for s in replayed) and any(s.decode for s in replayed)
