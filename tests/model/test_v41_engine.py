@@ -23,6 +23,7 @@ from engramrt.model.checkpoint import CheckpointError, load_model
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 from tests.engine.test_engine import assert_idle, drain, run
+from tests.engine.test_speculative import _run  # not ``run``: see speculative_run
 from tests.support.engine_factory import build_engine
 
 BLOCK = 16
@@ -290,37 +291,43 @@ def test_greedy_with_ngram_speculation_equals_without(runner: StageRunner, kw: d
     speculation_equals_plain(lambda **kw: build_engine(runner, 256, 4, **kw), kw)
 
 
-def speculation_equals_plain(engine_with, kw: dict, k: int = 4):
-    """Greedy tokens with drafts equal those without. The random model never repeats itself,
-    so the drafts come from the output without speculation, the first ``j`` of them right and
-    the rest wrong (``j`` cycling 0..K with the position): every acceptance length, every
-    rollback length. One request at a time: V4.1 in fp32 is not batch-invariant (a GEMM's
+def speculation_equals_plain(engine_with, kw: dict, k: int = 4) -> None:
+    """Greedy tokens with drafts equal those without (``speculative_run``)."""
+    cfg = {"max_num_seqs": 1, "block_size": 4, "num_blocks": 64, **kw}
+    want = _run(engine_with(**cfg), PROMPTS, PARAMS)
+    assert speculative_run(engine_with, cfg, want, k) == want
+
+
+PROMPTS = [prompt(n, 80 + n) for n in (30, 9, 41, 17)]
+PARAMS = [SamplingParams(max_tokens=28, temperature=0, ignore_eos=True)] * len(PROMPTS)
+
+
+def speculative_run(engine_with, cfg: dict, want: list[list[int]], k: int) -> list[list[int]]:
+    """Greedy tokens of ``PROMPTS`` with ``k`` drafts a step. The random model never repeats
+    itself, so the drafts come from ``want`` (the output without speculation), the first ``j``
+    of them right and the rest wrong (``j`` cycling 0..K with the position): every acceptance
+    length, every rollback length. One request at a time: V4.1 is not batch-invariant (a GEMM's
     rounding depends on its row count, and the FP8/FP4 round trips turn a last-bit difference
     into a different grid point), so requests batched in other shapes may part for reasons
-    that are no rollback's. Returns the engine that speculated."""
+    that are no rollback's."""
     from dataclasses import replace
 
     from engramrt.engine.speculative import SpecConfig
-    from tests.engine.test_speculative import _run  # (a verify step's spare blocks go back
-    # before the stage's tables learn it: the table check of ``run`` does not apply)
 
-    prompts = [prompt(n, 80 + n) for n in (30, 9, 41, 17)]
-    params = [SamplingParams(max_tokens=28, temperature=0, ignore_eos=True)] * len(prompts)
-    cfg = {"max_num_seqs": 1, "block_size": 4, "num_blocks": 64, **kw}
-    want = _run(engine_with(**cfg), prompts, params)
-
+    # ``_run``, not ``run``: a verify step's spare blocks go back before the stage's tables
+    # learn it, so the table check of ``run`` does not apply
     class Oracle(SpecConfig):
         def propose(self, tokens: list[int], limit: int) -> list[int]:
-            (i,) = [i for i, p in enumerate(prompts) if tokens[: len(p)] == p]
-            done = len(tokens) - len(prompts[i])
+            (i,) = [i for i, p in enumerate(PROMPTS) if tokens[: len(p)] == p]
+            done = len(tokens) - len(PROMPTS[i])
             right = done % (k + 1)
             drafts = want[i][done : done + min(k, limit)]
             return drafts[:right] + [(t + 1) % 1000 for t in drafts[right:]]
 
     engine = engine_with(speculative=SpecConfig(k), **cfg)
     engine.cfg = replace(engine.cfg, speculative=Oracle(k))
-    assert _run(engine, prompts, params) == want
+    out = _run(engine, PROMPTS, PARAMS)
     stats = engine.stats()
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert_idle(engine)
-    return engine
+    return out
