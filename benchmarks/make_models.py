@@ -48,7 +48,8 @@ V41_SMALL = {
     "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 64, "sliding_window": 16,
     "index_n_heads": 4, "index_head_dim": 64, "index_topk": 8, "candidate_topk_blocks": 3,
     "candidate_block_size": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 64, "max_position_embeddings": 1024,
+    "moe_intermediate_size": 64, "max_position_embeddings": 1024, "dspark_markov_rank": 32,
+    "dspark_n_routed_experts": 4, "dspark_n_activated_experts": 2,
     "rope_scaling": {"original_max_position_embeddings": 32, "factor": 16, "beta_fast": 32,
                      "beta_slow": 1},
 }  # fmt: skip
@@ -57,17 +58,20 @@ V41_WIDE = {
     "q_lora_rank": 1280, "o_groups": 8, "o_lora_rank": 1024, "sliding_window": 128,
     "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512, "n_routed_experts": 16,
     "num_experts_per_tok": 6, "moe_intermediate_size": 2304, "max_position_embeddings": 16384,
+    "dspark_n_routed_experts": 16, "dspark_n_activated_experts": 3,
 }  # fmt: skip
 V41_PRESETS = {  # fields, engram layers, engram head dim, prime search start
     "v41-small": (V41_SMALL, [1, 3], 32, 4096),
     "v41-wide": (V41_WIDE, [1, 3], 256, 320_000),
 }
 # six layers in Flash's order of roles: window, ratio-2 source, its reuse, the ratio-1
-# candidate source, its reuse, a candidate-filtered re-indexer
+# candidate source, its reuse, a candidate-filtered re-indexer; one DSpark stage drafting from
+# the last three (the noise id: the bundled tokenizer's pad token)
 V41_LAYERS = {
-    "num_hidden_layers": 6, "compress_ratios": [0, 2, 2, 1, 1, 1], "kv_source_layer_ids": [1, 3],
-    "index_source_layer_ids": [1, 3, 5], "candidate_source_layer_id": 3,
-    "num_nextn_predict_layers": 0,
+    "num_hidden_layers": 6, "compress_ratios": [0, 2, 2, 1, 1, 1, 0],
+    "kv_source_layer_ids": [1, 3], "index_source_layer_ids": [1, 3, 5],
+    "candidate_source_layer_id": 3, "num_nextn_predict_layers": 1,
+    "dspark_target_layer_ids": [3, 4, 5], "dspark_noise_token_id": 2,
 }  # fmt: skip
 TABLES_FILE = "engram-tables.safetensors"
 CHUNK_ROWS = 1 << 18
@@ -113,10 +117,11 @@ def v41_preset_config(name: str) -> dict:
 def v41_state(raw: dict, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """Every tensor of a V4.1 preset but the Engram tables, in the released formats: FP8 dense
     linears (``wo_a`` and the Engram's ``wkv`` too) with E8M0 block scales, FP4 experts, bf16
-    router, head, compressor and indexer projections, fp32 biases, sinks and mixes."""
+    router, head, compressor and indexer projections, fp32 biases, sinks and mixes; the DSpark
+    stages' (``mtp.*``) too."""
     cfg = model_config(raw)
     with torch.device("meta"):
-        model = EngramMHCModel(cfg, torch.bfloat16)
+        model = EngramMHCModel(cfg, torch.bfloat16, dspark=bool(cfg.v41.dspark_stages))
     meta = model.state_dict()
     gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)

@@ -131,6 +131,32 @@ class V41Config:
     route_scale: float
     swiglu_limit: float
     roles: tuple[LayerRole, ...] = ()
+    # DSpark (``engramrt.model.dspark``): a block of ``dspark_block_size`` drafts a pass
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 0  # 0: the backbone's counts
+    dspark_n_activated_experts: int = 0
+
+    @property
+    def dspark_stages(self) -> list[int]:
+        """The DSpark stages' layer ids (``mtp.s`` is layer ``n_layers + s``); none without
+        a draft block."""
+        return list(range(self.n_layers, self.n_layers + self.n_mtp_layers)) \
+            if self.dspark_block_size else []  # fmt: skip
+
+    def role(self, layer: int) -> LayerRole:
+        """A backbone layer's role, or a DSpark stage's (its own window only)."""
+        if layer < self.n_layers:
+            return self.roles[layer]
+        return LayerRole(layer, 0, WINDOW, None, None, None)
+
+    def stage_moe(self) -> V41Config:
+        """The config a DSpark stage's MoE reads: its own expert counts."""
+        return replace(self, n_routed_experts=self.dspark_n_routed_experts or self.n_routed_experts,
+                       n_activated_experts=self.dspark_n_activated_experts
+                       or self.n_activated_experts)  # fmt: skip
 
     def legal_cuts(self) -> list[int]:
         """The layers a pipeline stage may start at (1 .. n_layers - 1): those before which no
@@ -162,6 +188,11 @@ def v41_config(raw: Mapping[str, Any]) -> V41Config:
         candidate_source_layer=_int(c, "candidate_source_layer", low=0),
         n_mtp_layers=_int(c, "n_mtp_layers", default=0, low=0),
         n_shared_experts=_int(c, "n_shared_experts", low=0),
+        **{name: _int(c, name, default=0, low=0)
+           for name in ("dspark_block_size", "dspark_noise_token_id", "dspark_n_routed_experts",
+                        "dspark_n_activated_experts")},
+        dspark_markov_rank=_int(c, "dspark_markov_rank", default=256),
+        dspark_target_layer_ids=tuple(_field(c, "dspark_target_layer_ids", [])[1]),
     )  # fmt: skip
     _check_widths(cfg)
     return replace(cfg, roles=_roles(cfg))
@@ -208,6 +239,18 @@ def _check_widths(c: V41Config) -> None:
         f"needs one entry per layer ({c.n_layers}) or per layer and DSpark stage ({want}), got "
         f"{len(c.compress_ratios)}",
     )
+    if c.dspark_block_size and c.n_mtp_layers:
+        targets = c.dspark_target_layer_ids
+        need(
+            len(targets) > 0 and all(isinstance(t, int) and 0 <= t < c.n_layers for t in targets),
+            "dspark_target_layer_ids",
+            f"must name backbone layers (below {c.n_layers}), got {list(targets)}",
+        )
+        need(
+            all(r == 0 for r in c.compress_ratios[c.n_layers :]),
+            "compress_ratios",
+            "a DSpark stage attends over its own window only: its entries must be 0",
+        )
     need(
         all(r in (0, 1, 2) for r in c.compress_ratios),
         "compress_ratios",

@@ -204,8 +204,9 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
                 t[0].numel() * t.element_size() for t in Carry.empty(runner.model, 1).tensors()
             )
         outputs = output_rows(shapes, runner.is_last) * row
-    return blocks_from_profile(profile, opts.gpu_memory_utilization, per_block(model.layer_ids),
-                               share, graph_rows, outputs, fixed(model.layer_ids))  # fmt: skip
+    per, rings = per_block(model.layer_ids), fixed(model.cache_layer_ids)
+    return blocks_from_profile(profile, opts.gpu_memory_utilization, per, share, graph_rows,
+                               outputs, rings)  # fmt: skip
 
 
 def build_stage(

@@ -1,6 +1,6 @@
 """DeepSeek-V4.1's sparse latent attention in Triton: one launch a layer for every token of a
 step (decode rows, prefill chunks, a mixed step's both), the torch path's
-``V41Attention._attend`` without gathering rows into memory first.
+``V41Attention.attend`` without gathering rows into memory first.
 
 A program takes one token and ``BLOCK_H`` of its query heads (one shared 512-d latent is every
 head's K and V, so the heads of a token read each row once). It walks the token's window

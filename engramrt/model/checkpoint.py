@@ -106,13 +106,15 @@ def _optional_scales(model: EngramMHCModel) -> set[str]:
               for i in model.engram_layer_ids for part in ("embed", "wkv")}  # fmt: skip
     if model.cfg.v41 is None:
         return engram
-    return engram | {f"layers.{i}.attn.wo_a.scale" for i in model.layer_ids}
+    stages = {f"mtp.{s}.attn.wo_a.scale" for s in range(len(model.mtp or []))}
+    return engram | stages | {f"layers.{i}.attn.wo_a.scale" for i in model.layer_ids}
 
 
-# tensors of a V4.1 checkpoint that text-only serving does not run: DSpark stages (a later
-# issue), the vision tower and its image-span pieces, and the image-span routing bias
+# tensors of a V4.1 checkpoint that text-only serving does not run: DSpark stages (unless it
+# drafts with them), the vision tower and its image-span pieces, and the image-span routing bias
+DSPARK = "DSpark draft stages (mtp.*): no --speculative-config method 'dspark'"
 UNRUN = {
-    "mtp.": "DSpark draft stages (mtp.*), not run yet",
+    "mtp.": DSPARK,
     "vision.": "the vision tower: text-only serving",
     "aligner.": "the vision tower: text-only serving",
     "image_": "the vision tower: text-only serving",
@@ -120,12 +122,16 @@ UNRUN = {
 }
 
 
-def _skip_unrun(where: dict[str, Path], shapes: dict[str, list[int]]) -> None:
-    """Drop the tensors text-only serving does not run, one log line per kind."""
+def _skip_unrun(where: dict[str, Path], shapes: dict[str, list[int]], dspark: bool) -> None:
+    """Drop the tensors text-only serving does not run, one log line per kind; the DSpark
+    stages' copies of the shared embedding and head (``mtp.i.embed``, ``mtp.i.head``: the
+    reference registers them, its converter skips them) always."""
     skipped: dict[str, int] = {}
     for name in list(shapes):
-        why = next((w for key, w in UNRUN.items()
-                    if name.startswith(key) or (key[0] == "." and key in name)), None)  # fmt: skip
+        why = next((w for key, w in UNRUN.items() if (name.startswith(key) or (
+            key[0] == "." and key in name)) and not (dspark and w == DSPARK)), None)  # fmt: skip
+        if name.startswith("mtp.") and name.split(".")[2] in ("embed", "head"):
+            why = "the DSpark stages' copies of the shared embedding and head"
         if why is not None:
             skipped[why] = skipped.get(why, 0) + 1
             del shapes[name]
@@ -177,8 +183,10 @@ def load_model(
     layer_ids: list[int] | None = None,
     table_memory: str = "device",
     tp: TensorParallel = SINGLE,
+    dspark: bool = False,
 ) -> EngramMHCModel:
-    """Build the model (or the ``layer_ids`` of one pipeline stage) and load its weights.
+    """Build the model (or the ``layer_ids`` of one pipeline stage) and load its weights;
+    ``dspark``: V4.1's DSpark stages too (``mtp.*``, skipped otherwise).
     ``table_memory="host"``: the Engram tables are streamed from the shards into one host
     mapping (``engramrt.engram.host_memory``, registered with CUDA when ``device`` is a GPU)
     and stay there; the rest goes to ``device``. ``tp``: this rank reads only its slices of
@@ -194,9 +202,9 @@ def load_model(
             raise CheckpointError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
         dtype = DTYPES[name]
     with torch.device("meta"):
-        model = EngramMHCModel(cfg, dtype, layer_ids, tp)
-        whole = EngramMHCModel(cfg, dtype, layer_ids) if tp.size > 1 else model  # as stored
-        full = EngramMHCModel(cfg, dtype) if layer_ids is not None else whole
+        model = EngramMHCModel(cfg, dtype, layer_ids, tp, dspark)
+        whole = EngramMHCModel(cfg, dtype, layer_ids, dspark=dspark) if tp.size > 1 else model
+        full = EngramMHCModel(cfg, dtype, dspark=dspark) if layer_ids is not None else whole
     meta = whole.state_dict()
     expected = {k: list(v.shape) for k, v in meta.items()}
     slices = model.checkpoint_slices()
@@ -204,7 +212,7 @@ def load_model(
     where = _files(model_dir)
     shapes = _shapes(where)
     if cfg.v41 is not None:
-        _skip_unrun(where, shapes)
+        _skip_unrun(where, shapes, dspark)
     unindexed = sorted(set(shapes) - set(where))
     if unindexed:
         raise CheckpointError(f"tensor {unindexed[0]} is stored but missing from {INDEX}")

@@ -16,6 +16,7 @@ from engramrt.engram.module import Engram
 from engramrt.engram.table import EngramTable
 from engramrt.model.attention import Attention
 from engramrt.model.context import ForwardContext
+from engramrt.model.dspark import DSparkAttention, stage_parts
 from engramrt.model.layers import MLP, MoE, RMSNorm
 from engramrt.model.mhc import PreMix, collapse_norm, first_pre, mhc_post, mhc_pre
 from engramrt.model.v41_attention import V41Attention
@@ -56,9 +57,14 @@ class Block(nn.Module):
             self.engram.embed = EngramTable(rows, row_start=lo)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if cfg.v41 is not None:  # V4.1's own attention and MoE
-            self.attn: nn.Module = V41Attention(cfg.v41, cfg.v41.roles[layer_id], dtype, tp)
-            self.ffn: nn.Module = V41MoE(cfg.v41, tp=tp)
+        # the DSpark stages (past the backbone) keep the target features of these layers
+        self.dspark_target = False
+        if cfg.v41 is not None and layer_id >= cfg.num_layers:  # a DSpark stage
+            self.attn: nn.Module = DSparkAttention(cfg.v41, cfg.v41.role(layer_id), dtype, tp)
+            self.ffn: nn.Module = V41MoE(cfg.v41.stage_moe(), tp=tp)
+        elif cfg.v41 is not None:  # V4.1's own attention and MoE
+            self.attn = V41Attention(cfg.v41, cfg.v41.roles[layer_id], dtype, tp)
+            self.ffn = V41MoE(cfg.v41, tp=tp)
         else:
             self.attn = Attention(cfg, layer_id, dtype, tp)
             self.ffn = _ffn(cfg, dtype, tp)
@@ -93,6 +99,8 @@ class Block(nn.Module):
             x = self.engram(x, ids, ctx.dead, prefetch.take(ctx, self.layer_id))
             ctx.trace("engram_out", self.layer_id, x)
             ctx.engram_ran.append(self.layer_id)
+        if self.dspark_target:  # DSpark's feature: the copies' mean at this layer's input
+            ctx.step_cache.setdefault("features", {})[self.layer_id] = x.mean(1)
         # attention collapses with the previous sublayer's pre, the FFN with attention's
         a = self._pre(
             x, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm,
@@ -118,7 +126,10 @@ class EngramMHCModel(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         layer_ids: list[int] | None = None,
         tp: TensorParallel = SINGLE,
+        dspark: bool = False,
     ):
+        """``dspark``: with V4.1's DSpark stages (``mtp.*``, on the stage holding the last
+        layer), whose target layers keep their features each step."""
         super().__init__()
         self.cfg, self.dtype, self.tp = cfg, dtype, tp
         ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
@@ -138,6 +149,11 @@ class EngramMHCModel(nn.Module):
         if tp.size > 1:
             self.shards = {f"{n}.weight": (0, v0, v1) for n in ("embed", "head")
                            if getattr(self, n) is not None}  # fmt: skip
+        self.mtp: nn.ModuleList | None = None
+        if dspark:
+            self.mtp = dspark_stages(cfg, ids, dtype, tp)
+            for i in cfg.v41.dspark_target_layer_ids:
+                self.layers[str(i)].dspark_target = True
 
     def checkpoint_slices(self) -> dict[str, tuple[int, int, int]]:
         """Checkpoint tensor -> ``(dim, lo, hi)``: the slice of it this rank holds (tensors not
@@ -147,6 +163,11 @@ class EngramMHCModel(nn.Module):
             for name, where in getattr(module, "shards", {}).items():
                 out[f"{prefix}.{name}" if prefix else name] = where
         return out
+
+    @property
+    def cache_layer_ids(self) -> list[int]:
+        """The layers whose caches this stage holds: its own and its DSpark stages'."""
+        return self.layer_ids + (self.cfg.v41.dspark_stages if self.mtp is not None else [])
 
     @property
     def kv_heads(self) -> int:
@@ -197,12 +218,39 @@ class EngramMHCModel(nn.Module):
 
     def logits(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Collapse with the last FFN pre-mix, normalise, project; fp32 logits."""
-        y = collapse_norm(x, pre, self.norm.weight, self.norm.eps)
+        return self.project(collapse_norm(x, pre, self.norm.weight, self.norm.eps))
+
+    def project(self, y: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of normalised hidden states (every rank's vocabulary slice)."""
         return self.tp.gather(head_logits(y, self.head.weight), self.cfg.vocab_size)
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, pre = self.embed_tokens(tokens)
         return self.logits(*self.forward_layers(x, pre, ctx))
+
+
+def dspark_stages(
+    cfg: ModelConfig, layer_ids: list[int], dtype: torch.dtype, tp: TensorParallel
+) -> nn.ModuleList:
+    """The DSpark stages, on the stage that holds the last layer, its target layers and the
+    embedding (the draft block's tokens): the only place they can draft from."""
+    v = cfg.v41
+    if v is None or not v.dspark_stages:
+        raise ValueError(
+            "--speculative-config method 'dspark' needs a V4.1 model with DSpark "
+            "stages (num_nextn_predict_layers, dspark_block_size in its config)"
+        )
+    need = sorted({0, *v.dspark_target_layer_ids, cfg.num_layers - 1} - set(layer_ids))
+    if need:
+        raise ValueError(f"DSpark drafts on the pipeline stage holding the embedding, its target "
+                         f"layers {list(v.dspark_target_layer_ids)} and the last layer; this "
+                         f"stage lacks layers {need}")  # fmt: skip
+    stages = nn.ModuleList()
+    for s, layer in enumerate(v.dspark_stages):
+        block = Block(cfg, layer, dtype, tp)
+        stage_parts(block, cfg, s, dtype)
+        stages.append(block)
+    return stages
 
 
 def check_v41_stage(cfg: ModelConfig, layer_ids: list[int]) -> None:

@@ -385,19 +385,32 @@ class V41Attention(nn.Module):
         step = StepRuns.of(ctx)
         rot = step.rotation(self.rope_key)
         qr = self.q_norm(self.wq_a(x))
-        q = rope_quant(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), rot)
-        kv = rope_quant(self.kv_norm(self.wkv(x)), rot, ACT)
-        picks = None
+        q, kv = self.queries(qr, rot), self.latents(x, rot)
+        comp, rows = None, None
         if self.role.kind == SOURCE:
             self._compress(x, step, cache)
         if self.role.kind in (SOURCE, REINDEX):
             self._index(x, qr, rot, step, cache)
-        if self.role.kind != WINDOW:
+        if self.role.kind != WINDOW:  # the picked entries' rows, -1 where none
+            comp = cache.compressed[self.role.kv_source]
             picks = step.topk
-        out = self._attend(q, kv, picks, step, cache)
+            rows = cache.entry_rows(step.tables, step.req, picks.clamp_min(0), self.role.ratio)
+            rows = torch.where(picks >= 0, rows, -1)
+        out = self.attend(q, kv, comp, rows, step, cache)
         # after attending: a run's own latents may overwrite ring rows its first tokens read
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
         ring.index_copy_(0, step.ring_rows(cache), kv)
+        return self.output(out, rot)
+
+    def queries(self, qr: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return rope_quant(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), rot)
+
+    def latents(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The window latents (K and V) ``[T, D]``: rotated, FP8 round-tripped."""
+        return rope_quant(self.kv_norm(self.wkv(x)), rot, ACT)
+
+    def output(self, out: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotated back, through the grouped ``wo_a`` and ``wo_b`` (all-reduced under TP)."""
         o = rope_quant(out, rot, inverse=True).flatten(1).unflatten(-1, (self.groups, -1))
         u = torch.einsum("tgd,grd->tgr", o, self.wo_a.weight.unflatten(0, (self.groups, self.rank)))
         y = self.wo_b(u.flatten(1))
@@ -452,18 +465,14 @@ class V41Attention(nn.Module):
             step.candidates = torch.cat(cands)
         step.topk = torch.cat(picks)
 
-    def _attend(self, q, kv, picks, step: StepRuns, cache: V41Cache) -> torch.Tensor:
+    def attend(self, q, kv, comp, rows, step: StepRuns, cache: V41Cache) -> torch.Tensor:
         """Each query over its window (positions ``p - window + 1 .. p``, this run's latents
-        from ``kv``, earlier ones from the ring) and its picks in the KV source's cache: fp32
-        scores, the sink's ``exp`` in the denominator only, probabilities in the activation
-        dtype (as the reference's kernel casts them) before they weigh the rows."""
+        from ``kv``, earlier ones from the ring) and the rows ``rows`` [T, k] of ``comp`` (-1:
+        none; None: no such rows): fp32 scores, the sink's ``exp`` in the denominator only,
+        probabilities in the activation dtype (as the reference's kernel casts them) before
+        they weigh the rows."""
         w, dev = self.window, q.device
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
-        comp, rows = None, None
-        if picks is not None:  # the picked entries' rows, -1 where none
-            comp = cache.compressed[self.role.kv_source]
-            rows = cache.entry_rows(step.tables, step.req, picks.clamp_min(0), self.role.ratio)
-            rows = torch.where(picks >= 0, rows, -1)
         if use_triton(dev):  # the same, one launch, no rows gathered into memory
             from engramrt.kernels.sparse_attention import sparse_attention
 

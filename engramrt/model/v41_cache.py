@@ -121,7 +121,7 @@ class V41Cache(KVCache):
                              f"{block_size}")  # fmt: skip
         super().__init__([], num_blocks, block_size, 1, cfg.head_dim, dtype, device, max_len,
                          num_slots)  # fmt: skip
-        roles = [cfg.roles[i] for i in layer_ids]
+        roles = [cfg.role(i) for i in layer_ids]  # DSpark stages: rings only
         slots, w, d = self.num_slots, cfg.window_size + slack, cfg.head_dim
         self.ring_len, self.tail_rows = w, tail_rows(slack)
         # each tensor has a spare slot or row past the real ones: a batched write points the

@@ -25,7 +25,7 @@ from engramrt.engram import load_hasher, load_tokenizer, prefetch
 from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.host_memory import check_reads, choose_placement, describe
 from engramrt.kernels import use_triton
-from engramrt.model import v41_cache
+from engramrt.model import dspark, v41_cache
 from engramrt.model.checkpoint import engram_table_bytes, load_model
 from engramrt.model.context import ForwardContext, KVCache
 from engramrt.model.decoder import EngramMHCModel
@@ -67,7 +67,7 @@ def new_kv_cache(
     if cfg.v41 is not None:
         if snapshots is None:
             snapshots = v41_cache.default_snapshots(num_slots)
-        return V41Cache(cfg.v41, model.layer_ids, num_blocks, block_size, model.dtype, device,
+        return V41Cache(cfg.v41, model.cache_layer_ids, num_blocks, block_size, model.dtype, device,
                         max_len, num_slots, snapshots, slack)  # fmt: skip
     return KVCache(model.layer_ids, num_blocks, block_size, model.kv_heads, cfg.head_dim,
                    model.dtype, device, max_len, num_slots)  # fmt: skip
@@ -116,18 +116,20 @@ class StageRunner:
         seed: int = 0,
         table_memory: str = "device",
         tp: TensorParallel | None = None,
+        dspark: bool = False,
     ) -> StageRunner:
         """``num_blocks=0`` loads without a KV cache (``allocate_kv`` gives it one later).
         ``table_memory``: where the Engram tables live (``auto``, ``device``, ``host``;
         ``engramrt.engram.host_memory``); said in a log line when the stage has any. ``tp``:
         this rank's slice of its stage (default: this process's place, ``tensor_parallel.current``);
-        only the leader of the first stage hashes."""
+        only the leader of the first stage hashes. ``dspark``: with V4.1's DSpark stages, which
+        ``draft`` runs."""
         tp = tp or tensor_parallel.current()
         placement = table_memory
         if table_memory == "auto":
             size = engram_table_bytes(model_dir, layer_ids) // tp.size
             placement = choose_placement(table_memory, size, device)
-        model = load_model(model_dir, dtype, device, layer_ids, placement, tp)
+        model = load_model(model_dir, dtype, device, layer_ids, placement, tp, dspark)
         tables = [model.layers[str(i)].engram.embed for i in model.engram_layer_ids]
         if tables:
             # a log line: stderr, so that what a command prints (generated text, reports)
@@ -343,11 +345,29 @@ class StageRunner:
         x, pre = self.model.forward_layers(carry.x, carry.pre, ctx)
         prefetch.join_all(ctx)
         ctx.trace("stage_exit", self.model.layer_ids[-1], x)
+        if self.model.mtp is not None:  # the step's target features into the DSpark rings
+            dspark.seed(self.model, ctx)
         if self.model.head is not None:
             if ctx.logits_rows is not None:
                 x, pre = x[ctx.logits_rows], pre[ctx.logits_rows]
             return self.model.logits(x, pre)
         return Carry(x, pre, carry.hash_ids, carry.dead)
+
+    @torch.inference_mode()
+    def draft(
+        self, batch: StepBatch, tokens: torch.Tensor, accepted: torch.Tensor | None = None
+    ) -> dspark.Drafts:
+        """DSpark drafts for each run of the step just computed, from its last accepted position
+        (a verify run's anchor and ``accepted`` [B] drafts; every token of any other run) and
+        ``tokens`` [B], the token sampled there."""
+        dev = self.device
+        lens = torch.tensor(batch.run_lens)
+        ends = torch.tensor(batch.start_pos) + lens - 1
+        if batch.drafts is not None and accepted is not None:
+            ends = ends - torch.tensor(batch.drafts) + accepted.cpu()
+        slots = torch.tensor(batch.slots)
+        return dspark.draft(self.model, self.kv, to_device(ends, dev), to_device(slots, dev),
+                            tokens.to(dev))  # fmt: skip
 
     def _hash(self, ctx: ForwardContext, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's hash ids and image-token mask: computed by the one hasher (the first

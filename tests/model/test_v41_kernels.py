@@ -1,4 +1,4 @@
-"""V4.1's attention and indexer kernels inside the model: every ``V41Attention._attend`` and
+"""V4.1's attention and indexer kernels inside the model: every ``V41Attention.attend`` and
 ``_index`` call of a mixed workload on ``v41-small`` (prefill chunks that split ratio-2 groups,
 decode rows, two requests in one step) computed by the Triton kernel and by the torch path from
 the same inputs and caches, so the kernels' reading of rings, runs and block tables is checked
@@ -23,7 +23,7 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
     dtype = "bfloat16" if DEVICE == "cuda" else "float32"
     runner = StageRunner.load(v41_small, num_slots=4, max_len=256, device=DEVICE, dtype=dtype)
     cls = v41_attention.V41Attention
-    attend, index, select, calls = cls._attend, cls._index, v41_attention.Indexer.select, []
+    attend, index, select, calls = cls.attend, cls._index, v41_attention.Indexer.select, []
     scored: list[torch.Tensor] = []
 
     def keep(self, scores, seen, allowed=None):  # on the kernel pass: both selections
@@ -56,12 +56,12 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
         torch.testing.assert_close(got[fin].float() / scale, want[fin].float() / scale, rtol=0,
                                    atol=tol)  # fmt: skip
 
-    def both(self, q, kv, picks, step, cache):
+    def both(self, q, kv, comp, rows, step, cache):
         monkeypatch.setattr(v41_attention, "use_triton", lambda device: True)
-        got = attend(self, q, kv, picks, step, cache)
+        got = attend(self, q, kv, comp, rows, step, cache)
         monkeypatch.setattr(v41_attention, "use_triton", lambda device: False)
-        want = attend(self, q, kv, picks, step, cache)
-        calls.append((self.role.kind, picks is not None and bool((picks >= 0).any())))
+        want = attend(self, q, kv, comp, rows, step, cache)
+        calls.append((self.role.kind, rows is not None and bool((rows >= 0).any())))
         scale = want.float().abs().amax().clamp_min(1e-6)
         tol = 1e-5 if q.dtype == torch.float32 else 2e-2  # bf16 probabilities, another max
         torch.testing.assert_close(got.float() / scale, want.float() / scale, rtol=0, atol=tol)
@@ -81,7 +81,7 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
         return out
 
     monkeypatch.setattr(fused, "rope_quant", rope_on_torch)
-    monkeypatch.setattr(cls, "_attend", both)
+    monkeypatch.setattr(cls, "attend", both)
     monkeypatch.setattr(cls, "_index", both_index)
     monkeypatch.setattr(v41_attention.Indexer, "select", keep)
     a, b = prompt(45, 11), prompt(30, 12)

@@ -150,7 +150,7 @@ class Reference:
         self.hasher = EngramHasher(EngramLayout.from_config(ecfg), tmap, 1)
         self.eps, self.hc, self.D = c["rms_norm_eps"], c["hc_mult"], c["hidden_size"]
         self.H, self.hd, self.rd = c["num_attention_heads"], c["head_dim"], c["qk_rope_head_dim"]
-        self.win, self.ratios = c["sliding_window"], c["compress_ratios"]
+        self.win, self.ratios = c["sliding_window"], c["compress_ratios"][: c["num_hidden_layers"]]
         self.kv_src, self.idx_src = c["kv_source_layer_ids"], c["index_source_layer_ids"]
         self.cand_src, n = c["candidate_source_layer_id"], c["max_position_embeddings"]
         yarn = tuple(c["rope_scaling"][k] for k in YARN)

@@ -1,0 +1,148 @@
+"""DeepSeek-V4.1's DSpark draft stages (``mtp.*``; ``../shared/V41-ARCH.md`` 3): a block of
+``dspark_block_size`` tokens drafted in one pass from the target's own features.
+
+- **Features.** Each target forward keeps, at the input of each ``dspark_target_layer_ids``
+  layer (after its Engram, before its mixes), the mean of the hc copies; ``main_x =
+  main_norm(main_proj(their concatenation))``. Every stage writes its window latent of
+  ``main_x`` into its own ring at the token's position (``seed``): the stages' rings hold the
+  target's past, never a draft's.
+- **Draft** at a request's last accepted position ``p`` (``draft``): the block ``[the token
+  sampled after p, noise id, ...]`` sits at positions ``p + 1 ..``, embedded with the shared
+  embedding, through the stages (full lagged-mHC blocks without Engram); each block query
+  attends over the ring's positions ``p - window + 1 .. p`` (oldest first) and every row of its
+  block (non-causal), with the sink. The head is the model's, after the last stage's own norm;
+  the Markov head adds, position by position, logits of the previous token (the sampled one,
+  then each draft), and each draft is their argmax (greedy: a draft is a point mass, so any
+  choice keeps the verified output exact). The confidence head scores each position.
+
+Rollback needs nothing: a verify run writes ring rows at positions past the accepted one, which
+no later draft's window reaches before they are written again (rings of ``window + K`` rows,
+``engramrt.model.v41_cache``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engramrt.model.layers import RMSNorm
+from engramrt.model.mhc import hc_pre
+from engramrt.model.quant import StoredLinear
+from engramrt.model.v41_attention import StepRuns, V41Attention, angles_at
+from engramrt.model.v41_cache import V41Cache
+
+
+@dataclass
+class Drafts:
+    tokens: torch.Tensor  # [B, block] the drafts
+    logits: torch.Tensor  # [B, block, V] fp32, with the Markov bias
+    confidence: torch.Tensor  # [B, block] fp32
+
+
+@dataclass
+class DraftContext:
+    """What a stage's block reads in a draft pass (in place of a target step's
+    ``ForwardContext``): the block queries' positions and window ends, the cache."""
+
+    kv: V41Cache
+    runs: StepRuns  # per query: ``pos`` = its window's end p, ``slot``, ``real``
+    positions: torch.Tensor  # [N] the query's own position (p + 1 + i)
+    block: int
+    tracer = None
+    step_cache: dict = field(default_factory=dict)
+
+    def trace(self, *args) -> None:
+        pass
+
+
+class DSparkAttention(V41Attention):
+    """Ratio-0 window attention over the target's latents (``seed``) and the draft block."""
+
+    def seed(self, main_x: torch.Tensor, step: StepRuns, cache: V41Cache) -> None:
+        kv = self.latents(main_x, step.rotation(self.rope_key))
+        ring = cache.window[self.layer_id].view(-1, self.head_dim)
+        ring.index_copy_(0, step.ring_rows(cache), kv)
+
+    def forward(self, x: torch.Tensor, ctx: DraftContext) -> torch.Tensor:
+        angles = angles_at(ctx.positions, self.rope_key)
+        rot = angles.cos(), angles.sin()
+        q, kv = self.queries(self.q_norm(self.wq_a(x)), rot), self.latents(x, rot)
+        n = len(x)
+        start = torch.arange(0, n, ctx.block, device=x.device).repeat_interleave(ctx.block)
+        rows = start[:, None] + torch.arange(ctx.block, device=x.device)  # the query's block
+        out = self.attend(q, kv, kv, rows, ctx.runs, ctx.kv)
+        return self.output(out, rot)
+
+
+class MarkovHead(nn.Module):
+    """A rank-``r`` bigram: the previous token's embedding through its own head."""
+
+    def __init__(self, vocab: int, rank: int, dtype: torch.dtype):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, rank, dtype=dtype)
+        self.head = nn.Linear(rank, vocab, bias=False, dtype=torch.float32)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = nn.Linear(width, 1, bias=False, dtype=torch.float32)
+
+
+def stage_parts(block: nn.Module, cfg, stage: int, dtype: torch.dtype) -> None:
+    """A stage's pieces beside its block: the first's feature projection, the last's norm,
+    Markov and confidence heads (checkpoint names ``mtp.{s}.main_proj`` ...)."""
+    v = cfg.v41
+    if stage == 0:
+        block.main_proj = StoredLinear(v.dim, v.dim * len(v.dspark_target_layer_ids))
+        block.main_norm = RMSNorm(v.dim, v.norm_eps, dtype)
+    if stage == v.n_mtp_layers - 1:
+        block.norm = RMSNorm(v.dim, v.norm_eps, dtype)
+        block.markov_head = MarkovHead(cfg.vocab_size, v.dspark_markov_rank, dtype)
+        block.confidence_head = ConfidenceHead(v.dim + v.dspark_markov_rank)
+
+
+def seed(model, ctx) -> None:
+    """Every stage's ring rows of this step's tokens, from the target features its blocks kept
+    (``ctx.step_cache["features"]``)."""
+    feats = ctx.step_cache["features"]
+    first = model.mtp[0]
+    hidden = torch.cat([feats[i] for i in model.cfg.v41.dspark_target_layer_ids], dim=-1)
+    main_x = first.main_norm(first.main_proj(hidden))
+    step = StepRuns.of(ctx)
+    for stage in model.mtp:
+        stage.attn.seed(main_x, step, ctx.kv)
+
+
+def draft(model, cache: V41Cache, ends: torch.Tensor, slots: torch.Tensor,
+          tokens: torch.Tensor) -> Drafts:  # fmt: skip
+    """One draft pass for ``B`` requests: ``ends`` [B] each one's last accepted position,
+    ``slots`` [B], ``tokens`` [B] the token sampled after it."""
+    v = model.cfg.v41
+    b, k, dev = len(tokens), v.dspark_block_size, tokens.device
+    ids = torch.full((b, k), v.dspark_noise_token_id, dtype=torch.long, device=dev)
+    ids[:, 0] = tokens
+    p = ends.repeat_interleave(k)
+    runs = StepRuns(p, p + 1, torch.zeros_like(p), p + 1, slots.repeat_interleave(k),
+                    torch.ones_like(p, dtype=torch.bool), torch.arange(b, device=dev)
+                    .repeat_interleave(k), None, 0)  # fmt: skip
+    ctx = DraftContext(cache, runs, p + 1 + torch.arange(k, device=dev).repeat(b), k)
+    x, pre = model.embed_tokens(ids.flatten())
+    for stage in model.mtp:
+        x, pre = stage(x, pre, ctx)
+    last = model.mtp[-1]
+    y = hc_pre(x, pre)
+    logits = model.project(last.norm(y)).unflatten(0, (b, k))
+    markov = last.markov_head
+    prev, embeds, out = tokens, [], []
+    for i in range(k):  # the Markov bias of the previous token, then its argmax
+        e = markov.embed(prev)
+        logits[:, i] += torch.nn.functional.linear(e.float(), markov.head.weight)
+        embeds.append(e)
+        prev = logits[:, i].argmax(-1)
+        out.append(prev)
+    both = torch.cat([y.unflatten(0, (b, k)), torch.stack(embeds, 1)], dim=-1)
+    confidence = last.confidence_head.proj(both.float()).squeeze(-1)
+    return Drafts(torch.stack(out, 1), logits, confidence)
