@@ -26,7 +26,7 @@ from engramrt.kernels import compiles
 from engramrt.kernels.compiles import compilations, count_compilations
 from engramrt.model import v41_cache
 from engramrt.model.checkpoint import check_layer_count, default_dtype
-from engramrt.model.decoder import check_v41_stage
+from engramrt.model.decoder import check_dspark, check_v41_stage
 from engramrt.parallel.faults import inject_stage_faults
 from engramrt.parallel.launch import DistConfig, stage_device
 from engramrt.parallel.partition import stage_layers
@@ -73,6 +73,12 @@ class EngineOptions:
     def speculative(self) -> SpecConfig | None:
         """``--speculative-config`` parsed (a bad one: a ValueError naming the rule)."""
         return SpecConfig.parse(self.speculative_config)
+
+    @property
+    def dspark(self) -> bool:
+        """Drafts from V4.1's DSpark stages (``--speculative-config`` method ``dspark``)."""
+        spec = self.speculative
+        return spec is not None and spec.method == "dspark"
 
     @property
     def verify_drafts(self) -> int:
@@ -124,7 +130,23 @@ def check(opts: EngineOptions) -> tuple[ModelConfig, int]:
     check_layer_count(opts.model_dir, cfg)
     if cfg.v41 is not None:
         _check_v41(opts, cfg)
+    if opts.dspark:
+        _check_dspark(opts, cfg)
     return cfg, max_len
+
+
+def _check_dspark(opts: EngineOptions, cfg: ModelConfig) -> None:
+    """DSpark drafts need its stages, at most a block of drafts, and (for now) one pipeline
+    stage: the drafting stage embeds the block and reads the target layers' features."""
+    check_dspark(cfg, list(range(cfg.num_layers)))
+    v, k = cfg.v41, opts.speculative.num_speculative_tokens
+    if k > v.dspark_block_size:
+        raise ValueError(f"num_speculative_tokens {k} exceeds the DSpark block "
+                         f"({v.dspark_block_size} drafts a pass)")  # fmt: skip
+    if len(opts.partition) > 1:
+        raise ValueError("--speculative-config method 'dspark' runs on one pipeline stage (the "
+                         "stage that drafts embeds the block and reads the target layers "
+                         f"{list(v.dspark_target_layer_ids)}): use -pp 1")  # fmt: skip
 
 
 def _check_v41(opts: EngineOptions, cfg: ModelConfig) -> None:
@@ -179,7 +201,8 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
     if runner.device.type != "cuda" or opts.kv_cache_memory_bytes is not None:
         cap = opts.max_num_seqs * -(-max_len // opts.block_size)
         every = list(range(cfg.num_layers))
-        held, block = fixed(every), per_block(every)
+        held, block = fixed(every + runner.model.cache_layer_ids[len(runner.model.layer_ids) :]), \
+            per_block(every)  # fmt: skip
         budget = (opts.kv_cache_memory_bytes or CPU_KV_BYTES) - held
         if budget < block:
             raise ValueError(
@@ -219,7 +242,7 @@ def build_stage(
         opts.model_dir, opts.max_num_seqs, max_len, device,
         opts.dtype or default_dtype(cfg.torch_dtype, device),
         stage_layers(opts.partition, rank), opts.block_size, num_blocks=0, seed=opts.seed,
-        table_memory=opts.table_memory,
+        table_memory=opts.table_memory, dspark=opts.dspark,
     )  # fmt: skip
     inject_stage_faults(runner, rank)  # test-only, from the environment (A/B arms)
     pipe = Pipeline(runner, rank, world)

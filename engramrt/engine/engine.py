@@ -320,7 +320,7 @@ class Engine:
         prompt chunk (it is recomputed)."""
         result = launched.result.wait()
         now, outputs, offset, x = time.monotonic(), [], 0, 0
-        for row in launched.rows:
+        for b, row in enumerate(launched.rows):
             req, n, i = row.req, row.n, x  # i: the row's first sample
             offset += n
             x += 1 + len(row.drafts)
@@ -339,6 +339,8 @@ class Engine:
                 outputs.append(self._verified(req, row, result, i, now))
             else:
                 outputs.append(self._append(req, result, i, now))
+            if result.drafts is not None:  # DSpark's, for the tokens after the last one
+                req.proposed, req.proposed_at = result.drafts[b], req.num_tokens
         return outputs
 
     def _propose(self, req: Request, limit: int) -> list[int]:
@@ -350,8 +352,11 @@ class Engine:
             return []
         room = min(limit, p.max_tokens - req.num_output_tokens - 1,
                    self.cfg.max_model_len - req.num_tokens)  # fmt: skip
-        drafts = self.cfg.speculative.propose(req.token_ids, room)
-        k = self.cfg.speculative.num_speculative_tokens
+        spec = self.cfg.speculative
+        k = spec.num_speculative_tokens
+        if spec.method == "dspark":  # drafted by the last step, when that left it here
+            return req.proposed[: min(k, room)] if req.proposed_at == req.num_tokens else []
+        drafts = spec.propose(req.token_ids, room)
         if self.cfg.uniform_drafts and room >= k:  # any token is a valid guess
             drafts += [(drafts or req.token_ids)[-1]] * (k - len(drafts))
         return drafts

@@ -176,6 +176,9 @@ class Request:
     num_preemptions: int = 0
     matcher: Any = None  # the grammar's llguidance matcher, for a guided request
     drafts: list[int] = field(default_factory=list)  # speculative tokens of its scheduled run
+    # DSpark: the drafts its last step made for the tokens after its ``proposed_at``-th
+    proposed: list[int] = field(default_factory=list)
+    proposed_at: int = -1
 
     @property
     def needs_host_tokens(self) -> bool:

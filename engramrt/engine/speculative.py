@@ -1,18 +1,22 @@
-"""Speculative decoding with n-gram (prompt-lookup) drafts, vLLM's ``--speculative-config``.
+"""Speculative decoding, vLLM's ``--speculative-config``: n-gram (prompt-lookup) drafts, or
+DeepSeek-V4.1's DSpark stages (``engramrt.model.dspark``).
 
-A decoding request whose last ``n`` tokens (``prompt_lookup_max`` down to ``prompt_lookup_min``)
-occurred earlier in its own tokens proposes the ``k`` tokens that followed that occurrence. The
-step computes the anchor (its last sampled token) and the drafts as one run and samples a token
-after each of them; the drafts are accepted while they equal those samples, and the sample after
-the last accepted one (the bonus) is kept too. A draft is a point mass, so "sample from the
-target, accept while equal" is exactly the rejection-sampling rule (accept with probability
-p(draft); on rejection, draw from p without the draft): greedy output is token for token the
-output without speculation, and sampled output keeps the target distribution.
+``ngram``: a decoding request whose last ``n`` tokens (``prompt_lookup_max`` down to
+``prompt_lookup_min``) occurred earlier in its own tokens proposes the ``k`` tokens that followed
+that occurrence. ``dspark``: the last stage drafts each request's next ``k`` tokens at the end of
+every step (after its sampler, from its last accepted position) and sends them with the sampled
+tokens; the next step verifies them. Either way the step computes the anchor (its last sampled
+token) and the drafts as one run and samples a token after each of them; the drafts are accepted
+while they equal those samples, and the sample after the last accepted one (the bonus) is kept too.
+A draft is a point mass, so "sample from the target, accept while equal" is exactly the rejection-
+sampling rule (accept with probability p(draft); on rejection, draw from p without the draft):
+greedy output is token for token the output without speculation, and sampled output keeps the target
+distribution.
 
-The Engram history must advance by the anchor and the accepted drafts only (SPEC: history
-commits): a verify run commits nothing when it is hashed, and the next step's first stage
-commits ``1 + accepted`` tokens of the block (``EngramHasher.commit_verify``), never the bonus,
-which is the next anchor, and never a rejected draft.
+The Engram history must advance by the anchor and the accepted drafts only (SPEC: history commits):
+a verify run commits nothing when it is hashed, and the next step's first stage commits ``1 +
+accepted`` tokens of the block (``EngramHasher.commit_verify``), never the bonus, which is the next
+anchor, and never a rejected draft.
 """
 
 from __future__ import annotations
@@ -23,17 +27,22 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+KEYS = {"ngram": {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+        "dspark": {"num_speculative_tokens"}}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class SpecConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    method: str = "ngram"
 
     @classmethod
     def parse(cls, text: str | None) -> SpecConfig | None:
         """vLLM's JSON: ``{"method": "ngram", "num_speculative_tokens": K,
-        "prompt_lookup_max": 4, "prompt_lookup_min": 2}``."""
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or ``{"method": "dspark",
+        "num_speculative_tokens": K}``."""
         if not text:
             return None
         try:
@@ -43,15 +52,14 @@ class SpecConfig:
         if not isinstance(raw, dict):
             raise ValueError("--speculative-config must be a JSON object")
         method = raw.pop("method", "ngram")
-        if method != "ngram":
-            raise ValueError(f"--speculative-config method {method!r}: only 'ngram' is supported")
-        unknown = sorted(set(raw) - {"num_speculative_tokens", "prompt_lookup_max",
-                                     "prompt_lookup_min"})  # fmt: skip
+        if method not in KEYS:
+            raise ValueError(f"--speculative-config method {method!r}: one of {sorted(KEYS)}")
+        unknown = sorted(set(raw) - KEYS[method])
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {unknown}")
         if "num_speculative_tokens" not in raw:
             raise ValueError("--speculative-config needs num_speculative_tokens")
-        cfg = cls(**{k: int(v) for k, v in raw.items()})
+        cfg = cls(**{k: int(v) for k, v in raw.items()}, method=method)
         if cfg.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
@@ -60,7 +68,8 @@ class SpecConfig:
 
     def to_json(self) -> str:
         """vLLM's spelling, which ``parse`` reads back."""
-        return json.dumps({"method": "ngram", **asdict(self)})
+        return json.dumps({k: v for k, v in asdict(self).items() if k in KEYS[self.method]}
+                          | {"method": self.method})  # fmt: skip
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to ``min(k, limit)`` drafts: what followed the latest earlier occurrence of the

@@ -232,8 +232,19 @@ class EngramMHCModel(nn.Module):
 def dspark_stages(
     cfg: ModelConfig, layer_ids: list[int], dtype: torch.dtype, tp: TensorParallel
 ) -> nn.ModuleList:
-    """The DSpark stages, on the stage that holds the last layer, its target layers and the
-    embedding (the draft block's tokens): the only place they can draft from."""
+    """The DSpark stages, on the stage that holds the last layer (``check_dspark``)."""
+    check_dspark(cfg, layer_ids)
+    stages = nn.ModuleList()
+    for s, layer in enumerate(cfg.v41.dspark_stages):
+        block = Block(cfg, layer, dtype, tp)
+        stage_parts(block, cfg, s, dtype)
+        stages.append(block)
+    return stages
+
+
+def check_dspark(cfg: ModelConfig, layer_ids: list[int]) -> None:
+    """A model with DSpark stages, drafting on the pipeline stage that holds the embedding (the
+    draft block's tokens), the target layers (their features) and the last layer (the head)."""
     v = cfg.v41
     if v is None or not v.dspark_stages:
         raise ValueError(
@@ -245,12 +256,6 @@ def dspark_stages(
         raise ValueError(f"DSpark drafts on the pipeline stage holding the embedding, its target "
                          f"layers {list(v.dspark_target_layer_ids)} and the last layer; this "
                          f"stage lacks layers {need}")  # fmt: skip
-    stages = nn.ModuleList()
-    for s, layer in enumerate(v.dspark_stages):
-        block = Block(cfg, layer, dtype, tp)
-        stage_parts(block, cfg, s, dtype)
-        stages.append(block)
-    return stages
 
 
 def check_v41_stage(cfg: ModelConfig, layer_ids: list[int]) -> None:

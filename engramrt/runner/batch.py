@@ -139,6 +139,8 @@ class StepResult:
     target_logprobs: list[float] | None = None  # per token, of its target (NaN: none)
     target_top_ids: list[list[int]] | None = None
     target_top_logprobs: list[list[float]] | None = None
+    # DSpark: each run's drafts for its next step, from its last accepted position
+    drafts: list[list[int]] | None = None
 
 
 class DeviceResult:
@@ -170,13 +172,19 @@ class DeviceResult:
     def ready(cls, result: StepResult) -> DeviceResult:
         return cls(result=result)
 
+    def add(self, name: str, value: torch.Tensor) -> None:
+        """One more output computed after the sampler's (its copy then ends the step)."""
+        self.host[name] = value.to("cpu", non_blocking=True)
+        if self.event is not None:
+            self.event.record(torch.cuda.current_stream(value.device))
+
     def wait(self) -> StepResult:
         if self.result is not None:
             return self.result
         if self.event is not None:
             self.event.synchronize()
         h = {k: v.tolist() for k, v in self.host.items()}
-        result = StepResult(h["tokens"], self.logits)
+        result = StepResult(h["tokens"], self.logits, drafts=h.get("drafts"))
         if "logprobs" in h:
             result.logprobs, result.top_ids = h["logprobs"], h["top_ids"]
             result.top_logprobs = h["top_logprobs"]

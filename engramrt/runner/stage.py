@@ -287,6 +287,8 @@ class StageRunner:
         pending, tokens = self.sampler.launch(out, batch)
         if self.keeps_samples and batch.drafts is None:
             self.slots.keep_samples(batch, tokens)
+        if self.model.mtp is not None:  # DSpark: the next step's drafts, sent with the tokens
+            pending.add("drafts", self._draft_after(batch, tokens))
         return pending
 
     @torch.inference_mode()
@@ -361,13 +363,33 @@ class StageRunner:
         (a verify run's anchor and ``accepted`` [B] drafts; every token of any other run) and
         ``tokens`` [B], the token sampled there."""
         dev = self.device
-        lens = torch.tensor(batch.run_lens)
-        ends = torch.tensor(batch.start_pos) + lens - 1
+        ends = to_device(torch.tensor(batch.start_pos) + torch.tensor(batch.run_lens) - 1, dev)
         if batch.drafts is not None and accepted is not None:
-            ends = ends - torch.tensor(batch.drafts) + accepted.cpu()
-        slots = torch.tensor(batch.slots)
-        return dspark.draft(self.model, self.kv, to_device(ends, dev), to_device(slots, dev),
-                            tokens.to(dev))  # fmt: skip
+            ends = ends - to_device(torch.tensor(batch.drafts), dev) + accepted
+        slots = to_device(torch.tensor(batch.slots), dev)
+        return dspark.draft(self.model, self.kv, ends, slots, tokens.to(dev).clamp_min(0))
+
+    def _draft_after(self, batch: StepBatch, samples: torch.Tensor) -> torch.Tensor:
+        """The next step's drafts ``[B, block]`` from this step's ``samples`` (``StepBatch.tails``
+        a run), on the device: each verify run's accepted drafts counted there (the host counts
+        the same), its bonus token the sample after them."""
+        dev, tails = self.device, batch.tails
+        first = to_device(torch.tensor([0, *tails[:-1]]).cumsum(0), dev)  # each run's first
+        accepted = None
+        if batch.drafts is not None:
+            k = max(batch.drafts)
+            b = len(tails)
+            at = torch.arange(k)
+            has = at < torch.tensor(batch.drafts)[:, None]  # [B, k]
+            pos = torch.tensor(batch.start_pos)[:, None] + 1 + at  # the drafts' positions
+            slot = torch.tensor(batch.slots)[:, None].expand(b, k)
+            guess = self.slots.tokens[to_device(slot, dev), to_device(pos.clamp_max(
+                self.slots.tokens.shape[1] - 1), dev)].long()  # fmt: skip
+            got = samples[(first[:, None] + to_device(at, dev)).clamp_max(len(samples) - 1)]
+            same = (guess == got) & to_device(has, dev)
+            accepted = same.long().cumprod(1).sum(1)
+            first = first + accepted
+        return self.draft(batch, samples[first], accepted).tokens
 
     def _hash(self, ctx: ForwardContext, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's hash ids and image-token mask: computed by the one hasher (the first

@@ -49,6 +49,8 @@ CASES = [
     ("port", lambda t: ["--port", "99999"], ["--port", "65535"]),
     ("blocks", lambda t: ["--num-gpu-blocks-override", "0"], ["--num-gpu-blocks-override"]),
     ("tokenizer", lambda t: [_bigger_tokenizer(t)], ["tokenizer", "vocab_size", "1064", "1024"]),
+    ("dspark", lambda t: ["--speculative-config", '{"method": "dspark", '
+                          '"num_speculative_tokens": 2}'], ["dspark", "with DSpark stages"]),
 ]  # fmt: skip
 
 

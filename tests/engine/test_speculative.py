@@ -63,8 +63,13 @@ def test_acceptance_and_config() -> None:
     assert accepted([1, 2], [1, 2, 3]) == 2
     cfg = SpecConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
     assert cfg == SpecConfig(3, 4, 2) and SpecConfig.parse(None) is None
+    dspark = SpecConfig.parse('{"method": "dspark", "num_speculative_tokens": 5}')
+    assert dspark.method == "dspark" and SpecConfig.parse(dspark.to_json()) == dspark
+    assert SpecConfig.parse(cfg.to_json()) == cfg
     for bad, rule in [
-        ('{"method": "eagle", "num_speculative_tokens": 2}', "only 'ngram'"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "one of"),
+        ('{"method": "dspark", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
+         "unknown keys"),
         ('{"num_speculative_tokens": 0}', ">= 1"),
         ("[1]", "JSON object"),
         ('{"num_speculative_tokens": 2, "prompt_lookup_min": 5}', "<="),

@@ -167,7 +167,8 @@ def test_prefix_hits_restore_the_window_and_equal_cold_runs(runner, snapshots, h
 
 
 def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys) -> None:
-    """Illegal cuts, speculation and odd block sizes are errors naming the rule; prefix
+    """Illegal cuts, odd block sizes and DSpark drafts it cannot make (more than a block, over a
+    pipeline) are errors naming the rule; prefix
     caching over a cache without window snapshots is switched off with a log line; the image
     token is a 400 (text-only serving)."""
     base = {"model_dir": v41_small, "partition": [6], "max_model_len": 256}
@@ -176,6 +177,10 @@ def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys
         ({"partition": [2, 4]}, ["layer 2", "legal cuts", "[1, 3]"]),
         ({"partition": [1, 1, 4]}, ["layer 2", "legal cuts"]),
         ({"block_size": 5}, ["--block-size", "even"]),
+        ({"speculative_config": '{"method": "dspark", "num_speculative_tokens": 6}'},
+         ["num_speculative_tokens 6", "block (5"]),
+        ({"speculative_config": '{"method": "dspark", "num_speculative_tokens": 2}',
+          "partition": [3, 3]}, ["dspark", "-pp 1"]),
     ]:  # fmt: skip
         with pytest.raises(ValueError) as err:
             check(EngineOptions(**{**base, **bad}))

@@ -1,0 +1,111 @@
+"""DSpark speculative decoding through the engine, on ``v41-small`` (fp32, CPU): greedy output
+equals decoding without speculation, and every draft the engine proposes after a verify step
+(counted and rolled back on the device) is the draft a plain engine makes at the same position.
+
+The random model's drafts are almost never right, so acceptance is driven by an oracle: n-gram
+speculation whose drafts come from the output without speculation, the first ``j`` right
+(``speculative_run``), while the stage drafts with DSpark after every step from the accepted
+position it counts itself. One request at a time (V4.1 is not batch-invariant:
+``speculative_run``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engramrt.engine.speculative import SpecConfig
+from engramrt.runner.stage import StageRunner
+from tests.engine.test_engine import assert_idle
+from tests.model.test_v41_engine import PARAMS, PROMPTS, speculative_run
+from tests.support.engine_factory import build_engine
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def runner(v41_small: Path) -> StageRunner:
+    return StageRunner.load(v41_small, num_slots=1, max_len=256, dtype="float32", dspark=True)
+
+
+def recording(engine):
+    """``engine`` whose every step records each running request's proposed drafts by (request,
+    the token count they follow); the outputs by request."""
+    proposals, outputs = {}, {}
+    step = engine.step
+
+    def step_and_record():
+        outs = step()
+        for o in outs:
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        for req in engine.scheduler.running:
+            if req.proposed_at == req.num_tokens:
+                proposals[req.id, req.num_tokens] = list(req.proposed)
+        return outs
+
+    engine.step = step_and_record
+    engine.proposals, engine.outputs = proposals, outputs
+    return engine
+
+
+def plain(runner):
+    engine = recording(build_engine(runner, 256, 1, max_num_seqs=1))
+    for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
+        engine.add_request(str(i), p, sp)
+    while engine.has_work():
+        engine.step()
+    return engine
+
+
+def test_drafts_after_verify_steps_are_the_plain_drafts(runner) -> None:
+    """Verify runs accepting 0..K drafts (the oracle's), each followed on the device by the
+    acceptance count, the bonus token and a DSpark draft from there: every proposal equals the
+    plain engine's at the same position (the rings hold the target's features, a rejected
+    draft's rows out of every later window), and the greedy tokens are the plain ones."""
+    base = plain(runner)
+    want = [base.outputs[str(i)] for i in range(len(PROMPTS))]
+    spec = {}
+
+    def engine_with(**kw):
+        spec["engine"] = recording(build_engine(runner, 256, 1, **kw))
+        return spec["engine"]
+
+    assert speculative_run(engine_with, {"max_num_seqs": 1}, want, K) == want
+    got = spec["engine"].proposals
+    assert len(got) > 25 and got.keys() <= base.proposals.keys()
+    assert all(got[key] == base.proposals[key] for key in got)
+    assert len({tuple(v) for v in got.values()}) > len(got) // 2  # drafts that vary
+
+
+def test_greedy_with_dspark_equals_without(runner) -> None:
+    """``--speculative-config {"method": "dspark", ...}``: each decoding step verifies the K
+    drafts its previous step made; greedy tokens equal decoding without speculation, each
+    verified block is the plain engine's draft at its anchor, and the engine ends idle."""
+    base = plain(runner)
+    engine = build_engine(
+        runner, 256, 1, max_num_seqs=1, speculative=SpecConfig(K, method="dspark")
+    )
+    verified = []
+    launch = engine._launch
+
+    def launch_and_record():
+        launched = launch()
+        for row in launched.rows if launched else []:
+            if row.drafts:
+                verified.append((row.req.id, row.start + 1, list(row.drafts)))
+        return launched
+
+    engine._launch = launch_and_record
+    for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
+        engine.add_request(str(i), p, sp)
+    out = {}
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert out == base.outputs
+    assert len(verified) > 20
+    # (fewer than K where max_tokens leaves less room)
+    assert all(d == base.proposals[rid, n][: len(d)] for rid, n, d in verified)
+    stats = engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] == sum(len(d) for _, _, d in verified)
+    assert_idle(engine)
