@@ -295,6 +295,7 @@ class Engine:
             target_k=target_k or 0,
             masks=masks,
             drafts=drafts if any(drafts) else None,
+            draft_tokens=[t for r in rows for t in r.drafts],
             commits=self.commits,
             snapshots=snapshots,
         )

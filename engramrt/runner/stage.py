@@ -377,17 +377,13 @@ class StageRunner:
         first = to_device(torch.tensor([0, *tails[:-1]]).cumsum(0), dev)  # each run's first
         accepted = None
         if batch.drafts is not None:
-            k = max(batch.drafts)
-            b = len(tails)
+            b, k = len(tails), max(batch.drafts)
+            guess = torch.full((b, k), -2, dtype=torch.int64)  # no draft: never a sample (>= -1)
             at = torch.arange(k)
-            has = at < torch.tensor(batch.drafts)[:, None]  # [B, k]
-            pos = torch.tensor(batch.start_pos)[:, None] + 1 + at  # the drafts' positions
-            slot = torch.tensor(batch.slots)[:, None].expand(b, k)
-            guess = self.slots.tokens[to_device(slot, dev), to_device(pos.clamp_max(
-                self.slots.tokens.shape[1] - 1), dev)].long()  # fmt: skip
+            has = at < torch.tensor(batch.drafts)[:, None]
+            guess[has] = torch.tensor(batch.draft_tokens, dtype=torch.int64)
             got = samples[(first[:, None] + to_device(at, dev)).clamp_max(len(samples) - 1)]
-            same = (guess == got) & to_device(has, dev)
-            accepted = same.long().cumprod(1).sum(1)
+            accepted = (to_device(guess, dev) == got).long().cumprod(1).sum(1)
             first = first + accepted
         return self.draft(batch, samples[first], accepted).tokens
 
