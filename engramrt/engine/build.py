@@ -136,17 +136,13 @@ def check(opts: EngineOptions) -> tuple[ModelConfig, int]:
 
 
 def _check_dspark(opts: EngineOptions, cfg: ModelConfig) -> None:
-    """DSpark drafts need its stages, at most a block of drafts, and (for now) one pipeline
-    stage: the drafting stage embeds the block and reads the target layers' features."""
-    check_dspark(cfg, list(range(cfg.num_layers)))
+    """DSpark drafts need its stages, at most a block of drafts, and the target layers on the
+    last pipeline stage (which drafts)."""
+    check_dspark(cfg, stage_layers(opts.partition, len(opts.partition) - 1))
     v, k = cfg.v41, opts.speculative.num_speculative_tokens
     if k > v.dspark_block_size:
         raise ValueError(f"num_speculative_tokens {k} exceeds the DSpark block "
                          f"({v.dspark_block_size} drafts a pass)")  # fmt: skip
-    if len(opts.partition) > 1:
-        raise ValueError("--speculative-config method 'dspark' runs on one pipeline stage (the "
-                         "stage that drafts embeds the block and reads the target layers "
-                         f"{list(v.dspark_target_layer_ids)}): use -pp 1")  # fmt: skip
 
 
 def _check_v41(opts: EngineOptions, cfg: ModelConfig) -> None:

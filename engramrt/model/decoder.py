@@ -139,7 +139,8 @@ class EngramMHCModel(nn.Module):
         v0, v1, _ = tp.padded_span(cfg.vocab_size)
         self.vocab_start = v0
         d, last = cfg.hidden_size, cfg.num_layers - 1 in ids
-        self.embed = nn.Embedding(v1 - v0, d, dtype=dtype) if 0 in ids else None
+        # DSpark embeds its draft blocks with the same table, on the last stage
+        self.embed = nn.Embedding(v1 - v0, d, dtype=dtype) if 0 in ids or dspark else None
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, dtype, tp) for i in ids})
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if last else None
         # V4.1 keeps its head fp32, as its reference does (logits straight out in fp32)
@@ -243,19 +244,20 @@ def dspark_stages(
 
 
 def check_dspark(cfg: ModelConfig, layer_ids: list[int]) -> None:
-    """A model with DSpark stages, drafting on the pipeline stage that holds the embedding (the
-    draft block's tokens), the target layers (their features) and the last layer (the head)."""
+    """A model with DSpark stages, drafting on the last pipeline stage, which must hold the
+    target layers (their features feed the stages' rings in the same forward)."""
     v = cfg.v41
     if v is None or not v.dspark_stages:
         raise ValueError(
             "--speculative-config method 'dspark' needs a V4.1 model with DSpark "
             "stages (num_nextn_predict_layers, dspark_block_size in its config)"
         )
-    need = sorted({0, *v.dspark_target_layer_ids, cfg.num_layers - 1} - set(layer_ids))
+    need = sorted({*v.dspark_target_layer_ids, cfg.num_layers - 1} - set(layer_ids))
     if need:
-        raise ValueError(f"DSpark drafts on the pipeline stage holding the embedding, its target "
-                         f"layers {list(v.dspark_target_layer_ids)} and the last layer; this "
-                         f"stage lacks layers {need}")  # fmt: skip
+        raise ValueError(f"DSpark drafts on the last pipeline stage, which must hold its target "
+                         f"layers {list(v.dspark_target_layer_ids)}: this one lacks layers "
+                         f"{need} (cut after layer {min(v.dspark_target_layer_ids)} at the "
+                         "latest)")  # fmt: skip
 
 
 def check_v41_stage(cfg: ModelConfig, layer_ids: list[int]) -> None:

@@ -139,7 +139,7 @@ class StageRunner:
         if placement == "host" and use_triton(device):
             for table in tables:
                 check_reads(table, device)
-        if model.embed is not None and tp.rank == 0:  # the first stage hashes (its leader)
+        if model.layer_ids[0] == 0 and tp.rank == 0:  # the first stage hashes (its leader)
             hasher, tokenizer = load_hasher(model_dir, num_slots, device)
         else:
             hasher, tokenizer = None, load_tokenizer(model_dir)
@@ -155,7 +155,7 @@ class StageRunner:
     @property
     def is_first(self) -> bool:
         """Takes token ids (embeds them); its TP leader also hashes them."""
-        return self.model.embed is not None
+        return self.model.layer_ids[0] == 0
 
     @property
     def is_last(self) -> bool:

@@ -68,8 +68,10 @@ def test_acceptance_and_config() -> None:
     assert SpecConfig.parse(cfg.to_json()) == cfg
     for bad, rule in [
         ('{"method": "eagle", "num_speculative_tokens": 2}', "one of"),
-        ('{"method": "dspark", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
-         "unknown keys"),
+        (
+            '{"method": "dspark", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
+            "unknown keys",
+        ),
         ('{"num_speculative_tokens": 0}', ">= 1"),
         ("[1]", "JSON object"),
         ('{"num_speculative_tokens": 2, "prompt_lookup_min": 5}', "<="),

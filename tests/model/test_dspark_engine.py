@@ -109,3 +109,36 @@ def test_greedy_with_dspark_equals_without(runner) -> None:
     stats = engine.stats()
     assert stats["spec_decode_num_draft_tokens"] == sum(len(d) for _, _, d in verified)
     assert_idle(engine)
+
+
+def test_drafts_on_the_last_pipeline_stage_equal_one_stage(v41_small: Path, runner) -> None:
+    """Two stages in one process (layers 0-2 | 3-5: the cut before the target layers' stage):
+    the last stage embeds the draft block with its own copy of the embedding and counts a
+    verify run's acceptance from the drafts the step message carries (no token rows there);
+    its drafts after a prefill and after a verify step equal the one-stage runner's, bitwise."""
+    from engramrt.runner.batch import StepBatch
+
+    stages = [StageRunner.load(v41_small, num_slots=1, max_len=256, dtype="float32",
+                               layer_ids=ids, dspark=ids[-1] == 5)
+              for ids in ([0, 1, 2], [3, 4, 5])]  # fmt: skip
+    assert stages[1].model.embed is not None and not stages[1].is_first
+    for r in (runner, *stages):
+        r.allocate_kv(1, 256, 4, 64, slack=K)
+    p = PROMPTS[0]
+    prefill = {"new_blocks": [list(range(-(-len(p) // 4) + 2))]}
+
+    def both(batch: StepBatch):
+        whole = runner.run(batch)
+        carry = stages[0].compute(batch)
+        split = stages[1].run(StepBatch(None, batch.slots, batch.run_lens, batch.start_pos,
+                                        drafts=batch.drafts, draft_tokens=batch.draft_tokens),
+                              carry)  # fmt: skip
+        assert split.tokens == whole.tokens and split.drafts == whole.drafts
+        return whole
+
+    first = both(StepBatch(p, [0], [len(p)], [0], **prefill))
+    bonus, drafts = first.tokens[0], first.drafts[0][:K]
+    right = drafts[:1] + [(t + 1) % 1000 for t in drafts[1:]]  # the first may be accepted
+    verify = both(StepBatch([bonus, *right], [0], [1 + K], [len(p)], drafts=[K],
+                            draft_tokens=right))  # fmt: skip
+    assert len(verify.tokens) == 1 + K

@@ -15,11 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engramrt.config import load_json, model_config
 from engramrt.engine.block_manager import BlockManager
 from engramrt.engine.build import EngineOptions, check, kv_blocks
 from engramrt.engine.request import SamplingParams
 from engramrt.model import quant, v41_cache
 from engramrt.model.checkpoint import CheckpointError, load_model
+from engramrt.model.decoder import check_dspark
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 from tests.engine.test_engine import assert_idle, drain, run
@@ -167,8 +169,8 @@ def test_prefix_hits_restore_the_window_and_equal_cold_runs(runner, snapshots, h
 
 
 def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys) -> None:
-    """Illegal cuts, odd block sizes and DSpark drafts it cannot make (more than a block, over a
-    pipeline) are errors naming the rule; prefix
+    """Illegal cuts, odd block sizes and DSpark drafts it cannot make (more than a block, target
+    layers before the last stage) are errors naming the rule; prefix
     caching over a cache without window snapshots is switched off with a log line; the image
     token is a 400 (text-only serving)."""
     base = {"model_dir": v41_small, "partition": [6], "max_model_len": 256}
@@ -179,12 +181,12 @@ def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys
         ({"block_size": 5}, ["--block-size", "even"]),
         ({"speculative_config": '{"method": "dspark", "num_speculative_tokens": 6}'},
          ["num_speculative_tokens 6", "block (5"]),
-        ({"speculative_config": '{"method": "dspark", "num_speculative_tokens": 2}',
-          "partition": [3, 3]}, ["dspark", "-pp 1"]),
     ]:  # fmt: skip
         with pytest.raises(ValueError) as err:
             check(EngineOptions(**{**base, **bad}))
         assert all(w in str(err.value) for w in words), err.value
+    with pytest.raises(ValueError, match=r"last pipeline stage.*\[3, 4, 5\].*lacks layers \[3\]"):
+        check_dspark(model_config(load_json(v41_small)), [4, 5])  # (no legal cut of v41-small)
     runner = StageRunner.load(v41_small, num_slots=2, max_len=64, dtype="float32")
     runner.allocate_kv(2, 64, 4, 32, snapshots=0)
     engine = build_engine(runner, 64, 2, max_num_seqs=2, allocate=False)

@@ -231,3 +231,29 @@ def test_verify_graphs_replay_the_eager_verify_steps(v41_small: Path) -> None:
     replayed.clear()
     assert speculative_run(engine_with, cfg, want, k) == eager
     assert sum(s.verify == k for s in replayed) > 20
+
+
+def test_draft_kernels_equal_the_torch_path(v41_small: Path, monkeypatch) -> None:
+    """A DSpark draft pass of two requests (block queries over the ring's window ending at each
+    request's position, then its own block: the sparse attention kernel with nothing of the
+    run "this step's") on the kernels and on the torch path, from the same rings: the same
+    drafts, logits within the kernels' tolerance (float32: a bf16 near-tie could flip a
+    draft)."""
+    from engramrt.runner.batch import StepBatch
+
+    runner = StageRunner.load(v41_small, num_slots=2, max_len=128, device=DEVICE,
+                              dtype="float32", dspark=True)  # fmt: skip
+    runner.allocate_kv(2, 128, 16, 16)
+    a, b = prompt(21, 5), prompt(9, 6)
+    runner.compute(StepBatch(a + b, [0, 1], [21, 9], [0, 0], new_blocks=[[0, 1], [8]]))
+    batch = StepBatch([3, 4], [0, 1], [1, 1], [21, 9])
+    runner.compute(batch)
+    tokens = torch.tensor([7, 8], device=DEVICE)
+    drafts = []
+    for kernels in (True, False):
+        monkeypatch.setattr(v41_attention, "use_triton", lambda device, k=kernels: k)
+        drafts.append(runner.draft(batch, tokens))
+    got, want = drafts
+    scale = want.logits.abs().max()
+    torch.testing.assert_close(got.logits / scale, want.logits / scale, rtol=0, atol=1e-4)
+    assert torch.equal(got.tokens, want.tokens)
