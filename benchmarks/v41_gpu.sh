@@ -14,6 +14,8 @@
 #   PART=f  issue 35: v41-wide latency (bs 1 and 16, 128 in, 64 out) without and with n-gram
 #           speculation (4 drafts; verify steps from CUDA graphs): the verify step against a
 #           plain one; then `serve` at c = 1/16 and its compilation log lines
+#   PART=g  issue 35: v41-wide latency (bs 1 and 16, 128 in, 64 out) without speculation and
+#           with DSpark drafts (K = 3 and 5; its stage's random weights: the step's cost)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -87,5 +89,19 @@ case "${PART:-b}" in
     PRESET=v41-wide BENCH_SIZES=none CONCURRENCY="1 16" timeout 300 \
       bash benchmarks/serve_gpu.sh "$out/serve" 2>&1 | tee "$out/serve.txt" | tail -8
     grep -i "compil" "$out/serve/serve.log" | tail -8
+    ;;
+  g)  # issue 35: DSpark's verify-and-draft step against a plain step
+    preset v41-wide /tmp/mv41-wide
+    for bs in 1 16; do
+      for k in 0 3 5; do
+        [ "$bs" = 16 ] && [ "$k" = 5 ] && continue
+        spec='{"method": "dspark", "num_speculative_tokens": '$k'}'
+        [ "$k" = 0 ] && spec=""
+        timeout 150 python3 -m engramrt bench throughput --model /tmp/mv41-wide \
+          --batch-size $bs --input-len 128 --output-len 64 --prompt-kind repeat \
+          ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
+          | tee -a "$out/dspark.txt" | grep -E "Decode step|Speculative|requests,"
+      done
+    done
     ;;
 esac
