@@ -164,3 +164,41 @@ class StepGraphs:
         if isinstance(out, torch.Tensor):  # logits: one row per request (per token in decode)
             return out[: n_tok if shape.verify else len(host.slots)], ran
         return out.head(n_tok), ran
+
+
+class DraftGraphs:
+    """CUDA graphs of a draft pass (DSpark's: ``draft(ends, slots, tokens) -> [B, block]``),
+    one per padded batch size. A padded row drafts from position 0 of the spare slot: the pass
+    writes no cache, so padding costs only its compute."""
+
+    def __init__(self, draft: Callable, sizes: list[int], spare_slot: int, device: torch.device):
+        self.graphs: dict[int, tuple] = {}
+        pool = None
+        for b in sorted(sizes, reverse=True):  # the largest first: the others reuse its pool
+            ins = (torch.zeros(b, dtype=torch.int64, device=device),
+                   torch.full((b,), spare_slot, dtype=torch.int64, device=device),
+                   torch.zeros(b, dtype=torch.int64, device=device))  # fmt: skip
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.inference_mode():
+                draft(*ins)  # first use: Triton variants, cached frequency tables
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                out = draft(*ins)
+            pool = graph.pool()
+            self.graphs[b] = (graph, ins, out, spare_slot)
+
+    def __call__(self, ends: torch.Tensor, slots: torch.Tensor,
+                 tokens: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+        """The drafts of ``len(ends)`` rows from the smallest graph that holds them (None: none
+        does; run it eagerly)."""
+        n = len(ends)
+        size = min((b for b in self.graphs if b >= n), default=None)
+        if size is None:
+            return None
+        graph, (e, s, t), out, spare = self.graphs[size]
+        e[:n], s[:n], t[:n] = ends, slots, tokens
+        e[n:], s[n:], t[n:] = 0, spare, 0
+        graph.replay()
+        return out[:n]

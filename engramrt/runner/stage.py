@@ -34,7 +34,7 @@ from engramrt.model.v41_cache import V41Cache
 from engramrt.model.v41_moe import V41MoE
 from engramrt.runner.batch import DeviceResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
-from engramrt.runner.graphs import StepGraphs
+from engramrt.runner.graphs import DraftGraphs, StepGraphs, batch_sizes
 from engramrt.runner.kv_budget import MemoryProfile
 from engramrt.runner.sampler import Sampler, sample_tokens
 from engramrt.runner.slots import SlotTable
@@ -84,6 +84,7 @@ class StageRunner:
     # runs of each Engram layer so far: a count, so a long-running server's memory stays flat
     engram_ran: Counter[int] = field(default_factory=Counter)
     graphs: StepGraphs | None = None
+    draft_graphs: DraftGraphs | None = None  # DSpark's draft pass (``capture_graphs``)
     sampler: Sampler | None = field(init=False, default=None)  # the last stage's
     # what the request in each slot leaves on this stage (``engramrt.runner.slots``)
     slots: SlotTable = field(init=False)
@@ -206,6 +207,11 @@ class StageRunner:
         carry_for = None if self.is_first else (lambda n: Carry.empty(self.model, n, torch.zeros))
         self.graphs = StepGraphs(self.forward, self.kv, self.slots.blocks, self.device, max_batch,
                                  max_tokens, self.is_last, carry_for, verify)  # fmt: skip
+        if self.model.mtp is not None:  # DSpark's draft pass after the sampler, by batch size
+            self.draft_graphs = DraftGraphs(
+                lambda e, s, t: dspark.draft(self.model, self.kv, e, s, t).tokens,
+                batch_sizes(min(max_batch, self.kv.num_slots)), self.kv.num_slots, self.device,
+            )  # fmt: skip
 
     @torch.inference_mode()
     def profile_memory(self, tokens: int, max_len: int, block_size: int, rows: int):
@@ -362,17 +368,22 @@ class StageRunner:
         """DSpark drafts for each run of the step just computed, from its last accepted position
         (a verify run's anchor and ``accepted`` [B] drafts; every token of any other run) and
         ``tokens`` [B], the token sampled there."""
+        ends, slots = self._draft_rows(batch, accepted)
+        return dspark.draft(self.model, self.kv, ends, slots, tokens.to(self.device))
+
+    def _draft_rows(self, batch: StepBatch, accepted: torch.Tensor | None):
+        """(each run's last accepted position, its slot) on the device."""
         dev = self.device
         ends = to_device(torch.tensor(batch.start_pos) + torch.tensor(batch.run_lens) - 1, dev)
         if batch.drafts is not None and accepted is not None:
             ends = ends - to_device(torch.tensor(batch.drafts), dev) + accepted
-        slots = to_device(torch.tensor(batch.slots), dev)
-        return dspark.draft(self.model, self.kv, ends, slots, tokens.to(dev).clamp_min(0))
+        return ends, to_device(torch.tensor(batch.slots), dev)
 
     def _draft_after(self, batch: StepBatch, samples: torch.Tensor) -> torch.Tensor:
         """The next step's drafts ``[B, block]`` from this step's ``samples`` (``StepBatch.tails``
         a run), on the device: each verify run's accepted drafts counted there (the host counts
-        the same), its bonus token the sample after them."""
+        the same), its bonus token the sample after them; a captured graph's draft pass where
+        one fits."""
         dev, tails = self.device, batch.tails
         first = to_device(torch.tensor([0, *tails[:-1]]).cumsum(0), dev)  # each run's first
         accepted = None
@@ -385,7 +396,13 @@ class StageRunner:
             got = samples[(first[:, None] + to_device(at, dev)).clamp_max(len(samples) - 1)]
             accepted = (to_device(guess, dev) == got).long().cumprod(1).sum(1)
             first = first + accepted
-        return self.draft(batch, samples[first], accepted).tokens
+        ends, slots = self._draft_rows(batch, accepted)
+        bonus = samples[first].clamp_min(0)  # (an empty run's -1)
+        if self.draft_graphs is not None:
+            out = self.draft_graphs(ends, slots, bonus)
+            if out is not None:
+                return out
+        return dspark.draft(self.model, self.kv, ends, slots, bonus).tokens
 
     def _hash(self, ctx: ForwardContext, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's hash ids and image-token mask: computed by the one hasher (the first

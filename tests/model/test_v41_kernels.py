@@ -257,3 +257,27 @@ def test_draft_kernels_equal_the_torch_path(v41_small: Path, monkeypatch) -> Non
     scale = want.logits.abs().max()
     torch.testing.assert_close(got.logits / scale, want.logits / scale, rtol=0, atol=1e-4)
     assert torch.equal(got.tokens, want.tokens)
+
+
+@pytest.mark.gpu
+def test_draft_graphs_replay_the_eager_draft(v41_small: Path) -> None:
+    """DSpark's draft pass replayed from a CUDA graph (three requests in the graph of four: a
+    padded row drafting from the spare slot) gives the eager pass's drafts, and the eager one
+    still runs where no graph fits (float32)."""
+    from engramrt.runner.batch import StepBatch
+
+    runner = StageRunner.load(v41_small, num_slots=4, max_len=128, device="cuda",
+                              dtype="float32", dspark=True)  # fmt: skip
+    runner.allocate_kv(4, 128, 16, 32)
+    runner.capture_graphs(4, 64)
+    assert sorted(runner.draft_graphs.graphs) == [1, 2, 4]
+    prompts = [prompt(n, 50 + n) for n in (21, 9, 30)]
+    runner.compute(StepBatch([t for p in prompts for t in p], [0, 2, 3], [21, 9, 30], [0, 0, 0],
+                             new_blocks=[[0, 1], [8], [12, 13]]))  # fmt: skip
+    batch = StepBatch([3, 4, 5], [0, 2, 3], [1, 1, 1], [21, 9, 30])
+    runner.compute(batch)
+    tokens = torch.tensor([7, 8, 9], device="cuda")
+    want = runner.draft(batch, tokens).tokens
+    ends, slots = runner._draft_rows(batch, None)
+    assert torch.equal(runner.draft_graphs(ends, slots, tokens), want)
+    assert runner.draft_graphs(ends.repeat(2), slots.repeat(2), tokens.repeat(2)) is None
