@@ -381,6 +381,9 @@ class Engine:
             if nxt.finished:
                 return out
         self.blocks.shrink(req, req.num_tokens)
+        # the stage's table keeps the given-back blocks until the next send, which starts here:
+        # a block taken again at the same index may be another one (another request's since)
+        held.blocks = min(held.blocks, len(req.blocks))
         self.commits.append((req.slot, [req.token_ids[row.start], *row.drafts], a))
         return out
 

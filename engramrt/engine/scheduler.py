@@ -104,6 +104,7 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         self._release(req)
         req.status, req.num_computed = Status.WAITING, 0
+        req.drafts = []  # its last verify run's: none when it is admitted again
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -17,6 +17,7 @@ from engramrt.engine.request import SamplingParams
 from engramrt.engine.speculative import SpecConfig, accepted
 from engramrt.engram.history import NgramHistory
 from engramrt.runner.stage import StageRunner
+from tests.engine.test_engine import assert_tables_match
 from tests.support.engine_factory import build_engine
 
 WORDS = "the capital of Bribrinu is Mokmok and 12 + 7 = 19 while rivers run".split()
@@ -101,13 +102,17 @@ def _prompts(runner: StageRunner, n: int, seed: int) -> list[list[int]]:
     return out
 
 
-def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], check=None):
+def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]):
+    """Each prompt's output ids; the stage's block tables checked after every step (a verify
+    step's given-back blocks are sent again from where they went: a block taken again at the
+    same index may be another request's since)."""
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), p, sp)
     out = {str(i): [] for i in range(len(prompts))}
     while engine.has_work():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
+        assert_tables_match(engine)
     return [out[str(i)] for i in range(len(prompts))]
 
 
@@ -259,3 +264,20 @@ def test_verify_graphs_give_the_output_without_speculation() -> None:
     assert _run(spec, prompts, params) == want
     verify = [s for s in replays if s.verify == 3]
     assert len(verify) > 10 and spec.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_a_preempted_verifying_request_resumes_without_its_drafts(runner: StageRunner) -> None:
+    """Every decoding row verifies K drafts (uniform drafts, as under CUDA graphs), in a cache
+    too small for four requests: a request preempted after a verify step is admitted again
+    with a plain recompute run (its last drafts dropped, not appended to the recomputed
+    prompt), and greedy output equals decoding without speculation."""
+    from dataclasses import replace
+
+    prompts = _prompts(runner, 4, seed=5)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for _ in prompts]
+    kw = {"num_blocks": 40, "block_size": 4}
+    want = _run(_engine(runner, None, **kw), prompts, params)
+    engine = _engine(runner, SpecConfig(4), **kw)
+    engine.cfg = replace(engine.cfg, uniform_drafts=True)
+    assert _run(engine, prompts, params) == want
+    assert engine.stats()["num_preemptions"] > 0

@@ -77,13 +77,15 @@ def test_drafts_after_verify_steps_are_the_plain_drafts(runner) -> None:
     assert len({tuple(v) for v in got.values()}) > len(got) // 2  # drafts that vary
 
 
-def test_greedy_with_dspark_equals_without(runner) -> None:
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 8}], ids=["plain", "chunked"])
+def test_greedy_with_dspark_equals_without(runner, kw: dict) -> None:
     """``--speculative-config {"method": "dspark", ...}``: each decoding step verifies the K
-    drafts its previous step made; greedy tokens equal decoding without speculation, each
-    verified block is the plain engine's draft at its anchor, and the engine ends idle."""
+    drafts its previous step made; greedy tokens equal decoding without speculation, whole or
+    in chunks of 8 tokens, each verified block is the plain engine's draft at its anchor, and
+    the engine ends idle."""
     base = plain(runner)
     engine = build_engine(
-        runner, 256, 1, max_num_seqs=1, speculative=SpecConfig(K, method="dspark")
+        runner, 256, 1, max_num_seqs=1, speculative=SpecConfig(K, method="dspark"), **kw
     )
     verified = []
     launch = engine._launch
@@ -142,3 +144,30 @@ def test_drafts_on_the_last_pipeline_stage_equal_one_stage(v41_small: Path, runn
     verify = both(StepBatch([bonus, *right], [0], [1 + K], [len(p)], drafts=[K],
                             draft_tokens=right))  # fmt: skip
     assert len(verify.tokens) == 1 + K
+
+
+def test_dspark_under_preemption(v41_small: Path) -> None:
+    """DSpark speculation with four requests in a cache too small for all of them (preempted,
+    recomputed, their stale proposals never used): greedy tokens equal each request's alone
+    without speculation."""
+    from tests.engine.test_engine import drain
+    from tests.engine.test_speculative import _run  # (the table check of ``drain`` does not
+
+    # apply: a verify step's spare blocks go back before the stage's tables learn it)
+    from tests.model.test_v41_engine import prompt
+
+    runner = StageRunner.load(v41_small, num_slots=4, max_len=256, dtype="float32", dspark=True)
+    prompts = [prompt(n, 10 + n) for n in (30, 41, 26, 35)]
+    params = PARAMS[0].__class__(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = []
+    for p in prompts:
+        engine = build_engine(runner, 256, 4, max_num_seqs=4, num_blocks=64)
+        engine.add_request("x", p, params)
+        alone.append(drain(engine)["x"].ids)
+    engine = build_engine(runner, 256, 4, max_num_seqs=4, num_blocks=40,
+                          speculative=SpecConfig(K, method="dspark"))  # fmt: skip
+    assert _run(engine, prompts, [params] * len(prompts)) == alone
+    stats = engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["num_preemptions"] > 0
+    assert_idle(engine)

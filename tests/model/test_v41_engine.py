@@ -25,7 +25,7 @@ from engramrt.model.decoder import check_dspark
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 from tests.engine.test_engine import assert_idle, drain, run
-from tests.engine.test_speculative import _run  # not ``run``: see speculative_run
+from tests.engine.test_speculative import _run
 from tests.support.engine_factory import build_engine
 
 BLOCK = 16
@@ -321,8 +321,6 @@ def speculative_run(engine_with, cfg: dict, want: list[list[int]], k: int) -> li
 
     from engramrt.engine.speculative import SpecConfig
 
-    # ``_run``, not ``run``: a verify step's spare blocks go back before the stage's tables
-    # learn it, so the table check of ``run`` does not apply
     class Oracle(SpecConfig):
         def propose(self, tokens: list[int], limit: int) -> list[int]:
             (i,) = [i for i, p in enumerate(PROMPTS) if tokens[: len(p)] == p]
