@@ -48,7 +48,10 @@ def recording(engine):
     return engine
 
 
-def plain(runner):
+@pytest.fixture(scope="module")
+def base(runner):
+    """The engine without speculation, run once: its outputs and proposals (the runner drafts
+    after every step whether or not the engine uses the drafts)."""
     engine = recording(build_engine(runner, 256, 1, max_num_seqs=1))
     for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
         engine.add_request(str(i), p, sp)
@@ -57,12 +60,11 @@ def plain(runner):
     return engine
 
 
-def test_drafts_after_verify_steps_are_the_plain_drafts(runner) -> None:
+def test_drafts_after_verify_steps_are_the_plain_drafts(runner, base) -> None:
     """Verify runs accepting 0..K drafts (the oracle's), each followed on the device by the
     acceptance count, the bonus token and a DSpark draft from there: every proposal equals the
     plain engine's at the same position (the rings hold the target's features, a rejected
     draft's rows out of every later window), and the greedy tokens are the plain ones."""
-    base = plain(runner)
     want = [base.outputs[str(i)] for i in range(len(PROMPTS))]
     spec = {}
 
@@ -78,12 +80,11 @@ def test_drafts_after_verify_steps_are_the_plain_drafts(runner) -> None:
 
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 8}], ids=["plain", "chunked"])
-def test_greedy_with_dspark_equals_without(runner, kw: dict) -> None:
+def test_greedy_with_dspark_equals_without(runner, base, kw: dict) -> None:
     """``--speculative-config {"method": "dspark", ...}``: each decoding step verifies the K
     drafts its previous step made; greedy tokens equal decoding without speculation, whole or
     in chunks of 8 tokens, each verified block is the plain engine's draft at its anchor, and
     the engine ends idle."""
-    base = plain(runner)
     engine = build_engine(
         runner, 256, 1, max_num_seqs=1, speculative=SpecConfig(K, method="dspark"), **kw
     )
