@@ -172,3 +172,20 @@ def test_dspark_under_preemption(v41_small: Path) -> None:
     assert stats["spec_decode_num_draft_tokens"] > 0
     assert stats["num_preemptions"] > 0
     assert_idle(engine)
+
+
+def test_seeded_sampling_with_dspark_draws_the_same_tokens(runner) -> None:
+    """Seeded sampling (a row's noise keyed by its output index): with DSpark drafts verified
+    the drawn tokens are those drawn without speculation."""
+    from dataclasses import replace
+
+    from tests.engine.test_speculative import _run
+
+    params = [replace(PARAMS[0], temperature=0.8, top_p=0.95, seed=11 + i) for i in range(2)]
+    prompts = PROMPTS[:2]
+    want = _run(build_engine(runner, 256, 1, max_num_seqs=1), prompts, params)
+    engine = build_engine(
+        runner, 256, 1, max_num_seqs=1, speculative=SpecConfig(K, method="dspark")
+    )
+    assert _run(engine, prompts, params) == want
+    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
