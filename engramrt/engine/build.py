@@ -139,6 +139,9 @@ def _check_dspark(opts: EngineOptions, cfg: ModelConfig) -> None:
     """DSpark drafts need its stages, at most a block of drafts, and the target layers on the
     last pipeline stage (which drafts)."""
     check_dspark(cfg, stage_layers(opts.partition, len(opts.partition) - 1))
+    if opts.dist.tp_size > 1:  # its followers would have to draft beside it, in its collectives
+        raise ValueError("--speculative-config method 'dspark' runs without tensor parallelism "
+                         "for now (-tp 1): the last stage's TP followers do not draft")  # fmt: skip
     v, k = cfg.v41, opts.speculative.num_speculative_tokens
     if k > v.dspark_block_size:
         raise ValueError(f"num_speculative_tokens {k} exceeds the DSpark block "
@@ -234,11 +237,12 @@ def build_stage(
     """This rank's stage, and on the driving rank the engine that drives the pipeline."""
     cfg, max_len = check(opts)
     device = stage_device(opts.dist)
+    layers = stage_layers(opts.partition, rank)
     runner = StageRunner.load(
         opts.model_dir, opts.max_num_seqs, max_len, device,
-        opts.dtype or default_dtype(cfg.torch_dtype, device),
-        stage_layers(opts.partition, rank), opts.block_size, num_blocks=0, seed=opts.seed,
-        table_memory=opts.table_memory, dspark=opts.dspark,
+        opts.dtype or default_dtype(cfg.torch_dtype, device), layers, opts.block_size,
+        num_blocks=0, seed=opts.seed, table_memory=opts.table_memory,
+        dspark=opts.dspark and layers[-1] == cfg.num_layers - 1,  # the last stage drafts
     )  # fmt: skip
     inject_stage_faults(runner, rank)  # test-only, from the environment (A/B arms)
     pipe = Pipeline(runner, rank, world)
@@ -275,6 +279,11 @@ def build_stage(
 def engine_for(pipe: Pipeline, opts: EngineOptions, cfg: ModelConfig, max_len: int) -> Engine:
     """The engine over a pipeline whose driving stage has its KV cache."""
     kv = pipe.runner.kv
+    k = opts.verify_drafts
+    if cfg.v41 is not None and k and (kv.ring_len < cfg.v41.window_size + k
+                                      or kv.tail_rows < k // 2 + 1):  # fmt: skip
+        raise ValueError(f"a V4.1 cache for {k} drafts a step needs rings of window + {k} rows "
+                         "and tails of K / 2 + 1 (allocate_kv's slack)")  # fmt: skip
     snapshots = kv.num_snapshots
     prefix_caching = opts.enable_prefix_caching
     if cfg.v41 is not None and prefix_caching and not snapshots:

@@ -117,9 +117,10 @@ def seed(model, ctx) -> None:
 
 
 def draft(model, cache: V41Cache, ends: torch.Tensor, slots: torch.Tensor,
-          tokens: torch.Tensor) -> Drafts:  # fmt: skip
+          tokens: torch.Tensor, limit: int | None = None) -> Drafts:  # fmt: skip
     """One draft pass for ``B`` requests: ``ends`` [B] each one's last accepted position,
-    ``slots`` [B], ``tokens`` [B] the token sampled after it."""
+    ``slots`` [B], ``tokens`` [B] the token sampled after it; no draft at or past ``limit``
+    (the tokenizer's size: DeepSeek pads its vocabulary, and the sampler never draws there)."""
     v = model.cfg.v41
     b, k, dev = len(tokens), v.dspark_block_size, tokens.device
     ids = torch.full((b, k), v.dspark_noise_token_id, dtype=torch.long, device=dev)
@@ -135,6 +136,8 @@ def draft(model, cache: V41Cache, ends: torch.Tensor, slots: torch.Tensor,
     last = model.mtp[-1]
     y = hc_pre(x, pre)
     logits = model.project(last.norm(y)).unflatten(0, (b, k))
+    if limit is not None:
+        logits[..., limit:] = float("-inf")
     markov = last.markov_head
     prev, embeds, out = tokens, [], []
     for i in range(k):  # the Markov bias of the previous token, then its argmax

@@ -208,8 +208,9 @@ class StageRunner:
         self.graphs = StepGraphs(self.forward, self.kv, self.slots.blocks, self.device, max_batch,
                                  max_tokens, self.is_last, carry_for, verify)  # fmt: skip
         if self.model.mtp is not None:  # DSpark's draft pass after the sampler, by batch size
+            limit = self.sampler.token_limit
             self.draft_graphs = DraftGraphs(
-                lambda e, s, t: dspark.draft(self.model, self.kv, e, s, t).tokens,
+                lambda e, s, t: dspark.draft(self.model, self.kv, e, s, t, limit).tokens,
                 batch_sizes(min(max_batch, self.kv.num_slots)), self.kv.num_slots, self.device,
             )  # fmt: skip
 
@@ -369,7 +370,8 @@ class StageRunner:
         (a verify run's anchor and ``accepted`` [B] drafts; every token of any other run) and
         ``tokens`` [B], the token sampled there."""
         ends, slots = self._draft_rows(batch, accepted)
-        return dspark.draft(self.model, self.kv, ends, slots, tokens.to(self.device))
+        limit = self.sampler.token_limit if self.sampler is not None else None
+        return dspark.draft(self.model, self.kv, ends, slots, tokens.to(self.device), limit)
 
     def _draft_rows(self, batch: StepBatch, accepted: torch.Tensor | None):
         """(each run's last accepted position, its slot) on the device."""
@@ -402,7 +404,8 @@ class StageRunner:
             out = self.draft_graphs(ends, slots, bonus)
             if out is not None:
                 return out
-        return dspark.draft(self.model, self.kv, ends, slots, bonus).tokens
+        return dspark.draft(self.model, self.kv, ends, slots, bonus,
+                            self.sampler.token_limit).tokens  # fmt: skip
 
     def _hash(self, ctx: ForwardContext, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's hash ids and image-token mask: computed by the one hasher (the first

@@ -189,3 +189,41 @@ def test_seeded_sampling_with_dspark_draws_the_same_tokens(runner) -> None:
     )
     assert _run(engine, prompts, params) == want
     assert engine.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_drafts_stay_inside_the_tokenizer(runner, monkeypatch) -> None:
+    """DeepSeek pads its vocabulary past the tokenizer: a draft there would be a token the
+    next step cannot take (the sampler never draws one). With the Markov head pushed towards a
+    padding id, every draft stays below the tokenizer's size, which the argmax alone would not."""
+    import torch
+
+    from engramrt.runner.batch import StepBatch
+
+    runner.allocate_kv(1, 256, 4, 64, slack=K)
+    p = PROMPTS[1]
+    batch = StepBatch(p, [0], [len(p)], [0], new_blocks=[list(range(-(-len(p) // 4)))])
+    runner.compute(batch)
+    head = runner.model.mtp[-1].markov_head.head.weight
+    pad = head.shape[0] - 3
+    saved = head[pad].clone()
+    head.data[pad] = 1e3 * runner.model.mtp[-1].markov_head.embed.weight.sign().mean(0)
+    try:
+        token = torch.tensor([p[-1]])
+        monkeypatch.setattr(runner.sampler, "token_limit", None)
+        assert (runner.draft(batch, token).tokens == pad).any()  # the bias wins
+        monkeypatch.setattr(runner.sampler, "token_limit", pad)
+        assert (runner.draft(batch, token).tokens < pad).all()
+    finally:
+        head.data[pad] = saved
+
+
+def test_an_engine_refuses_a_cache_without_room_for_its_drafts(runner) -> None:
+    """Speculation over a V4.1 cache allocated without slack (rings of ``window`` rows) would
+    let a rejected draft's ring row be read: the engine refuses it, naming the rule."""
+    runner.allocate_kv(1, 256, 4, 64)
+    with pytest.raises(ValueError, match=r"rings of window \+ 3 rows"):
+        build_engine(runner, 256, 1, max_num_seqs=1, allocate=False,
+                     speculative=SpecConfig(K, method="dspark"))  # fmt: skip
+    runner.allocate_kv(1, 256, 4, 64, slack=K)
+    build_engine(runner, 256, 1, max_num_seqs=1, allocate=False,
+                 speculative=SpecConfig(K, method="dspark"))  # fmt: skip

@@ -22,6 +22,7 @@ from engramrt.engine.request import SamplingParams
 from engramrt.model import quant, v41_cache
 from engramrt.model.checkpoint import CheckpointError, load_model
 from engramrt.model.decoder import check_dspark
+from engramrt.parallel.launch import DistConfig
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 from tests.engine.test_engine import assert_idle, drain, run
@@ -170,7 +171,7 @@ def test_prefix_hits_restore_the_window_and_equal_cold_runs(runner, snapshots, h
 
 def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys) -> None:
     """Illegal cuts, odd block sizes and DSpark drafts it cannot make (more than a block, target
-    layers before the last stage) are errors naming the rule; prefix
+    layers before the last stage, tensor parallelism) are errors naming the rule; prefix
     caching over a cache without window snapshots is switched off with a log line; the image
     token is a 400 (text-only serving)."""
     base = {"model_dir": v41_small, "partition": [6], "max_model_len": 256}
@@ -181,6 +182,8 @@ def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys
         ({"block_size": 5}, ["--block-size", "even"]),
         ({"speculative_config": '{"method": "dspark", "num_speculative_tokens": 6}'},
          ["num_speculative_tokens 6", "block (5"]),
+        ({"speculative_config": '{"method": "dspark", "num_speculative_tokens": 2}',
+          "dist": DistConfig(tp_size=2)}, ["dspark", "-tp 1"]),
     ]:  # fmt: skip
         with pytest.raises(ValueError) as err:
             check(EngineOptions(**{**base, **bad}))
