@@ -16,6 +16,8 @@
 #           plain one; then `serve` at c = 1/16 and its compilation log lines
 #   PART=g  issue 35: v41-wide latency (bs 1 and 16, 128 in, 64 out) without speculation and
 #           with DSpark drafts (K = 3 and 5; its stage's random weights: the step's cost)
+#   PART=h  issue 35: DSpark's draft pass alone on v41-wide, eager and from its CUDA graph,
+#           beside a decode step of the same batch (benchmarks/dspark_draft_bench.py)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -103,5 +105,10 @@ case "${PART:-b}" in
           | tee -a "$out/dspark.txt" | grep -E "Decode step|Speculative|requests,"
       done
     done
+    ;;
+  h)  # issue 35: the draft pass alone
+    preset v41-wide /tmp/mv41-wide
+    timeout 200 python3 benchmarks/dspark_draft_bench.py --model /tmp/mv41-wide \
+      --batches 1,16 --iters 50 --out "$out/draft.json" 2>&1 | grep -v "^engramrt:"
     ;;
 esac
