@@ -200,8 +200,8 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
     if runner.device.type != "cuda" or opts.kv_cache_memory_bytes is not None:
         cap = opts.max_num_seqs * -(-max_len // opts.block_size)
         every = list(range(cfg.num_layers))
-        held, block = fixed(every + runner.model.cache_layer_ids[len(runner.model.layer_ids) :]), \
-            per_block(every)  # fmt: skip
+        stages = [i for i in runner.model.cache_layer_ids if i >= cfg.num_layers]  # DSpark's rings
+        held, block = fixed(every + stages), per_block(every)
         budget = (opts.kv_cache_memory_bytes or CPU_KV_BYTES) - held
         if budget < block:
             raise ValueError(

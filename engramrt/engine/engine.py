@@ -340,7 +340,7 @@ class Engine:
                 outputs.append(self._verified(req, row, result, i, now))
             else:
                 outputs.append(self._append(req, result, i, now))
-            if result.drafts is not None:  # DSpark's, for the tokens after the last one
+            if result.drafts is not None and not preempted:  # DSpark's, for what follows
                 req.proposed, req.proposed_at = result.drafts[b], req.num_tokens
         return outputs
 

@@ -6,17 +6,17 @@ DeepSeek-V4.1's DSpark stages (``engramrt.model.dspark``).
 that occurrence. ``dspark``: the last stage drafts each request's next ``k`` tokens at the end of
 every step (after its sampler, from its last accepted position) and sends them with the sampled
 tokens; the next step verifies them. Either way the step computes the anchor (its last sampled
-token) and the drafts as one run and samples a token after each of them; the drafts are accepted
-while they equal those samples, and the sample after the last accepted one (the bonus) is kept too.
-A draft is a point mass, so "sample from the target, accept while equal" is exactly the rejection-
-sampling rule (accept with probability p(draft); on rejection, draw from p without the draft):
-greedy output is token for token the output without speculation, and sampled output keeps the target
-distribution.
+token) and the drafts as one run and samples a token after each of them; the drafts are
+accepted while they equal those samples, and the sample after the last accepted one (the bonus)
+is kept too. A draft is a point mass, so "sample from the target, accept while equal" is exactly
+the rejection-sampling rule (accept with probability p(draft); on rejection, draw from p without
+the draft): greedy output is token for token the output without speculation, and sampled output
+keeps the target distribution.
 
-The Engram history must advance by the anchor and the accepted drafts only (SPEC: history commits):
-a verify run commits nothing when it is hashed, and the next step's first stage commits ``1 +
-accepted`` tokens of the block (``EngramHasher.commit_verify``), never the bonus, which is the next
-anchor, and never a rejected draft.
+The Engram history must advance by the anchor and the accepted drafts only (SPEC: history
+commits): a verify run commits nothing when it is hashed, and the next step's first stage
+commits ``1 + accepted`` tokens of the block (``EngramHasher.commit_verify``), never the bonus,
+which is the next anchor, and never a rejected draft.
 """
 
 from __future__ import annotations
