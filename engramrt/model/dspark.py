@@ -116,11 +116,13 @@ def seed(model, ctx) -> None:
         stage.attn.seed(main_x, step, ctx.kv)
 
 
-def draft(model, cache: V41Cache, ends: torch.Tensor, slots: torch.Tensor,
-          tokens: torch.Tensor, limit: int | None = None) -> Drafts:  # fmt: skip
+def draft(model, cache: V41Cache, ends: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
+          limit: int | None = None, targets: torch.Tensor | None = None) -> Drafts:  # fmt: skip
     """One draft pass for ``B`` requests: ``ends`` [B] each one's last accepted position,
     ``slots`` [B], ``tokens`` [B] the token sampled after it; no draft at or past ``limit``
-    (the tokenizer's size: DeepSeek pads its vocabulary, and the sampler never draws there)."""
+    (the tokenizer's size: DeepSeek pads its vocabulary, and the sampler never draws there).
+    ``targets`` [B, block] (training, teacher forcing): the true tokens the drafts stand for,
+    which the Markov head takes as the previous tokens in place of the drafts."""
     v = model.cfg.v41
     b, k, dev = len(tokens), v.dspark_block_size, tokens.device
     ids = torch.full((b, k), v.dspark_noise_token_id, dtype=torch.long, device=dev)
@@ -144,8 +146,8 @@ def draft(model, cache: V41Cache, ends: torch.Tensor, slots: torch.Tensor,
         e = markov.embed(prev)
         logits[:, i] += torch.nn.functional.linear(e.float(), markov.head.weight)
         embeds.append(e)
-        prev = logits[:, i].argmax(-1)
-        out.append(prev)
+        out.append(logits[:, i].argmax(-1))
+        prev = out[-1] if targets is None else targets[:, i]
     both = torch.cat([y.unflatten(0, (b, k)), torch.stack(embeds, 1)], dim=-1)
     confidence = last.confidence_head.proj(both.float()).squeeze(-1)
     return Drafts(torch.stack(out, 1), logits, confidence)

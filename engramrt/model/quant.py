@@ -108,9 +108,28 @@ def act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Ten
     return to_e4m3(g / scale.unsqueeze(-1)).flatten(-2), scale
 
 
+class _StraightThrough(torch.autograd.Function):
+    """Training through a rounding point: the rounded value forward, the gradient as it is
+    backward (the rounding's own gradient is zero almost everywhere)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rounding) -> torch.Tensor:
+        return rounding(x)  # grad mode is off here
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _training(x: torch.Tensor) -> bool:
+    return x.requires_grad and torch.is_grad_enabled()
+
+
 def act_roundtrip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """``act_quant`` dequantised, in ``x``'s dtype (the window KV's FP8 round trip); one launch
     on CUDA (``engramrt.kernels.quant_roundtrip``)."""
+    if _training(x):
+        return _StraightThrough.apply(x, lambda t: act_roundtrip(t, block))
     if block == 32 and use_triton(x.device):
         from engramrt.kernels.quant_roundtrip import ACT, roundtrip
 
@@ -137,6 +156,8 @@ def fp4_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp4_roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:
     """``fp4_quant`` dequantised, in ``x``'s dtype; one launch on CUDA."""
+    if _training(x):
+        return _StraightThrough.apply(x, lambda t: fp4_roundtrip(t, kind))
     if use_triton(x.device) and kind in (E4M3_SCALE, POW2_SCALE):  # else: the error below
         from engramrt.kernels.quant_roundtrip import FP4_E4M3, FP4_POW2, roundtrip
 
@@ -261,14 +282,32 @@ class StoredLinear(nn.Module):
             scale = torch.zeros(-(-out_features // 32), -(-in_features // 32), dtype=torch.uint8)
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale.view(torch.float8_e8m0fnu))
+        self.master: nn.Parameter | None = None
+        self.rounded: torch.Tensor | None = None
+
+    def make_trainable(self) -> None:
+        """Training (``engramrt.bundled.train``): an fp32 master copy of the weight, which
+        ``round_masters`` rounds to the stored format before each forward, so that what is
+        trained is what is served. ``store`` writes it back."""
+        self.master = nn.Parameter(self.dequantized(torch.float32))
+
+    def store(self) -> None:
+        """The master weight in the stored format (as the checkpoint keeps it); no master left."""
+        w = self.master.detach()
+        self.weight, self.scale = fp4_weight(w) if self.fp4 else fp8_weight(w)
+        self.master = self.rounded = None
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.master is not None:
+            if self.rounded is None:
+                raise RuntimeError("a trainable StoredLinear needs round_masters before a forward")
+            return self.rounded.to(dtype)
         if self.fp4:
             return dequant_fp4_weight(self.weight, self.scale, dtype)
         return dequant_fp8_weight(self.weight, self.scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not use_triton(x.device):
+        if not use_triton(x.device) or self.master is not None:
             return quantized_linear(x, self.dequantized(x.dtype))
         shape = x.shape
         a = act_roundtrip(x.reshape(-1, shape[-1]))
@@ -277,3 +316,27 @@ class StoredLinear(nn.Module):
         from engramrt.kernels.stored_linear import stored_linear  # the bytes as stored
 
         return stored_linear(a, self.weight, self.scale, self.fp4).view(*shape[:-1], -1)
+
+
+def _stored_values(w: torch.Tensor, fp4: bool) -> torch.Tensor:
+    if fp4:
+        return dequant_fp4_weight(*fp4_weight(w), w.dtype)
+    return dequant_fp8_weight(*fp8_weight(w), w.dtype)
+
+
+def round_masters(layers: list[StoredLinear]) -> None:
+    """Training: every trainable layer's master rounded to its stored format (``.rounded``),
+    with gradients straight through; the masters of one format and input width in one call
+    (a forward's few hundred weights in a few dozen launches: FP8 rows stacked whole 32-row
+    blocks at a time, FP4 blocks lie within a row)."""
+    groups: dict[tuple, list[StoredLinear]] = {}
+    for m in layers:
+        rows, cols = m.master.shape
+        whole = m.fp4 or rows % 32 == 0
+        groups.setdefault((m.fp4, cols) if whole else (id(m),), []).append(m)
+    for members in groups.values():
+        fp4 = members[0].fp4
+        stacked = torch.cat([m.master for m in members])
+        rounded = _StraightThrough.apply(stacked, lambda w, fp4=fp4: _stored_values(w, fp4))
+        for m, r in zip(members, rounded.split([len(m.master) for m in members]), strict=True):
+            m.rounded = r
