@@ -188,7 +188,10 @@ def _worker(rank: int, world: int, opts, args, rng, in_lens, out_lens) -> None:
             stats["spec_decode_num_draft_tokens"],
             stats["spec_decode_num_accepted_tokens"],
         )
+        runs = stats["spec_decode_num_drafts"]
+        per_pos = [n / runs for n in stats["spec_decode_num_accepted_tokens_per_pos"]]
         print(
-            f"Speculative drafts: {drafted} tokens in {stats['spec_decode_num_drafts']} runs, "
-            f"{taken} accepted ({100 * taken / drafted:.1f}%)"
+            f"Speculative drafts: {drafted} tokens in {runs} runs, {taken} accepted "
+            f"({100 * taken / drafted:.1f}%); {1 + taken / runs:.2f} tokens a verify step; "
+            f"accepted at each position: {' '.join(f'{a:.2f}' for a in per_pos)}"
         )

@@ -35,6 +35,7 @@ from engramrt.engine.core import (
     Outputs,
     Ready,
     Rejected,
+    Stats,
     Steps,
     Stop,
     engine_main,
@@ -87,7 +88,7 @@ class EngineClient:
             raise EngineDead(f"the engine failed to start: {getattr(ready, 'error', ready)}")
         self.limits: RequestLimits = ready.limits
         self.description = ready.description
-        self._stats: dict[str, float] = ready.stats
+        self._stats: Stats = ready.stats
         self.grammars, self.tokenizer = None, tokenizer
         if tokenizer is not None:
             self.grammars = Grammars(tokenizer, self.limits.tokenizer_size,
@@ -199,7 +200,7 @@ class EngineClient:
         """Requests whose caller is still waiting for outputs."""
         return len(self._queues)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> Stats:
         """The engine's gauges and counters as of its last message."""
         return self._stats
 

@@ -51,15 +51,19 @@ class Stop(msgspec.Struct, tag=True):
     pass
 
 
+# the engine's gauges and counters (a per-position counter is a list)
+Stats = dict[str, float | list[int]]
+
+
 class Ready(msgspec.Struct, tag=True):
     limits: RequestLimits
     description: str  # the engine's side of the server's start line
-    stats: dict[str, float]
+    stats: Stats
 
 
 class Outputs(msgspec.Struct, tag=True):
     outputs: list[RequestOutput]
-    stats: dict[str, float]
+    stats: Stats
 
 
 class Rejected(msgspec.Struct, tag=True):
@@ -98,7 +102,7 @@ class Steps(Protocol):
     def abort(self, request_id: str) -> None: ...
     def has_work(self) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
-    def stats(self) -> dict[str, float]: ...
+    def stats(self) -> Stats: ...
 
 
 # --- the loop ------------------------------------------------------------------------------
@@ -165,7 +169,7 @@ def _apply(engine: Steps, message: Add | Abort, send) -> list[RequestOutput]:
     return []
 
 
-def _stats(engine: Steps) -> dict[str, float]:
+def _stats(engine: Steps) -> Stats:
     return {**engine.stats(), "triton_compilations": compilations()}
 
 

@@ -149,6 +149,8 @@ class Engine:
         # history commits of the last step's verify runs, sent with the next step
         self.commits: list[tuple[int, list[int], int]] = []
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        k = cfg.speculative.num_speculative_tokens if cfg.speculative is not None else 0
+        self.spec_accepted_per_pos = [0] * k  # verify runs that accepted their draft j
         self.grammars = Grammars(tokenizer, self.tokenizer_size, cfg.eos_token_id)
         self.in_flight: InFlight | None = None  # the launched step not applied yet (overlap)
         # what the stages hold of each running request (gone with the request)
@@ -373,6 +375,8 @@ class Engine:
         self.spec_drafts += 1
         self.spec_draft_tokens += len(row.drafts)
         self.spec_accepted_tokens += a
+        for j in range(a):
+            self.spec_accepted_per_pos[j] += 1
         req.num_computed -= len(row.drafts) - a
         out = None
         for j in range(a + 1):
@@ -458,7 +462,7 @@ class Engine:
 
     # --- gauges --------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | list[int]]:
         s = self.scheduler
         return {
             "num_requests_running": len(s.running),
@@ -472,6 +476,7 @@ class Engine:
             "spec_decode_num_drafts": self.spec_drafts,
             "spec_decode_num_draft_tokens": self.spec_draft_tokens,
             "spec_decode_num_accepted_tokens": self.spec_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
         }

@@ -51,6 +51,12 @@ class _EngineCollector:
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])
             c.add_metric([self.model], value)
             yield c
+        c = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
+                                "Verify runs that accepted their draft at each position (from 0).",
+                                labels=["model_name", "position"])  # fmt: skip
+        for pos, value in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            c.add_metric([self.model, str(pos)], value)
+        yield c
 
 
 class Metrics:

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams
 from engramrt.engine.speculative import SpecConfig, accepted
@@ -25,7 +25,7 @@ WORDS = "the capital of Bribrinu is Mokmok and 12 + 7 = 19 while rivers run".spl
 
 @pytest.fixture(scope="module")
 def runner() -> StageRunner:
-    return StageRunner.load(DEFAULT_MODEL_DIR, 8, 256, "cpu", "float32", num_blocks=0)
+    return StageRunner.load(GQA_MODEL_DIR, 8, 256, "cpu", "float32", num_blocks=0)
 
 
 # --- the proposer ------------------------------------------------------------------------------
@@ -167,6 +167,9 @@ def test_greedy_with_speculation_equals_without(runner: StageRunner, kw: dict) -
     stats = engine.stats()
     assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]  # a run accepts a prefix
+    assert len(per_pos) == 4 and sum(per_pos) == stats["spec_decode_num_accepted_tokens"]
+    assert stats["spec_decode_num_drafts"] >= per_pos[0] and per_pos == sorted(per_pos)[::-1]
     assert seen and engine.blocks.num_free == engine.cfg.num_blocks  # every block back
     if "num_blocks" in kw:
         assert stats["num_preemptions"] > 0
@@ -223,6 +226,9 @@ def test_two_stages_with_speculation_answer_as_one_without() -> None:
                     if x.startswith("engramrt:spec_decode_num_accepted_tokens_total")
                 )
                 assert float(line.split()[-1]) > 0
+                per_pos = [float(x.split()[-1]) for x in m.splitlines() if x.startswith(
+                    "engramrt:spec_decode_num_accepted_tokens_per_pos_total{")]  # fmt: skip
+                assert len(per_pos) == 4 and sum(per_pos) == float(line.split()[-1])
     assert texts["pp2"] == texts["plain"]
 
 
@@ -233,7 +239,8 @@ def test_generate_with_speculation_over_two_stages() -> None:
     import subprocess
     import sys
 
-    args = ["generate", "--prompt", "12 + 7 = 19. 12 + 7 = 19. 12 + 7 = 19. 12 +",
+    args = ["generate", "--model", str(GQA_MODEL_DIR), "--prompt",
+            "12 + 7 = 19. 12 + 7 = 19. 12 + 7 = 19. 12 +",
             "--max-tokens", "16", "--device", "cpu", "--dtype", "float32"]  # fmt: skip
     spec = ["--speculative-config", '{"num_speculative_tokens": 3}', "-pp", "2"]
     outs = [subprocess.run([sys.executable, "-m", "engramrt", *args, *extra], text=True,
@@ -249,14 +256,14 @@ def test_verify_graphs_give_the_output_without_speculation() -> None:
     too), and most verify steps replay a graph."""
 
     def engine(spec: SpecConfig | None) -> tuple[Engine, list]:
-        r = StageRunner.load(DEFAULT_MODEL_DIR, 8, 256, "cuda", "float32", num_blocks=0)
+        r = StageRunner.load(GQA_MODEL_DIR, 8, 256, "cuda", "float32", num_blocks=0)
         r.allocate_kv(8, 256, 16, 128)
         r.capture_graphs(8, 256, spec.num_speculative_tokens if spec else 0)
         replays, real = [], r.graphs.replay
         r.graphs.replay = lambda h, s, c: replays.append(s) or real(h, s, c)
         return build_engine(r, 256, 8, 8, 256, speculative=spec, allocate=False), replays
 
-    runner = StageRunner.load(DEFAULT_MODEL_DIR, 1, 64, "cpu", num_blocks=0)
+    runner = StageRunner.load(GQA_MODEL_DIR, 1, 64, "cpu", num_blocks=0)
     prompts = _prompts(runner, 6, seed=2)
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for _ in prompts]
     want = _run(engine(None)[0], prompts, params)
