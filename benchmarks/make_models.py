@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engramrt.bundled import DEFAULT_MODEL_DIR, FLASH_CONFIG
-from engramrt.bundled.weights import _init
+from engramrt.bundled import GQA_MODEL_DIR
+from engramrt.bundled.v41_presets import V41_PRESETS, v41_preset_config
+from engramrt.bundled.weights import _init, seeded_v41_state
 from engramrt.config import engram_config, load_json, model_config
 from engramrt.engram.layout import search_primes
-from engramrt.model import quant
 from engramrt.model.checkpoint import INDEX, save_state
 from engramrt.model.decoder import EngramMHCModel
 
@@ -42,37 +42,6 @@ PRESETS = {  # hidden, layers, heads, kv heads, ffn, engram layers, prime search
     "4b": (3072, 36, 24, 8, 8192, [1, 14], 600_000),
     "4b-bigtables": (3072, 36, 24, 8, 8192, [1, 14], 5_400_000),
 }
-# V4.1 presets: the fields of Flash's text_config that change (the rest: Flash's own)
-V41_SMALL = {
-    "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16,
-    "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 64, "sliding_window": 16,
-    "index_n_heads": 4, "index_head_dim": 64, "index_topk": 8, "candidate_topk_blocks": 3,
-    "candidate_block_size": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 64, "max_position_embeddings": 1024, "dspark_markov_rank": 32,
-    "dspark_n_routed_experts": 4, "dspark_n_activated_experts": 2,
-    "rope_scaling": {"original_max_position_embeddings": 32, "factor": 16, "beta_fast": 32,
-                     "beta_slow": 1},
-}  # fmt: skip
-V41_WIDE = {
-    "hidden_size": 5120, "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
-    "q_lora_rank": 1280, "o_groups": 8, "o_lora_rank": 1024, "sliding_window": 128,
-    "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512, "n_routed_experts": 16,
-    "num_experts_per_tok": 6, "moe_intermediate_size": 2304, "max_position_embeddings": 16384,
-    "dspark_n_routed_experts": 16, "dspark_n_activated_experts": 3,
-}  # fmt: skip
-V41_PRESETS = {  # fields, engram layers, engram head dim, prime search start
-    "v41-small": (V41_SMALL, [1, 3], 32, 4096),
-    "v41-wide": (V41_WIDE, [1, 3], 256, 320_000),
-}
-# six layers in Flash's order of roles: window, ratio-2 source, its reuse, the ratio-1
-# candidate source, its reuse, a candidate-filtered re-indexer; one DSpark stage drafting from
-# the last three (the noise id: the bundled tokenizer's pad token)
-V41_LAYERS = {
-    "num_hidden_layers": 6, "compress_ratios": [0, 2, 2, 1, 1, 1, 0],
-    "kv_source_layer_ids": [1, 3], "index_source_layer_ids": [1, 3, 5],
-    "candidate_source_layer_id": 3, "num_nextn_predict_layers": 1,
-    "dspark_target_layer_ids": [3, 4, 5], "dspark_noise_token_id": 2,
-}  # fmt: skip
 TABLES_FILE = "engram-tables.safetensors"
 CHUNK_ROWS = 1 << 18
 
@@ -81,7 +50,7 @@ def preset_config(name: str) -> dict:
     if name in V41_PRESETS:
         return v41_preset_config(name)
     hidden, layers, heads, kv, ffn, engram_layers, start = PRESETS[name]
-    raw = copy.deepcopy(load_json(DEFAULT_MODEL_DIR))
+    raw = copy.deepcopy(load_json(GQA_MODEL_DIR))
     text = raw["text_config"]
     text.update(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -93,61 +62,6 @@ def preset_config(name: str) -> dict:
     primes = search_primes(engram_config(raw))
     text["engram_num_embeddings"] = [sum(map(sum, layer)) for layer in primes]
     return raw
-
-
-def v41_preset_config(name: str) -> dict:
-    """Flash's released config with a preset's widths and six layers, on the bundled tokenizer."""
-    fields, engram_layers, engram_dim, start = V41_PRESETS[name]
-    bundled = load_json(DEFAULT_MODEL_DIR)["text_config"]
-    raw = json.loads(FLASH_CONFIG.read_text())
-    text = raw["text_config"]
-    text.update(fields, **V41_LAYERS)
-    keep = ("vocab_size", "bos_token_id", "eos_token_id", "engram_vocab_size",
-            "engram_compressed_vocab_size", "engram_pad_token_id", "torch_dtype")  # fmt: skip
-    text.update({k: bundled[k] for k in keep}, engram_layer_ids=engram_layers,
-                engram_head_dim=engram_dim, engram_vocab_size=start,
-                engram_num_embeddings=[0] * len(engram_layers))  # fmt: skip
-    raw["image_token_id"] = load_json(DEFAULT_MODEL_DIR)["image_token_id"]
-    raw.pop("_comment", None)
-    primes = search_primes(engram_config(raw))
-    text["engram_num_embeddings"] = [sum(map(sum, layer)) for layer in primes]
-    return raw
-
-
-def v41_state(raw: dict, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Every tensor of a V4.1 preset but the Engram tables, in the released formats: FP8 dense
-    linears (``wo_a`` and the Engram's ``wkv`` too) with E8M0 block scales, FP4 experts, bf16
-    router, head, compressor and indexer projections, fp32 biases, sinks and mixes; the DSpark
-    stages' (``mtp.*``) too."""
-    cfg = model_config(raw)
-    with torch.device("meta"):
-        model = EngramMHCModel(cfg, torch.bfloat16, dspark=bool(cfg.v41.dspark_stages))
-    meta = model.state_dict()
-    gen = torch.Generator(device=device).manual_seed(seed)
-    cpu_gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, t in meta.items():
-        if ".engram.embed." in name or name.endswith(".scale"):
-            continue  # tables: ``write_tables``; scales: with their weights
-        scale_name = name.removesuffix(".weight") + ".scale"
-        fp8 = t.dtype == torch.float8_e4m3fn or name.endswith(("wo_a.weight", "engram.wkv.weight"))
-        if fp8 or t.dtype == torch.int8:
-            shape = (t.shape[0], t.shape[1] * (2 if t.dtype == torch.int8 else 1))
-            w = torch.randn(shape, generator=gen, device=device) * shape[1] ** -0.5
-            pair = quant.fp8_weight(w) if fp8 else quant.fp4_weight(w)
-            state[name], state[scale_name] = (x.cpu() for x in pair)
-            continue
-        if name.endswith(("norm.weight", "_scale", "_base", "_fn")):
-            value = _init(name, t.shape, cfg.hc_mult, cpu_gen)
-        elif name.endswith(("attn_sink", "gate.bias")):
-            value = torch.randn(t.shape, generator=cpu_gen) * (0.5 if "sink" in name else 0.01)
-        elif name.endswith(("embed.weight", "q_weight", "k_weight")):
-            value = torch.randn(t.shape, generator=gen, device=device)
-        else:  # a linear layer [out, in]
-            value = torch.randn(t.shape, generator=gen, device=device) * t.shape[-1] ** -0.5
-        fp32 = ".hc_" in name or name.endswith(("attn_sink", "gate.bias"))
-        state[name] = value.cpu().float() if fp32 else value.cpu().to(torch.bfloat16)
-    return state
 
 
 def random_model(raw: dict, device: str, seed: int = 0) -> EngramMHCModel:
@@ -220,14 +134,14 @@ def write_model(raw: dict, out: Path, device: str, max_shard_bytes: int) -> tupl
     """The whole checkpoint: the dense weights through ``save_checkpoint``, the tables
     streamed to their own file, one index over both. (dense parameters, table bytes)"""
     if model_config(raw).v41 is not None:
-        state = v41_state(raw, device)
+        state = seeded_v41_state(raw, device)
     else:
         model = random_model(raw, device)
         state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         del model
     params = sum(t.numel() * (2 if t.dtype == torch.int8 else 1)
                  for n, t in state.items() if not n.endswith(".scale"))  # fmt: skip
-    save_state(state, out, raw, DEFAULT_MODEL_DIR, max_shard_bytes)
+    save_state(state, out, raw, GQA_MODEL_DIR, max_shard_bytes)
     del state
     tables = write_tables(raw, out / TABLES_FILE, device)
     index_path = out / INDEX

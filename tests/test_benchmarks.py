@@ -25,11 +25,12 @@ TINY_RUNS = [
     ("host_step.py", ["--requests", "4", "--contexts", "64", "--steps", "2"]),
     ("detok_bench.py", ["--lengths", "8"]),
     ("generate_bench.py", ["--max-tokens", "2"]),
+    ("dspark_accept.py", ["--batch-sizes", "2", "--max-tokens", "3", "--per-kind", "1"]),
     (
         "engine_core.py",
         [
             "--model",
-            "engramrt/bundled/tiny",
+            "engramrt/bundled/tiny_gqa",
             "--device",
             "cpu",
             "--batch-sizes",

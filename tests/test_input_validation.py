@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.commands.generate import prompt_tokens
 from engramrt.config import load_json, model_config
 from engramrt.engine.request import check_context_length
@@ -35,7 +35,7 @@ from tests.support.model_factory import make_model
 @pytest.fixture(scope="module")
 def session() -> StageRunner:
     model, _ = make_model(seed=9, num_hidden_layers=2, engram_layer_ids=[0, 1])
-    hasher, tok = load_hasher(DEFAULT_MODEL_DIR, 2)
+    hasher, tok = load_hasher(GQA_MODEL_DIR, 2)
     return StageRunner(model, hasher, new_kv_cache(model, 2, max_len=64), tok)
 
 
@@ -68,7 +68,7 @@ def test_block_table_updates_are_checked(session: StageRunner) -> None:
 
 @pytest.mark.parametrize("tokens", [[-1], [10**6]])
 def test_rebuild_validates_tokens(tokens: list[int]) -> None:
-    hasher, _ = load_hasher(DEFAULT_MODEL_DIR, 2)
+    hasher, _ = load_hasher(GQA_MODEL_DIR, 2)
     with pytest.raises(ValueError, match="outside the tokenizer"):
         hasher.rebuild(0, tokens)
 
@@ -91,7 +91,7 @@ def test_host_validation_agrees_with_the_checks_it_screens_for() -> None:
     (ids out of range, negative, image ids): it raises exactly when the check does."""
     import random
 
-    hasher, _ = load_hasher(DEFAULT_MODEL_DIR, 4)
+    hasher, _ = load_hasher(GQA_MODEL_DIR, 4)
     rng = random.Random(0)
     vocab, image = hasher.vocab_size, hasher.image_token_id
     outcomes = set()
@@ -113,7 +113,7 @@ def test_host_validation_agrees_with_the_checks_it_screens_for() -> None:
      ([1, 2], [1, 1], "share a slot")],
 )  # fmt: skip
 def test_extend_runs_are_checked(lens: list[int], slots: list[int], msg: str) -> None:
-    hasher, _ = load_hasher(DEFAULT_MODEL_DIR, 2)
+    hasher, _ = load_hasher(GQA_MODEL_DIR, 2)
     t = torch.tensor([7, 8, 9])
     with pytest.raises(ValueError, match=msg):
         hasher.extend(t, torch.tensor(slots), torch.tensor(lens), torch.tensor([0, 0]))
@@ -135,10 +135,10 @@ def test_sampling_parameters_are_checked(row: SampleRow) -> None:
 
 
 def test_prompt_limits() -> None:
-    cfg = model_config(load_json(DEFAULT_MODEL_DIR))
-    enc = PromptEncoder.load(DEFAULT_MODEL_DIR)
+    cfg = model_config(load_json(GQA_MODEL_DIR))
+    enc = PromptEncoder.load(GQA_MODEL_DIR)
     ids = prompt_tokens(enc, cfg, "hello")
-    assert ids == load_tokenizer(DEFAULT_MODEL_DIR).encode("hello").ids  # add_bos_token: false
+    assert ids == load_tokenizer(GQA_MODEL_DIR).encode("hello").ids  # add_bos_token: false
     with pytest.raises(ValueError, match="no tokens"):
         prompt_tokens(enc, cfg, "")
     small = dataclasses.replace(cfg, vocab_size=max(ids))  # a tokenizer larger than the model

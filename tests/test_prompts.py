@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.config import ConfigError
 from engramrt.engram.token_map import load_tokenizer
 from engramrt.prompts import PromptEncoder
@@ -24,7 +24,7 @@ def model_dir_with(tmp_path: Path, **changes) -> Path:
     out = tmp_path / "m"
     out.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
-        shutil.copy(DEFAULT_MODEL_DIR / name, out / name)
+        shutil.copy(GQA_MODEL_DIR / name, out / name)
     cfg = json.loads((out / "tokenizer_config.json").read_text())
     cfg.update(changes)
     (out / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -32,8 +32,8 @@ def model_dir_with(tmp_path: Path, **changes) -> Path:
 
 
 def test_no_bos_where_the_config_says_so() -> None:
-    tok, enc = load_tokenizer(DEFAULT_MODEL_DIR), PromptEncoder.load(DEFAULT_MODEL_DIR)
-    cfg = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
+    tok, enc = load_tokenizer(GQA_MODEL_DIR), PromptEncoder.load(GQA_MODEL_DIR)
+    cfg = json.loads((GQA_MODEL_DIR / "tokenizer_config.json").read_text())
     assert cfg["add_bos_token"] is False and enc.bos_id is None
     for text in TEXTS:
         assert enc.text(text) == tok.encode(text).ids
@@ -59,7 +59,7 @@ def test_chat_template_writes_its_own_bos(tmp_path: Path) -> None:
     """The bundled template starts with ``{{ bos_token }}``: one BOS, whatever add_bos_token
     says, and the ids are the rendered text's without the tokenizer's own specials."""
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    for d in (DEFAULT_MODEL_DIR, model_dir_with(tmp_path, add_bos_token=True)):
+    for d in (GQA_MODEL_DIR, model_dir_with(tmp_path, add_bos_token=True)):
         enc = PromptEncoder.load(d)
         ids = enc.chat(messages)
         bos_id = enc.tokenizer.token_to_id(enc.bos_token)
@@ -118,7 +118,7 @@ def test_the_length_bound_holds_for_every_text_tried() -> None:
     token count really exceeds the limit."""
     import random
 
-    p = PromptEncoder.load(DEFAULT_MODEL_DIR)
+    p = PromptEncoder.load(GQA_MODEL_DIR)
     k, tok = p.max_token_bytes, p.tokenizer
     assert k is not None and k >= 1
     rng = random.Random(0)

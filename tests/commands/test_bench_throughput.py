@@ -8,6 +8,7 @@ import argparse
 import pytest
 import torch
 
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.cli import main
 from engramrt.commands.bench_throughput import _decode_bytes, add_arguments, local_engine
 
@@ -16,6 +17,8 @@ def test_throughput_mode(capsys: pytest.CaptureFixture) -> None:
     argv = [
         "bench",
         "throughput",
+        "--model",
+        str(GQA_MODEL_DIR),
         "--device",
         "cpu",
         "--num-prompts",
@@ -38,6 +41,8 @@ def test_latency_mode_reports_bandwidth(capsys: pytest.CaptureFixture) -> None:
     argv = [
         "bench",
         "throughput",
+        "--model",
+        str(GQA_MODEL_DIR),
         "--device",
         "cpu",
         "--batch-size",
@@ -82,8 +87,8 @@ def test_tensor_parallel_ranks_run_the_benchmark() -> None:
     import subprocess
     import sys
 
-    argv = ["bench", "throughput", "--device", "cpu", "--batch-size", "3", "--input-len", "8",
-            "--output-len", "5", "-tp", "2"]  # fmt: skip
+    argv = ["bench", "throughput", "--model", str(GQA_MODEL_DIR), "--device", "cpu",
+            "--batch-size", "3", "--input-len", "8", "--output-len", "5", "-tp", "2"]  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "engramrt", *argv], capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr
@@ -93,12 +98,12 @@ def test_tensor_parallel_ranks_run_the_benchmark() -> None:
 def test_on_a_cpu_engines_compute_in_float32_unless_told() -> None:
     """The bundled config says bfloat16; an engine built on a CPU without --dtype computes in
     float32 (``checkpoint.default_dtype``), with --dtype in what it says."""
-    from engramrt.bundled import DEFAULT_MODEL_DIR
     from engramrt.config import load_json, model_config
 
-    assert model_config(load_json(DEFAULT_MODEL_DIR)).torch_dtype == "bfloat16"
+    assert model_config(load_json(GQA_MODEL_DIR)).torch_dtype == "bfloat16"
     for flags, want in (([], torch.float32), (["--dtype", "bfloat16"], torch.bfloat16)):
         p = argparse.ArgumentParser()
         add_arguments(p)
-        args = p.parse_args(["--device", "cpu", "--num-gpu-blocks-override", "8", *flags])
+        args = p.parse_args(["--model", str(GQA_MODEL_DIR), "--device", "cpu",
+                             "--num-gpu-blocks-override", "8", *flags])  # fmt: skip
         assert local_engine(args, 64).pipeline.runner.model.dtype == want, flags

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engramrt.bundled import DEFAULT_MODEL_DIR, recipe
+from engramrt.bundled import DEFAULT_MODEL_DIR, GQA_MODEL_DIR, recipe
 from engramrt.cli import main
 from engramrt.config import engram_config, load_json
 from engramrt.engram import load_hasher
@@ -103,11 +103,14 @@ def test_console_entry_point_text_output() -> None:
         check=True,
     )
     lines = run.stdout.splitlines()
-    assert len(lines) == 2 * 3 and lines[0].startswith("pos    0") and "layer   2:" in lines[5]
+    assert len(lines) == 2 * 3 and lines[0].startswith("pos    0") and "layer   3:" in lines[5]
 
 
-def test_recipe_reproduces_bundle(tmp_path: Path) -> None:
-    """The committed config and tokenizer are exactly what the recipe generates offline."""
-    recipe.write(tmp_path)
+@pytest.mark.parametrize("v41", [True, False], ids=["v41", "gqa"])
+def test_recipe_reproduces_bundle(tmp_path: Path, v41: bool) -> None:
+    """The committed configs and tokenizers of the default model and of the GQA fixture are
+    exactly what the recipe generates offline."""
+    recipe.write(tmp_path, v41=v41)
+    committed = DEFAULT_MODEL_DIR if v41 else GQA_MODEL_DIR
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert (tmp_path / name).read_bytes() == (DEFAULT_MODEL_DIR / name).read_bytes(), name
+        assert (tmp_path / name).read_bytes() == (committed / name).read_bytes(), name

@@ -13,7 +13,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from engramrt.bundled import resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.cli import build_parser
 from engramrt.commands import evaluate
 from engramrt.commands.generate import GenerateOptions, generate
@@ -138,8 +138,8 @@ def test_table_compares_arms_item_by_item() -> None:
 
 def test_engram_off_runs_no_engram_layer() -> None:
     """The ablation: no Engram layer runs (the counter stays empty) and the output changes."""
-    on = StageRunner.load(resolve_model_dir(None), 1, 64, "cpu", "float32")
-    off = StageRunner.load(resolve_model_dir(None), 1, 64, "cpu", "float32")
+    on = StageRunner.load(GQA_MODEL_DIR, 1, 64, "cpu", "float32")
+    off = StageRunner.load(GQA_MODEL_DIR, 1, 64, "cpu", "float32")
     off.model.disable_engram()
     a, b = (r.compute(StepBatch([5, 6, 7, 8], [0], [4], [0], new_blocks=[[0]])) for r in (on, off))
     assert set(on.engram_ran) == set(on.model.engram_layer_ids) and not off.engram_ran
@@ -181,7 +181,7 @@ def test_the_stage_entry_fault_reaches_served_stages(monkeypatch, capsys) -> Non
     says so on stderr; the first stage and an unasked-for run are untouched."""
     from engramrt.parallel.faults import FAULT_ENV, inject_stage_faults
 
-    model = resolve_model_dir(None)
+    model = GQA_MODEL_DIR
 
     def stage(layers: list[int]) -> StageRunner:  # the default model's layer 1 is an Engram's
         return StageRunner.load(model, 1, 64, "cpu", "float32", layers)
@@ -206,7 +206,7 @@ def test_ab_arms_start_their_servers(tmp_path, capsys) -> None:
     """Answers taken from the bundled model's own greedy completions (``generate``, not the
     server) for half the items and wrong for the rest: the Engram-on arm scores exactly half;
     the table has the off arm beside it."""
-    model = resolve_model_dir(None)
+    model = GQA_MODEL_DIR
     opts = GenerateOptions(model, [4], max_model_len=128, dtype="float32")
     engine = build_stage(opts)[1]
     prompts = PromptEncoder.load(model, engine.tokenizer)
@@ -219,6 +219,8 @@ def test_ab_arms_start_their_servers(tmp_path, capsys) -> None:
         [
             "eval",
             tasks,
+            "--model",
+            str(model),
             "--max-tokens",
             "6",
             "--json",

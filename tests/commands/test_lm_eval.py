@@ -19,7 +19,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.config import load_json, model_config
 from engramrt.runner.batch import NewRequest, StepBatch
 from engramrt.runner.stage import StageRunner
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow  # a server process
 KEY = "sk-lm-eval-test"
 NAME = "engramrt-tiny"
 MAX_GEN = 6
-EOS_ID = model_config(load_json(DEFAULT_MODEL_DIR)).eos_token_id
+EOS_ID = model_config(load_json(GQA_MODEL_DIR)).eos_token_id
 DOCS = [
     {"question": "The sky on a clear day is", "choices": ["blue", "green", "loud"], "label": 0},
     {"question": "Two plus two equals", "choices": ["four", "five"], "label": 0},
@@ -109,8 +109,8 @@ def runs(base: str, tmp_path_factory: pytest.TempPathFactory) -> dict[bool, dict
 def oracle() -> tuple[Tokenizer, Callable[[list[int]], torch.Tensor]]:
     """The tokenizer.json's ``tokenizers`` tokenizer, and next-token log-probabilities of a
     whole sequence from one float32 forward of the model, as a fresh request."""
-    tok = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
-    runner = StageRunner.load(resolve_model_dir(None), 1, 256, "cpu", "float32")
+    tok = Tokenizer.from_file(str(GQA_MODEL_DIR / "tokenizer.json"))
+    runner = StageRunner.load(GQA_MODEL_DIR, 1, 256, "cpu", "float32")
 
     def logprobs(ids: list[int]) -> torch.Tensor:
         # one thread: a forward this small gains nothing from more, and on a busy machine

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.cli import main
 
 
@@ -18,10 +18,10 @@ def _model(tmp_path: Path, **text_config) -> str:
     """The bundled model with some of its config's fields replaced (weights linked, not copied)."""
     out = tmp_path / "m"
     out.mkdir()
-    for f in Path(DEFAULT_MODEL_DIR).iterdir():
+    for f in Path(GQA_MODEL_DIR).iterdir():
         if f.is_file() and f.name != "config.json":
             (out / f.name).symlink_to(f)
-    cfg = json.loads((Path(DEFAULT_MODEL_DIR) / "config.json").read_text())
+    cfg = json.loads((Path(GQA_MODEL_DIR) / "config.json").read_text())
     cfg["text_config"].update(text_config)
     (out / "config.json").write_text(json.dumps(cfg))
     return str(out)
@@ -30,7 +30,7 @@ def _model(tmp_path: Path, **text_config) -> str:
 def _bigger_tokenizer(tmp_path: Path) -> str:
     """A tokenizer with 40 tokens more than the model's vocabulary (added tokens)."""
     out = Path(_model(tmp_path))
-    tok = json.loads((Path(DEFAULT_MODEL_DIR) / "tokenizer.json").read_text())
+    tok = json.loads((Path(GQA_MODEL_DIR) / "tokenizer.json").read_text())
     size = json.loads((out / "config.json").read_text())["text_config"]["vocab_size"]
     tok["added_tokens"] += [{"id": size + i, "content": f"<extra_{i}>", "single_word": False,
                              "lstrip": False, "rstrip": False, "normalized": False,
@@ -49,7 +49,7 @@ CASES = [
     ("port", lambda t: ["--port", "99999"], ["--port", "65535"]),
     ("blocks", lambda t: ["--num-gpu-blocks-override", "0"], ["--num-gpu-blocks-override"]),
     ("tokenizer", lambda t: [_bigger_tokenizer(t)], ["tokenizer", "vocab_size", "1064", "1024"]),
-    ("dspark", lambda t: ["--speculative-config", '{"method": "dspark", '
+    ("dspark", lambda t: [str(GQA_MODEL_DIR), "--speculative-config", '{"method": "dspark", '
                           '"num_speculative_tokens": 2}'], ["dspark", "with DSpark stages"]),
 ]  # fmt: skip
 
@@ -60,7 +60,7 @@ def test_hostile_configs_and_flags_are_one_line_errors(tmp_path, capsys, argv, n
     if args and not args[0].startswith("-"):
         args = ["serve", *args, "--device", "cpu"]
     else:
-        args = ["serve", "--device", "cpu", *args]
+        args = ["serve", str(GQA_MODEL_DIR), "--device", "cpu", *args]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err

@@ -9,7 +9,7 @@ from functools import partial
 
 import pytest
 
-from engramrt.bundled import resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.request import Logprob, SamplingParams
 from engramrt.parallel.pipeline import Pipeline
@@ -24,7 +24,7 @@ MAX_SLOTS = 8
 def session() -> StageRunner:
     """One model for the module; each engine gets a fresh KV cache (history rows are rebuilt
     from a request's tokens whenever it is admitted, so the hasher can be shared)."""
-    return StageRunner.load(resolve_model_dir(None), MAX_SLOTS, MAX_LEN, "cpu", "float32")
+    return StageRunner.load(GQA_MODEL_DIR, MAX_SLOTS, MAX_LEN, "cpu", "float32")
 
 
 @pytest.fixture(scope="module")
@@ -444,7 +444,7 @@ def test_a_tokenizer_larger_than_the_model_cannot_kill_the_engine() -> None:
     from tests.support.model_factory import make_model
 
     model, _ = make_model(seed=3, vocab_size=600)
-    hasher, tok = load_hasher(resolve_model_dir(None), 2)
+    hasher, tok = load_hasher(GQA_MODEL_DIR, 2)
     assert tok.get_vocab_size(with_added_tokens=True) > 600
     runner = StageRunner(model, hasher, None, tok)
     runner.allocate_kv(2, 64, 4, 32)
@@ -475,7 +475,7 @@ def test_incremental_text_equals_a_full_decode_at_every_step(skip: bool) -> None
     from engramrt.engine.detokenize import IncrementalDecoder
     from engramrt.engram import load_tokenizer
 
-    tok = load_tokenizer(resolve_model_dir(None))
+    tok = load_tokenizer(GQA_MODEL_DIR)
     byte_ids = [tok.token_to_id(c) for c in ("\u00e2", "\u0124", "\u00ac", "\u00e4", "\u00bd")]
     assert None not in byte_ids
     rng, partial = random.Random(0), 0

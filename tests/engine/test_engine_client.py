@@ -216,11 +216,11 @@ def test_request_text_ends_at_the_first_stop_string_whatever_the_output_split(se
     is the full decode up to the first stop string, the ids end at the first prefix whose
     decode holds it, and outputs after that end are dropped, however the tokens were split
     into outputs (one step's, or several merged)."""
-    from engramrt.bundled import DEFAULT_MODEL_DIR
+    from engramrt.bundled import GQA_MODEL_DIR
     from engramrt.engine.detokenize import RequestText
     from engramrt.engram import load_tokenizer
 
-    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    tok = load_tokenizer(GQA_MODEL_DIR)
     rng = random.Random(seed)
     prompt = [rng.randrange(6, 1000) for _ in range(5)]
     ids = [rng.randrange(6, 1000) for _ in range(40)]

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from engramrt.bundled import resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.engine.grammar import GrammarSpec
 from engramrt.engine.request import SamplingParams
 from engramrt.runner.batch import NewRequest, StepBatch
@@ -29,7 +29,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "o
 
 @pytest.fixture(scope="module", params=ENGINE_DEVICES)
 def session(request) -> StageRunner:
-    return StageRunner.load(resolve_model_dir(None), 4, 256, request.param, "float32")
+    return StageRunner.load(GQA_MODEL_DIR, 4, 256, request.param, "float32")
 
 
 def _run(session, overlap: bool, guided: bool) -> dict[str, str]:

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from engramrt.bundled import resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.request import SamplingParams
 from engramrt.parallel.pipeline import Pipeline
@@ -25,7 +25,7 @@ MAX_SLOTS = 4
 
 @pytest.fixture(scope="module")
 def session() -> StageRunner:
-    return StageRunner.load(resolve_model_dir(None), MAX_SLOTS, MAX_LEN, "cpu", "float32")
+    return StageRunner.load(GQA_MODEL_DIR, MAX_SLOTS, MAX_LEN, "cpu", "float32")
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +261,7 @@ def test_overlap_with_cuda_graphs_equals_synchronous(encode, session) -> None:
     """On a GPU the steps really overlap, decode and mixed steps replay CUDA graphs (whose
     captured forward gathers the kept samples from the token rows) and results arrive
     through pinned copies and an event."""
-    runner = StageRunner.load(resolve_model_dir(None), MAX_SLOTS, MAX_LEN, "cuda", "float32")
+    runner = StageRunner.load(GQA_MODEL_DIR, MAX_SLOTS, MAX_LEN, "cuda", "float32")
     runner.capture_graphs(MAX_SLOTS, 64)  # mixed steps too: pending tokens beside chunks
     assert runner.graphs is not None
     vocab = session.tokenizer.get_vocab_size()

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engramrt.bundled import resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.commands.flags import add_engram_memory_flags, engram_table_memory
 from engramrt.engram.host_memory import HostMapping, choose_placement, huge_page_share
 from engramrt.runner.batch import StepBatch
@@ -49,7 +49,7 @@ def _steps(
 
 
 def test_host_placement_gives_the_device_placements_rows_and_logits() -> None:
-    d = resolve_model_dir(None)
+    d = GQA_MODEL_DIR
     plain = StageRunner.load(d, 2, 64, "cpu", "float32")
     host = StageRunner.load(d, 2, 64, "cpu", "float32", table_memory="host")
     for a, b in zip(_tables(plain), _tables(host), strict=True):
@@ -184,7 +184,7 @@ def test_the_start_up_self_test_passes_and_fails_loudly(monkeypatch) -> None:
     from engramrt.kernels import engram_gather
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: a registered mapping
-    runner = StageRunner.load(resolve_model_dir(None), 1, 16, device, "float32",
+    runner = StageRunner.load(GQA_MODEL_DIR, 1, 16, device, "float32",
                               table_memory="host")  # fmt: skip
     table = _tables(runner)[0]
     host_memory.check_reads(table, device)  # the real kernel reads the mapping
@@ -211,7 +211,7 @@ def test_host_tables_on_a_gpu_equal_device_tables_eager_and_in_graphs() -> None:
     """fp32 and bf16: registered host tables read over UVA give the device tables' logits bit
     for bit, with their rows read ahead at forward entry and without, eagerly and from
     captured graphs (decode and mixed)."""
-    d = resolve_model_dir(None)
+    d = GQA_MODEL_DIR
     for dtype in ("float32", "bfloat16"):
         dev = StageRunner.load(d, 2, 64, "cuda", dtype)
         host = StageRunner.load(d, 2, 64, "cuda", dtype, table_memory="host")

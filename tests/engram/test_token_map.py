@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, models
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.config import ConfigError, engram_config, load_json
 from engramrt.engram.token_map import build_token_map, load_tokenizer, token_map_keys
 
@@ -47,8 +47,8 @@ def test_size_check() -> None:
 def test_bundled_tokenizer_invariants() -> None:
     """On a real byte-level BPE: partial UTF-8 tokens key on their raw string, case and leading
     space merge, whitespace tokens share one id, and the size matches the config."""
-    tok = load_tokenizer(DEFAULT_MODEL_DIR)
-    cfg = engram_config(load_json(DEFAULT_MODEL_DIR))
+    tok = load_tokenizer(GQA_MODEL_DIR)
+    cfg = engram_config(load_json(GQA_MODEL_DIR))
     tmap = build_token_map(tok, cfg.compressed_vocab_size).tolist()
     keys = token_map_keys(tok)
     partial = [i for i in range(len(keys)) if "\ufffd" in tok.decode([i])]

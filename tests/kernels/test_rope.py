@@ -105,11 +105,11 @@ def test_tables_computed_once_per_forward(monkeypatch) -> None:
         return layers.rope_tables(positions, head_dim, theta)
 
     monkeypatch.setattr(context_mod, "rope_tables", counting)
-    from engramrt.bundled import resolve_model_dir
+    from engramrt.bundled import GQA_MODEL_DIR
     from engramrt.runner.batch import StepBatch
     from engramrt.runner.stage import StageRunner
 
-    runner = StageRunner.load(resolve_model_dir(None), dtype="float32")
+    runner = StageRunner.load(GQA_MODEL_DIR, dtype="float32")
     runner.compute(StepBatch([5, 6, 7], [0], [3], [0], new_blocks=[[0]]))
     runner.compute(StepBatch([8], [0], [1], [3], new_blocks=[[]], block_starts=[1]))
     assert [c.tolist() for c in calls] == [[0, 1, 2], [3]]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engramrt.bundled import DEFAULT_MODEL_DIR, DEFAULT_TASKS_DIR, resolve_model_dir
+from engramrt.bundled import DEFAULT_MODEL_DIR, GQA_MODEL_DIR, resolve_model_dir
 from engramrt.bundled.train import SEED, corpus
 from engramrt.config import ConfigError, engram_config, load_json, model_config
 from engramrt.engram import load_hasher
@@ -28,6 +28,7 @@ from engramrt.engram.layout import EngramLayout
 from engramrt.model.checkpoint import INDEX, CheckpointError, load_model
 from engramrt.model.context import ForwardContext
 from engramrt.model.decoder import EngramMHCModel
+from engramrt.model.quant import StoredLinear
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner, new_kv_cache
 from tests.support.fp8_oracle import e4m3_value
@@ -544,24 +545,32 @@ def test_stage_still_rejects_unexpected(tmp_path: Path, two_layers: Path, name: 
 # ----------------------------------------------------------------------------- bundled model
 
 
-def test_bundled_model_is_a_trained_checkpoint_in_the_served_format() -> None:
-    """The default model is the committed checkpoint (bf16 weights, hc parameters fp32, fp8
-    tables with the layout's row counts), with its held-out task files beside it."""
+@pytest.mark.parametrize("model_dir", [DEFAULT_MODEL_DIR, GQA_MODEL_DIR], ids=["v41", "gqa"])
+def test_bundled_models_are_trained_checkpoints_in_the_served_format(model_dir: Path) -> None:
+    """The default model (V4.1, with its DSpark stage) and the GQA fixture are committed
+    checkpoints in the served format (bf16 weights, hc parameters fp32, fp8 tables with the
+    layout's row counts; V4.1's linears FP8 and its experts FP4 as released), with their
+    held-out task files beside them."""
     assert resolve_model_dir(None) == DEFAULT_MODEL_DIR
-    model = load_model(DEFAULT_MODEL_DIR)
-    layout = EngramLayout.from_config(engram_config(load_json(DEFAULT_MODEL_DIR)))
+    v41 = model_dir == DEFAULT_MODEL_DIR
+    model = load_model(model_dir, dspark=v41)
+    layout = EngramLayout.from_config(engram_config(load_json(model_dir)))
     assert model.dtype == torch.bfloat16
     for i in model.engram_layer_ids:
         table = model.layers[str(i)].engram.embed
         rows = layout.column_bounds(model.cfg.engram.layer_ids.index(i))[-1]
         assert table.weight.dtype == E4M3 and table.num_rows == rows
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if ".hc_" in n)
-    assert torch.isfinite(_logits(model, DEFAULT_MODEL_DIR)).all()
-    tasks = sorted(p.name for p in DEFAULT_TASKS_DIR.iterdir())
+    if v41:
+        stored = {m.weight.dtype for m in model.modules() if isinstance(m, StoredLinear)}
+        assert stored == {E4M3, torch.int8} and len(model.mtp) == 1
+        assert not any(m.master is not None for m in model.modules() if isinstance(m, StoredLinear))
+    assert torch.isfinite(_logits(model, model_dir)).all()
+    tasks = sorted(p.name for p in (model_dir / "tasks").iterdir())
     assert tasks == ["arithmetic.jsonl", "in_context.jsonl", "recall.jsonl"]
     held_out = corpus(SEED).tasks  # the shipped items are the ones the recipe held out
     for name in tasks:
-        rows = [json.loads(line) for line in (DEFAULT_TASKS_DIR / name).read_text().splitlines()]
+        rows = [json.loads(line) for line in (model_dir / "tasks" / name).read_text().splitlines()]
         assert rows == held_out[name.removesuffix(".jsonl")]
 
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.config import engram_config
 from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.layout import EngramLayout
@@ -29,7 +29,7 @@ F64 = torch.float64
 
 @functools.cache
 def token_map(compressed: int) -> torch.Tensor:
-    return build_token_map(load_tokenizer(DEFAULT_MODEL_DIR), compressed)
+    return build_token_map(load_tokenizer(GQA_MODEL_DIR), compressed)
 
 
 def new_hasher(raw: dict) -> EngramHasher:

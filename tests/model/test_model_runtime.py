@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.cli import main
 from engramrt.engram import load_hasher
 from engramrt.model.context import ForwardContext
@@ -19,7 +19,7 @@ from tests.support.model_factory import make_model
 
 
 def new_session(model, slots: int = 4) -> StageRunner:
-    hasher, tok = load_hasher(DEFAULT_MODEL_DIR, slots)
+    hasher, tok = load_hasher(GQA_MODEL_DIR, slots)
     return StageRunner(model, hasher, new_kv_cache(model, slots), tok)
 
 
@@ -117,9 +117,8 @@ def test_engram_ablation_changes_logits() -> None:
 def test_engram_update_is_visible_on_default_model() -> None:
     """On the bundled model each Engram update is a sizeable fraction of the stream and changes
     most stream elements (bf16, as shipped)."""
-    from engramrt.bundled import resolve_model_dir
 
-    s = StageRunner.load(resolve_model_dir(None))
+    s = StageRunner.load(GQA_MODEL_DIR)
     stats = EngramUpdateStats()
     ids = s.tokenizer.encode("The Engram hashes every token of this prompt.").ids
     s.tracer = stats

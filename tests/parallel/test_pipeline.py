@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engramrt.bundled import resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.cli import main
 from engramrt.commands.check_pp import (
     RAISE_ENV,
@@ -42,8 +42,9 @@ PROMPTS = ["The Engram hashes every token of this prompt, twice over.", "Hi ther
 
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``engramrt COMMAND`` on the GQA fixture (the partitions below are its four layers')."""
     return subprocess.run(
-        [sys.executable, "-m", "engramrt", *args],
+        [sys.executable, "-m", "engramrt", args[0], "--model", str(GQA_MODEL_DIR), *args[1:]],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -105,7 +106,8 @@ def test_more_stages_than_layers_names_the_rule() -> None:
 
 
 def test_cli_rejects_bad_partition(capsys: pytest.CaptureFixture) -> None:
-    code = main(["generate", "--prompt", "x", "-pp", "2", "--pp-layer-partition", "4,0"])
+    code = main(["generate", "--model", str(GQA_MODEL_DIR), "--prompt", "x", "-pp", "2",
+                 "--pp-layer-partition", "4,0"])  # fmt: skip
     assert code == 2 and "empty stage" in capsys.readouterr().err
 
 
@@ -152,15 +154,14 @@ def _stage_of(model, layers: list[int]):
 def test_stage_carry_hand_off_is_exact_in_process() -> None:
     """Stages run one after another in one process (no messages) give PP = 1's logits bitwise,
     including a later stage that starts on an Engram layer."""
-    from engramrt.bundled import DEFAULT_MODEL_DIR
     from engramrt.engram import load_hasher
 
     model, _ = make_model(seed=4, num_hidden_layers=4, engram_layer_ids=[1, 2])
-    hasher, _ = load_hasher(DEFAULT_MODEL_DIR, 1)
+    hasher, _ = load_hasher(GQA_MODEL_DIR, 1)
     whole = StageRunner(model, hasher, new_kv_cache(model, 1))
     tokens = [0, 55, 66, 77, 88]
     want = whole.compute(StepBatch(tokens, [0], [5], [0]))
-    hasher2, _ = load_hasher(DEFAULT_MODEL_DIR, 1)
+    hasher2, _ = load_hasher(GQA_MODEL_DIR, 1)
     first = StageRunner(_stage_of(model, [0]), hasher2, None)
     second = StageRunner(_stage_of(model, [1, 2, 3]), None, None)
     for s in (first, second):
@@ -247,7 +248,7 @@ def test_check_pp_in_process_reports_a_raising_stage(monkeypatch: pytest.MonkeyP
     """One stage, in this process: a stage that raises fails its partition with the error in
     the report and the table, instead of ending the check with a traceback."""
     monkeypatch.setenv(RAISE_ENV, "0@4")
-    report = check_pp(CheckOptions(resolve_model_dir(None), stages=1, decode_steps=2))
+    report = check_pp(CheckOptions(GQA_MODEL_DIR, stages=1, decode_steps=2))
     (row,) = report["partitions"]
     want = f"stage 0: RuntimeError: injected fault ({RAISE_ENV}) on stage 0"
     assert row["partition"] == [4] and row["error"] == want and not report["ok"]
@@ -295,7 +296,7 @@ def test_check_pp_reports_a_raising_stage_and_goes_on(
 
 @pytest.mark.slow
 def test_engram_trace_shows_the_stage_entry_engram(tmp_path: Path) -> None:
-    """Partition 1,3 on the default model: stage 1 starts on Engram layer 1. Every step, each
+    """Partition 1,3 on the GQA fixture: stage 1 starts on Engram layer 1. Every step, each
     Engram layer runs once on its stage; layer 1's input is exactly the received stream, which
     is exactly what stage 0 sent."""
     trace = tmp_path / "trace.jsonl"
@@ -325,8 +326,8 @@ def test_torchrun_runs_the_same_flags(flag: str) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     run = subprocess.run(
         [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "engramrt", "generate",
-         "--prompt", "The quick brown fox", "--max-tokens", "5", flag, "2", "--device", "cpu",
-         "--dtype", "float32"],
+         "--model", str(GQA_MODEL_DIR), "--prompt", "The quick brown fox", "--max-tokens", "5",
+         flag, "2", "--device", "cpu", "--dtype", "float32"],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engramrt.bundled import resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.commands.check_pp import CheckOptions, check_pp
 from engramrt.engram.layout import EngramLayout
 from engramrt.engram.module import Engram
@@ -57,7 +57,7 @@ def test_rank_slices_reassemble_the_model(
     rank reads only its slices of the file, host-memory tables included (its rows only). V4.1:
     FP8/FP4 weights and their scales sliced on whole scale blocks, ``wo_a`` dequantised from
     its slice, the latent, compressor and indexer replicated."""
-    model_dir = {"default": resolve_model_dir(None), "moe": moe_dir, "v41": v41_small}[which]
+    model_dir = {"default": GQA_MODEL_DIR, "moe": moe_dir, "v41": v41_small}[which]
     full = load_model(model_dir, torch.float32)
     ranks = _ranks(model_dir, size, table_memory=tables)
     if tables == "host":
@@ -90,7 +90,7 @@ def test_sharded_engram_rows_are_the_unsharded_lookup(size: int) -> None:
     """Each rank looks up its hash columns in its rows only; the padded concatenation of the
     ranks' rows (what the all-gather builds) is bitwise the unsharded lookup, fp8 included.
     Sizes that do not divide the 24 columns leave short (or empty) last parts."""
-    full = load_model(resolve_model_dir(None), torch.float32)
+    full = load_model(GQA_MODEL_DIR, torch.float32)
     g = torch.Generator().manual_seed(size)
     layout = EngramLayout.from_config(full.cfg.engram)
     for index, i in enumerate(full.engram_layer_ids):
@@ -117,7 +117,7 @@ def test_sharded_engram_rows_are_the_unsharded_lookup(size: int) -> None:
 
 def test_sizes_that_do_not_divide_name_the_rule() -> None:
     with pytest.raises(ValueError, match=r"tensor-parallel-size 3 must divide num_attention_"):
-        load_model(resolve_model_dir(None), tp=TensorParallel(0, 3))
+        load_model(GQA_MODEL_DIR, tp=TensorParallel(0, 3))
 
 
 # --- against one process without TP (gloo, fp32) ------------------------------------------
@@ -130,7 +130,7 @@ def test_tp2_matches_one_process(which: str, stages: int, moe_dir: Path, v41_sma
     """TP = 2 (and TP = 2 x PP = 2, every partition; V4.1: every legal one) against TP = 1,
     PP = 1: greedy tokens identical over a prefill and 6 decode steps, logits within 1e-3;
     every Engram layer ran on its stage."""
-    model_dir = {"default": resolve_model_dir(None), "moe": moe_dir, "v41": v41_small}[which]
+    model_dir = {"default": GQA_MODEL_DIR, "moe": moe_dir, "v41": v41_small}[which]
     report = check_pp(CheckOptions(model_dir, stages=stages, prompts=PROMPTS, decode_steps=6,
                                    dist=DistConfig(tp_size=2)))  # fmt: skip
     assert report["tensor_parallel_size"] == 2 and report["partitions"]
@@ -184,7 +184,7 @@ def test_nccl_collectives_replay_in_cuda_graphs(monkeypatch) -> None:
             calls.__setitem__(_n, calls.get(_n, 0) + 1), _r(*a, **k))[1])  # fmt: skip
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model_dir, slots = resolve_model_dir(None), 9
+        model_dir, slots = GQA_MODEL_DIR, 9
         one = TensorParallel(0, 1, dist.group.WORLD, 0)
 
         def runner(tp: TensorParallel) -> StageRunner:
@@ -220,7 +220,7 @@ def test_nccl_collectives_replay_in_cuda_graphs(monkeypatch) -> None:
 def test_tp2_over_nccl_matches_one_gpu() -> None:
     """Two GPUs, NCCL, decode steps in CUDA graphs: TP = 2 gives one GPU's greedy tokens."""
     two = DistConfig(tp_size=2, device="cuda")
-    report = check_pp(CheckOptions(resolve_model_dir(None), stages=1, prompts=PROMPTS,
+    report = check_pp(CheckOptions(GQA_MODEL_DIR, stages=1, prompts=PROMPTS,
                                    decode_steps=6, dist=two))  # fmt: skip
     assert report["partitions"] and report["ok"]
     for row in report["partitions"]:

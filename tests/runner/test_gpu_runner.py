@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.engram import load_hasher
 from engramrt.model.attention import _torch_attention
 from engramrt.model.context import ForwardContext, GraphShape, KVCache
@@ -23,7 +23,7 @@ from tests.support.model_factory import make_model
 
 
 def new_session(model, slots: int) -> StageRunner:
-    hasher, tok = load_hasher(DEFAULT_MODEL_DIR, slots, next(model.parameters()).device)
+    hasher, tok = load_hasher(GQA_MODEL_DIR, slots, next(model.parameters()).device)
     return StageRunner(model, hasher, new_kv_cache(model, slots, 64), tok)
 
 
@@ -363,7 +363,7 @@ def test_mixed_graph_replay_equals_eager() -> None:
     slots_n, max_len = 9, 256
 
     def session() -> StageRunner:
-        hasher, tok = load_hasher(DEFAULT_MODEL_DIR, slots_n, "cuda")
+        hasher, tok = load_hasher(GQA_MODEL_DIR, slots_n, "cuda")
         return StageRunner(model, hasher, new_kv_cache(model, slots_n, max_len), tok)
 
     eager, graphed = session(), session()
@@ -437,9 +437,8 @@ def test_fused_sinkhorn_matches_torch(tokens: int, hc: int, iters: int) -> None:
 
 def test_loaded_models_carry_no_autograd_state() -> None:
     """A captured graph would otherwise keep saved tensors alive in its pool."""
-    from engramrt.bundled import resolve_model_dir
 
-    s = StageRunner.load(resolve_model_dir(None))
+    s = StageRunner.load(GQA_MODEL_DIR)
     assert not any(p.requires_grad for p in s.model.parameters())
     out = s.compute(StepBatch([7, 8, 9], [0], [3], [0]))
     assert not out.requires_grad

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from engramrt.bundled import resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.engine.request import SamplingParams
 from engramrt.runner.logit_controls import Controls, LogitControls, restate
 from engramrt.runner.stage import StageRunner
@@ -93,7 +93,7 @@ MAX_LEN, SLOTS = 96, 3
 def session(request) -> StageRunner:
     """The engine tests run on the CPU, and with ``-m gpu`` on CUDA too (fp32: argmax ties
     are as unlikely as on the CPU)."""
-    return StageRunner.load(resolve_model_dir(None), SLOTS, MAX_LEN, request.param, "float32")
+    return StageRunner.load(GQA_MODEL_DIR, SLOTS, MAX_LEN, request.param, "float32")
 
 
 def _recording(session: StageRunner, monkeypatch, engine) -> list:

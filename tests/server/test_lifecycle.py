@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engramrt.bundled import resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.commands.serve import ServeOptions, _serve_http
 from engramrt.engine.build import build_stage
 from engramrt.engine.client import EngineClient
@@ -172,7 +172,7 @@ def test_engine_death_exits_1() -> None:
     """A step that raises (here injected) fails the request with a 503 naming the cause, turns
     /health to 503 and makes the server return exit status 1, instead of serving 503s for
     ever; the same path a lost stage takes."""
-    model_dir = resolve_model_dir(None)
+    model_dir = GQA_MODEL_DIR
     opts = ServeOptions(model_dir, [4], max_model_len=256, dtype="float32",
                         served_model_name=["m"], port=free_port(),
                         disable_uvicorn_access_log=True)  # fmt: skip

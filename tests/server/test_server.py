@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from engramrt.bundled import DEFAULT_MODEL_DIR, resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.config import load_json, model_config
 from engramrt.engram.token_map import load_tokenizer
 from engramrt.prompts import PromptEncoder
@@ -35,8 +35,8 @@ pytestmark = pytest.mark.slow  # every test talks to a server process
 
 MAX_LEN = 1024
 API_KEY = "sk-engramrt-test"
-TOK = load_tokenizer(DEFAULT_MODEL_DIR)
-BOS = model_config(load_json(DEFAULT_MODEL_DIR)).bos_token_id
+TOK = load_tokenizer(GQA_MODEL_DIR)
+BOS = model_config(load_json(GQA_MODEL_DIR)).bos_token_id
 VOCAB = TOK.get_vocab_size(with_added_tokens=True)
 
 server = server_fixture("--max-model-len", str(MAX_LEN))
@@ -53,7 +53,7 @@ PROMPTS = [
 # --- helpers ---------------------------------------------------------------------------------
 
 
-ADD_BOS = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())["add_bos_token"]
+ADD_BOS = json.loads((GQA_MODEL_DIR / "tokenizer_config.json").read_text())["add_bos_token"]
 
 
 def ids_of(text: str) -> list[int]:
@@ -471,7 +471,7 @@ def bos_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The bundled model with ``add_bos_token: true``: every text prompt gets a BOS that is not
     in the text the client sent."""
     model = tmp_path_factory.mktemp("bos") / "model"
-    shutil.copytree(resolve_model_dir(None), model)
+    shutil.copytree(GQA_MODEL_DIR, model)
     path = model / "tokenizer_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "add_bos_token": True}))
     with running_server("--model", str(model), "--max-model-len", str(MAX_LEN), *FP32) as base:
@@ -539,7 +539,7 @@ def test_echo_text_offsets_index_the_text(bos_server: str, kind: str, stream: bo
 def oracle():
     """Log-probabilities of every next token of ``ids`` from one float32 prefill of the model
     in this process: ``log_softmax`` of the logits, the rows past the tokenizer masked."""
-    runner = StageRunner.load(resolve_model_dir(None), 1, MAX_LEN, "cpu", "float32")
+    runner = StageRunner.load(GQA_MODEL_DIR, 1, MAX_LEN, "cpu", "float32")
 
     def logprobs(ids: list[int]) -> torch.Tensor:
         logits = runner.compute(
@@ -600,7 +600,7 @@ def test_chat_logprobs_without_top(fp32_server: str, oracle, top: int | None) ->
     if top is not None:
         body["top_logprobs"] = top
     content = post(fp32_server, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
-    prompt = PromptEncoder.load(DEFAULT_MODEL_DIR).chat(messages)
+    prompt = PromptEncoder.load(GQA_MODEL_DIR).chat(messages)
     ids = _ids([e["token"] for e in content])
     want = oracle([*prompt, *ids][:-1])
     for j, (t, e) in enumerate(zip(ids, content, strict=True)):
@@ -1011,7 +1011,7 @@ def test_long_prompt_does_not_stall_the_server(server: str) -> None:
     hold up /health, which answers while they are still being tokenised. Each is short enough
     for the length bound to let it through to the tokenizer (one long prompt is refused by its
     length alone: test_a_prompt_too_long_by_its_length_alone_...)."""
-    k = PromptEncoder.load(DEFAULT_MODEL_DIR).max_token_bytes
+    k = PromptEncoder.load(GQA_MODEL_DIR).max_token_bytes
     line = "The quick brown fox jumps over the lazy dog. "
     one = line * (k * MAX_LEN // len(line))  # just under the bound
     huge = [one] * 100  # ~2.9 MB, ~1 s or more
@@ -1183,7 +1183,7 @@ def _json_object_prefix(text: str) -> bool:
     import llguidance
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(resolve_model_dir(None) / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(GQA_MODEL_DIR / "tokenizer.json"))
     lt = llguidance.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=None)
     grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
     ids = tok.encode(text, add_special_tokens=False).ids
@@ -1234,7 +1234,7 @@ def test_a_grammar_the_engine_cannot_follow_is_an_error_the_client_sees(server: 
     r = httpx.post(f"{server}/v1/completions", timeout=60,
                    json={"prompt": "hi", "guided_regex": "a{1000}{1000}"})  # fmt: skip
     assert_error(r, 400, "cannot be followed")
-    a = load_tokenizer(DEFAULT_MODEL_DIR).token_to_id("a")
+    a = load_tokenizer(GQA_MODEL_DIR).token_to_id("a")
     body = {"prompt": "hi", "max_tokens": 20, "temperature": 0, "logit_bias": {str(a): 100},
             "guided_regex": "b|a{1000}{1000}"}  # fmt: skip
     r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
@@ -1251,7 +1251,7 @@ def test_a_grammar_the_engine_cannot_follow_is_an_error_the_client_sees(server: 
 
 def test_a_prompt_too_long_by_its_length_alone_is_refused_before_tokenisation(server) -> None:
     """The bound's own message (characters, not tokens): the text was never tokenised."""
-    k = PromptEncoder.load(DEFAULT_MODEL_DIR).max_token_bytes
+    k = PromptEncoder.load(GQA_MODEL_DIR).max_token_bytes
     text = "x" * (k * MAX_LEN + 1)
     for path, body in [("/v1/completions", {"prompt": text}), ("/tokenize", {"prompt": text}),
                        ("/v1/chat/completions",

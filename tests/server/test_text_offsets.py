@@ -8,12 +8,12 @@ import random
 
 import pytest
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.engram.token_map import load_tokenizer
 from engramrt.server.responses import TextOffsets
 from tests.support.offsets_oracle import check_text_offsets
 
-TOK = load_tokenizer(DEFAULT_MODEL_DIR)
+TOK = load_tokenizer(GQA_MODEL_DIR)
 BOS = TOK.token_to_id("<｜begin▁of▁sentence｜>")
 SPECIALS = [i for i in range(TOK.get_vocab_size()) if not TOK.decode([i], skip_special_tokens=True)]
 # byte tokens: three or four of them make one character, alone each is U+FFFD

@@ -19,7 +19,7 @@ import jinja2
 import pytest
 from tokenizers import Tokenizer
 
-from engramrt.bundled import resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from tests.support.server_fixture import running_server
 
 pytestmark = pytest.mark.slow  # a server process
@@ -36,7 +36,7 @@ ADDED_BOS = {"content": "<｜begin▁of▁sentence｜>", "lstrip": False, "norma
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-bos")
-    for f in resolve_model_dir(None).iterdir():
+    for f in GQA_MODEL_DIR.iterdir():
         if f.is_file():
             shutil.copy(f, out / f.name)
     cfg = json.loads((out / "tokenizer_config.json").read_text())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engramrt.bundled import DEFAULT_MODEL_DIR
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.bundled.weights import seeded_model
 from engramrt.config import engram_config, load_json, model_config
 from engramrt.engram.layout import search_primes
@@ -18,7 +18,7 @@ from engramrt.model.decoder import EngramMHCModel
 def make_raw_config(**overrides) -> dict:
     """The bundled config, made smaller (hidden 64, tables of a few thousand rows) and
     overridable; engram_num_embeddings is recomputed from the primes."""
-    raw = copy.deepcopy(load_json(DEFAULT_MODEL_DIR))
+    raw = copy.deepcopy(load_json(GQA_MODEL_DIR))
     text = raw["text_config"]
     text.update(
         hidden_size=64,
@@ -45,4 +45,4 @@ def make_model(
 
 
 def save_model(model: EngramMHCModel, raw: dict, out: Path, **kw) -> Path:
-    return save_checkpoint(model, out, raw, tokenizer_dir=DEFAULT_MODEL_DIR, **kw)
+    return save_checkpoint(model, out, raw, tokenizer_dir=GQA_MODEL_DIR, **kw)

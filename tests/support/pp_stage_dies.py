@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from engramrt.bundled import resolve_model_dir
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.parallel.launch import DistConfig, launch
 from engramrt.parallel.partition import stage_layers
 from engramrt.parallel.pipeline import Pipeline
@@ -17,7 +17,7 @@ from engramrt.runner.stage import StageRunner
 
 def worker(rank: int, world: int) -> None:
     parts = [2, 2] if world == 2 else [4]
-    runner = StageRunner.load(resolve_model_dir(None), layer_ids=stage_layers(parts, rank))
+    runner = StageRunner.load(GQA_MODEL_DIR, layer_ids=stage_layers(parts, rank))
     pipe = Pipeline(runner, rank, world)
     if pipe.tp.rank == 1:  # a TP follower: one step of the leader's, then gone
         step = runner.compute

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.parallel.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,14 +59,23 @@ def stop_server(proc: subprocess.Popen, timeout: float = 15.0) -> None:
 
 
 def start_server(
-    *args: str, timeout: float = START_TIMEOUT_S, launcher: list[str] | None = None
+    *args: str,
+    timeout: float = START_TIMEOUT_S,
+    launcher: list[str] | None = None,
+    model: Path | None = GQA_MODEL_DIR,
 ) -> tuple[str, subprocess.Popen]:
-    """``python -m engramrt serve --port <free> --device cpu *args``; waits for /health 200.
-    ``launcher`` replaces ``python`` (torchrun, say)."""
+    """``python -m engramrt serve MODEL --port <free> --device cpu *args``; waits for /health
+    200. ``launcher`` replaces ``python`` (torchrun, say). ``model``: the GQA fixture unless
+    given here or in ``args`` (a first positional or ``--model``; None: the bundled default),
+    served as ``engramrt-tiny`` unless ``args`` name it."""
+    if "--model" in args or (args and not args[0].startswith("-")):
+        model = None
     port = free_port()
-    cmd = [*(launcher or [sys.executable]), "-m", "engramrt", "serve", "--port", str(port),
-           "--device", "cpu"]  # fmt: skip
-    cmd += list(args)
+    cmd = [*(launcher or [sys.executable]), "-m", "engramrt", "serve"]
+    cmd += [] if model is None else [str(model)]
+    cmd += ["--port", str(port), "--device", "cpu", *args]
+    if model is not None and "--served-model-name" not in args:
+        cmd += ["--served-model-name", "engramrt-tiny"]
     fd, log_path = tempfile.mkstemp(prefix="engramrt-serve-", suffix=".log")
     with os.fdopen(fd, "w") as log:
         proc = subprocess.Popen(
