@@ -34,8 +34,8 @@ preset() {  # name dir
 PROMPT="The history of the hyper-connected transformer begins"
 case "${PART:-b}" in
   i)
-    for k in 3 5; do
-      timeout 200 python3 benchmarks/dspark_accept.py --device cuda --k "$k" \
+    for k in 5 3; do
+      timeout 120 python3 benchmarks/dspark_accept.py --device cuda --k "$k" --per-kind 8 \
         --out "$out/dspark_accept_k$k.json" 2>&1 | grep -v "^engramrt" | tee "$out/dspark_accept_k$k.txt"
     done
     ;;
