@@ -62,7 +62,8 @@ def test_latency_mode_reports_bandwidth(capsys: pytest.CaptureFixture) -> None:
 def test_decode_bytes_match_a_count_from_the_config() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--device", "cpu", "--num-gpu-blocks-override", "64"])
+    args = p.parse_args(["--model", str(GQA_MODEL_DIR), "--device", "cpu",
+                         "--num-gpu-blocks-override", "64"])  # fmt: skip
     engine = local_engine(args, 64)
     c = engine.pipeline.runner.model.cfg
     d, e, hc = c.hidden_size, c.engram, c.hc_mult
