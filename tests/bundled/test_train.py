@@ -1,11 +1,13 @@
-"""The training recipe of the bundled model: its generated data is fixed by the seed, a few
-steps on the CPU are reproducible and lower the loss, and what it saves loads as a served
-checkpoint (fp8 tables) whose hash ids are the hasher's."""
+"""The training recipe: its generated data is fixed by the seed, a few steps on the CPU are
+reproducible and lower the loss, and what it saves loads as a served checkpoint (fp8 tables)
+whose hash ids are the hasher's; on the GQA fixture (the V4.1 default's own training:
+``test_train_v41``)."""
 
 from __future__ import annotations
 
 import torch
 
+from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.bundled import train as recipe
 from engramrt.engram import load_hasher
 from engramrt.runner.batch import StepBatch
@@ -28,14 +30,14 @@ def test_corpus_is_fixed_by_the_seed() -> None:
 
 
 def test_a_few_steps_are_reproducible_and_learn() -> None:
-    kw = {"length": 24, "size": 3, "log": None}
+    kw = {"length": 24, "size": 3, "log": None, "model_dir": GQA_MODEL_DIR}  # V4.1: test_train_v41
     r1, l1 = recipe.train(6, seed=7, **kw)
     r2, l2 = recipe.train(6, seed=7, **kw)
     assert l1 == l2
     for (n, p), (_, q) in zip(r1.model.state_dict().items(), r2.model.state_dict().items(),
                               strict=True):  # fmt: skip
         assert torch.equal(p, q), n
-    fresh = recipe.build(7, "cpu")
+    fresh = recipe.build(7, "cpu", GQA_MODEL_DIR)
     windows = next(recipe.batches([[5, 6, 7, 8, 9] * 6], 1, 24, 3, 0))
     before = recipe.loss_of(fresh, windows).total.item()
     opt = torch.optim.AdamW(recipe.trainable(fresh), lr=3e-3)
@@ -48,8 +50,8 @@ def test_a_few_steps_are_reproducible_and_learn() -> None:
 
 
 def test_saved_checkpoint_serves(tmp_path) -> None:
-    runner, _ = recipe.train(2, seed=3, length=16, size=2, log=None)
-    out = recipe.save(runner, tmp_path / "m", seed=3)
+    runner, _ = recipe.train(2, seed=3, length=16, size=2, log=None, model_dir=GQA_MODEL_DIR)
+    out = recipe.save(runner, tmp_path / "m", seed=3, model_dir=GQA_MODEL_DIR)
     assert sorted(p.name for p in (out / "tasks").iterdir()) == [
         "arithmetic.jsonl", "in_context.jsonl", "recall.jsonl"]  # fmt: skip
     served = StageRunner.load(out, 1, 64, "cpu", "float32")
