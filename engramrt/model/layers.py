@@ -17,6 +17,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * weight.float()).to(x.dtype)
 
 
+def take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]``: the rows of ``x`` [N, ...] at ``idx`` (any shape), as an embedding lookup.
+    The same values; in training, its backward sums repeated rows by sorted segments, where
+    indexing's backward (and, deterministically, its in-place writes) ran a kernel that took
+    3.5 s of a 4 s step of the bundled model on an H200."""
+    return F.embedding(idx, x.flatten(1)).unflatten(-1, x.shape[1:])
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()

@@ -32,7 +32,7 @@ from torch import nn
 from engramrt.kernels import use_triton
 from engramrt.model import quant
 from engramrt.model.context import ForwardContext
-from engramrt.model.layers import RMSNorm
+from engramrt.model.layers import RMSNorm, take_rows
 from engramrt.model.quant import StoredLinear
 from engramrt.model.v41_cache import V41Cache
 from engramrt.tensor_parallel import SINGLE, TensorParallel
@@ -453,7 +453,7 @@ class V41Attention(nn.Module):
             else:
                 rows = cache.entry_rows(step.tables, step.req[c], entries.expand(len(seen), -1),
                                         r)  # fmt: skip
-                scores = self.indexer.scores(q[c], w[c], keys[rows])
+                scores = self.indexer.scores(q[c], w[c], take_rows(keys, rows))
                 scores = scores.masked_fill(entries >= seen.unsqueeze(-1), -math.inf)
             allowed = None
             if role.builds_candidates:
@@ -487,10 +487,10 @@ class V41Attention(nn.Module):
             seen = at <= pos
             here = step.q0[c, None] + (at - p0)  # this run's rows
             ring_rows = step.slot[c, None] * cache.ring_len + at % cache.ring_len
-            both = torch.where((at >= p0).unsqueeze(-1), kv[here.clamp(0, len(kv) - 1)],
-                               ring[ring_rows])  # fmt: skip
+            both = torch.where((at >= p0).unsqueeze(-1), take_rows(kv, here.clamp(0, len(kv) - 1)),
+                               take_rows(ring, ring_rows))  # fmt: skip
             if rows is not None:
-                both = torch.cat([both, comp[rows[c].clamp_min(0)]], dim=1)
+                both = torch.cat([both, take_rows(comp, rows[c].clamp_min(0))], dim=1)
                 seen = torch.cat([seen, rows[c] >= 0], dim=1)
             s = torch.einsum("mhd,mrd->mhr", q[c].float(), both.float()) * self.softmax_scale
             s = s.masked_fill(~seen[:, None, :], -math.inf)

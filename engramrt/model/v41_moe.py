@@ -22,6 +22,7 @@ from torch import nn
 
 from engramrt.kernels import use_triton
 from engramrt.model import quant
+from engramrt.model.layers import take_rows
 from engramrt.model.quant import StoredLinear
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 from engramrt.v41_config import V41Config
@@ -66,6 +67,30 @@ class Gate(nn.Module):
         self.register_buffer("bias_vl", torch.zeros(e) if image_bias else None)
 
 
+class ExpertPairs:
+    """A step's (token, expert) pairs sorted by expert, stably (each expert's tokens ascending):
+    ``order`` [T * k] the flat pair (``token * k + slot``) at each sorted row, ``counts`` [E]
+    the rows of each expert (on the device: no sync)."""
+
+    def __init__(self, ids: torch.Tensor, experts: int):
+        self.shape = ids.shape
+        sort = torch.sort(ids.flatten(), stable=True)
+        self.order = sort.indices
+        self.counts = torch.zeros(experts, dtype=torch.int64, device=ids.device)
+        self.counts.scatter_add_(0, sort.values, torch.ones_like(sort.values))  # bincount syncs
+        place = torch.empty_like(self.order)  # where each pair's row went in the sort
+        place[self.order] = torch.arange(len(place), device=ids.device)
+        self.by_id = place.view(self.shape).gather(1, ids.argsort(dim=1, stable=True))
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        """Sorted rows' outputs [T * k, D] as each token's fp32 sum over its experts in
+        ascending id (the order the reference adds them in)."""
+        y = torch.zeros(self.shape[0], out.shape[-1], dtype=torch.float32, device=out.device)
+        for j in range(self.shape[1]):
+            y = y + take_rows(out, self.by_id[:, j])
+        return y
+
+
 class V41MoE(nn.Module):
     """With tensor parallelism every rank routes (the gate is replicated) and holds a slice of
     every expert's features, the shared one's too; the fp32 sum is all-reduced once."""
@@ -89,23 +114,24 @@ class V41MoE(nn.Module):
         from engramrt.kernels.stored_linear import grouped_stored_linear
 
         w13, s13, w2, s2 = self._stacked()
-        t, k = ids.shape
-        order = torch.sort(ids.flatten(), stable=True)
-        counts = torch.zeros(len(self.experts), dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, order.values, torch.ones_like(order.values))  # bincount syncs
-        a = quant.act_roundtrip(x)[order.indices // k]
-        h = grouped_stored_linear(a, w13, s13, True, counts)
+        pairs = ExpertPairs(ids, len(self.experts))
+        a = quant.act_roundtrip(x)[pairs.order // ids.shape[1]]
+        h = grouped_stored_linear(a, w13, s13, True, pairs.counts)
         gate, up = h.chunk(2, dim=-1)
         h = clamped_swiglu(gate, up, self.shared_experts.limit,
-                           weights.flatten()[order.indices, None])  # fmt: skip
-        out = grouped_stored_linear(quant.act_roundtrip(h.to(x.dtype)), w2, s2, True, counts)
-        place = torch.empty_like(order.indices)  # where each pair's row went in the sort
-        place[order.indices] = torch.arange(len(place), device=x.device)
-        by_id = place.view(t, k).gather(1, ids.argsort(dim=1, stable=True))
-        y = torch.zeros_like(x, dtype=torch.float32)
-        for j in range(k):
-            y += out[by_id[:, j]]
-        return y
+                           weights.flatten()[pairs.order, None])  # fmt: skip
+        return pairs.combine(grouped_stored_linear(quant.act_roundtrip(h.to(x.dtype)), w2, s2,
+                                                   True, pairs.counts))  # fmt: skip
+
+    def _looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each routed expert over its tokens' rows (ascending, as ``_grouped`` sorts them) in a
+        launch of its own: one host sync for the counts."""
+        pairs = ExpertPairs(ids, len(self.experts))
+        counts = pairs.counts.tolist()
+        xs = take_rows(x, pairs.order // ids.shape[1]).split(counts)
+        ws = take_rows(weights.reshape(-1, 1), pairs.order).split(counts)
+        outs = [self.experts[e](xs[e], ws[e]) for e, n in enumerate(counts) if n]
+        return pairs.combine(torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1]))
 
     def _stacked(self) -> tuple[torch.Tensor, ...]:
         """Every routed expert's weights in one tensor per kind (``w1`` above ``w3`` per
@@ -166,9 +192,6 @@ class V41MoE(nn.Module):
         if use_triton(x.device) and (few or torch.cuda.is_current_stream_capturing()):
             y = self._grouped(x, weights, ids)
         else:
-            y = torch.zeros_like(x, dtype=torch.float32)
-            for e in torch.unique(ids).tolist():  # ascending expert id
-                rows, slot = torch.where(ids == e)
-                y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
-        y += self.shared_experts(x)
+            y = self._looped(x, weights, ids)
+        y = y + self.shared_experts(x)
         return self.tp.all_reduce(y).to(x.dtype)
