@@ -27,6 +27,7 @@ from engramrt.config import load_json, model_config
 from engramrt.engine.build import EngineOptions, build_stage
 from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams
+from engramrt.parallel.launch import DistConfig
 from engramrt.prompts import PromptEncoder
 
 
@@ -77,8 +78,8 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     for name, cfg in (("plain", None), ("dspark", spec)):
         opts = EngineOptions(args.model, [layers], max_model_len=512, max_num_seqs=max(sizes),
-                             device=args.device, dtype=args.dtype, speculative_config=cfg,
-                             enable_prefix_caching=False)  # fmt: skip
+                             dist=DistConfig(device=args.device), dtype=args.dtype,
+                             speculative_config=cfg, enable_prefix_caching=False)  # fmt: skip
         engines[name] = build_stage(opts)[1]
     enc = PromptEncoder.load(args.model, engines["plain"].tokenizer)
     prompts = held_out_prompts(args.model, enc, args.per_kind)

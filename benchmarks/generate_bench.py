@@ -14,6 +14,7 @@ from engramrt.bundled import resolve_model_dir
 from engramrt.commands.generate import GenerateOptions, generate
 from engramrt.config import load_json, model_config
 from engramrt.engine.build import build_stage
+from engramrt.parallel.launch import DistConfig
 from engramrt.prompts import PromptEncoder
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and the Engram"
@@ -32,7 +33,7 @@ def main() -> None:
     for device in devices:
         for dtype in ("float32", "bfloat16"):
             layers = model_config(load_json(model_dir)).num_layers
-            opts = GenerateOptions(model_dir, [layers], device=device, dtype=dtype)
+            opts = GenerateOptions(model_dir, [layers], dist=DistConfig(device=device), dtype=dtype)
             engine = build_stage(opts)[1]
             prompts = PromptEncoder.load(model_dir, engine.tokenizer)
             generate(engine, prompts, PROMPT, 4)  # warm-up

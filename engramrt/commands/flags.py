@@ -157,7 +157,7 @@ def options_from_args(
         if hasattr(args, name)
     }  # fmt: skip
     return cls(
-        model_dir=model_dir, partition=layer_partition(args, model_dir), device=device,
+        model_dir=model_dir, partition=layer_partition(args, model_dir),
         table_memory=engram_table_memory(args), dist=dist_config(args, device),
         **{**taken, **fields},
     )  # fmt: skip

@@ -63,10 +63,9 @@ class EngineOptions:
     speculative_config: str | None = None  # --speculative-config (JSON)
     engram: bool = True  # False: every Engram layer skipped on purpose (an ablation)
     table_memory: str = "auto"  # where the Engram tables live (--engram-table-memory)
-    device: str = "cpu"
     dtype: str | None = None
     seed: int = 0
-    dist: DistConfig = field(default_factory=DistConfig)
+    dist: DistConfig = field(default_factory=DistConfig)  # the device too (``dist.device``)
     warm_up: bool = True  # compile every mixed-step kernel variant before the first request
 
     @property
