@@ -26,6 +26,7 @@ TINY_RUNS = [
     ("detok_bench.py", ["--lengths", "8"]),
     ("generate_bench.py", ["--max-tokens", "2"]),
     ("dspark_accept.py", ["--batch-sizes", "2", "--max-tokens", "3", "--per-kind", "1"]),
+    ("train_step.py", ["--device", "cpu", "--batch", "2", "--length", "32", "--steps", "1"]),
     (
         "engine_core.py",
         [
