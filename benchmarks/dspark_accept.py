@@ -77,9 +77,18 @@ def main() -> None:
     layers = model_config(load_json(args.model)).num_layers
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     for name, cfg in (("plain", None), ("dspark", spec)):
-        opts = EngineOptions(args.model, [layers], max_model_len=512, max_num_seqs=max(sizes),
-                             dist=DistConfig(device=args.device), dtype=args.dtype,
-                             speculative_config=cfg, enable_prefix_caching=False)  # fmt: skip
+        opts = EngineOptions(
+            args.model,
+            [layers],
+            max_model_len=512,
+            max_num_seqs=max(sizes),
+            dist=DistConfig(device=args.device),
+            dtype=args.dtype,
+            speculative_config=cfg,
+            enable_prefix_caching=False,
+            kv_cache_memory_bytes=1 << 30,
+        )  # two engines share the GPU
+        # fmt: skip
         engines[name] = build_stage(opts)[1]
     enc = PromptEncoder.load(args.model, engines["plain"].tokenizer)
     prompts = held_out_prompts(args.model, enc, args.per_kind)

@@ -27,6 +27,8 @@
 #           dspark_accept's engine steps at bs 1, a training step's cost, then both training
 #           phases with as many steps as the call's remaining time allows (BUDGET seconds from
 #           the start), the checkpoint returned in pieces under 16 MiB (join with cat)
+#   PART=l  issue 35: n-gram verify steps (4 drafts, CUDA graphs) against plain decode steps on
+#           the 4B GQA preset at bs 1 (128 in, 64 out, repeated-phrase prompts)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -41,7 +43,7 @@ PROMPT="The history of the hyper-connected transformer begins"
 case "${PART:-b}" in
   i)
     for k in 5 3; do
-      timeout 120 python3 benchmarks/dspark_accept.py --device cuda --k "$k" --per-kind 8 \
+      timeout 100 python3 benchmarks/dspark_accept.py --device cuda --k "$k" --per-kind 8 \
         --out "$out/dspark_accept_k$k.json" 2>&1 | grep -v "^engramrt" | tee "$out/dspark_accept_k$k.txt"
     done
     ;;
@@ -69,6 +71,16 @@ case "${PART:-b}" in
     split -b 15000000 /tmp/p2/model.safetensors "$out/model.safetensors.part-"
     sha256sum /tmp/p2/model.safetensors | tee -a "$out/train.txt"
     echo "done at ${SECONDS} s" | tee -a "$out/train.txt"
+    ;;
+  l)
+    timeout 150 python3 benchmarks/make_models.py --preset 4b --out /tmp/m4b --device cuda 2>&1 \
+      | tail -1
+    for spec in "" '{"method": "ngram", "num_speculative_tokens": 4}'; do
+      timeout 90 python3 -m engramrt bench throughput --model /tmp/m4b --batch-size 1 \
+        --input-len 128 --output-len 64 --prompt-kind repeat \
+        ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
+        | tee -a "$out/verify-4b.txt" | tail -4
+    done
     ;;
   a)
     timeout 580 python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
