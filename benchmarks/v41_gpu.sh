@@ -29,6 +29,9 @@
 #           the start), the checkpoint returned in pieces under 16 MiB (join with cat)
 #   PART=l  issue 35: n-gram verify steps (4 drafts, CUDA graphs) against plain decode steps on
 #           the 4B GQA preset at bs 1 (128 in, 64 out, repeated-phrase prompts)
+#   PART=m  issue 35: wall time against kernel time a step (benchmarks/spec_step_profile.py) of
+#           the 4B preset plain and with n-gram drafts, and of the bundled model plain and with
+#           DSpark drafts (K = 5), bs 1
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -80,6 +83,22 @@ case "${PART:-b}" in
         --input-len 128 --output-len 64 --prompt-kind repeat \
         ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
         | tee -a "$out/verify-4b.txt" | tail -4
+    done
+    ;;
+  m)
+    timeout 150 python3 benchmarks/make_models.py --preset 4b --out /tmp/m4b --device cuda 2>&1 \
+      | tail -1
+    for model in /tmp/m4b engramrt/bundled/tiny_v41; do
+      method=ngram
+      [ "$model" = /tmp/m4b ] || method=dspark
+      k=4
+      [ "$method" = dspark ] && k=5
+      for spec in "" '{"method": "'$method'", "num_speculative_tokens": '$k'}'; do
+        timeout 90 python3 benchmarks/spec_step_profile.py --model "$model" --batch-size 1 \
+          --input-len 128 --output-len 64 --prompt-kind repeat \
+          ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
+          | tee -a "$out/spec_steps.txt"
+      done
     done
     ;;
   a)

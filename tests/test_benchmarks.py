@@ -28,6 +28,21 @@ TINY_RUNS = [
     ("dspark_accept.py", ["--batch-sizes", "2", "--max-tokens", "3", "--per-kind", "1"]),
     ("train_step.py", ["--device", "cpu", "--batch", "2", "--length", "32", "--steps", "1"]),
     (
+        "spec_step_profile.py",
+        [
+            "--model",
+            "engramrt/bundled/tiny_gqa",
+            "--device",
+            "cpu",
+            "--batch-size",
+            "1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+        ],
+    ),
+    (
         "engine_core.py",
         [
             "--model",
