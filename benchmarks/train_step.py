@@ -3,7 +3,8 @@
     python benchmarks/train_step.py [--device cuda] [--batch 256] [--length 128] [--steps 3]
         [--deterministic 0,1] [--out results.json]
 
-For each setting: the step's wall time (median after two warm-up steps), the ATen operators
+Windows come from the generated documents (the text does not change a step's cost). For each
+setting: the step's wall time (median after two warm-up steps), the ATen operators
 one step runs (forward, backward and AdamW: launch-bound training is their count times a
 launch), the host-device synchronisations among them, and on a GPU the kernels' summed time
 (the step's floor if launches cost nothing) with the ten costliest kernels.
@@ -34,7 +35,7 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "a
 def measure(device: str, batch: int, length: int, steps: int, deterministic: bool) -> dict:
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     runner = T.build(T.SEED, device)
-    token_docs = T.tokenized(runner, T.DEFAULT_MODEL_DIR, T.corpus(T.SEED).train)
+    token_docs = T.tokenized(runner, T.DEFAULT_MODEL_DIR, T.corpus(T.SEED, pydoc=False).train)
     params = T.trainable(runner)
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     rng = random.Random(0)

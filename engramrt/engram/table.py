@@ -8,11 +8,11 @@ order reproduces the full lookup bit for bit (x + -0.0 == x for every x, +0.0 in
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engramrt.engram.host_memory import HostMapping
 from engramrt.kernels import use_triton
-from engramrt.model.layers import take_rows
 
 SCALE_BLOCK = 32  # elements per e8m0 scale, hard-coded in DeepSeek-V4.1
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -120,8 +120,8 @@ class EngramTable(nn.Module):
         safe = torch.where(owned, local, 0)
         if self.scale is not None:
             rows = dequantize_rows(self.weight[safe], self.scale[safe])
-        else:  # an fp32 table in training: its rows repeat within a step
-            rows = take_rows(self.weight, safe)
+        else:  # an fp32 table in training: an embedding lookup, whose backward sums the rows
+            rows = F.embedding(safe, self.weight)  # repeated in a step by sorted segments
         rows = rows.masked_fill(~owned[..., None], -0.0)
         return rows.flatten(-2).to(ids.device)
 

@@ -956,24 +956,33 @@ def test_non_api_errors_have_the_openai_shape(server: str) -> None:
     still_serves(server)
 
 
-def test_start_line_after_binding_and_access_log() -> None:
+def test_start_line_access_log_and_request_log() -> None:
     """The start line names device and dtype and comes once the port is bound; each request
-    gets an access-log line unless --disable-uvicorn-access-log; a port that cannot be bound
+    gets an access-log line unless --disable-uvicorn-access-log, and a request-log line with its
+    response id and prompt size under --enable-log-requests (vLLM's older
+    --disable-log-requests is accepted and logs none, the default); a port that cannot be bound
     ends the server with an error and no start line."""
     import socket
 
-    from tests.support.server_fixture import REPO, start_server, stop_server
+    from tests.support.server_fixture import REPO
 
-    for flags, logged in (((), True), (("--disable-uvicorn-access-log",), False)):
-        base, proc = start_server(*flags)
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 3, "n": 2}
+    for flags, logged in (
+        (("--enable-log-requests",), True),
+        (("--disable-uvicorn-access-log", "--disable-log-requests"), False),
+    ):
+        base, proc = start_server(*flags, "--max-model-len", "256")
         try:
             assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 200
+            rid = post(base, "/v1/completions", body)["id"]
             time.sleep(0.3)
             log = Path(proc.log_path).read_text()
             start = [line for line in log.splitlines() if "engramrt: serving" in line]
             assert len(start) == 1 and f"at {base}/v1" in start[0], log
             assert "| cpu, torch." in start[0], start[0]
             assert ('"GET /v1/models HTTP/1.1" 200' in log) == logged, log
+            assert (f"request {rid}: 2 choice(s), 4 prompt tokens, max_tokens 3" in log) is logged
+            assert ("engramrt: request " in log) is logged
         finally:
             stop_server(proc)
     with socket.socket() as busy:
@@ -1496,21 +1505,6 @@ def test_batch_invariance_preemption(invariance_reference: list[str]) -> None:
         m = wait_idle(base)
         assert metric(m, "engramrt:num_preemptions_total") > 0
         assert [greedy(base, p, 12) for p in INVARIANCE_PROMPTS[::5]] == (invariance_reference[::5])
-
-
-def test_enable_log_requests() -> None:
-    """--enable-log-requests logs each API request with its response id and prompt size; vLLM's
-    older --disable-log-requests is accepted and logs none, the default."""
-    body = {"prompt": [5, 6, 7, 8], "max_tokens": 3, "n": 2}
-    for flag, logged in (("--enable-log-requests", True), ("--disable-log-requests", False)):
-        base, proc = start_server(flag, "--max-model-len", "256")
-        try:
-            rid = post(base, "/v1/completions", body)["id"]
-            log = Path(proc.log_path).read_text()
-            assert (f"request {rid}: 2 choice(s), 4 prompt tokens, max_tokens 3" in log) is logged
-            assert ("engramrt: request " in log) is logged
-        finally:
-            stop_server(proc)
 
 
 def test_prompt_scores_do_not_depend_on_what_follows(fp32_server: str) -> None:
