@@ -86,9 +86,8 @@ def main() -> None:
             dtype=args.dtype,
             speculative_config=cfg,
             enable_prefix_caching=False,
-            kv_cache_memory_bytes=1 << 30,
-        )  # two engines share the GPU
-        # fmt: skip
+            kv_cache_memory_bytes=1 << 30,  # two engines share the GPU
+        )
         engines[name] = build_stage(opts)[1]
     enc = PromptEncoder.load(args.model, engines["plain"].tokenizer)
     prompts = held_out_prompts(args.model, enc, args.per_kind)

@@ -26,7 +26,6 @@ TINY_RUNS = [
     ("detok_bench.py", ["--lengths", "8"]),
     ("generate_bench.py", ["--max-tokens", "2"]),
     ("dspark_accept.py", ["--batch-sizes", "2", "--max-tokens", "3", "--per-kind", "1"]),
-    ("train_step.py", ["--device", "cpu", "--batch", "2", "--length", "32", "--steps", "1"]),
     (
         "spec_step_profile.py",
         [
@@ -61,6 +60,8 @@ TINY_RUNS = [
             "/dev/null",
         ],
     ),
+    # last: it sets process-wide switches (the torch path, the query chunk) for this interpreter
+    ("train_step.py", ["--device", "cpu", "--batch", "2", "--length", "32", "--steps", "1"]),
 ]
 
 # one interpreter runs every script in turn (torch is imported once), as ``__main__``

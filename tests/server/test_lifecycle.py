@@ -137,14 +137,12 @@ def test_a_stopped_engine_is_detected() -> None:
     process hears no heartbeat, ends the running stream with a 503 error event within
     seconds, says 503 on /health, exits 1 and leaves no engine or stage process behind. Two
     stages: the heartbeat is the one-stage server's, and the stage process must go too."""
-    pp = 2
-    base, proc = start_server("-pp", str(pp), "--stage-timeout", "2")
+    base, proc = start_server("-pp", "2", "--stage-timeout", "2")
     engine = stage = None
     try:
         log = _log(proc)
         engine = int(re.search(r"engine pid (\d+)", log).group(1))
-        if pp == 2:
-            stage = int(re.search(r"stage 1 of 2 .* pid (\d+)", log).group(1))
+        stage = int(re.search(r"stage 1 of 2 .* pid (\d+)", log).group(1))
         stream = Stream(base, 2000)
         assert stream.begun.wait(30)
         os.kill(engine, signal.SIGSTOP)
@@ -158,9 +156,9 @@ def test_a_stopped_engine_is_detected() -> None:
         assert "no heartbeat" in _log(proc)
         for pid in (engine, stage):
             deadline = time.monotonic() + 10
-            while pid is not None and not _gone(pid) and time.monotonic() < deadline:
+            while not _gone(pid) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert pid is None or _gone(pid), pid
+            assert _gone(pid), pid
     finally:
         for pid in (engine, stage):
             if pid is not None and not _gone(pid):

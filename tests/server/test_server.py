@@ -967,9 +967,9 @@ def test_start_line_access_log_and_request_log() -> None:
     from tests.support.server_fixture import REPO
 
     body = {"prompt": [5, 6, 7, 8], "max_tokens": 3, "n": 2}
-    for flags, logged in (
-        (("--enable-log-requests",), True),
-        (("--disable-uvicorn-access-log", "--disable-log-requests"), False),
+    for flags, access, requests in (  # each log on in one run and off in the other
+        (("--enable-log-requests", "--disable-uvicorn-access-log"), False, True),
+        (("--disable-log-requests",), True, False),  # the default's logs
     ):
         base, proc = start_server(*flags, "--max-model-len", "256")
         try:
@@ -980,9 +980,9 @@ def test_start_line_access_log_and_request_log() -> None:
             start = [line for line in log.splitlines() if "engramrt: serving" in line]
             assert len(start) == 1 and f"at {base}/v1" in start[0], log
             assert "| cpu, torch." in start[0], start[0]
-            assert ('"GET /v1/models HTTP/1.1" 200' in log) == logged, log
-            assert (f"request {rid}: 2 choice(s), 4 prompt tokens, max_tokens 3" in log) is logged
-            assert ("engramrt: request " in log) is logged
+            assert ('"GET /v1/models HTTP/1.1" 200' in log) == access, log
+            assert (f"request {rid}: 2 choice(s), 4 prompt tokens, max_tokens 3" in log) is requests
+            assert ("engramrt: request " in log) is requests
         finally:
             stop_server(proc)
     with socket.socket() as busy:
