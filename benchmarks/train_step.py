@@ -25,15 +25,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engramrt.bundled import train as T
-from engramrt.kernels import FORCE_TORCH_ENV
-from engramrt.model import v41_attention
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item",
          "aten::_local_scalar_dense")  # fmt: skip
 
 
 def measure(device: str, batch: int, length: int, steps: int, deterministic: bool) -> dict:
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    with T.training_mode(deterministic):
+        return _measure(device, batch, length, steps, deterministic)
+
+
+def _measure(device: str, batch: int, length: int, steps: int, deterministic: bool) -> dict:
     runner = T.build(T.SEED, device)
     token_docs = T.tokenized(runner, T.DEFAULT_MODEL_DIR, T.corpus(T.SEED, pydoc=False).train)
     params = T.trainable(runner)
@@ -44,11 +46,7 @@ def measure(device: str, batch: int, length: int, steps: int, deterministic: boo
 
     def step() -> None:
         windows = next(gen)
-        parts = T.loss_of(runner, windows, T.prefill_ends(windows, runner, rng))
-        opt.zero_grad(set_to_none=True)
-        parts.total.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        T.step(runner, opt, params, windows, T.prefill_ends(windows, runner, rng))
         sync()
 
     for _ in range(2):
@@ -87,9 +85,7 @@ def main() -> None:
     ap.add_argument("--deterministic", default="1", help="0, 1 or both: 0,1")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    os.environ[FORCE_TORCH_ENV] = "1"
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    v41_attention.QUERY_CHUNK = T.TRAIN_QUERY_CHUNK
     rows = []
     flags = [v == "1" for v in args.deterministic.split(",")]
     for det, batch in itertools.product(flags, map(int, args.batch.split(","))):

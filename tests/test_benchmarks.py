@@ -60,7 +60,6 @@ TINY_RUNS = [
             "/dev/null",
         ],
     ),
-    # last: it sets process-wide switches (the torch path, the query chunk) for this interpreter
     ("train_step.py", ["--device", "cpu", "--batch", "2", "--length", "32", "--steps", "1"]),
 ]
 

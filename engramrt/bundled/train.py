@@ -22,11 +22,13 @@ A step of 256 windows of 128 tokens takes ~0.5 s on an H200 (the bundled model's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,22 +262,40 @@ def train(steps: int, seed: int = SEED, device: str = "cpu", length: int = 64, s
     """``steps`` AdamW steps (cosine decay after a short warm-up); the runner and the total
     losses. The torch reference kernels run (they have gradients), also on a GPU, with
     deterministic algorithms: the same seed gives the same weights."""
-    saved, deterministic = (
-        os.environ.get(FORCE_TORCH_ENV),
-        torch.are_deterministic_algorithms_enabled(),
-    )
+    with training_mode():
+        return _train(steps, seed, device, length, size, lr, log, model_dir, phase or Phase())
+
+
+@contextlib.contextmanager
+def training_mode(deterministic: bool = True) -> Iterator[None]:
+    """What training steps run under, restored after: the torch reference kernels (the Triton
+    ones have no backward), deterministic algorithms (or not: ``benchmarks/train_step.py``
+    compares) and a whole step's queries scored at once (``TRAIN_QUERY_CHUNK``)."""
+    saved, was = os.environ.get(FORCE_TORCH_ENV), torch.are_deterministic_algorithms_enabled()
     os.environ[FORCE_TORCH_ENV] = "1"
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
     chunk, v41_attention.QUERY_CHUNK = v41_attention.QUERY_CHUNK, TRAIN_QUERY_CHUNK
     try:
-        return _train(steps, seed, device, length, size, lr, log, model_dir, phase or Phase())
+        yield
     finally:
         v41_attention.QUERY_CHUNK = chunk
-        torch.use_deterministic_algorithms(deterministic)
+        torch.use_deterministic_algorithms(was)
         if saved is None:
             os.environ.pop(FORCE_TORCH_ENV, None)
         else:
             os.environ[FORCE_TORCH_ENV] = saved
+
+
+def step(runner: StageRunner, opt: torch.optim.Optimizer, params: list[torch.Tensor],
+         windows: list[list[int]], ends: list[int]) -> Losses:  # fmt: skip
+    """One optimiser step on ``windows`` prefilled to ``ends`` (``loss_of``), gradients
+    clipped to norm 1."""
+    parts = loss_of(runner, windows, ends)
+    opt.zero_grad(set_to_none=True)
+    parts.total.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return parts
 
 
 def tokenized(runner: StageRunner, model_dir: Path, docs) -> list[list[int]]:
@@ -302,18 +322,14 @@ def _train(steps, seed, device, length, size, lr, log, model_dir, phase: Phase):
     )
     rng = random.Random(seed + 1)
     losses, t0 = [], time.perf_counter()
-    for step, windows in zip(range(steps), batches(token_docs, eos, length, size, seed),
+    for i, windows in zip(range(steps), batches(token_docs, eos, length, size, seed),
                              strict=False):  # fmt: skip
-        parts = loss_of(runner, windows, prefill_ends(windows, runner, rng))
-        opt.zero_grad(set_to_none=True)
-        parts.total.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        parts = step(runner, opt, params, windows, prefill_ends(windows, runner, rng))
         sched.step()
         losses.append(parts.total.item())
-        if log and (step % 50 == 0 or step == steps - 1):
+        if log and (i % 50 == 0 or i == steps - 1):
             log(
-                f"step {step}: loss {parts.target.item():.3f}, drafts {parts.draft.item():.3f}, "
+                f"step {i}: loss {parts.target.item():.3f}, drafts {parts.draft.item():.3f}, "
                 f"confidence {parts.confidence.item():.3f} ({time.perf_counter() - t0:.0f} s)"
             )
     return runner, losses

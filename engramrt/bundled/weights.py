@@ -15,6 +15,7 @@ import torch
 from engramrt.config import ModelConfig, model_config
 from engramrt.engram.table import EngramTable, quantize_rows
 from engramrt.model import quant
+from engramrt.model.checkpoint import _dequantise_at_load
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.model.quant import StoredLinear
 
@@ -111,8 +112,7 @@ def seeded_v41_model(raw: dict, seed: int = SEED) -> EngramMHCModel:
     state = seeded_v41_state(raw, "cpu", seed)
     held = model.state_dict()
     for scale in [n for n in state if n.endswith(".scale") and n not in held]:  # held dequantised
-        name = scale.removesuffix(".scale") + ".weight"
-        state[name] = quant.dequant_fp8_weight(state[name], state.pop(scale), torch.float32)
+        _dequantise_at_load(state, scale)
     gen = torch.Generator().manual_seed(seed + 1)
     for k, i in enumerate(model.engram_layer_ids):
         rows = (cfg.engram.num_embeddings[k], cfg.engram.head_dim)
