@@ -26,7 +26,7 @@ from typing import Protocol
 
 import msgspec
 
-from engramrt.engine.engine import RequestOutput
+from engramrt.engine.engine import RequestOutput, Stats
 from engramrt.engine.request import Request, RequestLimits, SamplingParams
 from engramrt.kernels.compiles import compilations
 
@@ -49,10 +49,6 @@ class Abort(msgspec.Struct, tag=True):
 
 class Stop(msgspec.Struct, tag=True):
     pass
-
-
-# the engine's gauges and counters (a per-position counter is a list)
-Stats = dict[str, float | list[int]]
 
 
 class Ready(msgspec.Struct, tag=True):

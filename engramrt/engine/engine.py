@@ -122,6 +122,10 @@ class RequestOutput:
         )
 
 
+# the engine's gauges and counters (a per-position counter is a list)
+Stats = dict[str, float | list[int]]
+
+
 class Engine:
     def __init__(self, pipeline: Runs, tokenizer: Tokenizer, cfg: EngineConfig):
         self.pipeline, self.tokenizer, self.cfg = pipeline, tokenizer, cfg
@@ -462,7 +466,7 @@ class Engine:
 
     # --- gauges --------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, float | list[int]]:
+    def stats(self) -> Stats:
         s = self.scheduler
         return {
             "num_requests_running": len(s.running),
