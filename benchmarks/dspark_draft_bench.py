@@ -1,5 +1,7 @@
-"""DSpark's draft pass on its own: eager, replayed from its CUDA graph, and a decode step of
-the same batch for scale (the draft pass is one stage against the backbone's layers).
+"""DSpark's draft pass on its own (eager), everything after the sampler of a decode step
+replayed from its CUDA graph (acceptance, kept samples, the draft pass, its drafts written back:
+``engramrt.runner.verify``), and a decode step of the same batch for scale (the draft pass is one
+stage against the backbone's layers).
 
     python benchmarks/dspark_draft_bench.py --model /tmp/mv41-wide --batches 1,16 [--iters 50]
 
@@ -59,6 +61,7 @@ def main() -> None:
                               device=args.device, dtype=args.dtype, dspark=True,
                               num_blocks=0)  # fmt: skip
     runner.allocate_kv(slots, args.prompt + 64, block, slots * per, slack=5)
+    runner.speculate(5)
     if cuda:
         runner.capture_graphs(slots, 64)
     tokens = [3 + i % 900 for i in range(args.prompt)]
@@ -68,7 +71,8 @@ def main() -> None:
     rows = []
     for b in sizes:
         batch = StepBatch([5] * b, list(range(b)), [1] * b, [args.prompt] * b)
-        ends, where = runner._draft_rows(batch, None)
+        ends = torch.full((b,), args.prompt, device=args.device)  # each run's last position
+        where = torch.arange(b, device=args.device)
         bonus = torch.full((b,), 7, device=args.device)
         row = {
             "batch": b,
@@ -77,8 +81,10 @@ def main() -> None:
             ),  # fmt: skip
             "decode_step_ms": timed(lambda: runner.compute(batch), args.iters, cuda),
         }
-        if runner.draft_graphs is not None:
-            row["draft_graph_ms"] = timed(lambda: runner.draft_graphs(ends, where, bonus),
+        if runner.verifier.graphs:  # the whole after-sampler work of a decode step, replayed
+            after = StepBatch(None, list(range(b)), [1] * b, [args.prompt] * b)
+            samples = torch.full((b,), 7, device=args.device)
+            row["after_graph_ms"] = timed(lambda: runner.verifier.after(after, samples),
                                           args.iters, cuda)  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -32,6 +32,10 @@
 #   PART=m  issue 35: wall time against kernel time a step (benchmarks/spec_step_profile.py) of
 #           the 4B preset plain and with n-gram drafts, and of the bundled model plain and with
 #           DSpark drafts (K = 5), bs 1
+#   PART=n  issue 35, overlap scheduling with speculation: the whole `-m "gpu or triton"`
+#           selection, DSpark on the bundled model (K = 5, bs 1 and 16: dspark_accept.py), the
+#           4B preset's n-gram verify steps against plain ones (bs 1), then the profiles of
+#           PART=m (wall against kernel time a step)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -98,6 +102,30 @@ case "${PART:-b}" in
           --input-len 128 --output-len 64 --prompt-kind repeat \
           ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
           | tee -a "$out/spec_steps.txt"
+      done
+    done
+    ;;
+  n)
+    timeout 240 python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
+      | tee "$out/gpu_tests.txt" | tail -8
+    timeout 110 python3 benchmarks/dspark_accept.py --device cuda --k 5 --per-kind 8 \
+      --out "$out/dspark_accept_k5.json" 2>&1 | grep -v "^engramrt" | tee "$out/dspark_accept.txt"
+    timeout 100 python3 benchmarks/make_models.py --preset 4b --out /tmp/m4b --device cuda 2>&1 \
+      | tail -1
+    for spec in "" '{"method": "ngram", "num_speculative_tokens": 4}'; do
+      timeout 60 python3 -m engramrt bench throughput --model /tmp/m4b --batch-size 1 \
+        --input-len 128 --output-len 64 --prompt-kind repeat \
+        ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
+        | tee -a "$out/verify-4b.txt" | grep -E "Decode step|Speculative"
+    done
+    for model in /tmp/m4b engramrt/bundled/tiny_v41; do
+      spec='{"method": "ngram", "num_speculative_tokens": 4}'
+      [ "$model" = /tmp/m4b ] || spec='{"method": "dspark", "num_speculative_tokens": 5}'
+      for s in "" "$spec"; do
+        timeout 45 python3 benchmarks/spec_step_profile.py --model "$model" --batch-size 1 \
+          --input-len 128 --output-len 64 --prompt-kind repeat \
+          ${s:+--speculative-config "$s"} 2>&1 | grep -v "^engramrt:" | grep -v Warn \
+          | tee -a "$out/spec_steps.txt" | grep "a step"
       done
     done
     ;;

@@ -127,8 +127,8 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="prepare and launch step N+1 while the GPU runs step N; the host reads a step's "
-        "tokens one step late (same outputs). Default: on with one pipeline stage of one rank "
-        "and no speculative decoding, off otherwise",
+        "tokens one step late (same outputs). Default: on with one pipeline stage of one rank, "
+        "off otherwise",
     )  # fmt: skip
     p.add_argument(
         "--long-prefill-token-threshold", type=int, default=0,

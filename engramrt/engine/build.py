@@ -56,8 +56,8 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
-    # overlap scheduling; None: on wherever it gives the same outputs (one stage of one rank,
-    # no speculation), as vLLM's default
+    # overlap scheduling; None: on wherever it gives the same outputs (one stage of one rank),
+    # as vLLM's default
     async_scheduling: bool | None = None
     long_prefill_token_threshold: int = 0  # a prompt's tokens per step, at most (0: the budget)
     speculative_config: str | None = None  # --speculative-config (JSON)
@@ -90,8 +90,7 @@ class EngineOptions:
         """Whether the engine schedules step N+1 before it reads step N's tokens."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        one = len(self.partition) == 1 and self.dist.tp_size == 1
-        return one and self.speculative is None
+        return len(self.partition) == 1 and self.dist.tp_size == 1
 
 
 def check(opts: EngineOptions) -> tuple[ModelConfig, int]:
@@ -109,8 +108,6 @@ def check(opts: EngineOptions) -> tuple[ModelConfig, int]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if opts.long_prefill_token_threshold < 0:
         raise ValueError("--long-prefill-token-threshold must be >= 0 (0: off)")
-    if opts.speculative is not None and opts.async_scheduling:  # a bad one: an error already
-        raise ValueError("--speculative-config does not combine with --async-scheduling")
     if opts.async_scheduling and (len(opts.partition) > 1 or opts.dist.tp_size > 1):
         raise ValueError("--async-scheduling needs one pipeline stage of one rank (-pp 1 -tp 1)")
     if not 0 < opts.gpu_memory_utilization <= 1:
@@ -261,6 +258,8 @@ def build_stage(
     if opts.warm_up:
         runner.warm_up(opts.max_num_batched_tokens)  # kernel variants compiled now
     verify = opts.verify_drafts
+    if verify:
+        speculate(runner, opts)
     if device.type == "cuda" and not opts.enforce_eager:
         runner.capture_graphs(opts.max_num_seqs, opts.max_num_batched_tokens, verify)
         if verify and driver:
@@ -283,6 +282,11 @@ def engine_for(pipe: Pipeline, opts: EngineOptions, cfg: ModelConfig, max_len: i
                                       or kv.tail_rows < k // 2 + 1):  # fmt: skip
         raise ValueError(f"a V4.1 cache for {k} drafts a step needs rings of window + {k} rows "
                          "and tails of K / 2 + 1 (allocate_kv's slack)")  # fmt: skip
+    if k and pipe.runner.verifier is None and pipe.runner.graphs is None:
+        speculate(pipe.runner, opts)  # a runner set up by hand (tests, benchmarks)
+    if k and pipe.can_overlap and pipe.runner.verifier is None:
+        raise ValueError("a stage that keeps its samples verifies drafts itself: "
+                         "StageRunner.speculate before capture_graphs")  # fmt: skip
     snapshots = kv.num_snapshots
     prefix_caching = opts.enable_prefix_caching
     if cfg.v41 is not None and prefix_caching and not snapshots:
@@ -299,6 +303,13 @@ def engine_for(pipe: Pipeline, opts: EngineOptions, cfg: ModelConfig, max_len: i
         window_snapshots=snapshots,
     )  # fmt: skip
     return Engine(pipe, pipe.runner.tokenizer, config)
+
+
+def speculate(runner: StageRunner, opts: EngineOptions) -> None:
+    """The stage's device half of speculative decoding (``StageRunner.speculate``)."""
+    spec = opts.speculative
+    lookup = (spec.prompt_lookup_max, spec.prompt_lookup_min) if spec.method == "ngram" else None
+    runner.speculate(spec.num_speculative_tokens, lookup)
 
 
 def snapshots_for(opts: EngineOptions) -> int:

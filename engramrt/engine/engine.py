@@ -147,10 +147,8 @@ class Engine:
                 "(with pipeline parallelism the engine schedules synchronously)"
             )
         self.overlap = bool(cfg.async_scheduling)
-        if self.overlap and cfg.speculative is not None:
-            raise ValueError("speculative decoding needs the host's tokens each step: it does "
-                             "not combine with --async-scheduling")  # fmt: skip
-        # history commits of the last step's verify runs, sent with the next step
+        # history commits of the last step's verify runs, sent with the next step (where the
+        # stage does not keep the samples; where it does, it drafts and commits itself)
         self.commits: list[tuple[int, list[int], int]] = []
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         k = cfg.speculative.num_speculative_tokens if cfg.speculative is not None else 0
@@ -159,7 +157,8 @@ class Engine:
         self.in_flight: InFlight | None = None  # the launched step not applied yet (overlap)
         # what the stages hold of each running request (gone with the request)
         self.held: weakref.WeakKeyDictionary[Request, Held] = weakref.WeakKeyDictionary()
-        # the stage writes each final sample into its token row itself (one stage, one rank)
+        # the stage writes each final sample into its token row itself (one stage, one rank);
+        # with speculation it also verifies, commits and drafts there (``runner.verify``)
         self.samples_kept = can
 
     @property
@@ -216,8 +215,9 @@ class Engine:
         """Launch the next step; then apply the previous one (with overlap) or this one. With
         overlap and nothing new to run, this only delivers the step in flight. While a guided
         request runs, a step's grammar masks need the previous tokens: the step in flight is
-        applied first and the new one runs synchronously."""
-        if self.overlap and not self._guided():
+        applied first and the new one runs synchronously (so does every step while a seeded
+        request speculates: its samples' indices must be known)."""
+        if self.overlap and not self._needs_sync():
             launched = self._launch()
             previous, self.in_flight = self.in_flight, launched
             return self._apply(previous) if previous is not None else []
@@ -226,9 +226,11 @@ class Engine:
         launched = self._launch()
         return outputs + (self._apply(launched) if launched is not None else [])
 
-    def _guided(self) -> bool:
+    def _needs_sync(self) -> bool:
         s = self.scheduler
-        return any(r.needs_host_tokens for r in (*s.running, *s.waiting))
+        seeded = self.cfg.speculative is not None
+        return any(r.needs_host_tokens or (seeded and r.params.seed is not None)
+                   for r in (*s.running, *s.waiting))  # fmt: skip
 
     def _launch(self) -> InFlight | None:
         """Schedule (a running request's pending token counts as present), build the batch and
@@ -241,11 +243,11 @@ class Engine:
                  if r.params.prompt_logprobs is not None]  # fmt: skip
         target_k = max(asked) if asked else None  # prompt tokens are scored only when asked
         tokens, targets, starts, new_blocks, rows, index, final = [], [], [], [], [], [], []
-        masks, drafts, counts, snapshots = [], [], [], []
-        # a verify step's samples are the host's to choose: the stage keeps none of them
-        kept = self.samples_kept and (
-            self.cfg.speculative is None or not any(req.drafts for req, _ in scheduled)
-        )
+        masks, drafts, counts, snapshots, lag = [], [], [], [], []
+        kept = self.samples_kept
+        # requests whose verify run is in flight: this run's start counts its drafts as
+        # accepted, and the stage moves it back by those it rejected (``runner.verify``)
+        behind = {r.req for r in self.in_flight.rows if r.drafts} if self.in_flight else set()
         for req, n in scheduled:
             held = self.held[req]
             # a verify step's rejected drafts may have given blocks back since the last send
@@ -256,9 +258,10 @@ class Engine:
             start = req.num_computed
             end = start + n
             # the run's tokens the row lacks (a verify run: the anchor and the drafts); none
-            # where the stage kept the last sample (overlap: the host may not know it yet)
+            # where the stage kept the last sample and drafted (overlap: the host may not
+            # know them yet)
             if held.tokens < end:
-                fresh = req.token_ids[held.tokens : end] + req.drafts
+                fresh = req.token_ids[held.tokens : end] + ([] if kept else req.drafts)
                 tokens += fresh
                 counts.append(len(fresh))
             else:
@@ -277,13 +280,16 @@ class Engine:
                 if mask is not None:
                     masks.append((len(rows), mask))
             rows.append(Row(req, n, start, samples, req.num_preemptions, req.drafts))
+            lag.append(int(req in behind))
+            req.row_drafted |= kept and samples
             if kept and samples:  # the stage writes the sample into the row itself
                 end += 1
             if end > held.tokens:
                 held.tokens = end
             req.num_computed += n
-            req.unread += samples
-            kept_window = None if req.drafts else self.blocks.keep_window(req, req.num_computed)
+            req.unread += samples * (1 + len(req.drafts))  # as if every draft is accepted
+            exact = not (req.drafts or lag[-1])  # where the run ends is known
+            kept_window = self.blocks.keep_window(req, req.num_computed) if exact else None
             if kept_window is not None:
                 snapshots.append((req.slot, kept_window))
         batch = StepBatch(
@@ -301,9 +307,10 @@ class Engine:
             target_k=target_k or 0,
             masks=masks,
             drafts=drafts if any(drafts) else None,
-            draft_tokens=[t for r in rows for t in r.drafts],
+            draft_tokens=[] if kept else [t for r in rows for t in r.drafts],
             commits=self.commits,
             snapshots=snapshots,
+            lag=lag if any(lag) else None,
         )
         self.commits = []
         launch = getattr(self.pipeline, "launch", None)
@@ -316,6 +323,7 @@ class Engine:
         preempted request brings its outputs too: penalties count them)."""
         controls = req.params.controls(self.cfg.eos_token_id)
         self.held[req] = Held(len(req.blocks), req.num_tokens)
+        req.row_drafted = False
         return NewRequest(req.slot, list(req.token_ids), req.num_prompt_tokens, req.num_computed,
                           list(req.blocks), req.params.row(0), controls,
                           req.snapshot)  # fmt: skip
@@ -341,7 +349,7 @@ class Engine:
             self.blocks.register(req)
             if not row.samples:  # mid-prompt chunk: its sample is not used
                 continue
-            req.unread -= 1
+            req.unread -= 1 + len(row.drafts)
             if row.drafts and not preempted:
                 outputs.append(self._verified(req, row, result, i, now))
             else:
@@ -357,10 +365,14 @@ class Engine:
         if (req.needs_host_tokens or p.logprobs is not None or p.prompt_logprobs is not None
                 or p.controls(self.cfg.eos_token_id) is not None):  # fmt: skip
             return []
-        room = min(limit, p.max_tokens - req.num_output_tokens - 1,
-                   self.cfg.max_model_len - req.num_tokens)  # fmt: skip
+        room = min(limit, p.max_tokens - req.num_output_tokens - req.unread - 1,
+                   self.cfg.max_model_len - req.num_tokens - req.unread)  # fmt: skip
         spec = self.cfg.speculative
         k = spec.num_speculative_tokens
+        if self.samples_kept:  # the stage drafted k into the row; only the count is the host's
+            if not req.row_drafted:
+                return []
+            return [-1] * (k if room >= k else 0 if self.cfg.uniform_drafts else max(room, 0))
         if spec.method == "dspark":  # drafted by the last step, when that left it here
             return req.proposed[: min(k, room)] if req.proposed_at == req.num_tokens else []
         drafts = spec.propose(req.token_ids, room)
@@ -372,27 +384,37 @@ class Engine:
                   now: float) -> RequestOutput:  # fmt: skip
         """A verify run's outcome: its accepted drafts and the bonus token, in one output; the
         rejected drafts' positions are computed no more and their spare blocks go back; the
-        history commit (anchor + accepted) goes with the next step."""
-        a = accepted(row.drafts, result.tokens[i : i + 1 + len(row.drafts)])
-        held = self.held[req]  # the row past the accepted drafts holds rejected ones
-        held.tokens = min(held.tokens, row.start + 1 + a)
+        history commit (anchor + accepted) goes with the next step, unless the stage made it.
+        Drafts the stage made are known from the step before (``Request.proposed``)."""
+        drafts = row.drafts
+        if self.samples_kept:
+            if req.proposed_at != req.num_tokens:
+                raise RuntimeError(f"request {req.id}: the stage's drafts for token "
+                                   f"{req.num_tokens} were never received")  # fmt: skip
+            drafts = req.proposed[: len(row.drafts)]
+        a = accepted(drafts, result.tokens[i : i + 1 + len(drafts)])
+        held = self.held[req]
+        if not self.samples_kept:  # the row past the accepted drafts holds rejected ones
+            held.tokens = min(held.tokens, row.start + 1 + a)
         self.spec_drafts += 1
-        self.spec_draft_tokens += len(row.drafts)
+        self.spec_draft_tokens += len(drafts)
         self.spec_accepted_tokens += a
         for j in range(a):
             self.spec_accepted_per_pos[j] += 1
-        req.num_computed -= len(row.drafts) - a
+        req.num_computed -= len(drafts) - a
         out = None
         for j in range(a + 1):
             nxt = self._append(req, result, i + j, now)
             out = nxt if out is None else out.then(nxt)
             if nxt.finished:
                 return out
-        self.blocks.shrink(req, req.num_tokens)
+        # (a run launched behind this one computes up to num_computed: its blocks stay)
+        self.blocks.shrink(req, max(req.num_tokens, req.num_computed))
         # the stage's table keeps the given-back blocks until the next send, which starts here:
         # a block taken again at the same index may be another one (another request's since)
         held.blocks = min(held.blocks, len(req.blocks))
-        self.commits.append((req.slot, [req.token_ids[row.start], *row.drafts], a))
+        if not self.samples_kept:
+            self.commits.append((req.slot, [req.token_ids[row.start], *drafts], a))
         return out
 
     def _add_prompt_logprobs(

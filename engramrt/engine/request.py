@@ -162,8 +162,9 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_computed: int = 0  # tokens whose K/V are in the cache or on the way (a launched step)
-    # sampled tokens of launched steps that the host has not read yet (overlap scheduling: at
-    # most 1 when a step is scheduled); they count as present for positions, KV and max_tokens
+    # sampled tokens of launched steps that the host has not read yet (overlap scheduling: 1
+    # when a step is scheduled, 1 + its drafts after a verify run: as if all are accepted);
+    # they count as present for positions, KV and max_tokens
     unread: int = 0
     slot: int | None = None  # Engram history slot while running
     blocks: list[int] = field(default_factory=list)
@@ -179,6 +180,9 @@ class Request:
     # DSpark: the drafts its last step made for the tokens after its ``proposed_at``-th
     proposed: list[int] = field(default_factory=list)
     proposed_at: int = -1
+    # a stage that keeps samples drafted into its row after a sampled run of this admission
+    # (a decoding run there may verify them, before the host has seen them)
+    row_drafted: bool = False
 
     @property
     def needs_host_tokens(self) -> bool:

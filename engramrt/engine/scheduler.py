@@ -76,7 +76,9 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue
             req.drafts = []
-            if self.propose is not None and n == req.num_tokens - req.num_computed == 1:
+            # a decoding run (its token the last one, known or pending) may carry drafts
+            last = req.num_tokens + req.unread - req.num_computed
+            if self.propose is not None and n == 1 == last:
                 drafts = self.propose(req, budget - 1)  # KV for them only from free blocks
                 if drafts and self.blocks.can_grow(req, req.num_computed + 1 + len(drafts)):
                     req.drafts, n = drafts, 1 + len(drafts)

@@ -169,13 +169,15 @@ class EngramHasher:
         slots: torch.Tensor,
         num_accepted: torch.Tensor,
         num_real: Count | None = None,
+        check: bool = True,
     ) -> None:
-        """After acceptance: commit each block's anchor plus its ``num_accepted`` drafts."""
+        """After acceptance: commit each block's anchor plus its ``num_accepted`` drafts
+        (``check=False``: counts from the device, not read back to be checked)."""
         blocks = tokens.view(slots.numel(), -1)
         if self.ops is None:
-            self.history.commit_verify(blocks, slots, num_accepted, num_real)
+            self.history.commit_verify(blocks, slots, num_accepted, num_real, check)
             return
-        n_acc = self.history.check_verify(blocks, slots, num_accepted, num_real)
+        n_acc = self.history.check_verify(blocks, slots, num_accepted, num_real, check)
         bsz, block = blocks.shape
         starts = torch.arange(bsz, device=tokens.device) * block
         no_zeroing = torch.full((bsz,), self.n, device=tokens.device)  # rows are canonical

@@ -41,14 +41,16 @@ class NgramHistory:
         slots: torch.Tensor,
         num_accepted: torch.Tensor,
         num_real: int | torch.Tensor | None = None,
+        check: bool = True,
     ) -> None:
         """Advance by the anchor plus the accepted drafts of each speculative block.
 
         The bonus token sampled after the last accepted draft is not committed: it is the
-        anchor of the next block and gets committed with it.
+        anchor of the next block and gets committed with it. ``check=False``: counts computed
+        on the device, not checked (a check waits for the device).
         """
         bsz = block_tokens.shape[0]
-        n_acc = self.check_verify(block_tokens, slots, num_accepted, num_real)
+        n_acc = self.check_verify(block_tokens, slots, num_accepted, num_real, check)
         keep = torch.arange(bsz, device=slots.device) < (bsz if num_real is None else num_real)
         target = torch.where(keep, slots.long(), self.pad_row)
         window = torch.cat([self.rows(target), block_tokens.long()], dim=1)
@@ -61,11 +63,15 @@ class NgramHistory:
         slots: torch.Tensor,
         num_accepted: torch.Tensor,
         num_real: int | torch.Tensor | None = None,
+        check: bool = True,
     ) -> torch.Tensor:
-        """Accepted counts of live rows (0 for padding rows), after checking them and the slots."""
+        """Accepted counts of live rows (0 for padding rows), after checking them and the slots
+        (unless not ``check``)."""
         bsz, block = block_tokens.shape
         keep = torch.arange(bsz, device=slots.device) < (bsz if num_real is None else num_real)
         n_acc = torch.where(keep, num_accepted.long(), 0)  # padding rows may hold garbage
+        if not check:
+            return n_acc
         if bool(((n_acc < 0) | (n_acc >= block)).any()):
             raise ValueError(f"num_accepted must lie in [0, {block - 1}], got {n_acc.tolist()}")
         live = slots.long()[keep]

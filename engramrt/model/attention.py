@@ -84,6 +84,9 @@ def _triton_attention(qkv, cos, sin, k_cache, v_cache, ctx: ForwardContext, head
         return pa.paged_decode_attention(
             q, k_cache, v_cache, ctx.block_table, ctx.context_lens, bs, ctx.table_width
         )
+    if ctx.token_rows:  # a verify graph: each token a decode row, keys up to its position
+        _, table, lens = ctx.decode_rows()
+        return pa.paged_decode_attention(q, k_cache, v_cache, table, lens, bs, ctx.table_width)
     # a mixed step: prompt chunks by the prefill kernel's tiles, the one-token runs by the
     # decode kernel (a 128-query tile for one query would read its keys once per head); row T
     # takes what graph-padding decode entries write

@@ -108,6 +108,7 @@ class ForwardContext:
     table_width: torch.Tensor  # [1] W, the block table's row stride
     decode: bool = False  # one token per request: the decode kernels, the hasher's decode mode
     padded: bool = False  # a CUDA graph's step: shapes may not depend on the runs (V4.1's scans)
+    token_rows: bool = False  # a verify graph's: every token a decode row (``_Runs.mixed``)
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill kernel tiles (req, m0)
     token_slots: torch.Tensor | None = None  # [T] history slot of each token (not decode)
     # a mixed step's one-token runs, for the decode kernel: their token rows (T: padding),
@@ -118,6 +119,9 @@ class ForwardContext:
     logits_rows: torch.Tensor | None = None  # [B] each run's last token: the rows to sample
     # [B] 0 for a verify run (anchor + drafts), which commits no history when hashed
     commit_runs: torch.Tensor | None = None
+    # [B] 1: the run starts behind a verify run in flight, counting its drafts as accepted
+    # (``engramrt.runner.verify``: the stage moves it back); None: no run lags
+    lag: torch.Tensor | None = None
     hash_ids: torch.Tensor | None = None  # [T, L, (N-1)*H]
     dead: torch.Tensor | None = None  # [T] image tokens
     tracer: Tracer | None = None
@@ -140,6 +144,7 @@ class ForwardContext:
         pad: GraphShape | None = None,
         last_rows: bool = False,
         drafts: list[int] | None = None,
+        lag: list[int] | None = None,
         **kw,
     ) -> ForwardContext:
         """Validate on the host, build every tensor there and move them in one copy. Block tables
@@ -165,6 +170,9 @@ class ForwardContext:
             parts.update(runs.verify(drafts, sample_rows))
         elif sample_rows:
             parts["logits_rows"] = np.maximum(runs.qstart[1:] - 1, 0)
+        if lag is not None:
+            parts["lag"] = np.zeros(runs.bsz, dtype=np.int64)
+            parts["lag"][: len(lag)] = lag
         # the block table goes last, so a graph's static buffer (sized for the widest table)
         # takes any narrower step as a prefix copy; kernels read the width from ``table_width``
         parts["block_table"] = runs.table.reshape(-1)
@@ -172,7 +180,8 @@ class ForwardContext:
         views["block_table"] = views["block_table"].view(runs.bsz, runs.width)
         tiles = views.pop("tile_req", None), views.pop("tile_m0", None)
         return cls(list(slots), list(run_lens), list(start_pos), kv, flat, decode=decode,
-                   padded=pad is not None, tiles=None if tiles[0] is None else tiles, **views,
+                   padded=pad is not None, tiles=None if tiles[0] is None else tiles,
+                   token_rows=pad is not None and bool(pad.verify), **views,
                    **kw)  # fmt: skip
 
     def rope(self, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,8 +294,15 @@ class _Runs:
     def mixed(self, pad: GraphShape | None) -> dict[str, np.ndarray]:
         """A mixed step's prefill tiles, each token's slot and its one-token runs (for the
         decode kernel). In a graph, tiles past every run walk nothing and entries past the
-        real one-token runs have no keys."""
+        real one-token runs have no keys. A verify graph's runs (an anchor and K drafts) have
+        no tiles: each token is a decode row whose keys end at its own position (a 128-query
+        tile for K + 1 queries would walk its keys for mostly empty rows)."""
         i64 = np.int64
+        if pad is not None and pad.verify:  # every token a decode row of its own (causal)
+            none = np.zeros(0, dtype=i64)
+            return {"tile_req": none, "tile_m0": none, "token_slots": self.ids[self.req],
+                    "dec_tok": np.arange(len(self.req), dtype=i64), "dec_req": self.req,
+                    "dec_lens": np.where(self.rows >= 0, self.positions + 1, 0)}  # fmt: skip
         long = [n if n > 1 else 0 for n in self.run_lens]
         tile_req, tile_m0 = (np.asarray(v, dtype=i64)
                              for v in prefill_tiles(long, self.start_pos))  # fmt: skip

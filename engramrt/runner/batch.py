@@ -105,6 +105,9 @@ class StepBatch:
     # (slot, the anchor and drafts of its last verify run, drafts accepted): history commits of
     # the previous step's verify runs, applied by the first stage before it hashes
     commits: list[tuple[int, list[int], int]] = field(default_factory=list)
+    # per run, 1 where it starts behind a verify run still in flight, whose drafts its start
+    # counts as accepted (overlap scheduling with speculation: ``engramrt.runner.verify``)
+    lag: list[int] | None = None
     # (slot, snapshot) of runs ending on a block boundary: V4.1 rings kept after the step for
     # prefix hits there (``V41Cache.save_windows``)
     snapshots: list[tuple[int, int]] = field(default_factory=list)

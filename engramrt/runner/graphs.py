@@ -87,17 +87,19 @@ class StepGraphs:
         last_stage: bool = True,
         carry_for: Callable[[int], Carry] | None = None,
         verify: int = 0,
+        lagging: bool = False,
     ):
         """Decode graphs up to ``max_batch`` requests and mixed graphs up to ``max_tokens``
         tokens (0: none). ``carry_for(t)``: static carry inputs of ``t`` rows on a later
-        pipeline stage (None on the first stage, which makes its own)."""
+        pipeline stage (None on the first stage, which makes its own). ``lagging``: the steps
+        carry ``ForwardContext.lag`` (a stage that verifies drafts on the device)."""
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device (--enforce-eager runs without)")
         if max_batch < 1:
             raise ValueError(f"the largest graph batch must be >= 1, got {max_batch}")
         self.forward, self.kv, self.tables = forward, kv, tables
         self.device, self.carry_for = device, carry_for
-        self.last_stage = last_stage
+        self.last_stage, self.lagging = last_stage, lagging
         self.shapes = graph_shapes(min(max_batch, kv.num_blocks), max_tokens, verify)
         self.sizes = [s.requests for s in self.shapes if s.decode]
         self.width = tables.per_seq
@@ -132,7 +134,8 @@ class StepGraphs:
     def _capture(self, shape: GraphShape, pool):
         # all padding: the warm-up run (Triton JIT, cuBLAS handles) commits and writes nothing
         ctx = ForwardContext.for_runs([], [], [], self.kv, self.tables, self.device, self.width,
-                                      shape, last_rows=True)  # fmt: skip
+                                      shape, last_rows=True,
+                                      lag=[] if self.lagging else None)  # fmt: skip
         carry = None if self.carry_for is None else self.carry_for(shape.tokens)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -164,41 +167,3 @@ class StepGraphs:
         if isinstance(out, torch.Tensor):  # logits: one row per request (per token in decode)
             return out[: n_tok if shape.verify else len(host.slots)], ran
         return out.head(n_tok), ran
-
-
-class DraftGraphs:
-    """CUDA graphs of a draft pass (DSpark's: ``draft(ends, slots, tokens) -> [B, block]``),
-    one per padded batch size. A padded row drafts from position 0 of the spare slot: the pass
-    writes no cache, so padding costs only its compute."""
-
-    def __init__(self, draft: Callable, sizes: list[int], spare_slot: int, device: torch.device):
-        self.graphs: dict[int, tuple] = {}
-        pool = None
-        for b in sorted(sizes, reverse=True):  # the largest first: the others reuse its pool
-            ins = (torch.zeros(b, dtype=torch.int64, device=device),
-                   torch.full((b,), spare_slot, dtype=torch.int64, device=device),
-                   torch.zeros(b, dtype=torch.int64, device=device))  # fmt: skip
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.inference_mode():
-                draft(*ins)  # first use: Triton variants, cached frequency tables
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-                out = draft(*ins)
-            pool = graph.pool()
-            self.graphs[b] = (graph, ins, out, spare_slot)
-
-    def __call__(self, ends: torch.Tensor, slots: torch.Tensor,
-                 tokens: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
-        """The drafts of ``len(ends)`` rows from the smallest graph that holds them (None: none
-        does; run it eagerly)."""
-        n = len(ends)
-        size = min((b for b in self.graphs if b >= n), default=None)
-        if size is None:
-            return None
-        graph, (e, s, t), out, spare = self.graphs[size]
-        e[:n], s[:n], t[:n] = ends, slots, tokens
-        e[n:], s[n:], t[n:] = 0, spare, 0
-        graph.replay()
-        return out[:n]

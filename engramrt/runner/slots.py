@@ -4,8 +4,9 @@ A request crosses to the stages once, when it takes a slot (``NewRequest``); ``S
 hands each piece to the part of the stage that keeps it:
 
 - its block table (every stage: ``blocks``, which ``ForwardContext.for_runs`` reads);
-- its token row (every rank of the first stage: ``tokens``, ``[slots, max_len + 1]`` on the
-  device), which the step's token ids are gathered from;
+- its token row (every rank of the first stage: ``tokens``, ``[slots + 1, max_len + 1 +
+  slack]`` on the device; the last row is a spare that masked writes go to, the slack holds
+  the drafts past the last position), which the step's token ids are gathered from;
 - the n-gram history row (the first stage's hasher, its one owner): rebuilt from the tokens
   before the request's run;
 - the sampling parameters (the last stage): a host row per slot, which decides what the sampler
@@ -58,22 +59,24 @@ class SlotTable:
         ``first``: a rank of the first stage (it embeds, so it keeps the token rows)."""
         self.device, self.hasher, self.samples, self.first = device, hasher, samples, first
         self.blocks: BlockTables | None = None  # sized with the cache (``size_for``)
-        self.tokens: torch.Tensor | None = None  # [slots, max_len + 1] int32, first stage
+        self.tokens: torch.Tensor | None = None  # [slots + 1, width] int32, first stage
         self.sampling: dict[int, SampleRow] = {}  # slot -> parameters; absent: greedy
         self.params = torch.zeros(0, 4, device=device)  # [slots, (temperature, top_p, min_p, k)]
         self.controls = LogitControls(device)
         self.states: list[SlotState] = []
 
-    def size_for(self, kv: KVCache) -> None:
+    def size_for(self, kv: KVCache, slack: int = 0) -> None:
         """Block tables and token rows for a new cache (slots on their fixed blocks); the cache
-        replaces its predecessor in ``states`` if it keeps per-slot state."""
+        replaces every state kept for the old cache's slots in ``states`` if it keeps per-slot
+        state. ``slack``: drafts a run may verify."""
         self.blocks = kv.fixed_tables()
-        self.states = [s for s in self.states if not isinstance(s, KVCache)]
+        self.states = []
         if isinstance(kv, SlotState):
             self.states.append(kv)
         if self.first:
             self.tokens = None  # the old rows go before the new ones are allocated
-            shape = (kv.num_slots, kv.max_len + 1)  # + 1: the sample after the last position
+            # + 1: the sample after the last position; + slack: the drafts after it
+            shape = (kv.num_slots + 1, kv.max_len + 1 + slack)
             self.tokens = torch.zeros(shape, dtype=torch.int32, device=self.device)
 
     def admit(self, admitted: list[NewRequest], vocab: int) -> None:
@@ -136,15 +139,20 @@ class SlotTable:
         """Each run's sample (``sampled[b]``, on the device) into its row at the position it
         fills, where the engine keeps it (a final run): the next step reads it there."""
         lens = np.asarray(batch.run_lens, dtype=np.int64)
-        at = np.asarray(batch.slots) * self.tokens.shape[1] + np.asarray(batch.start_pos) + lens
         keep = lens > 0 if batch.final is None else (lens > 0) & np.asarray(batch.final)
-        if not keep.all():
-            if not keep.any():
-                return
-            rows = torch.from_numpy(np.flatnonzero(keep))
-            sampled, at = sampled[to_device(rows, self.device)], at[keep]
-        at_t = to_device(torch.from_numpy(at.astype(np.int64)), self.device)
-        self.tokens.view(-1).index_copy_(0, at_t, sampled.to(torch.int32))
+        host = torch.from_numpy(np.stack([np.asarray(batch.slots), np.asarray(batch.start_pos)
+                                          + lens, keep]).astype(np.int64))  # fmt: skip
+        slots, pos, live = to_device(host, self.device)
+        self.write(slots, pos, sampled, live.bool())
+
+    def write(self, slots: torch.Tensor, pos: torch.Tensor, values: torch.Tensor,
+              live: torch.Tensor) -> None:  # fmt: skip
+        """``tokens[slots, pos] = values`` on the device where ``live``; the rest go to the spare
+        row (a masked index would wait for the device)."""
+        width = self.tokens.shape[1]
+        spare = (len(self.tokens) - 1) * width
+        flat = torch.where(live, slots * width + pos.clamp(0, width - 1), spare)
+        self.tokens.view(-1)[flat.flatten()] = values.flatten().to(self.tokens.dtype)
 
     def token_ids(self, ctx: ForwardContext) -> torch.Tensor:
         """The step's token ids ``[T]``, gathered from the rows by slot and position on the

@@ -34,10 +34,11 @@ from engramrt.model.v41_cache import V41Cache
 from engramrt.model.v41_moe import V41MoE
 from engramrt.runner.batch import DeviceResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
-from engramrt.runner.graphs import DraftGraphs, StepGraphs, batch_sizes
+from engramrt.runner.graphs import StepGraphs, batch_sizes
 from engramrt.runner.kv_budget import MemoryProfile
 from engramrt.runner.sampler import Sampler, sample_tokens
 from engramrt.runner.slots import SlotTable
+from engramrt.runner.verify import Verifier, ngram_drafts
 from engramrt.tensor_parallel import TensorParallel
 from engramrt.transfer import to_device
 
@@ -84,7 +85,8 @@ class StageRunner:
     # runs of each Engram layer so far: a count, so a long-running server's memory stays flat
     engram_ran: Counter[int] = field(default_factory=Counter)
     graphs: StepGraphs | None = None
-    draft_graphs: DraftGraphs | None = None  # DSpark's draft pass (``capture_graphs``)
+    # speculative decoding's device half (``speculate``; None: no speculation, or the host's)
+    verifier: Verifier | None = None
     sampler: Sampler | None = field(init=False, default=None)  # the last stage's
     # what the request in each slot leaves on this stage (``engramrt.runner.slots``)
     slots: SlotTable = field(init=False)
@@ -178,10 +180,35 @@ class StageRunner:
         snapshots: int | None = None,
         slack: int = 0,
     ) -> None:
-        self.kv = None  # the old cache goes before the new one is allocated
+        self.kv = self.verifier = None  # the old cache goes before the new one is allocated
         self.kv = new_kv_cache(self.model, num_slots, max_len, block_size, num_blocks, snapshots,
                                slack)  # fmt: skip
-        self.slots.size_for(self.kv)
+        self.slots.size_for(self.kv, slack)
+
+    def speculate(self, k: int, lookup: tuple[int, int] | None = None) -> None:
+        """Verify up to ``k`` drafts a run on the device (``engramrt.runner.verify``), after
+        ``allocate_kv`` (its ``slack`` at least ``k``) and before ``capture_graphs``: on the
+        last stage, with DSpark's drafts where the model has its stages, else where this stage
+        keeps the token rows with n-gram drafts (``lookup``: the longest and shortest suffix)
+        looked up there. Elsewhere the host drafts and commits (pipeline parallelism)."""
+        if not self.is_last or self.kv is None:
+            return
+        rows = self.slots.tokens if self.keeps_samples else None
+        if self.model.mtp is not None:
+            limit = self.sampler.token_limit
+
+            def propose(last, slots, bonus):
+                return dspark.draft(self.model, self.kv, last, slots, bonus, limit).tokens
+        elif rows is not None and lookup is not None:
+
+            def propose(last, slots, bonus):
+                return ngram_drafts(rows, slots, last + 1, k, *lookup)
+        else:
+            return
+        table = self.slots if rows is not None else None
+        self.slots.states = [s for s in self.slots.states if s is not self.verifier]
+        self.verifier = Verifier(self.kv.num_slots, k, propose, table, self.hasher, self.device)
+        self.slots.states.append(self.verifier)
 
     def capture_graphs(self, max_batch: int, max_tokens: int = 0, verify: int = 0) -> None:
         """Capture decode steps up to ``max_batch`` requests, mixed steps up to ``max_tokens``
@@ -205,14 +232,12 @@ class StageRunner:
                   "decoding eagerly", flush=True)  # fmt: skip
             return
         carry_for = None if self.is_first else (lambda n: Carry.empty(self.model, n, torch.zeros))
+        v = self.verifier
         self.graphs = StepGraphs(self.forward, self.kv, self.slots.blocks, self.device, max_batch,
-                                 max_tokens, self.is_last, carry_for, verify)  # fmt: skip
-        if self.model.mtp is not None:  # DSpark's draft pass after the sampler, by batch size
-            limit = self.sampler.token_limit
-            self.draft_graphs = DraftGraphs(
-                lambda e, s, t: dspark.draft(self.model, self.kv, e, s, t, limit).tokens,
-                batch_sizes(min(max_batch, self.kv.num_slots)), self.kv.num_slots, self.device,
-            )  # fmt: skip
+                                 max_tokens, self.is_last, carry_for, verify,
+                                 lagging=v is not None and v.rows is not None)  # fmt: skip
+        if v is not None:  # what follows the sampler (drafting included), by batch size
+            v.capture(batch_sizes(min(max_batch, self.kv.num_slots)))
 
     @torch.inference_mode()
     def profile_memory(self, tokens: int, max_len: int, block_size: int, rows: int):
@@ -287,16 +312,27 @@ class StageRunner:
     def launch(self, batch: StepBatch, carry: Carry | None = None) -> Carry | DeviceResult:
         """``run`` without waiting for the sampled tokens: on the last stage a ``DeviceResult``.
         Where it ``keeps_samples``, they also go into the token rows, on the stream after the
-        sampler (not a verify step's: the host decides which of its samples stand)."""
+        sampler; with speculation the verifier keeps what each run accepted and the next
+        step's drafts, which the result carries too (``engramrt.runner.verify``)."""
+        v = self.verifier
+        if v is not None and self._shape(batch, not batch.full_logits) is None:
+            batch = v.settle(batch)  # an eager step: its runs' true starts, from the device
         out = self.compute(batch, carry, last_only=not batch.full_logits)
         if not self.is_last:
             return out
         pending, tokens = self.sampler.launch(out, batch)
-        if self.keeps_samples and batch.drafts is None:
+        if v is not None:
+            pending.add("drafts", v.after(batch, tokens))
+        elif self.keeps_samples:
             self.slots.keep_samples(batch, tokens)
-        if self.model.mtp is not None:  # DSpark: the next step's drafts, sent with the tokens
-            pending.add("drafts", self._draft_after(batch, tokens))
         return pending
+
+    def _shape(self, batch: StepBatch, last_only: bool):
+        """The captured graph this step replays (None: it runs eagerly)."""
+        if self.graphs is None:
+            return None
+        drafts = batch.drafts if batch.drafts is not None and any(batch.drafts) else None
+        return self.graphs.shape_for(batch.run_lens, not last_only, self.tracer, drafts)
 
     @torch.inference_mode()
     def compute(
@@ -317,17 +353,18 @@ class StageRunner:
             self._commit_verified(batch.commits)
         self.slots.admit(batch.admitted, self.model.cfg.vocab_size)
         self.slots.advance(batch)
-        graphs, shape = self.graphs, None
+        graphs, shape = self.graphs, self._shape(batch, last_only)
         drafts = batch.drafts if batch.drafts is not None and any(batch.drafts) else None
-        if graphs is not None:
-            shape = graphs.shape_for(batch.run_lens, not last_only, self.tracer, drafts)
+        lag = None
+        if self.verifier is not None and self.verifier.rows is not None:
+            lag = batch.lag or [0] * len(batch.slots)  # the graphs' buffers have the part
         ctx = ForwardContext.for_runs(
             batch.slots, batch.run_lens, batch.start_pos, self.kv, self.slots.blocks,
             "cpu" if shape else self.device,
             # a mixed graph's prefill kernel strides the table by its static width
             width=graphs.width if shape and not shape.decode else None, pad=shape,
             last_rows=shape is not None or (last_only and self.is_last), tracer=self.tracer,
-            drafts=drafts,
+            drafts=drafts, lag=lag,
         )  # fmt: skip
         if shape is not None:
             out, ran = graphs.replay(ctx, shape, carry)
@@ -341,7 +378,10 @@ class StageRunner:
 
     def forward(self, ctx: ForwardContext, carry: Carry | None) -> torch.Tensor | Carry:
         """The step on device tensors only: what a CUDA graph captures. The first stage hashes
-        once where the token ids are and embeds."""
+        once where the token ids are and embeds; runs behind a verify run in flight first move
+        to where they start (``Verifier.shift``)."""
+        if self.verifier is not None:
+            self.verifier.shift(ctx)
         if carry is None:
             t = self.slots.token_ids(ctx)
             ids, dead = self._hash(ctx, t)
@@ -361,51 +401,6 @@ class StageRunner:
                 x, pre = x[ctx.logits_rows], pre[ctx.logits_rows]
             return self.model.logits(x, pre)
         return Carry(x, pre, carry.hash_ids, carry.dead)
-
-    @torch.inference_mode()
-    def draft(
-        self, batch: StepBatch, tokens: torch.Tensor, accepted: torch.Tensor | None = None
-    ) -> dspark.Drafts:
-        """DSpark drafts for each run of the step just computed, from its last accepted position
-        (a verify run's anchor and ``accepted`` [B] drafts; every token of any other run) and
-        ``tokens`` [B], the token sampled there."""
-        ends, slots = self._draft_rows(batch, accepted)
-        limit = self.sampler.token_limit if self.sampler is not None else None
-        return dspark.draft(self.model, self.kv, ends, slots, tokens.to(self.device), limit)
-
-    def _draft_rows(self, batch: StepBatch, accepted: torch.Tensor | None):
-        """(each run's last accepted position, its slot) on the device."""
-        dev = self.device
-        ends = to_device(torch.tensor(batch.start_pos) + torch.tensor(batch.run_lens) - 1, dev)
-        if batch.drafts is not None and accepted is not None:
-            ends = ends - to_device(torch.tensor(batch.drafts), dev) + accepted
-        return ends, to_device(torch.tensor(batch.slots), dev)
-
-    def _draft_after(self, batch: StepBatch, samples: torch.Tensor) -> torch.Tensor:
-        """The next step's drafts ``[B, block]`` from this step's ``samples`` (``StepBatch.tails``
-        a run), on the device: each verify run's accepted drafts counted there (the host counts
-        the same), its bonus token the sample after them; a captured graph's draft pass where
-        one fits."""
-        dev, tails = self.device, batch.tails
-        first = to_device(torch.tensor([0, *tails[:-1]]).cumsum(0), dev)  # each run's first
-        accepted = None
-        if batch.drafts is not None:
-            b, k = len(tails), max(batch.drafts)
-            guess = torch.full((b, k), -2, dtype=torch.int64)  # no draft: never a sample (>= -1)
-            at = torch.arange(k)
-            has = at < torch.tensor(batch.drafts)[:, None]
-            guess[has] = torch.tensor(batch.draft_tokens, dtype=torch.int64)
-            got = samples[(first[:, None] + to_device(at, dev)).clamp_max(len(samples) - 1)]
-            accepted = (to_device(guess, dev) == got).long().cumprod(1).sum(1)
-            first = first + accepted
-        ends, slots = self._draft_rows(batch, accepted)
-        bonus = samples[first].clamp_min(0)  # (an empty run's -1)
-        if self.draft_graphs is not None:
-            out = self.draft_graphs(ends, slots, bonus)
-            if out is not None:
-                return out
-        return dspark.draft(self.model, self.kv, ends, slots, bonus,
-                            self.sampler.token_limit).tokens  # fmt: skip
 
     def _hash(self, ctx: ForwardContext, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's hash ids and image-token mask: computed by the one hasher (the first

@@ -283,11 +283,13 @@ def test_overlap_with_cuda_graphs_equals_synchronous(encode, session) -> None:
     ("flags", "on"),
     [([], True), (["--no-async-scheduling"], False), (["--async-scheduling"], True),
      (["-pp", "2"], False), (["-tp", "2"], False),
-     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], False)],
+     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], True),
+     (["--speculative-config", '{"num_speculative_tokens": 2}', "-pp", "2"], False)],
 )  # fmt: skip
 def test_overlap_is_the_default_wherever_outputs_are_the_same(flags: list[str], on: bool) -> None:
     """As vLLM: overlap scheduling is on unless asked off, or where it cannot give the same
-    outputs (several stages or ranks, speculative decoding)."""
+    outputs (several stages or ranks); with speculative decoding too (the stage verifies and
+    drafts on the device)."""
     import argparse
 
     from engramrt.commands.bench_throughput import add_arguments, options

@@ -175,6 +175,38 @@ def test_greedy_with_speculation_equals_without(runner: StageRunner, kw: dict) -
         assert stats["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"max_num_batched_tokens": 8}, {"num_blocks": 40, "block_size": 4},
+     {"max_num_seqs": 2}],
+    ids=["plain", "chunked", "preempting", "admitting"],
+)  # fmt: skip
+def test_overlap_with_speculation_equals_greedy_without(runner: StageRunner, kw: dict) -> None:
+    """Overlap scheduling with n-gram drafts looked up on the stage: step N+1 is launched before
+    the host reads step N, a run behind a verify run in flight starts where every draft of it
+    was accepted, and the stage moves it back by those it rejected (here eagerly: it reads them
+    back first). Greedy output equals decoding without speculation, token for token."""
+    prompts = _prompts(runner, 6, seed=len(kw))
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for _ in prompts]
+    want = _run(_engine(runner, None, **kw), prompts, params)
+    engine = _engine(runner, SpecConfig(4), overlap=True, **kw)
+    assert engine.overlap
+    lagged = []
+    launch = engine.pipeline.launch
+
+    def launch_and_record(batch):
+        lagged.append(sum(batch.lag or []))
+        return launch(batch)
+
+    engine.pipeline.launch = launch_and_record
+    assert _run(engine, prompts, params) == want
+    stats = engine.stats()
+    assert sum(lagged) > 10 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert engine.blocks.num_free == engine.cfg.num_blocks
+    if "num_blocks" in kw:
+        assert stats["num_preemptions"] > 0
+
+
 def test_seeded_sampling_draws_the_same_tokens(runner: StageRunner) -> None:
     """A seeded row's noise is keyed by its output index, and a verify run samples output i
     from the same logits as decoding does: the drawn tokens are the same."""
@@ -182,9 +214,10 @@ def test_seeded_sampling_draws_the_same_tokens(runner: StageRunner) -> None:
     params = [SamplingParams(max_tokens=24, temperature=0.3, top_p=0.95, seed=11 + i,
                              ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
     want = _run(_engine(runner, None), prompts, params)
-    engine = _engine(runner, SpecConfig(3))
-    assert _run(engine, prompts, params) == want
-    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    for overlap in (False, True):  # a seeded request speculates synchronously
+        engine = _engine(runner, SpecConfig(3), overlap=overlap)
+        assert _run(engine, prompts, params) == want
+        assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_requests_that_need_each_token_get_no_drafts(runner: StageRunner) -> None:
@@ -253,24 +286,29 @@ def test_generate_with_speculation_over_two_stages() -> None:
 def test_verify_graphs_give_the_output_without_speculation() -> None:
     """On a GPU, every decoding row padded to K drafts so verify steps replay their CUDA
     graphs: greedy output token for token that of the engine without speculation (graphs
-    too), and most verify steps replay a graph."""
+    too), synchronous and with overlap scheduling, and most verify steps replay a graph."""
 
-    def engine(spec: SpecConfig | None) -> tuple[Engine, list]:
+    def engine(spec: SpecConfig | None, overlap: bool = False) -> tuple[Engine, list]:
+        k = spec.num_speculative_tokens if spec else 0
         r = StageRunner.load(GQA_MODEL_DIR, 8, 256, "cuda", "float32", num_blocks=0)
-        r.allocate_kv(8, 256, 16, 128)
-        r.capture_graphs(8, 256, spec.num_speculative_tokens if spec else 0)
+        r.allocate_kv(8, 256, 16, 128, slack=k)
+        if spec:
+            r.speculate(k, (spec.prompt_lookup_max, spec.prompt_lookup_min))
+        r.capture_graphs(8, 256, k)
         replays, real = [], r.graphs.replay
         r.graphs.replay = lambda h, s, c: replays.append(s) or real(h, s, c)
-        return build_engine(r, 256, 8, 8, 256, speculative=spec, allocate=False), replays
+        return build_engine(r, 256, 8, 8, 256, overlap=overlap, speculative=spec,
+                            allocate=False), replays  # fmt: skip
 
     runner = StageRunner.load(GQA_MODEL_DIR, 1, 64, "cpu", num_blocks=0)
     prompts = _prompts(runner, 6, seed=2)
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for _ in prompts]
     want = _run(engine(None)[0], prompts, params)
-    spec, replays = engine(SpecConfig(3))
-    assert _run(spec, prompts, params) == want
-    verify = [s for s in replays if s.verify == 3]
-    assert len(verify) > 10 and spec.stats()["spec_decode_num_accepted_tokens"] > 0
+    for overlap in (False, True):  # overlap: runs behind a verify run moved back in the graph
+        spec, replays = engine(SpecConfig(3), overlap)
+        assert _run(spec, prompts, params) == want
+        verify = [s for s in replays if s.verify == 3]
+        assert len(verify) > 10 and spec.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_a_preempted_verifying_request_resumes_without_its_drafts(runner: StageRunner) -> None:

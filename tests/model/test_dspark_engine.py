@@ -2,10 +2,10 @@
 equals decoding without speculation, and every draft the engine proposes after a verify step
 (counted and rolled back on the device) is the draft a plain engine makes at the same position.
 
-The random model's drafts are almost never right, so acceptance is driven by an oracle: n-gram
-speculation whose drafts come from the output without speculation, the first ``j`` right
-(``speculative_run``), while the stage drafts with DSpark after every step from the accepted
-position it counts itself. One request at a time (V4.1 is not batch-invariant:
+The random model's drafts are almost never right, so acceptance is driven by an oracle whose
+drafts come from the output without speculation, the first ``j`` right (``speculative_run``),
+while the stage also runs its DSpark pass after every step from the accepted position it counts
+itself. One request at a time (V4.1 is not batch-invariant:
 ``speculative_run``)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from engramrt.engine.speculative import SpecConfig
 from engramrt.runner.stage import StageRunner
 from tests.engine.test_engine import assert_idle
-from tests.model.test_v41_engine import PARAMS, PROMPTS, speculative_run
+from tests.model.test_v41_engine import PARAMS, PROMPTS, ends_of, speculative_run
 from tests.support.engine_factory import build_engine
 
 K = 3
@@ -50,9 +50,11 @@ def recording(engine):
 
 @pytest.fixture(scope="module")
 def base(runner):
-    """The engine without speculation, run once: its outputs and proposals (the runner drafts
-    after every step whether or not the engine uses the drafts)."""
-    engine = recording(build_engine(runner, 256, 1, max_num_seqs=1))
+    """The engine without speculation, run once: its outputs and proposals (its stage drafts
+    after every step, and the engine does not use the drafts)."""
+    engine = build_engine(runner, 256, 1, max_num_seqs=1)
+    runner.speculate(K)
+    engine = recording(engine)
     for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
         engine.add_request(str(i), p, sp)
     while engine.has_work():
@@ -73,10 +75,33 @@ def test_drafts_after_verify_steps_are_the_plain_drafts(runner, base) -> None:
         return spec["engine"]
 
     assert speculative_run(engine_with, {"max_num_seqs": 1}, want, K) == want
-    got = spec["engine"].proposals
-    assert len(got) > 25 and got.keys() <= base.proposals.keys()
+    got = spec["engine"].stage_proposals
+    extra = got.keys() - base.proposals.keys()  # drafted after a request's last token
+    assert all(n == len(PROMPTS[int(r)]) + PARAMS[int(r)].max_tokens for r, n in extra)
+    got = {key: v for key, v in got.items() if key not in extra}
+    assert len(got) > 25
     assert all(got[key] == base.proposals[key] for key in got)
     assert len({tuple(v) for v in got.values()}) > len(got) // 2  # drafts that vary
+
+
+def test_overlap_with_dspark_rolls_back_every_acceptance_length(runner, base) -> None:
+    """Overlap scheduling: each step is launched before the host reads the one before, so a
+    run behind a verify run starts as if all its drafts were accepted and the stage moves it
+    back on the device (eagerly here: it reads the count back first). Oracle drafts accepting
+    0..K: greedy tokens equal decoding without speculation, and each DSpark pass after a
+    sampled run drafts what the plain engine drafts there."""
+    want = [base.outputs[str(i)] for i in range(len(PROMPTS))]
+    spec = {}
+
+    def engine_with(**kw):
+        spec["engine"] = build_engine(runner, 256, 1, overlap=True, **kw)
+        assert spec["engine"].overlap
+        return spec["engine"]
+
+    assert speculative_run(engine_with, {"max_num_seqs": 1}, want, K) == want
+    got = spec["engine"].stage_proposals
+    common = got.keys() & base.proposals.keys()
+    assert len(common) > 25 and all(got[key] == base.proposals[key] for key in common)
 
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 8}], ids=["plain", "chunked"])
@@ -91,11 +116,13 @@ def test_greedy_with_dspark_equals_without(runner, base, kw: dict) -> None:
     verified = []
     launch = engine._launch
 
-    def launch_and_record():
+    def launch_and_record():  # synchronous: the drafts a run verifies are known at its launch
         launched = launch()
         for row in launched.rows if launched else []:
             if row.drafts:
-                verified.append((row.req.id, row.start + 1, list(row.drafts)))
+                req = row.req
+                assert req.proposed_at == row.start + 1
+                verified.append((req.id, row.start + 1, req.proposed[: len(row.drafts)]))
         return launched
 
     engine._launch = launch_and_record
@@ -127,6 +154,7 @@ def test_drafts_on_the_last_pipeline_stage_equal_one_stage(v41_small: Path, runn
     assert stages[1].model.embed is not None and not stages[1].is_first
     for r in (runner, *stages):
         r.allocate_kv(1, 256, 4, 64, slack=K)
+        r.speculate(K)
     p = PROMPTS[0]
     prefill = {"new_blocks": [list(range(-(-len(p) // 4) + 2))]}
 
@@ -209,10 +237,12 @@ def test_drafts_stay_inside_the_tokenizer(runner, monkeypatch) -> None:
     head.data[pad] = 1e3 * runner.model.mtp[-1].markov_head.embed.weight.sign().mean(0)
     try:
         token = torch.tensor([p[-1]])
+        runner.speculate(K)  # the stage's own draft pass, with the sampler's limit
         monkeypatch.setattr(runner.sampler, "token_limit", None)
-        assert (runner.draft(batch, token).tokens == pad).any()  # the bias wins
+        assert (runner.verifier.propose(*ends_of(batch), token) == pad).any()  # the bias wins
         monkeypatch.setattr(runner.sampler, "token_limit", pad)
-        assert (runner.draft(batch, token).tokens < pad).all()
+        runner.speculate(K)
+        assert (runner.verifier.propose(*ends_of(batch), token) < pad).all()
     finally:
         head.data[pad] = saved
 

@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from engramrt.model import dspark
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
+from tests.model.test_v41_engine import ends_of
 from tests.model.test_v41_reference import (
     BLOCK_TABLE,
     PROMPT,
@@ -185,7 +187,8 @@ def drafts(model_dir):
         ref.forward(toks, pos)
         p, tok = pos + len(toks) - 1, int(got[-1].argmax())
         rings = [eng.kv.window[ref.L + s][0].clone() for s in range(ref.stages)]
-        d = eng.draft(batch, torch.tensor([tok]))
+        d = dspark.draft(eng.model, eng.kv, *ends_of(batch), torch.tensor([tok]),
+                         eng.sampler.token_limit)  # fmt: skip
         steps.append({"p": p, "tok": tok, "eng": (d.tokens[0], d.logits[0], d.confidence[0]),
                       "ref": ref.draft(tok, p), "unbiased": ref.rec["unbiased"],
                       "rings_before_draft": rings,

@@ -316,26 +316,58 @@ def speculative_run(engine_with, cfg: dict, want: list[list[int]], k: int) -> li
     """Greedy tokens of ``PROMPTS`` with ``k`` drafts a step. The random model never repeats
     itself, so the drafts come from ``want`` (the output without speculation), the first ``j``
     of them right and the rest wrong (``j`` cycling 0..K with the position): every acceptance
-    length, every rollback length. One request at a time: V4.1 is not batch-invariant (a GEMM's
-    rounding depends on its row count, and the FP8/FP4 round trips turn a last-bit difference
-    into a different grid point), so requests batched in other shapes may part for reasons
-    that are no rollback's."""
+    length, every rollback length. Where the stage drafts into its token rows (one stage), the
+    oracle stands in for its draft pass (``Verifier.propose``; what the pass itself drafted
+    after a sampled run is kept in ``engine.stage_proposals`` by (request, tokens before the
+    drafts)); elsewhere for the host's lookup. One request at a time: V4.1 is not
+    batch-invariant (a GEMM's rounding depends on its row count, and the FP8/FP4 round trips
+    turn a last-bit difference into a different grid point), so requests batched in other shapes
+    may part for reasons that are no rollback's."""
     from dataclasses import replace
 
     from engramrt.engine.speculative import SpecConfig
 
+    def oracle(tokens: list[int], limit: int) -> list[int]:
+        (i,) = [i for i, p in enumerate(PROMPTS) if tokens[: len(p)] == p]
+        done = len(tokens) - len(PROMPTS[i])
+        right = done % (k + 1)
+        drafts = want[i][done : done + min(k, limit)]
+        return drafts[:right] + [(t + 1) % 1000 for t in drafts[right:]]
+
     class Oracle(SpecConfig):
         def propose(self, tokens: list[int], limit: int) -> list[int]:
-            (i,) = [i for i, p in enumerate(PROMPTS) if tokens[: len(p)] == p]
-            done = len(tokens) - len(PROMPTS[i])
-            right = done % (k + 1)
-            drafts = want[i][done : done + min(k, limit)]
-            return drafts[:right] + [(t + 1) % 1000 for t in drafts[right:]]
+            return oracle(tokens, limit)
 
     engine = engine_with(speculative=SpecConfig(k), **cfg)
     engine.cfg = replace(engine.cfg, speculative=Oracle(k))
-    out = _run(engine, PROMPTS, PARAMS)
+    engine.stage_proposals = {}
+    verifier = engine.pipeline.runner.verifier
+    if engine.samples_kept:  # the oracle drafts on the stage, from what the host knows
+        stage_pass, graphs = verifier.propose, verifier.graphs
+        verifier.graphs = {}  # (a captured pass is the stage's)
+
+        def propose(last, slots, bonus):
+            (req,) = engine.scheduler.running
+            n = int(last[0]) + 2  # tokens up to the bonus, the next run's anchor
+            tokens = req.token_ids + [0] * (n - req.num_tokens)  # (the oracle reads the prompt)
+            if n > req.num_tokens:  # after a sampled run (not a prompt chunk's)
+                engine.stage_proposals[req.id, n] = stage_pass(last, slots, bonus)[0, :k].tolist()
+            got = oracle(tokens, k)
+            return torch.tensor([got + [0] * (k - len(got))], device=last.device)
+
+        verifier.propose = propose
+    try:
+        out = _run(engine, PROMPTS, PARAMS)
+    finally:
+        if engine.samples_kept:
+            verifier.propose, verifier.graphs = stage_pass, graphs
     stats = engine.stats()
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert_idle(engine)
     return out
+
+
+def ends_of(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each run's last position and its slot: where a draft pass after the step starts."""
+    ends = [p + n - 1 for p, n in zip(batch.start_pos, batch.run_lens, strict=True)]
+    return torch.tensor(ends), torch.tensor(batch.slots)

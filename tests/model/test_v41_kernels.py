@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engramrt.model import v41_attention
+from engramrt.model import dspark, v41_attention
 from engramrt.runner.stage import StageRunner
-from tests.model.test_v41_engine import prompt, run_steps
+from tests.model.test_v41_engine import ends_of, prompt, run_steps
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -203,10 +203,11 @@ def test_expert_warm_up_covers_every_row_count(v41_small: Path) -> None:
 def test_verify_graphs_replay_the_eager_verify_steps(v41_small: Path) -> None:
     """n-gram speculation on V4.1 with its verify steps replayed from CUDA graphs (every run an
     anchor and four drafts, the kernels reading rings of ``window + 4`` rows) gives the greedy
-    tokens of the same verify steps run eagerly, over every acceptance and rollback length
-    (``speculative_run``; that these equal decoding without drafts is the CPU test's: on the
-    GPU a 5-row GEMM need not round as a 1-row one, and V4.1's FP8/FP4 round trips amplify a
-    last bit, so verify runs and decode steps of random weights part after a few tokens)."""
+    tokens of the same verify steps run eagerly, over every acceptance and rollback length, and
+    so do they under overlap scheduling, each run moved back inside its graph
+    (``speculative_run``; that these equal decoding without drafts is the CPU test's: on the GPU
+    a 5-row GEMM need not round as a 1-row one, and V4.1's FP8/FP4 round trips amplify a last
+    bit, so verify runs and decode steps of random weights part after a few tokens)."""
     from tests.engine.test_speculative import _run
     from tests.model.test_v41_engine import PARAMS, PROMPTS, speculative_run
     from tests.support.engine_factory import build_engine
@@ -215,6 +216,7 @@ def test_verify_graphs_replay_the_eager_verify_steps(v41_small: Path) -> None:
     runner = StageRunner.load(v41_small, num_slots=1, max_len=256, device="cuda",
                               dtype="float32", num_blocks=0)  # fmt: skip
     runner.allocate_kv(1, 256, 4, 64, slack=k)
+    runner.speculate(k, (4, 2))
     runner.capture_graphs(1, 64, verify=k)
     graphs, replayed = runner.graphs, []
     replay = graphs.replay
@@ -230,6 +232,10 @@ def test_verify_graphs_replay_the_eager_verify_steps(v41_small: Path) -> None:
     runner.graphs = graphs
     replayed.clear()
     assert speculative_run(engine_with, cfg, want, k) == eager
+    assert sum(s.verify == k for s in replayed) > 20
+    # overlap: each run behind a verify run in flight moved back inside the graph
+    replayed.clear()
+    assert speculative_run(engine_with, {**cfg, "overlap": True}, want, k) == eager
     assert sum(s.verify == k for s in replayed) > 20
 
 
@@ -249,10 +255,11 @@ def test_draft_kernels_equal_the_torch_path(v41_small: Path, monkeypatch) -> Non
     batch = StepBatch([3, 4], [0, 1], [1, 1], [21, 9])
     runner.compute(batch)
     tokens = torch.tensor([7, 8], device=DEVICE)
+    ends, slots = (t.to(DEVICE) for t in ends_of(batch))
     drafts = []
     for kernels in (True, False):
         monkeypatch.setattr(v41_attention, "use_triton", lambda device, k=kernels: k)
-        drafts.append(runner.draft(batch, tokens))
+        drafts.append(dspark.draft(runner.model, runner.kv, ends, slots, tokens))
     got, want = drafts
     scale = want.logits.abs().max()
     torch.testing.assert_close(got.logits / scale, want.logits / scale, rtol=0, atol=1e-4)
@@ -260,24 +267,39 @@ def test_draft_kernels_equal_the_torch_path(v41_small: Path, monkeypatch) -> Non
 
 
 @pytest.mark.gpu
-def test_draft_graphs_replay_the_eager_draft(v41_small: Path) -> None:
-    """DSpark's draft pass replayed from a CUDA graph (three requests in the graph of four: a
-    padded row drafting from the spare slot) gives the eager pass's drafts, and the eager one
-    still runs where no graph fits (float32)."""
+def test_the_step_after_the_sampler_replays_its_eager_run(v41_small: Path) -> None:
+    """What follows the sampler (acceptance, kept samples, the history commit, DSpark's draft
+    pass and its drafts written back), replayed from a CUDA graph for three verify runs in the
+    graph of four (a padded row drafting from the spare slot), leaves the drafts, token rows,
+    rejected counts and history rows of the same work run eagerly (float32)."""
     from engramrt.runner.batch import StepBatch
 
+    k = 3
     runner = StageRunner.load(v41_small, num_slots=4, max_len=128, device="cuda",
                               dtype="float32", dspark=True)  # fmt: skip
-    runner.allocate_kv(4, 128, 16, 32)
+    runner.allocate_kv(4, 128, 16, 32, slack=k)
+    runner.speculate(k)
     runner.capture_graphs(4, 64)
-    assert sorted(runner.draft_graphs.graphs) == [1, 2, 4]
+    v = runner.verifier
+    assert sorted(v.graphs) == [(1, 0), (1, k), (2, 0), (2, k), (4, 0), (4, k)]
     prompts = [prompt(n, 50 + n) for n in (21, 9, 30)]
     runner.compute(StepBatch([t for p in prompts for t in p], [0, 2, 3], [21, 9, 30], [0, 0, 0],
                              new_blocks=[[0, 1], [8], [12, 13]]))  # fmt: skip
-    batch = StepBatch([3, 4, 5], [0, 2, 3], [1, 1, 1], [21, 9, 30])
-    runner.compute(batch)
-    tokens = torch.tensor([7, 8, 9], device="cuda")
-    want = runner.draft(batch, tokens).tokens
-    ends, slots = runner._draft_rows(batch, None)
-    assert torch.equal(runner.draft_graphs(ends, slots, tokens), want)
-    assert runner.draft_graphs(ends.repeat(2), slots.repeat(2), tokens.repeat(2)) is None
+    batch = StepBatch(None, [0, 2, 3], [1 + k] * 3, [21, 9, 30], drafts=[k] * 3)
+    for slot, start, first in ((0, 21, 6), (2, 9, 16), (3, 30, 26)):  # the drafts verified
+        v.rows[slot, start + 1 : start + 1 + k] = torch.arange(first, first + k, device="cuda")
+    samples = torch.tensor([6, 7, 1, 2] + [9] * 4 + [26, 3, 4, 5],
+                           device="cuda")  # accepted: 2, 0, 1  # fmt: skip
+    state = [v.rows, v.rejected, runner.hasher.history.table]
+    before = [t.clone() for t in state]
+    replayed = v.after(batch, samples)
+    after_graph = [t.clone() for t in state]
+    for t, b in zip(state, before, strict=True):
+        t.copy_(b)
+    graphs, v.graphs = v.graphs, {}
+    eager = v.after(batch, samples)
+    v.graphs = graphs
+    assert torch.equal(replayed, eager)
+    for got, want in zip(after_graph, state, strict=True):
+        assert torch.equal(got, want)
+    assert v.rejected[[0, 2, 3]].tolist() == [1, 3, 2]
