@@ -36,6 +36,9 @@
 #           selection, DSpark on the bundled model (K = 5, bs 1 and 16: dspark_accept.py), the
 #           4B preset's n-gram verify steps against plain ones (bs 1), then the profiles of
 #           PART=m (wall against kernel time a step)
+#   PART=o  issue 35: the whole selection again, DSpark on the bundled model (bs 1 and 16), then
+#           v41-wide at bs 1 (128 in, 64 out): plain, n-gram K = 4 and DSpark K = 5 (its stage's
+#           random weights: the verify step's cost)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -127,6 +130,20 @@ case "${PART:-b}" in
           ${s:+--speculative-config "$s"} 2>&1 | grep -v "^engramrt:" | grep -v Warn \
           | tee -a "$out/spec_steps.txt" | grep "a step"
       done
+    done
+    ;;
+  o)
+    timeout 240 python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
+      | tee "$out/gpu_tests.txt" | tail -4
+    timeout 100 python3 benchmarks/dspark_accept.py --device cuda --k 5 --per-kind 8 \
+      --out "$out/dspark_accept_k5.json" 2>&1 | grep -v "^engramrt" | tee "$out/dspark_accept.txt"
+    preset v41-wide /tmp/mv41-wide
+    for spec in "" '{"method": "ngram", "num_speculative_tokens": 4}' \
+        '{"method": "dspark", "num_speculative_tokens": 5}'; do
+      timeout 60 python3 -m engramrt bench throughput --model /tmp/mv41-wide --batch-size 1 \
+        --input-len 128 --output-len 64 --prompt-kind repeat \
+        ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
+        | tee -a "$out/verify-wide.txt" | grep -E "Decode step|Speculative"
     done
     ;;
   a)

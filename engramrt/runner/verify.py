@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from engramrt.engram.hashing import EngramHasher
@@ -128,23 +129,18 @@ class Verifier:
         is kept, samples, start as sent, lag; rows past the batch's are padding (no samples kept,
         the spare slot, ``1 + width`` samples each)."""
         n = len(batch.slots)
-        tails = torch.tensor(batch.tails)
-        x = torch.zeros(8, size, dtype=torch.int64)
-        x[0, :n] = tails.cumsum(0) - tails
-        x[1, :n] = torch.tensor(batch.run_lens)
+        x = np.zeros((8, size), dtype=np.int64)
+        x[5] = 1 + width
+        x[5, :n] = batch.tails
+        x[0] = np.cumsum(x[5]) - x[5]
+        x[1, :n] = batch.run_lens
         x[2] = len(self.rejected) - 1
-        x[2, :n] = torch.tensor(batch.slots)
-        if batch.drafts is not None:
-            x[3, :n] = torch.tensor(batch.drafts)
-        x[4, :n] = torch.tensor(batch.final) if batch.final is not None else 1
-        x[5, :n] = tails
-        x[6, :n] = torch.tensor(batch.start_pos)
-        if batch.lag is not None:
-            x[7, :n] = torch.tensor(batch.lag)
-        if size > n:  # padding rows' samples after the batch's
-            x[5, n:] = 1 + width
-            x[0, n:] = int(tails.sum()) + x[5, n:].cumsum(0) - x[5, n:]
-        return x
+        x[2, :n] = batch.slots
+        x[3, :n] = batch.drafts if batch.drafts is not None else 0
+        x[4, :n] = batch.final if batch.final is not None else 1
+        x[6, :n] = batch.start_pos
+        x[7, :n] = batch.lag if batch.lag is not None else 0
+        return torch.from_numpy(x)
 
     def _run(self, x: torch.Tensor, samples: torch.Tensor, width: int,
              guess: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip

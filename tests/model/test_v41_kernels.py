@@ -286,19 +286,22 @@ def test_the_step_after_the_sampler_replays_its_eager_run(v41_small: Path) -> No
     runner.compute(StepBatch([t for p in prompts for t in p], [0, 2, 3], [21, 9, 30], [0, 0, 0],
                              new_blocks=[[0, 1], [8], [12, 13]]))  # fmt: skip
     batch = StepBatch(None, [0, 2, 3], [1 + k] * 3, [21, 9, 30], drafts=[k] * 3)
-    for slot, start, first in ((0, 21, 6), (2, 9, 16), (3, 30, 26)):  # the drafts verified
-        v.rows[slot, start + 1 : start + 1 + k] = torch.arange(first, first + k, device="cuda")
+    with torch.inference_mode():
+        for slot, start, first in ((0, 21, 6), (2, 9, 16), (3, 30, 26)):  # the drafts verified
+            v.rows[slot, start + 1 : start + 1 + k] = torch.arange(first, first + k,
+                                                                  device="cuda")  # fmt: skip
     samples = torch.tensor([6, 7, 1, 2] + [9] * 4 + [26, 3, 4, 5],
                            device="cuda")  # accepted: 2, 0, 1  # fmt: skip
     state = [v.rows, v.rejected, runner.hasher.history.table]
-    before = [t.clone() for t in state]
-    replayed = v.after(batch, samples)
-    after_graph = [t.clone() for t in state]
-    for t, b in zip(state, before, strict=True):
-        t.copy_(b)
-    graphs, v.graphs = v.graphs, {}
-    eager = v.after(batch, samples)
-    v.graphs = graphs
+    with torch.inference_mode():  # as the stage runs it (its tensors are inference tensors)
+        before = [t.clone() for t in state]
+        replayed = v.after(batch, samples)
+        after_graph = [t.clone() for t in state]
+        for t, b in zip(state, before, strict=True):
+            t.copy_(b)
+        graphs, v.graphs = v.graphs, {}
+        eager = v.after(batch, samples)
+        v.graphs = graphs
     assert torch.equal(replayed, eager)
     for got, want in zip(after_graph, state, strict=True):
         assert torch.equal(got, want)
