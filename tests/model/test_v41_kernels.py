@@ -271,7 +271,8 @@ def test_the_step_after_the_sampler_replays_its_eager_run(v41_small: Path) -> No
     """What follows the sampler (acceptance, kept samples, the history commit, DSpark's draft
     pass and its drafts written back), replayed from a CUDA graph for three verify runs in the
     graph of four (a padded row drafting from the spare slot), leaves the drafts, token rows,
-    rejected counts and history rows of the same work run eagerly (float32)."""
+    rejected counts and history rows of the same work run eagerly (float32; each table's last
+    row is a spare that masked writes, the padded row's among them, go to)."""
     from engramrt.runner.batch import StepBatch
 
     k = 3
@@ -303,6 +304,6 @@ def test_the_step_after_the_sampler_replays_its_eager_run(v41_small: Path) -> No
         eager = v.after(batch, samples)
         v.graphs = graphs
     assert torch.equal(replayed, eager)
-    for got, want in zip(after_graph, state, strict=True):
-        assert torch.equal(got, want)
+    for got, want in zip(after_graph, state, strict=True):  # the last row: where padding goes
+        assert torch.equal(got[:-1], want[:-1])
     assert v.rejected[[0, 2, 3]].tolist() == [1, 3, 2]
