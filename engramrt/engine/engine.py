@@ -10,7 +10,9 @@ launches step N+1 and only then waits for step N's tokens and applies them, so t
 overlaps the GPU's. The host thus learns tokens one step late: a request that stops at step N (EOS,
 a stop token or string) has already been scheduled in step N+1, whose row is discarded, while a
 request that reaches max_tokens is known in advance and not scheduled again. Without overlap the
-same loop waits for the step it just launched.
+same loop waits for the step it just launched. With speculation the stage verifies and drafts on
+the device (``engramrt.runner.verify``): a verify run in flight counts as if all its drafts are
+accepted, and the run after it is moved back on the device (``StepBatch.lag``).
 """
 
 from __future__ import annotations

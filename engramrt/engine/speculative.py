@@ -14,9 +14,15 @@ the draft): greedy output is token for token the output without speculation, and
 keeps the target distribution.
 
 The Engram history must advance by the anchor and the accepted drafts only (SPEC: history
-commits): a verify run commits nothing when it is hashed, and the next step's first stage
-commits ``1 + accepted`` tokens of the block (``EngramHasher.commit_verify``), never the bonus,
-which is the next anchor, and never a rejected draft.
+commits): a verify run commits nothing when it is hashed, and ``1 + accepted`` tokens of the
+block are committed after it (``EngramHasher.commit_verify``), never the bonus, which is the
+next anchor, and never a rejected draft.
+
+Where one stage of one rank keeps its samples, all of this runs on the device after the sampler
+(``engramrt.runner.verify``: acceptance, kept samples, the commit, the next drafts, the n-gram
+lookup over the token rows included), so speculation runs under overlap scheduling; the host
+decides how many drafts a run verifies and learns them with the tokens. Over several stages the
+host looks up the n-gram drafts (``SpecConfig.propose``), sends them and the commits.
 """
 
 from __future__ import annotations
