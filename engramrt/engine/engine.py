@@ -139,7 +139,8 @@ class Engine:
                                    cfg.window_snapshots)  # fmt: skip
         propose = self._propose if cfg.speculative is not None else None
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.long_prefill_token_threshold, propose)  # fmt: skip
+                                   cfg.long_prefill_token_threshold, propose,
+                                   cfg.max_model_len)  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = 0
         can = bool(getattr(pipeline, "can_overlap", False))
@@ -362,13 +363,15 @@ class Engine:
 
     def _propose(self, req: Request, limit: int) -> list[int]:
         """Drafts for a decoding request with nothing that needs its tokens one at a time
-        (grammars, logit controls, logprobs), within max_tokens and the context."""
+        (grammars, logit controls, logprobs), within the context (and max_tokens unless every
+        run verifies K drafts: those past it are discarded with the rest of the run)."""
         p = req.params
         if (req.needs_host_tokens or p.logprobs is not None or p.prompt_logprobs is not None
                 or p.controls(self.cfg.eos_token_id) is not None):  # fmt: skip
             return []
-        room = min(limit, p.max_tokens - req.num_output_tokens - req.unread - 1,
-                   self.cfg.max_model_len - req.num_tokens - req.unread)  # fmt: skip
+        room = min(limit, self.cfg.max_model_len - req.num_tokens - req.unread)
+        if not self.cfg.uniform_drafts:  # (a verify graph costs the same with drafts past it)
+            room = min(room, p.max_tokens - req.num_output_tokens - req.unread - 1)
         spec = self.cfg.speculative
         k = spec.num_speculative_tokens
         if self.samples_kept:  # the stage drafted k into the row; only the count is the host's

@@ -207,8 +207,9 @@ class Request:
 
     @property
     def length_capped(self) -> bool:
-        """Its pending tokens reach max_tokens: it must not be scheduled again."""
-        return self.num_output_tokens + self.unread >= self.params.max_tokens
+        """The tokens it surely has pending reach max_tokens: it must not be scheduled again (a
+        verify run in flight yields at least one token, perhaps all ``unread``)."""
+        return self.num_output_tokens + min(self.unread, 1) >= self.params.max_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -32,6 +32,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         long_prefill_token_threshold: int = 0,
         propose: Callable[[Request, int], list[int]] | None = None,
+        max_len: int | None = None,
     ):
         if long_prefill_token_threshold < 0:
             raise ValueError(
@@ -47,6 +48,7 @@ class Scheduler:
         self.num_preemptions = 0
         # speculative drafts for a decoding request (at most the int given), or None: off
         self.propose = propose
+        self.max_len = max_len  # positions a request may reach (the context length)
 
     @property
     def slots_in_use(self) -> int:
@@ -66,6 +68,8 @@ class Scheduler:
                 continue
             if req.length_capped:  # its last token is on the way: it finishes when applied
                 continue
+            if self.max_len is not None and req.num_computed >= self.max_len:
+                continue  # a verify run in flight counted as accepted reaches the context's end
             n = min(req.num_tokens + req.unread - req.num_computed, budget, self.chunk)
             n = self.blocks.cut(req, req.num_computed, n)
             while not self.blocks.can_grow(req, req.num_computed + n):

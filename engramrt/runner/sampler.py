@@ -155,8 +155,9 @@ def _samples(batch: StepBatch, run_rows: list[SampleRow]):
     else:
         ends = list(range(batch.num_samples))
     owner = [b for b, t in enumerate(tails) for _ in range(t)]
-    rows = [replace(run_rows[b], index=run_rows[b].index + j)
-            for b, t in enumerate(tails) for j in range(t)]  # fmt: skip
+    # the output index keys a seeded row's noise (a run with drafts has no logit controls)
+    rows = [replace(r, index=r.index + j) if j and r.seed is not None else r
+            for r, t in zip(run_rows, tails, strict=True) for j in range(t)]  # fmt: skip
     return (ends, rows, [batch.slots[b] for b in owner], [batch.run_lens[b] for b in owner],
             owner)  # fmt: skip
 

@@ -537,12 +537,27 @@ def test_pending_tokens_count_as_present() -> None:
     assert pairs(batch) == [("a", 3)] and admitted == [a]
     a.num_computed, a.unread = 3, 1  # launched; its token not read yet
     assert pairs(s.schedule()[0]) == [("a", 1)]  # the pending token, from the device
-    a.num_computed, a.unread = 4, 2  # both outputs on the way: max_tokens is reached
+    a.token_ids.append(4)
+    a.num_computed, a.unread = 4, 1  # the second output on the way: max_tokens is reached
     assert s.schedule() == ([], [])
-    a.unread = 1
     s.preempt(a)
     assert s.schedule() == ([], [])  # not admitted while its token is in flight
-    a.token_ids.append(4)
+    a.token_ids.append(5)
     a.unread = 0
     batch, admitted = s.schedule()
-    assert admitted == [a] and pairs(batch) == [("a", 4)]
+    assert admitted == [a] and pairs(batch) == [("a", 5)]
+
+
+def test_a_verify_run_in_flight_is_sure_of_one_token() -> None:
+    """Overlap with speculation: a verify run of two drafts in flight counts all three of its
+    tokens for positions (its next run starts after them) but only one for max_tokens, and a
+    request whose counted position reaches the context's end waits."""
+    for max_tokens, max_len, scheduled in ((2, 64, False), (3, 64, True), (3, 6, False)):
+        s = Scheduler(BlockManager(8, 4), 4, 64, max_len=max_len)
+        a = req("a", [1, 2, 3], max_tokens=max_tokens)
+        s.add(a)
+        s.schedule()
+        a.token_ids.append(4)  # the prompt's sample, read
+        a.num_computed, a.unread = 6, 3  # the anchor at 3 and two drafts, in flight
+        want = [("a", 1)] if scheduled else []
+        assert pairs(s.schedule()[0]) == want, (max_tokens, max_len)
