@@ -39,6 +39,7 @@
 #   PART=o  issue 35: the whole selection again, DSpark on the bundled model (bs 1 and 16), then
 #           v41-wide at bs 1 (128 in, 64 out): plain, n-gram K = 4 and DSpark K = 5 (its stage's
 #           random weights: the verify step's cost)
+#   PART=p  issue 35: the whole selection after the last change, then DSpark on the bundled model
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -131,6 +132,12 @@ case "${PART:-b}" in
           | tee -a "$out/spec_steps.txt" | grep "a step"
       done
     done
+    ;;
+  p)
+    timeout 240 python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
+      | tee "$out/gpu_tests.txt" | tail -4
+    timeout 100 python3 benchmarks/dspark_accept.py --device cuda --k 5 --per-kind 8 \
+      --out "$out/dspark_accept_k5.json" 2>&1 | grep -v "^engramrt" | tee "$out/dspark_accept.txt"
     ;;
   o)
     timeout 240 python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
