@@ -9,7 +9,8 @@ the device and feed the next step (the stage keeps them in its token rows); ``st
 launches step N+1 and only then waits for step N's tokens and applies them, so the host's work
 overlaps the GPU's. The host thus learns tokens one step late: a request that stops at step N (EOS,
 a stop token or string) has already been scheduled in step N+1, whose row is discarded, while a
-request that reaches max_tokens is known in advance and not scheduled again. Without overlap the
+request that reaches max_tokens is known in advance and not scheduled again (behind a verify run,
+which is sure of one token only, one more run may be discarded). Without overlap the
 same loop waits for the step it just launched. With speculation the stage verifies and drafts on
 the device (``engramrt.runner.verify``): a verify run in flight counts as if all its drafts are
 accepted, and the run after it is moved back on the device (``StepBatch.lag``).
@@ -194,10 +195,11 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Finish now, even with a step in flight: freeing its blocks and slot at once is safe
-        because every GPU write of that step (K/V, the history commit, ``last_token``) is
-        ordered on the stream before any later step that could reuse them, and a later owner
-        of a slot or block rebuilds its history row and writes every K/V row before reading
-        it; the step's row for the request is discarded when it is applied."""
+        because every GPU write of that step (K/V, the history commit, the samples and drafts
+        kept in the token row, ``Verifier.rejected``) is ordered on the stream before any later
+        step that could reuse them, and a later owner of a slot or block rebuilds its history
+        row, its token row and its rejected count and writes every K/V row before reading it;
+        the step's row for the request is discarded when it is applied."""
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req, "abort")

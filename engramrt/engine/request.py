@@ -164,7 +164,7 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the cache or on the way (a launched step)
     # sampled tokens of launched steps that the host has not read yet (overlap scheduling: 1
     # when a step is scheduled, 1 + its drafts after a verify run: as if all are accepted);
-    # they count as present for positions, KV and max_tokens
+    # they count as present for positions and KV, and (one of them) for max_tokens
     unread: int = 0
     slot: int | None = None  # Engram history slot while running
     blocks: list[int] = field(default_factory=list)

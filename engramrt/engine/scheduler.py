@@ -11,7 +11,8 @@ its tokens (its Engram history is rebuilt from them when it is admitted again).
 
 With overlap scheduling a running request may have a sampled token the host has not read yet
 (``Request.unread``): it counts as present (the next run computes it from the device), a request
-whose pending tokens reach max_tokens is not scheduled again, and a preempted request waits until
+whose sure pending tokens reach max_tokens is not scheduled again (a verify run in flight is sure
+of one), and a preempted request waits until
 its pending token is known before it is admitted again (its tokens are recomputed from the host).
 """
 

@@ -100,7 +100,8 @@ class StepBatch:
     # speculative drafts per request (its run is the anchor and them; a token is sampled after
     # each); None: none in this step
     drafts: list[int] | None = None
-    # those drafts, run after run (the last stage counts their acceptance on the device)
+    # those drafts, run after run, where the host made them (over a pipeline; a stage that keeps
+    # its token rows reads them there and gets none)
     draft_tokens: list[int] = field(default_factory=list)
     # (slot, the anchor and drafts of its last verify run, drafts accepted): history commits of
     # the previous step's verify runs, applied by the first stage before it hashes

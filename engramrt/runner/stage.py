@@ -191,6 +191,8 @@ class StageRunner:
         last stage, with DSpark's drafts where the model has its stages, else where this stage
         keeps the token rows with n-gram drafts (``lookup``: the longest and shortest suffix)
         looked up there. Elsewhere the host drafts and commits (pipeline parallelism)."""
+        if self.graphs is not None:  # their buffers were laid out without the lag flags
+            raise RuntimeError("speculate before capture_graphs")
         if not self.is_last or self.kv is None:
             return
         rows = self.slots.tokens if self.keeps_samples else None

@@ -326,3 +326,14 @@ def test_a_preempted_verifying_request_resumes_without_its_drafts(runner: StageR
     engine.cfg = replace(engine.cfg, uniform_drafts=True)
     assert _run(engine, prompts, params) == want
     assert engine.stats()["num_preemptions"] > 0
+
+
+def test_speculation_is_set_up_before_graphs(runner: StageRunner) -> None:
+    """Graphs captured without the lag flags in their buffers would take a lagging step's
+    buffer misaligned: speculating after capture is an error, not silence."""
+    saved, runner.graphs = runner.graphs, object()
+    try:
+        with pytest.raises(RuntimeError, match="before capture_graphs"):
+            runner.speculate(3, (4, 2))
+    finally:
+        runner.graphs = saved
