@@ -51,6 +51,37 @@ preset() {  # name dir
     --device cuda 2>&1 | tail -1
 }
 PROMPT="The history of the hyper-connected transformer begins"
+selection() {  # the whole GPU selection, within $1 seconds
+  timeout "$1" python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
+    | tee "$out/gpu_tests.txt" | tail -8
+}
+dspark_k5() {  # DSpark on the bundled model, K = 5, bs 1 and 16
+  timeout 110 python3 benchmarks/dspark_accept.py --device cuda --k 5 --per-kind 8 \
+    --out "$out/dspark_accept_k5.json" 2>&1 | grep -v "^engramrt" | tee "$out/dspark_accept.txt"
+}
+latency() {  # model, file, arms (--speculative-config values; "" for plain): bs 1 decode
+  local model=$1 file=$2
+  shift 2
+  for spec in "$@"; do
+    timeout 90 python3 -m engramrt bench throughput --model "$model" --batch-size 1 \
+      --input-len 128 --output-len 64 --prompt-kind repeat \
+      ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
+      | tee -a "$out/$file" | grep -E "Decode step|Speculative"
+  done
+}
+spec_profiles() {  # plain and speculative step profiles of the 4B (n-gram) and bundled (DSpark)
+  for model in /tmp/m4b engramrt/bundled/tiny_v41; do
+    spec='{"method": "ngram", "num_speculative_tokens": 4}'
+    [ "$model" = /tmp/m4b ] || spec='{"method": "dspark", "num_speculative_tokens": 5}'
+    for s in "" "$spec"; do
+      timeout 90 python3 benchmarks/spec_step_profile.py --model "$model" --batch-size 1 \
+        --input-len 128 --output-len 64 --prompt-kind repeat \
+        ${s:+--speculative-config "$s"} 2>&1 | grep -v "^engramrt:" | grep -v Warn \
+        | tee -a "$out/spec_steps.txt" | grep "a step"
+    done
+  done
+}
+NGRAM='{"method": "ngram", "num_speculative_tokens": 4}'
 case "${PART:-b}" in
   i)
     for k in 5 3; do
@@ -84,78 +115,33 @@ case "${PART:-b}" in
     echo "done at ${SECONDS} s" | tee -a "$out/train.txt"
     ;;
   l)
-    timeout 150 python3 benchmarks/make_models.py --preset 4b --out /tmp/m4b --device cuda 2>&1 \
-      | tail -1
-    for spec in "" '{"method": "ngram", "num_speculative_tokens": 4}'; do
-      timeout 90 python3 -m engramrt bench throughput --model /tmp/m4b --batch-size 1 \
-        --input-len 128 --output-len 64 --prompt-kind repeat \
-        ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
-        | tee -a "$out/verify-4b.txt" | tail -4
-    done
+    preset 4b /tmp/m4b
+    latency /tmp/m4b verify-4b.txt "" "$NGRAM"
     ;;
   m)
-    timeout 150 python3 benchmarks/make_models.py --preset 4b --out /tmp/m4b --device cuda 2>&1 \
-      | tail -1
-    for model in /tmp/m4b engramrt/bundled/tiny_v41; do
-      method=ngram
-      [ "$model" = /tmp/m4b ] || method=dspark
-      k=4
-      [ "$method" = dspark ] && k=5
-      for spec in "" '{"method": "'$method'", "num_speculative_tokens": '$k'}'; do
-        timeout 90 python3 benchmarks/spec_step_profile.py --model "$model" --batch-size 1 \
-          --input-len 128 --output-len 64 --prompt-kind repeat \
-          ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
-          | tee -a "$out/spec_steps.txt"
-      done
-    done
+    preset 4b /tmp/m4b
+    spec_profiles
     ;;
   n)
-    timeout 240 python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
-      | tee "$out/gpu_tests.txt" | tail -8
-    timeout 110 python3 benchmarks/dspark_accept.py --device cuda --k 5 --per-kind 8 \
-      --out "$out/dspark_accept_k5.json" 2>&1 | grep -v "^engramrt" | tee "$out/dspark_accept.txt"
-    timeout 100 python3 benchmarks/make_models.py --preset 4b --out /tmp/m4b --device cuda 2>&1 \
-      | tail -1
-    for spec in "" '{"method": "ngram", "num_speculative_tokens": 4}'; do
-      timeout 60 python3 -m engramrt bench throughput --model /tmp/m4b --batch-size 1 \
-        --input-len 128 --output-len 64 --prompt-kind repeat \
-        ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
-        | tee -a "$out/verify-4b.txt" | grep -E "Decode step|Speculative"
-    done
-    for model in /tmp/m4b engramrt/bundled/tiny_v41; do
-      spec='{"method": "ngram", "num_speculative_tokens": 4}'
-      [ "$model" = /tmp/m4b ] || spec='{"method": "dspark", "num_speculative_tokens": 5}'
-      for s in "" "$spec"; do
-        timeout 45 python3 benchmarks/spec_step_profile.py --model "$model" --batch-size 1 \
-          --input-len 128 --output-len 64 --prompt-kind repeat \
-          ${s:+--speculative-config "$s"} 2>&1 | grep -v "^engramrt:" | grep -v Warn \
-          | tee -a "$out/spec_steps.txt" | grep "a step"
-      done
-    done
+    selection 240
+    dspark_k5
+    preset 4b /tmp/m4b
+    latency /tmp/m4b verify-4b.txt "" "$NGRAM"
+    spec_profiles
     ;;
   p)
-    timeout 240 python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
-      | tee "$out/gpu_tests.txt" | tail -4
-    timeout 100 python3 benchmarks/dspark_accept.py --device cuda --k 5 --per-kind 8 \
-      --out "$out/dspark_accept_k5.json" 2>&1 | grep -v "^engramrt" | tee "$out/dspark_accept.txt"
+    selection 240
+    dspark_k5
     ;;
   o)
-    timeout 240 python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
-      | tee "$out/gpu_tests.txt" | tail -4
-    timeout 100 python3 benchmarks/dspark_accept.py --device cuda --k 5 --per-kind 8 \
-      --out "$out/dspark_accept_k5.json" 2>&1 | grep -v "^engramrt" | tee "$out/dspark_accept.txt"
+    selection 240
+    dspark_k5
     preset v41-wide /tmp/mv41-wide
-    for spec in "" '{"method": "ngram", "num_speculative_tokens": 4}' \
-        '{"method": "dspark", "num_speculative_tokens": 5}'; do
-      timeout 60 python3 -m engramrt bench throughput --model /tmp/mv41-wide --batch-size 1 \
-        --input-len 128 --output-len 64 --prompt-kind repeat \
-        ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
-        | tee -a "$out/verify-wide.txt" | grep -E "Decode step|Speculative"
-    done
+    latency /tmp/mv41-wide verify-wide.txt "" "$NGRAM" \
+      '{"method": "dspark", "num_speculative_tokens": 5}'
     ;;
   a)
-    timeout 580 python3 -m pytest -q -m "gpu or triton" tests -p no:cacheprovider 2>&1 \
-      | tee "$out/gpu_tests.txt" | tail -25
+    selection 580
     ;;
   b)
     preset v41-small /tmp/v41s

@@ -233,8 +233,8 @@ class Engine:
 
     def _needs_sync(self) -> bool:
         s = self.scheduler
-        seeded = self.cfg.speculative is not None
-        return any(r.needs_host_tokens or (seeded and r.params.seed is not None)
+        speculating = self.cfg.speculative is not None
+        return any(r.needs_host_tokens or (speculating and r.params.seed is not None)
                    for r in (*s.running, *s.waiting))  # fmt: skip
 
     def _launch(self) -> InFlight | None:
