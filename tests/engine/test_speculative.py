@@ -337,3 +337,29 @@ def test_speculation_is_set_up_before_graphs(runner: StageRunner) -> None:
             runner.speculate(3, (4, 2))
     finally:
         runner.graphs = saved
+
+
+def test_verify_graphs_draft_up_to_the_end_of_a_request(runner: StageRunner) -> None:
+    """With every decoding row verifying K drafts (as under verify graphs), drafts past
+    max_tokens cost nothing more: every decoding run to the last carries K, and the output is
+    max_tokens long and the output without speculation."""
+    from dataclasses import replace
+
+    prompts = _prompts(runner, 2, seed=9)
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in prompts]
+    want = _run(_engine(runner, None), prompts, params)
+    engine = _engine(runner, SpecConfig(4))
+    engine.cfg = replace(engine.cfg, uniform_drafts=True)
+    counts = []
+    launch = engine._launch
+
+    def launch_and_record():
+        launched = launch()
+        for r in launched.rows if launched else []:
+            if r.start >= r.req.num_prompt_tokens:  # a decoding run
+                counts.append(len(r.drafts))
+        return launched
+
+    engine._launch = launch_and_record
+    assert _run(engine, prompts, params) == want
+    assert counts and set(counts) == {4}
