@@ -17,7 +17,10 @@ from decode ones, so V4.1 outputs may part there).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 from pathlib import Path
 
@@ -60,6 +63,15 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list
     return [outs[str(i)] for i in range(len(prompts))], secs, counted
 
 
+def write_profile(prof: cProfile.Profile, path: Path) -> None:
+    """The costliest functions by their own time, then by their time with callees."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = io.StringIO()
+    for key, n in (("tottime", 45), ("cumtime", 70)):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(n)
+    path.write_text(text.getvalue())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
@@ -70,6 +82,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--per-kind", type=int, default=16, help="held-out items of each kind")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--profile", type=Path, help="cProfile each arm's timed runs: DIR/{plain,dspark}-bsN.txt"
+    )
     args = ap.parse_args()
     spec = json.dumps({"method": "dspark", "num_speculative_tokens": args.k})
     rows = []
@@ -100,11 +115,18 @@ def main() -> None:
             before = dict(engine.stats())
             secs = count = 0.0
             outs = []
+            prof = cProfile.Profile() if args.profile else None
             for lo in range(0, len(prompts), bs):  # batches of bs requests, one after another
+                if prof is not None:
+                    prof.enable()
                 o, s, n = run(engine, prompts[lo : lo + bs], args.max_tokens)
+                if prof is not None:
+                    prof.disable()
                 outs += o
                 secs, count = secs + s, count + n
             outputs[name] = outs
+            if prof is not None:
+                write_profile(prof, args.profile / f"{name}-bs{bs}.txt")
             row[f"{name}_tok_s"] = count / secs if secs else None
             if name == "dspark":
                 st = engine.stats()

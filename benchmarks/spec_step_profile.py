@@ -24,6 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bt.add_arguments(ap)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--trace", type=Path, help="also write the chrome trace (gzip: .json.gz)")
     args = ap.parse_args()
     n = args.batch_size or 1
     engine = bt.local_engine(args, args.input_len + args.output_len)
@@ -41,6 +42,8 @@ def main() -> None:
         t = time.perf_counter()
         bt._run(engine, prompts, [args.output_len] * n)
         wall = time.perf_counter() - t
+    if args.trace:  # the timeline: where the GPU idles between steps, and why
+        prof.export_chrome_trace(str(args.trace))
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.count
                and not e.key.startswith(("aten::", "cuda", "Optimizer"))]  # fmt: skip
     kernels.sort(key=lambda e: -e.self_device_time_total)

@@ -40,6 +40,9 @@
 #           v41-wide at bs 1 (128 in, 64 out): plain, n-gram K = 4 and DSpark K = 5 (its stage's
 #           random weights: the verify step's cost)
 #   PART=p  issue 35: the whole selection after the last change, then DSpark on the bundled model
+#   PART=q  issue 35: where DSpark's bs-1 step goes on the bundled model: dspark_accept.py under
+#           cProfile (K = 5, bs 1: the host's functions), chrome traces of plain and DSpark steps
+#           (spec_step_profile.py --trace: the GPU's idle gaps), then K = 3 and 4 unprofiled
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -128,6 +131,23 @@ case "${PART:-b}" in
     preset 4b /tmp/m4b
     latency /tmp/m4b verify-4b.txt "" "$NGRAM"
     spec_profiles
+    ;;
+  q)
+    timeout 120 python3 benchmarks/dspark_accept.py --device cuda --k 5 --per-kind 8 \
+      --batch-sizes 1 --profile "$out/prof" 2>&1 | grep -v "^engramrt" | tee "$out/dspark_prof.txt"
+    for s in "" '{"method": "dspark", "num_speculative_tokens": 5}'; do
+      name=plain; [ -z "$s" ] || name=dspark
+      timeout 90 python3 benchmarks/spec_step_profile.py --model engramrt/bundled/tiny_v41 \
+        --batch-size 1 --input-len 128 --output-len 32 --prompt-kind repeat \
+        --trace "/tmp/trace-$name.json" ${s:+--speculative-config "$s"} 2>&1 \
+        | grep -v "^engramrt:" | grep -v Warn | tee -a "$out/spec_steps.txt"
+      gzip -c "/tmp/trace-$name.json" > "$out/trace-$name.json.gz"
+    done
+    for k in 3 4; do
+      timeout 100 python3 benchmarks/dspark_accept.py --device cuda --k "$k" --per-kind 8 \
+        --batch-sizes 1 --out "$out/dspark_accept_k$k.json" 2>&1 | grep -v "^engramrt" \
+        | tee -a "$out/dspark_accept.txt"
+    done
     ;;
   p)
     selection 240
