@@ -1,0 +1,97 @@
+"""Where the host's time goes in a decode step, without a profiler (CUPTI slows each graph
+launch by ~1 us a node): one latency run of ``engramrt bench throughput`` (the same flags) with
+the engine's and stage's step functions timed (inclusive, so nested ones overlap), reported in
+ms a step beside the step's wall time. A graph launch (``CUDAGraph.replay``) returns only after
+the driver has queued every node, and the GPU starts the graph then: a host whose launches,
+sampler and bookkeeping take longer than the GPU's step sets the pace under overlap scheduling.
+
+    python benchmarks/host_step_times.py --model DIR --batch-size 1 --input-len 128
+        --output-len 64 --prompt-kind repeat [--speculative-config JSON] [--out r.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from engramrt.commands import bench_throughput as bt
+
+TIMED = [
+    "torch.cuda.CUDAGraph.replay",
+    "engramrt.engine.engine.Engine._launch",
+    "engramrt.engine.scheduler.Scheduler.schedule",
+    "engramrt.runner.stage.StageRunner.launch",
+    "engramrt.runner.stage.StageRunner.compute",
+    "engramrt.model.context.ForwardContext.for_runs",
+    "engramrt.runner.sampler.Sampler.launch",
+    "engramrt.runner.verify.Verifier.after",
+    "engramrt.engine.engine.Engine._apply",
+    "engramrt.runner.batch.DeviceResult.wait",
+]
+
+
+def time_calls(names: list[str]) -> tuple[Counter, Counter]:
+    """Wrap each ``module.Class.method`` with a timer: (seconds, calls) by name."""
+    secs, calls = Counter(), Counter()
+    for name in names:
+        mod, cls, meth = name.rsplit(".", 2)
+        owner = getattr(importlib.import_module(mod), cls)
+        fn = getattr(owner, meth)
+
+        def timed(*a, _fn=fn, _name=name, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                secs[_name] += time.perf_counter() - t
+                calls[_name] += 1
+
+        setattr(owner, meth, functools.wraps(fn)(timed))
+    return secs, calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bt.add_arguments(ap)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    n = args.batch_size or 1
+    engine = bt.local_engine(args, args.input_len + args.output_len)
+    prompts = bt.random_prompts(random.Random(args.seed), [args.input_len] * n,
+                                engine.vocab_size, args.prompt_kind)  # fmt: skip
+    bt._run(engine, prompts[:1], [2])  # warm-up
+    secs, calls = time_calls(TIMED)
+    steps, step = [0], engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    engine.step = counted
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    bt._run(engine, prompts, [args.output_len] * n)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    per = {".".join(k.rsplit(".", 2)[-2:]): (round(1e3 * secs[k] / steps[0], 3), calls[k])
+           for k in TIMED}  # fmt: skip
+    row = {"speculative_config": args.speculative_config, "batch": n, "steps": steps[0],
+           "wall_ms_a_step": 1e3 * wall / steps[0], "host_ms_a_step": per}  # fmt: skip
+    print(f"{args.speculative_config or 'plain'}: {steps[0]} steps, "
+          f"{row['wall_ms_a_step']:.3f} ms a step")  # fmt: skip
+    for name, (ms, c) in per.items():
+        print(f"    {ms:8.3f} ms a step  {c:6d} calls  {name}")
+    if args.out:
+        args.out.write_text(json.dumps(row, indent=1))
+
+
+if __name__ == "__main__":
+    main()
