@@ -43,6 +43,8 @@
 #   PART=q  issue 35: where DSpark's bs-1 step goes on the bundled model: dspark_accept.py under
 #           cProfile (K = 5, bs 1: the host's functions), chrome traces of plain and DSpark steps
 #           (spec_step_profile.py --trace: the GPU's idle gaps), then K = 3 and 4 unprofiled
+#   PART=r  issue 35: a graph launch's host cost against its nodes (graph_launch.py), then the
+#           host's time a step (host_step_times.py) on the bundled model, plain and DSpark K = 5
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -147,6 +149,14 @@ case "${PART:-b}" in
       timeout 100 python3 benchmarks/dspark_accept.py --device cuda --k "$k" --per-kind 8 \
         --batch-sizes 1 --out "$out/dspark_accept_k$k.json" 2>&1 | grep -v "^engramrt" \
         | tee -a "$out/dspark_accept.txt"
+    done
+    ;;
+  r)
+    python3 benchmarks/graph_launch.py --out "$out/graph_launch.json" | tee "$out/graph_launch.txt"
+    for s in "" '{"method": "dspark", "num_speculative_tokens": 5}'; do
+      timeout 90 python3 benchmarks/host_step_times.py --model engramrt/bundled/tiny_v41 \
+        --batch-size 1 --input-len 128 --output-len 64 --prompt-kind repeat \
+        ${s:+--speculative-config "$s"} 2>&1 | grep -v "^engramrt:" | tee -a "$out/host_steps.txt"
     done
     ;;
   p)
