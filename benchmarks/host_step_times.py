@@ -1,7 +1,8 @@
 """Where the host's time goes in a decode step, without a profiler (CUPTI slows each graph
 launch by ~1 us a node): one latency run of ``engramrt bench throughput`` (the same flags) with
 the engine's and stage's step functions timed (inclusive, so nested ones overlap), reported in
-ms a step beside the step's wall time. A graph launch (``CUDAGraph.replay``) returns only after
+ms a step beside the step's wall time, and the GPU time of the stage's forward, sampler and
+verifier (CUDA events around each). A graph launch (``CUDAGraph.replay``) returns only after
 the driver has queued every node, and the GPU starts the graph then: a host whose launches,
 sampler and bookkeeping take longer than the GPU's step sets the pace under overlap scheduling.
 
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from engramrt.commands import bench_throughput as bt
+from engramrt.runner.batch import StepBatch
 
 TIMED = [
     "torch.cuda.CUDAGraph.replay",
@@ -58,6 +60,71 @@ def time_calls(names: list[str]) -> tuple[Counter, Counter]:
     return secs, calls
 
 
+GPU_TIMED = [
+    "engramrt.runner.stage.StageRunner.compute",
+    "engramrt.runner.sampler.Sampler.launch",
+    "engramrt.runner.verify.Verifier.after",
+]
+
+
+def time_gpu(names: list[str]) -> dict[str, list]:
+    """Wrap each ``module.Class.method`` with CUDA events on the current stream before and after
+    it: the GPU time of what it queued (exact while the GPU is behind the host, as under overlap
+    scheduling of a GPU-bound step), by name."""
+    pairs: dict[str, list] = {}
+    for name in names:
+        mod, cls, meth = name.rsplit(".", 2)
+        owner = getattr(importlib.import_module(mod), cls)
+        fn = getattr(owner, meth)
+
+        def timed(*a, _fn=fn, _name=name, **kw):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                end.record()
+                pairs.setdefault(_name, []).append((start, end))
+
+        setattr(owner, meth, functools.wraps(fn)(timed))
+    return pairs
+
+
+def replay_ms(fn, reps: int = 100) -> float:
+    """GPU ms of one replay of ``fn`` captured in a graph of its own."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+@torch.inference_mode()
+def after_graph_parts(engine) -> dict[str, float]:
+    """The verifier's after-sampler work at bs 1 in graphs of its own: all of it (``_run``, as
+    the engine replays it), and the draft pass alone (``propose``)."""
+    v = engine.pipeline.runner.verifier
+    if v is None:
+        return {}
+    dev = v.rejected.device
+    one = torch.ones(1, dtype=torch.int64, device=dev)
+    x = v._inputs(StepBatch(None, [0], [1 + v.k], [10], drafts=[v.k], final=[1]), 1, v.k).to(dev)
+    samples = torch.zeros(1 + v.k, dtype=torch.int64, device=dev)
+    return {"after_ms": replay_ms(lambda: v._run(x, samples, v.k)),
+            "propose_ms": replay_ms(lambda: v.propose(one * 10, one * 0, one * 5))}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bt.add_arguments(ap)
@@ -69,6 +136,7 @@ def main() -> None:
                                 engine.vocab_size, args.prompt_kind)  # fmt: skip
     bt._run(engine, prompts[:1], [2])  # warm-up
     secs, calls = time_calls(TIMED)
+    pairs = time_gpu(GPU_TIMED)
     steps, step = [0], engine.step
 
     def counted():
@@ -83,12 +151,20 @@ def main() -> None:
     wall = time.perf_counter() - t
     per = {".".join(k.rsplit(".", 2)[-2:]): (round(1e3 * secs[k] / steps[0], 3), calls[k])
            for k in TIMED}  # fmt: skip
+    gpu = {".".join(k.rsplit(".", 2)[-2:]):
+           round(sum(a.elapsed_time(b) for a, b in v) / steps[0], 3) for k, v in pairs.items()}
     row = {"speculative_config": args.speculative_config, "batch": n, "steps": steps[0],
-           "wall_ms_a_step": 1e3 * wall / steps[0], "host_ms_a_step": per}  # fmt: skip
+           "wall_ms_a_step": 1e3 * wall / steps[0], "host_ms_a_step": per,
+           "gpu_ms_a_step": gpu}  # fmt: skip
     print(f"{args.speculative_config or 'plain'}: {steps[0]} steps, "
           f"{row['wall_ms_a_step']:.3f} ms a step")  # fmt: skip
     for name, (ms, c) in per.items():
         print(f"    {ms:8.3f} ms a step  {c:6d} calls  {name}")
+    row["isolated"] = after_graph_parts(engine)
+    for name, ms in row["isolated"].items():
+        print(f"    {ms:8.3f} ms on the GPU, in a graph of its own: {name}")
+    for name, ms in gpu.items():
+        print(f"    {ms:8.3f} ms a step on the GPU  {name}")
     if args.out:
         args.out.write_text(json.dumps(row, indent=1))
 
