@@ -44,15 +44,17 @@ def held_out_prompts(model_dir: Path, enc: PromptEncoder, per_kind: int) -> list
     return prompts + [enc.text(p) for p in prose]
 
 
-def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list, float, int]:
-    """Outputs, seconds from the step that gave every request its first token to the end, and
-    the tokens generated in that time."""
+def run(engine: Engine, prompts: list[list[int]],
+        max_tokens: int) -> tuple[list, float, int, int]:  # fmt: skip
+    """Outputs, seconds from the step that gave every request its first token to the end, the
+    tokens generated in that time and the engine steps that delivered them."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     outs: dict[str, list[int]] = {}
-    start, counted = None, 0
+    start, counted, steps = None, 0, 0
     while engine.has_work():
+        steps += start is not None
         for o in engine.step():
             outs.setdefault(o.request_id, []).extend(o.new_token_ids)
             if start is not None:
@@ -60,7 +62,7 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list
         if start is None and len(outs) == len(prompts):
             start = time.perf_counter()
     secs = 0.0 if start is None else time.perf_counter() - start
-    return [outs[str(i)] for i in range(len(prompts))], secs, counted
+    return [outs[str(i)] for i in range(len(prompts))], secs, counted, steps
 
 
 def write_profile(prof: cProfile.Profile, path: Path) -> None:
@@ -113,21 +115,23 @@ def main() -> None:
         outputs = {}
         for name, engine in engines.items():
             before = dict(engine.stats())
-            secs = count = 0.0
+            secs = count = steps = 0.0
             outs = []
             prof = cProfile.Profile() if args.profile else None
             for lo in range(0, len(prompts), bs):  # batches of bs requests, one after another
                 if prof is not None:
                     prof.enable()
-                o, s, n = run(engine, prompts[lo : lo + bs], args.max_tokens)
+                o, s, n, k = run(engine, prompts[lo : lo + bs], args.max_tokens)
                 if prof is not None:
                     prof.disable()
                 outs += o
-                secs, count = secs + s, count + n
+                secs, count, steps = secs + s, count + n, steps + k
             outputs[name] = outs
             if prof is not None:
                 write_profile(prof, args.profile / f"{name}-bs{bs}.txt")
             row[f"{name}_tok_s"] = count / secs if secs else None
+            row[f"{name}_tokens_a_step"] = count / steps if steps else None
+            row[f"{name}_ms_a_step"] = 1e3 * secs / steps if steps else None
             if name == "dspark":
                 st = engine.stats()
                 runs = st["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]

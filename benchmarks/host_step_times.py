@@ -125,6 +125,58 @@ def after_graph_parts(engine) -> dict[str, float]:
             "propose_ms": replay_ms(lambda: v.propose(one * 10, one * 0, one * 5))}  # fmt: skip
 
 
+@torch.inference_mode()
+def draft_kernels(engine) -> dict[str, int]:
+    """CUDA kernels the after-sampler work launches eagerly at bs 1, by the module that launched
+    them (each DSpark stage's children, the draft pass outside them, and ``_run``'s bookkeeping
+    outside the draft pass): every kernel is a node of the captured graph, ~1 us each."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    v = engine.pipeline.runner.verifier
+    model = engine.pipeline.runner.model
+    if v is None:
+        return {}
+    ranges = []
+    mods = [("_run", None), ("propose", None)]
+    if model.mtp is not None:
+        mods += [(f"mtp.{i}.{n}", m) for i, st in enumerate(model.mtp)
+                 for n, m in st.named_children()]  # fmt: skip
+    hooks = []
+    for name, m in mods[2:]:
+        hooks.append(m.register_forward_pre_hook(
+            lambda *_, _n=name: ranges.append(record_function(_n).__enter__())))
+        hooks.append(m.register_forward_hook(lambda *_: ranges.pop().__exit__(None, None, None)))
+    dev = v.rejected.device
+    x = v._inputs(StepBatch(None, [0], [1 + v.k], [10], drafts=[v.k], final=[1]), 1, v.k).to(dev)
+    samples = torch.zeros(1 + v.k, dtype=torch.int64, device=dev)
+    propose = v.propose
+
+    def timed_propose(*a):
+        with record_function("propose"):
+            return propose(*a)
+
+    v.propose = timed_propose
+    v._run(x, samples, v.k)  # warm
+    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("_run"):
+            v._run(x, samples, v.k)
+        sync()
+    v.propose = propose
+    for h in hooks:
+        h.remove()
+
+    def kernels(e) -> int:
+        return len(e.kernels) + sum(kernels(c) for c in e.cpu_children)
+
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        if e.name in dict(mods):
+            counts[e.name] = counts.get(e.name, 0) + kernels(e)
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bt.add_arguments(ap)
@@ -161,6 +213,8 @@ def main() -> None:
     for name, (ms, c) in per.items():
         print(f"    {ms:8.3f} ms a step  {c:6d} calls  {name}")
     row["isolated"] = after_graph_parts(engine)
+    row["after_kernels"] = draft_kernels(engine)
+    print("    kernels after the sampler, eagerly, by module (nested):", row["after_kernels"])
     for name, ms in row["isolated"].items():
         print(f"    {ms:8.3f} ms on the GPU, in a graph of its own: {name}")
     for name, ms in gpu.items():

@@ -44,7 +44,8 @@
 #           cProfile (K = 5, bs 1: the host's functions), chrome traces of plain and DSpark steps
 #           (spec_step_profile.py --trace: the GPU's idle gaps), then K = 3 and 4 unprofiled
 #   PART=r  issue 35: a graph launch's host cost against its nodes (graph_launch.py), then the
-#           host's time a step (host_step_times.py) on the bundled model, plain and DSpark K = 5
+#           host's time a step (host_step_times.py) on the bundled model, plain and DSpark K = 5,
+#           then DSpark on the bundled model (K = 5, bs 1 and 16)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -156,8 +157,10 @@ case "${PART:-b}" in
     for s in "" '{"method": "dspark", "num_speculative_tokens": 5}'; do
       timeout 90 python3 benchmarks/host_step_times.py --model engramrt/bundled/tiny_v41 \
         --batch-size 1 --input-len 128 --output-len 64 --prompt-kind repeat \
-        ${s:+--speculative-config "$s"} 2>&1 | grep -v "^engramrt:" | tee -a "$out/host_steps.txt"
+        ${s:+--speculative-config "$s"} 2>&1 | grep -v "^engramrt:" | grep -v "Warn\|USDT\|self.prof" \
+        | tee -a "$out/host_steps.txt"
     done
+    dspark_k5
     ;;
   p)
     selection 240
