@@ -90,6 +90,58 @@ def time_gpu(names: list[str]) -> dict[str, list]:
     return pairs
 
 
+TIMELINE = [
+    "engramrt.engine.engine.Engine._launch",
+    "engramrt.engine.engine.Engine._apply",
+    "engramrt.runner.stage.StageRunner.compute",
+    "torch.cuda.CUDAGraph.replay",
+    "engramrt.runner.sampler.Sampler.launch",
+    "engramrt.runner.verify.Verifier.after",
+    "engramrt.runner.batch.DeviceResult.wait",
+]
+
+
+def record_timeline(names: list[str]) -> list[tuple[str, float, torch.cuda.Event]]:
+    """Wrap each ``module.Class.method`` to note, as it is entered and left, the host's clock and
+    a CUDA event on the current stream (reached once the GPU has done all queued before it)."""
+    marks: list[tuple[str, float, torch.cuda.Event]] = []
+
+    def mark(label: str) -> None:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        marks.append((label, time.perf_counter(), e))
+
+    for name in names:
+        mod, cls, meth = name.rsplit(".", 2)
+        owner = getattr(importlib.import_module(mod), cls)
+        fn = getattr(owner, meth)
+        short = f"{cls}.{meth}"
+
+        def timed(*a, _fn=fn, _short=short, **kw):
+            mark(_short + " >")
+            try:
+                return _fn(*a, **kw)
+            finally:
+                mark(_short + " <")
+
+        setattr(owner, meth, functools.wraps(fn)(timed))
+    torch.cuda.synchronize()
+    mark("base")
+    torch.cuda.synchronize()
+    return marks
+
+
+def print_timeline(marks: list, last: int) -> None:
+    """The last ``last`` marks: host ms and GPU ms since the base mark (taken on an idle GPU, so
+    the two clocks start together); where the GPU reaches a mark well after the host set it, the
+    GPU was busy; where the two are level, the GPU waited for the host."""
+    _, h0, e0 = marks[0]
+    for label, h, e in marks[-last:]:
+        gpu = e0.elapsed_time(e)
+        print(f"    host {1e3 * (h - h0):9.3f}  gpu {gpu:9.3f}  lead {gpu - 1e3 * (h - h0):7.3f}  "
+              f"{label}")  # fmt: skip
+
+
 def replay_ms(fn, reps: int = 100) -> float:
     """GPU ms of one replay of ``fn`` captured in a graph of its own."""
     stream = torch.cuda.Stream()
@@ -181,12 +233,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bt.add_arguments(ap)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--timeline", type=int, default=0,
+                    help="instead of the totals, print the last N marks of the run's timeline")
     args = ap.parse_args()
     n = args.batch_size or 1
     engine = bt.local_engine(args, args.input_len + args.output_len)
     prompts = bt.random_prompts(random.Random(args.seed), [args.input_len] * n,
                                 engine.vocab_size, args.prompt_kind)  # fmt: skip
     bt._run(engine, prompts[:1], [2])  # warm-up
+    if args.timeline:
+        marks = record_timeline(TIMELINE)
+        bt._run(engine, prompts, [args.output_len] * n)
+        torch.cuda.synchronize()
+        print(args.speculative_config or "plain")
+        print_timeline(marks, args.timeline)
+        return
     secs, calls = time_calls(TIMED)
     pairs = time_gpu(GPU_TIMED)
     steps, step = [0], engine.step

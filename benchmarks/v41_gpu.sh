@@ -46,6 +46,8 @@
 #   PART=r  issue 35: a graph launch's host cost against its nodes (graph_launch.py), then the
 #           host's time a step (host_step_times.py) on the bundled model, plain and DSpark K = 5,
 #           then DSpark on the bundled model (K = 5, bs 1 and 16)
+#   PART=s  issue 35: the host's and the GPU's timelines of the bundled model's last steps, plain
+#           and DSpark K = 5 (host_step_times.py --timeline)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -150,6 +152,13 @@ case "${PART:-b}" in
       timeout 100 python3 benchmarks/dspark_accept.py --device cuda --k "$k" --per-kind 8 \
         --batch-sizes 1 --out "$out/dspark_accept_k$k.json" 2>&1 | grep -v "^engramrt" \
         | tee -a "$out/dspark_accept.txt"
+    done
+    ;;
+  s)
+    for s in "" '{"method": "dspark", "num_speculative_tokens": 5}'; do
+      timeout 90 python3 benchmarks/host_step_times.py --model engramrt/bundled/tiny_v41 \
+        --batch-size 1 --input-len 128 --output-len 64 --prompt-kind repeat --timeline 60 \
+        ${s:+--speculative-config "$s"} 2>&1 | grep -v "^engramrt:" | tee -a "$out/timeline.txt"
     done
     ;;
   r)
