@@ -38,7 +38,7 @@ from engramrt.model.v41_cache import V41Cache
 class Drafts:
     tokens: torch.Tensor  # [B, block] the drafts
     logits: torch.Tensor  # [B, block, V] fp32, with the Markov bias
-    confidence: torch.Tensor  # [B, block] fp32
+    confidence: torch.Tensor | None  # [B, block] fp32 (None: not asked for)
 
 
 @dataclass
@@ -117,12 +117,14 @@ def seed(model, ctx) -> None:
 
 
 def draft(model, cache: V41Cache, ends: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
-          limit: int | None = None, targets: torch.Tensor | None = None) -> Drafts:  # fmt: skip
+          limit: int | None = None, targets: torch.Tensor | None = None,
+          confidence: bool = True) -> Drafts:  # fmt: skip
     """One draft pass for ``B`` requests: ``ends`` [B] each one's last accepted position,
     ``slots`` [B], ``tokens`` [B] the token sampled after it; no draft at or past ``limit``
     (the tokenizer's size: DeepSeek pads its vocabulary, and the sampler never draws there).
     ``targets`` [B, block] (training, teacher forcing): the true tokens the drafts stand for,
-    which the Markov head takes as the previous tokens in place of the drafts."""
+    which the Markov head takes as the previous tokens in place of the drafts. ``confidence``:
+    score each draft (training; the verifier reads only the tokens)."""
     v = model.cfg.v41
     b, k, dev = len(tokens), v.dspark_block_size, tokens.device
     ids = torch.full((b, k), v.dspark_noise_token_id, dtype=torch.long, device=dev)
@@ -148,6 +150,8 @@ def draft(model, cache: V41Cache, ends: torch.Tensor, slots: torch.Tensor, token
         embeds.append(e)
         out.append(logits[:, i].argmax(-1))
         prev = out[-1] if targets is None else targets[:, i]
-    both = torch.cat([y.unflatten(0, (b, k)), torch.stack(embeds, 1)], dim=-1)
-    confidence = last.confidence_head.proj(both.float()).squeeze(-1)
-    return Drafts(torch.stack(out, 1), logits, confidence)
+    score = None
+    if confidence:
+        both = torch.cat([y.unflatten(0, (b, k)), torch.stack(embeds, 1)], dim=-1)
+        score = last.confidence_head.proj(both.float()).squeeze(-1)
+    return Drafts(torch.stack(out, 1), logits, score)

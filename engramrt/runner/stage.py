@@ -200,7 +200,8 @@ class StageRunner:
             limit = self.sampler.token_limit
 
             def propose(last, slots, bonus):
-                return dspark.draft(self.model, self.kv, last, slots, bonus, limit).tokens
+                return dspark.draft(self.model, self.kv, last, slots, bonus, limit,
+                                    confidence=False).tokens
         elif rows is not None and lookup is not None:
 
             def propose(last, slots, bonus):

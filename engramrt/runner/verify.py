@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engramrt.engram.hashing import EngramHasher
+from engramrt.kernels import use_triton
 from engramrt.model.context import ForwardContext
 from engramrt.runner.batch import NewRequest, StepBatch
 from engramrt.runner.slots import SlotTable
@@ -145,7 +146,10 @@ class Verifier:
     def _run(self, x: torch.Tensor, samples: torch.Tensor, width: int,
              guess: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """``after`` on device inputs (``_inputs``) and at most ``width`` drafts a run: what a
-        graph captures."""
+        graph captures. With the Triton kernels, the bookkeeping is two launches
+        (``kernels.verify_rows``), else the torch statement below."""
+        if self.rows is not None and guess is None and use_triton(x.device):
+            return self._run_kernels(x, samples, width)
         first, lens, slots, drafts, final, tails, start, lag = x
         starts = start - lag * self.rejected[slots]  # (before this step replaces them)
         keep = final.bool() & (lens > 0)
@@ -169,6 +173,18 @@ class Verifier:
         if self.rows is not None:  # after the bonus, where the next run reads them
             pos = last[:, None] + 2 + torch.arange(self.k, device=x.device)
             self.slots.write(slots[:, None], pos, out, keep[:, None].expand_as(out))
+        return out
+
+    def _run_kernels(self, x: torch.Tensor, samples: torch.Tensor, width: int) -> torch.Tensor:
+        from engramrt.kernels import verify_rows
+
+        pad = self.hasher.history.pad_row if self.hasher is not None else 0
+        last, bonus, accepted, keep, block, target = verify_rows.accept(
+            x, samples, self.rows, self.rejected, width, pad)  # fmt: skip
+        if width and self.hasher is not None:
+            self.hasher.commit_verify(block.flatten(), target, accepted, check=False)
+        out = self.propose(last, x[2], bonus)[:, : self.k]
+        verify_rows.write_drafts(self.rows, x[2], last, keep, out)
         return out
 
     def _keep(self, samples: torch.Tensor, before: torch.Tensor, slots: torch.Tensor,

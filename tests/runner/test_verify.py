@@ -1,10 +1,12 @@
 """Speculative decoding's device half (``engramrt.runner.verify``): the n-gram lookup over the
-token rows against the host's lookup (padded as the engine pads), and a lagging run moved back
-on the device against the same run built from its true start."""
+token rows against the host's lookup (padded as the engine pads), a lagging run moved back on
+the device against the same run built from its true start, and the bookkeeping kernels against
+the torch statement."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +14,10 @@ import torch
 
 from engramrt.engine.speculative import SpecConfig
 from engramrt.model.context import ForwardContext, GraphShape, KVCache
+from engramrt.runner.batch import StepBatch
+from engramrt.runner.slots import SlotTable
 from engramrt.runner.verify import Verifier, ngram_drafts
+from tests.support.kernel_env import kernel_device, triton_runs
 
 
 def test_ngram_drafts_equal_the_host_lookup_padded() -> None:
@@ -62,3 +67,79 @@ def test_a_lagging_run_moves_back_to_its_true_start(pad) -> None:
             built.lag.zero_()
         assert torch.equal(getattr(built, name), getattr(want, name)), name
     assert lag.count(1) and (built.slot_mapping == -1).any() == (pad is not None)
+
+
+class _Commits:
+    """A hasher that records the history commits it is given (the kernel path and the torch
+    path must commit the same blocks: the anchor and the accepted drafts, to the same rows)."""
+
+    class history:  # noqa: N801 (the hasher's attribute)
+        pad_row = 99
+
+    def __init__(self) -> None:
+        self.made: list[tuple[int, list[int]]] = []
+
+    def commit_verify(self, tokens, slots, accepted, check=True) -> None:
+        blocks = tokens.view(len(slots), -1).tolist()
+        for b, (slot, n) in enumerate(zip(slots.tolist(), accepted.tolist(), strict=True)):
+            if slot != self.history.pad_row:
+                self.made.append((slot, blocks[b][: 1 + n]))
+
+
+def _propose(last: torch.Tensor, slots: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """Drafts that depend on every input: a wrong last position, slot or bonus shows."""
+    i = torch.arange(6, device=last.device)
+    return (last[:, None] * 7 + slots[:, None] * 3 + bonus[:, None] * 5 + i) % 10
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not triton_runs(), reason="needs Triton (GPU or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("seed", range(6))
+def test_the_bookkeeping_kernels_equal_the_torch_statement(seed: int) -> None:
+    """Random steps (verify runs of up to K drafts whose samples confirm a random prefix of
+    them, plain runs, mid-prompt chunks, lagging runs, graph padding):
+    the two launches of ``kernels.verify_rows`` leave the rows, the rejected counts, the history
+    commits and the next drafts exactly as ``Verifier._run``'s torch statement does."""
+    rng = np.random.default_rng(seed)
+    k, slots_n, width = 4, 6, 30
+    n = int(rng.integers(1, slots_n + 1))
+    uniform = seed % 2 == 0
+    drafts = [k] * n if uniform else rng.integers(0, k + 1, n).tolist()
+    rows = torch.from_numpy(rng.integers(0, 10, (slots_n + 1, width))).int()
+    rejected = torch.from_numpy(rng.integers(0, k + 1, slots_n + 1))
+    slots = rng.permutation(slots_n)[:n].tolist()
+    lag = rng.integers(0, 2, n).tolist()
+    run_lens = [1 + d if d or rng.random() < 0.6 else int(rng.integers(2, 5)) for d in drafts]
+    true = rng.integers(0, width - 2 * k - 2, n).tolist()  # the next drafts fit the row
+    start = [t + lg * int(rejected[s]) for t, lg, s in zip(true, lag, slots, strict=True)]
+    final = [bool(rng.random() < 0.85) for _ in slots]
+    batch = StepBatch(None, slots, run_lens, start, drafts=drafts, final=final, lag=lag)
+    samples = []
+    for b, d in enumerate(drafts):  # a random prefix of the row's drafts confirmed, then one
+        row = rows[slots[b]].tolist()  # refused and the later ones matched or not at random
+        agree = int(rng.integers(0, d + 1))
+        for i in range(d):
+            guess = row[true[b] + 1 + i]
+            later = guess if rng.random() < 0.5 else int(rng.integers(0, 10))
+            samples.append(guess if i < agree else (guess + 1) % 10 if i == agree else later)
+        samples.append(int(rng.integers(0, 10)))
+    size = n + int(rng.integers(0, 3))  # graph padding past the batch
+    width_ = max(drafts)
+    x = Verifier(slots_n, k, _propose, None, None, torch.device("cpu"))._inputs(batch, size,
+                                                                               width_)  # fmt: skip
+    pad = torch.tensor(samples + [0] * ((size - n) * (1 + width_)), dtype=torch.int64)
+    results = []
+    for kernels in (False, True):
+        dev = torch.device(kernel_device() if kernels else "cpu")
+        table = SimpleNamespace(tokens=rows.clone().to(dev))
+        table.write = SlotTable.write.__get__(table)
+        hasher = _Commits()
+        v = Verifier(slots_n, k, _propose, table, hasher, dev)
+        v.rejected.copy_(rejected)
+        run = v._run_kernels if kernels else v._run
+        out = run(x.to(dev), pad.to(dev), width_)
+        results.append((out[:n].cpu(), table.tokens[:slots_n].cpu(), v.rejected[:slots_n].cpu(),
+                        sorted(hasher.made)))  # fmt: skip
+    (d0, r0, j0, c0), (d1, r1, j1, c1) = results
+    assert torch.equal(d0, d1) and torch.equal(r0, r1) and torch.equal(j0, j1) and c0 == c1
+    assert c0 or not any(d and f for d, f in zip(drafts, final, strict=True))
