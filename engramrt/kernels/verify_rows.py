@@ -5,7 +5,8 @@ took ~90 small kernels, each a CUDA-graph node of ~1 us however little it does).
 run's token row, records the drafts it rejected and gathers the history block (anchor and
 drafts) to commit. Each lane reads the draft at one position before it writes the sample for
 that same position, so the reads need no barrier. ``write_drafts``: the next drafts into the
-rows, after the draft pass.
+rows, after the draft pass. ``shift``: the next step's lagging runs moved back by the drafts
+their slots rejected (``Verifier.shift``), one launch for ~20 small kernels.
 """
 
 from __future__ import annotations
@@ -75,6 +76,51 @@ def _write_drafts_kernel(
     at = tl.minimum(tl.load(last_ptr + b) + 2 + i, width - 1)
     tl.store(rows_ptr + slot * width + at, d.to(rows_ptr.dtype.element_ty),
              mask=i < tl.where(keep, K, 0))
+
+
+@triton.jit
+def _shift_kernel(
+    lag_ptr, rejected_ptr, slot_ids_ptr, start_ptr, ctx_lens_ptr, n_runs,
+    pos_ptr, slot_map_ptr, token_req_ptr, table_ptr, table_width, n_tokens, block_size,
+    dec_lens_ptr, dec_req_ptr, n_dec, BLOCK: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # each lane recomputes its run's distance from the unchanged lag flags and counts
+    run = i < n_runs
+    back = tl.load(lag_ptr + i, mask=run, other=0) * tl.load(
+        rejected_ptr + tl.load(slot_ids_ptr + i, mask=run, other=0), mask=run, other=0)
+    tl.store(start_ptr + i, tl.load(start_ptr + i, mask=run) - back, mask=run)
+    tl.store(ctx_lens_ptr + i, tl.load(ctx_lens_ptr + i, mask=run) - back, mask=run)
+    tok = i < n_tokens
+    rows = tl.load(slot_map_ptr + i, mask=tok, other=-1)
+    real = rows >= 0  # padded tokens stay where they are
+    req = tl.load(token_req_ptr + i, mask=tok, other=0)
+    back = tl.load(lag_ptr + req, mask=real, other=0) * tl.load(
+        rejected_ptr + tl.load(slot_ids_ptr + req, mask=real, other=0), mask=real, other=0)
+    pos = tl.load(pos_ptr + i, mask=tok, other=0) - back
+    tl.store(pos_ptr + i, pos, mask=tok)
+    block = tl.load(table_ptr + req * table_width + pos // block_size, mask=real, other=0)
+    tl.store(slot_map_ptr + i, block * block_size + pos % block_size, mask=real)
+    dec = i < n_dec
+    length = tl.load(dec_lens_ptr + i, mask=dec, other=0)
+    live = length > 0
+    req = tl.load(dec_req_ptr + i, mask=live, other=0)
+    back = tl.load(lag_ptr + req, mask=live, other=0) * tl.load(
+        rejected_ptr + tl.load(slot_ids_ptr + req, mask=live, other=0), mask=live, other=0)
+    tl.store(dec_lens_ptr + i, length - back, mask=live)
+
+
+def shift(ctx, rejected: torch.Tensor) -> None:
+    """``Verifier.shift`` in one launch (``ctx``: a ``ForwardContext`` with its lag flags)."""
+    n_dec = 0 if ctx.dec_lens is None else len(ctx.dec_lens)
+    dec_lens = ctx.dec_lens if n_dec else ctx.context_lens  # (not read: n_dec is 0)
+    dec_req = ctx.dec_req if n_dec else ctx.token_req
+    most, block = max(len(ctx.slot_ids), len(ctx.positions), n_dec), 128
+    _shift_kernel[(triton.cdiv(most, block),)](
+        ctx.lag, rejected, ctx.slot_ids, ctx.start_pos_t, ctx.context_lens, len(ctx.slot_ids),
+        ctx.positions, ctx.slot_mapping, ctx.token_req, ctx.block_table,
+        ctx.block_table.stride(0), len(ctx.positions), ctx.kv.block_size, dec_lens, dec_req,
+        n_dec, BLOCK=block)  # fmt: skip
 
 
 def accept(x: torch.Tensor, samples: torch.Tensor, rows: torch.Tensor, rejected: torch.Tensor,

@@ -78,6 +78,11 @@ class Verifier:
         start, context length, token positions and cache rows (padding stays where it is)."""
         if ctx.lag is None:
             return
+        if use_triton(ctx.positions.device):
+            from engramrt.kernels import verify_rows
+
+            verify_rows.shift(ctx, self.rejected)
+            return
         back = ctx.lag * self.rejected[ctx.slot_ids]
         ctx.start_pos_t.sub_(back)
         ctx.context_lens.sub_(back)

@@ -40,29 +40,43 @@ def test_ngram_drafts_equal_the_host_lookup_padded() -> None:
             assert got[b].tolist() == want, (tokens, k, hi, lo)
 
 
+KERNELS = pytest.param(True, marks=[pytest.mark.triton, pytest.mark.skipif(
+    not triton_runs(), reason="needs Triton (GPU or TRITON_INTERPRET=1)")])  # fmt: skip
+
+
+@pytest.mark.parametrize("kernels", [False, KERNELS])
 @pytest.mark.parametrize("pad", [None, GraphShape(False, 4 * 5, 4, 4), GraphShape(True, 8, 8)])
-def test_a_lagging_run_moves_back_to_its_true_start(pad) -> None:
+def test_a_lagging_run_moves_back_to_its_true_start(pad, kernels) -> None:
     """Runs built from optimistic starts (every draft of the verify run before them counted
-    as accepted), moved back on the device by the drafts their slots rejected, equal the runs
-    built from their true starts: positions, cache rows, context lengths, starts; padding
+    as accepted), moved back on the device by the drafts their slots rejected (the torch
+    statement, or the one launch of ``kernels.verify_rows.shift``), equal the runs built from
+    their true starts: positions, cache rows, context lengths, starts, decode lengths; padding
     (a graph's) untouched."""
+    from engramrt.kernels import verify_rows
+
     rng = np.random.default_rng(1)
-    kv = KVCache([0], 96, 4, 1, 8, torch.float32, "cpu", 48, 8)
+    dev = kernel_device() if kernels else "cpu"
+    kv = KVCache([0], 96, 4, 1, 8, torch.float32, dev, 48, 8)
     tables = kv.fixed_tables()
     n = pad.requests - 1 if pad is not None else 5
     run = 1 if pad is not None and pad.decode else 5
     slots = rng.permutation(8)[:n].tolist()
     true = rng.integers(0, 36, n).tolist()
     lag = rng.integers(0, 2, n).tolist()
-    verifier = Verifier(8, 4, lambda *a: None, None, None, torch.device("cpu"))
+    verifier = Verifier(8, 4, lambda *a: None, None, None, torch.device(dev))
     verifier.rejected[:8] = torch.from_numpy(rng.integers(0, 5, 8))
     rejected = verifier.rejected.tolist()
     start = [t + lg * rejected[s] for t, lg, s in zip(true, lag, slots, strict=True)]
     runs = [run] * n
-    built = ForwardContext.for_runs(slots, runs, start, kv, tables, "cpu", 12, pad, lag=lag)
-    verifier.shift(built)
-    want = ForwardContext.for_runs(slots, runs, true, kv, tables, "cpu", 12, pad, lag=[0] * n)
-    for name in ("positions", "slot_mapping", "context_lens", "start_pos_t", "flat"):
+    built = ForwardContext.for_runs(slots, runs, start, kv, tables, dev, 12, pad, lag=lag)
+    if kernels:
+        verify_rows.shift(built, verifier.rejected)
+    else:
+        verifier.shift(built)
+    want = ForwardContext.for_runs(slots, runs, true, kv, tables, dev, 12, pad, lag=[0] * n)
+    for name in ("positions", "slot_mapping", "context_lens", "start_pos_t", "dec_lens", "flat"):
+        if getattr(want, name) is None:
+            continue
         if name == "flat":  # everything but the lag flags themselves
             built.lag.zero_()
         assert torch.equal(getattr(built, name), getattr(want, name)), name
