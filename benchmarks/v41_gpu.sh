@@ -48,6 +48,9 @@
 #           then DSpark on the bundled model (K = 5, bs 1 and 16)
 #   PART=s  issue 35: the host's and the GPU's timelines of the bundled model's last steps, plain
 #           and DSpark K = 5 (host_step_times.py --timeline)
+#   PART=t  issue 35, the bookkeeping kernels: the whole selection, DSpark on the bundled model
+#           (K = 5, bs 1 and 16) and its host/GPU times a step, then plain against n-gram verify
+#           steps on the 4B preset and plain, n-gram and DSpark steps on v41-wide (bs 1)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -153,6 +156,19 @@ case "${PART:-b}" in
         --batch-sizes 1 --out "$out/dspark_accept_k$k.json" 2>&1 | grep -v "^engramrt" \
         | tee -a "$out/dspark_accept.txt"
     done
+    ;;
+  t)
+    selection 300
+    dspark_k5
+    timeout 90 python3 benchmarks/host_step_times.py --model engramrt/bundled/tiny_v41 \
+      --batch-size 1 --input-len 128 --output-len 64 --prompt-kind repeat \
+      --speculative-config '{"method": "dspark", "num_speculative_tokens": 5}' 2>&1 \
+      | grep -v "^engramrt:" | grep -v "Warn\|USDT\|self.prof" | tee -a "$out/host_steps.txt"
+    preset 4b /tmp/m4b
+    latency /tmp/m4b verify-4b.txt "" "$NGRAM"
+    preset v41-wide /tmp/mv41-wide
+    latency /tmp/mv41-wide verify-wide.txt "" "$NGRAM" \
+      '{"method": "dspark", "num_speculative_tokens": 5}'
     ;;
   s)
     for s in "" '{"method": "dspark", "num_speculative_tokens": 5}'; do
