@@ -2,7 +2,8 @@
 launch by ~1 us a node): one latency run of ``engramrt bench throughput`` (the same flags) with
 the engine's and stage's step functions timed (inclusive, so nested ones overlap), reported in
 ms a step beside the step's wall time, and the GPU time of the stage's forward, sampler and
-verifier (CUDA events around each). A graph launch (``CUDAGraph.replay``) returns only after
+verifier (CUDA events around each; summed over every step of the run, the eager prefill's
+included, so the forward's is above a decode graph's). A graph launch (``CUDAGraph.replay``) returns only after
 the driver has queued every node, and the GPU starts the graph then: a host whose launches,
 sampler and bookkeeping take longer than the GPU's step sets the pace under overlap scheduling.
 
