@@ -66,7 +66,8 @@ class Verifier:
         self.k, self.propose, self.slots, self.hasher = k, propose, slots, hasher
         self.rows = slots.tokens if slots is not None else None
         self.rejected = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
-        # (padded batch, drafts a run) -> (graph, inputs, samples, drafts out): ``capture``
+        # (padded batch, drafts a run) -> (graph, inputs, samples, the host's drafts or None,
+        # drafts out): ``capture``
         self.graphs: dict[tuple[int, int], tuple] = {}
 
     def admit(self, new: NewRequest) -> None:
@@ -109,23 +110,27 @@ class Verifier:
         acceptance counted, samples and next drafts kept in the rows, verify runs' history
         committed; the next step's drafts ``[B, k]``, from each run's last accepted position.
         Nothing waits for the device. A step whose runs are all one-token runs or all verify
-        runs of ``k`` drafts replays a captured graph of this (``capture``)."""
+        runs of ``k`` drafts replays a captured graph of this (``capture``); over a pipeline
+        the host's drafts are one of its inputs."""
         n, drafts = len(batch.slots), batch.drafts or [0] * len(batch.slots)
         width = max(drafts)
-        uniform = all(d == width for d in drafts) and all(
-            r == 1 + width for r in batch.run_lens)  # fmt: skip
-        size = min((b for b, k in self.graphs if k == width and b >= n), default=None)
-        if uniform and size is not None:
-            graph, x, static, out = self.graphs[size, width]
-            x.copy_(pinned(self._inputs(batch, size, width)), non_blocking=True)
-            static[: len(samples)].copy_(samples)
-            graph.replay()
-            return out[:n]
         guess = None
         if self.rows is None and width:  # the host's drafts, run after run
             has = torch.arange(width) < torch.tensor(drafts)[:, None]
             guess = torch.full(has.shape, -2, dtype=torch.int64)  # never a sample (>= -1)
             guess[has] = torch.tensor(batch.draft_tokens, dtype=torch.int64)
+        uniform = all(d == width for d in drafts) and all(
+            r == 1 + width for r in batch.run_lens)  # fmt: skip
+        size = min((b for b, k in self.graphs if k == width and b >= n), default=None)
+        if uniform and size is not None:
+            graph, x, static, host, out = self.graphs[size, width]
+            x.copy_(pinned(self._inputs(batch, size, width)), non_blocking=True)
+            static[: len(samples)].copy_(samples)
+            if host is not None:
+                host[:n].copy_(pinned(guess), non_blocking=True)
+            graph.replay()
+            return out[:n]
+        if guess is not None:
             guess = to_device(guess, samples.device)
         x = to_device(self._inputs(batch, n, width), samples.device)
         return self._run(x, samples, width, guess)
@@ -216,22 +221,24 @@ class Verifier:
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
         """CUDA graphs of ``after`` for steps of one-token runs and of ``k``-draft verify runs,
-        by padded batch size (the largest first: the others reuse its memory pool)."""
-        if self.rows is None:
-            return
+        by padded batch size (the largest first: the others reuse its memory pool); where the
+        host sends the drafts, they are an input of the verify graphs (padded rows: none)."""
         self.graphs, pool = {}, None
         dev = self.rejected.device
         for width in (self.k, 0):
             for b in sorted(sizes, reverse=True):
                 x = to_device(self._inputs(StepBatch(None, [], [], []), b, width), dev)
                 static = torch.zeros(b * (1 + width), dtype=torch.int64, device=dev)
+                host = None
+                if self.rows is None and width:
+                    host = torch.full((b, width), -2, dtype=torch.int64, device=dev)
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    self._run(x, static, width)  # first use: Triton variants
+                    self._run(x, static, width, host)  # first use: Triton variants
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = self._run(x, static, width)
+                    out = self._run(x, static, width, host)
                 pool = graph.pool()
-                self.graphs[b, width] = (graph, x, static, out)
+                self.graphs[b, width] = (graph, x, static, host, out)

@@ -307,3 +307,41 @@ def test_the_step_after_the_sampler_replays_its_eager_run(v41_small: Path) -> No
     for got, want in zip(after_graph, state, strict=True):  # the last row: where padding goes
         assert torch.equal(got[:-1], want[:-1])
     assert v.rejected[[0, 2, 3]].tolist() == [1, 3, 2]
+
+
+@pytest.mark.gpu
+def test_over_a_pipeline_the_graph_after_the_sampler_takes_the_host_drafts(v41_small: Path):
+    """On the last of two stages (no token rows there: the host sends the drafts), what follows
+    the sampler (acceptance counted from the host's drafts, DSpark's draft pass) replayed from
+    a CUDA graph for three verify runs in the graph of four gives the drafts of the same work
+    run eagerly, for two sets of host drafts accepting different counts (the drafts are an
+    input of the graph, not a constant of its capture)."""
+    from engramrt.runner.batch import StepBatch
+    from engramrt.runner.carry import Carry
+
+    k = 3
+    runner = StageRunner.load(v41_small, num_slots=4, max_len=128, device="cuda",
+                              dtype="float32", layer_ids=[3, 4, 5], dspark=True)  # fmt: skip
+    runner.allocate_kv(4, 128, 16, 32, slack=k)
+    runner.speculate(k)
+    runner.capture_graphs(4, 64)
+    v = runner.verifier
+    assert v.rows is None and sorted(v.graphs) == [(1, 0), (1, k), (2, 0), (2, k), (4, 0), (4, k)]
+    with torch.inference_mode():  # the rings seeded from a prefill of random streams
+        carry = Carry.empty(runner.model, 60, torch.zeros)
+        carry.x.normal_(generator=torch.Generator("cuda").manual_seed(0))
+        runner.compute(StepBatch(None, [0, 2, 3], [21, 9, 30], [0, 0, 0],
+                                 new_blocks=[[0, 1], [8], [12, 13]]), carry)  # fmt: skip
+    samples = torch.tensor([6, 7, 1, 2] + [9] * 4 + [26, 3, 4, 5], device="cuda")
+    outs = []
+    for host in ([6, 7, 8, 16, 17, 18, 26, 27, 28], [6, 0, 0, 9, 9, 9, 26, 3, 4]):
+        batch = StepBatch(None, [0, 2, 3], [1 + k] * 3, [21, 9, 30], drafts=[k] * 3,
+                          draft_tokens=host)  # accepted: 2, 0, 1; then 1, 3, 3
+        with torch.inference_mode():
+            replayed = v.after(batch, samples).clone()
+            graphs, v.graphs = v.graphs, {}
+            eager = v.after(batch, samples)
+            v.graphs = graphs
+        assert torch.equal(replayed, eager)
+        outs.append(eager)
+    assert not torch.equal(outs[0], outs[1])
