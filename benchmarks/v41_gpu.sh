@@ -51,6 +51,9 @@
 #   PART=t  issue 35, the bookkeeping kernels: the whole selection, DSpark on the bundled model
 #           (K = 5, bs 1 and 16) and its host/GPU times a step, then plain against n-gram verify
 #           steps on the 4B preset and plain, n-gram and DSpark steps on v41-wide (bs 1)
+#   PART=u  issue 35: the whole selection after the last change, then what follows the sampler on
+#           a pipeline's last stage of the bundled model, eager and from its graph
+#           (pipeline_after_bench.py)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -156,6 +159,11 @@ case "${PART:-b}" in
         --batch-sizes 1 --out "$out/dspark_accept_k$k.json" 2>&1 | grep -v "^engramrt" \
         | tee -a "$out/dspark_accept.txt"
     done
+    ;;
+  u)
+    selection 300
+    timeout 90 python3 benchmarks/pipeline_after_bench.py --out "$out/pipeline_after.json" 2>&1 \
+      | grep -v "^engramrt:" | tee "$out/pipeline_after.txt"
     ;;
   t)
     selection 300
