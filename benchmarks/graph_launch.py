@@ -51,7 +51,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['nodes']:6d} nodes: launch {r['launch_us']:8.1f} us on the host, "
               f"{r['gpu_us']:8.1f} us on the GPU")  # fmt: skip
-    print(f"driver {torch.cuda.get_device_properties(0).name}, CUDA {torch.version.cuda}")
+    print(f"{torch.cuda.get_device_properties(0).name}, CUDA {torch.version.cuda}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

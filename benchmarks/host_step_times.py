@@ -3,9 +3,9 @@ launch by ~1 us a node): one latency run of ``engramrt bench throughput`` (the s
 the engine's and stage's step functions timed (inclusive, so nested ones overlap), reported in
 ms a step beside the step's wall time, and the GPU time of the stage's forward, sampler and
 verifier (CUDA events around each; summed over every step of the run, the eager prefill's
-included, so the forward's is above a decode graph's). A graph launch (``CUDAGraph.replay``) returns only after
-the driver has queued every node, and the GPU starts the graph then: a host whose launches,
-sampler and bookkeeping take longer than the GPU's step sets the pace under overlap scheduling.
+included, so the forward's is above a decode graph's). Under overlap scheduling a host whose
+launches, sampler and bookkeeping take longer than the GPU's step sets the pace; one that
+waits for the step in flight does not. ``--timeline`` shows which.
 
     python benchmarks/host_step_times.py --model DIR --batch-size 1 --input-len 128
         --output-len 64 --prompt-kind repeat [--speculative-config JSON] [--out r.json]
@@ -166,7 +166,8 @@ def replay_ms(fn, reps: int = 100) -> float:
 @torch.inference_mode()
 def after_graph_parts(engine) -> dict[str, float]:
     """The verifier's after-sampler work at bs 1 in graphs of its own: all of it (``_run``, as
-    the engine replays it), and the draft pass alone (``propose``)."""
+    the engine replays it), and the draft pass alone (``propose``). It writes into slot 0's
+    token row, rejected count and history: run it after the timed run only."""
     v = engine.pipeline.runner.verifier
     if v is None:
         return {}

@@ -108,17 +108,19 @@ def _propose(last: torch.Tensor, slots: torch.Tensor, bonus: torch.Tensor) -> to
 
 @pytest.mark.triton
 @pytest.mark.skipif(not triton_runs(), reason="needs Triton (GPU or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(16))
 def test_the_bookkeeping_kernels_equal_the_torch_statement(seed: int) -> None:
-    """Random steps (verify runs of up to K drafts whose samples confirm a random prefix of
-    them, plain runs, mid-prompt chunks, lagging runs, graph padding):
-    the two launches of ``kernels.verify_rows`` leave the rows, the rejected counts, the history
-    commits and the next drafts exactly as ``Verifier._run``'s torch statement does."""
+    """Random steps (by seed: verify runs of K drafts each, of up to K, no drafts at all (the
+    decode graph's width 0), or up to K beside an empty run and a mid-prompt chunk; drafts whose
+    samples confirm a random prefix; plain runs, chunks, lagging runs, graph padding): the two
+    launches of ``kernels.verify_rows`` leave the rows, the rejected counts, the history commits
+    and the next drafts exactly as ``Verifier._run``'s torch statement does."""
     rng = np.random.default_rng(seed)
     k, slots_n, width = 4, 6, 30
-    n = int(rng.integers(1, slots_n + 1))
-    uniform = seed % 2 == 0
-    drafts = [k] * n if uniform else rng.integers(0, k + 1, n).tolist()
+    mode = seed % 4
+    n = int(rng.integers(2 if mode == 3 else 1, slots_n + 1))
+    drafts = [[k] * n, rng.integers(0, k + 1, n).tolist(), [0] * n,
+              rng.integers(0, k + 1, n).tolist()][mode]  # fmt: skip
     rows = torch.from_numpy(rng.integers(0, 10, (slots_n + 1, width))).int()
     rejected = torch.from_numpy(rng.integers(0, k + 1, slots_n + 1))
     slots = rng.permutation(slots_n)[:n].tolist()
@@ -127,6 +129,8 @@ def test_the_bookkeeping_kernels_equal_the_torch_statement(seed: int) -> None:
     true = rng.integers(0, width - 2 * k - 2, n).tolist()  # the next drafts fit the row
     start = [t + lg * int(rejected[s]) for t, lg, s in zip(true, lag, slots, strict=True)]
     final = [bool(rng.random() < 0.85) for _ in slots]
+    if mode == 3:  # run 0 empty (its sample -1), run 1 a chunk that samples nothing kept
+        drafts[:2], run_lens[:2], final[:2] = [0, 0], [0, 3], [True, False]
     batch = StepBatch(None, slots, run_lens, start, drafts=drafts, final=final, lag=lag)
     samples = []
     for b, d in enumerate(drafts):  # a random prefix of the row's drafts confirmed, then one
@@ -136,7 +140,7 @@ def test_the_bookkeeping_kernels_equal_the_torch_statement(seed: int) -> None:
             guess = row[true[b] + 1 + i]
             later = guess if rng.random() < 0.5 else int(rng.integers(0, 10))
             samples.append(guess if i < agree else (guess + 1) % 10 if i == agree else later)
-        samples.append(int(rng.integers(0, 10)))
+        samples.append(int(rng.integers(0, 10)) if run_lens[b] else -1)
     size = n + int(rng.integers(0, 3))  # graph padding past the batch
     width_ = max(drafts)
     x = Verifier(slots_n, k, _propose, None, None, torch.device("cpu"))._inputs(batch, size,
