@@ -4,9 +4,12 @@ took ~90 small kernels, each a CUDA-graph node of ~1 us however little it does).
 ``accept``: one program per run counts the drafts its samples confirm, keeps the samples in the
 run's token row, records the drafts it rejected and gathers the history block (anchor and
 drafts) to commit. Each lane reads the draft at one position before it writes the sample for
-that same position, so the reads need no barrier. ``write_drafts``: the next drafts into the
-rows, after the draft pass. ``shift``: the next step's lagging runs moved back by the drafts
-their slots rejected (``Verifier.shift``), one launch for ~20 small kernels.
+that same position, so the reads need no barrier: a replica of the lane in another warp (the
+tensors are narrower than the program) that read late sees the sample, which only ever turns a
+refused draft into a confirmed one, and the minimum over the replicas keeps the writer's.
+``write_drafts``: the next drafts into the rows, after the draft pass. ``shift``: the next
+step's lagging runs moved back by the drafts their slots rejected (``Verifier.shift``), one
+launch for ~20 small kernels.
 """
 
 from __future__ import annotations
