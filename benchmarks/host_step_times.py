@@ -17,13 +17,13 @@ import argparse
 import functools
 import importlib
 import json
-import random
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
+from benchmarks.spec_step_profile import warm_engine
 from engramrt.commands import bench_throughput as bt
 from engramrt.runner.batch import StepBatch
 
@@ -239,10 +239,7 @@ def main() -> None:
                     help="instead of the totals, print the last N marks of the run's timeline")
     args = ap.parse_args()
     n = args.batch_size or 1
-    engine = bt.local_engine(args, args.input_len + args.output_len)
-    prompts = bt.random_prompts(random.Random(args.seed), [args.input_len] * n,
-                                engine.vocab_size, args.prompt_kind)  # fmt: skip
-    bt._run(engine, prompts[:1], [2])  # warm-up
+    engine, prompts, steps = warm_engine(args)
     if args.timeline:
         marks = record_timeline(TIMELINE)
         bt._run(engine, prompts, [args.output_len] * n)
@@ -252,13 +249,6 @@ def main() -> None:
         return
     secs, calls = time_calls(TIMED)
     pairs = time_gpu(GPU_TIMED)
-    steps, step = [0], engine.step
-
-    def counted():
-        steps[0] += 1
-        return step()
-
-    engine.step = counted
     torch.cuda.synchronize()
     t = time.perf_counter()
     bt._run(engine, prompts, [args.output_len] * n)

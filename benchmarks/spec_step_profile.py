@@ -18,14 +18,12 @@ from pathlib import Path
 from torch.profiler import ProfilerActivity, profile
 
 from engramrt.commands import bench_throughput as bt
+from engramrt.engine.engine import Engine
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    bt.add_arguments(ap)
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--trace", type=Path, help="also write the chrome trace (gzip: .json.gz)")
-    args = ap.parse_args()
+def warm_engine(args: argparse.Namespace) -> tuple[Engine, list[list[int]], list[int]]:
+    """The latency run's engine (``bench throughput``'s flags) after a warm-up request, its
+    prompts, and ``[steps]``: the engine steps counted from here on."""
     n = args.batch_size or 1
     engine = bt.local_engine(args, args.input_len + args.output_len)
     prompts = bt.random_prompts(random.Random(args.seed), [args.input_len] * n,
@@ -38,6 +36,17 @@ def main() -> None:
         return step()
 
     engine.step = counted
+    return engine, prompts, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bt.add_arguments(ap)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--trace", type=Path, help="also write the chrome trace (gzip: .json.gz)")
+    args = ap.parse_args()
+    n = args.batch_size or 1
+    engine, prompts, steps = warm_engine(args)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         bt._run(engine, prompts, [args.output_len] * n)

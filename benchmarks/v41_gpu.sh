@@ -95,7 +95,19 @@ spec_profiles() {  # plain and speculative step profiles of the 4B (n-gram) and 
     done
   done
 }
+host_steps() {  # file, extra flags, arms (--speculative-config values; "" for plain): the
+  # bundled model's host and GPU times a step at bs 1 (host_step_times.py)
+  local file=$1 extra=$2
+  shift 2
+  for spec in "$@"; do
+    timeout 90 python3 benchmarks/host_step_times.py --model engramrt/bundled/tiny_v41 \
+      --batch-size 1 --input-len 128 --output-len 64 --prompt-kind repeat $extra \
+      ${spec:+--speculative-config "$spec"} 2>&1 | grep -v "^engramrt:" \
+      | grep -v "Warn\|USDT\|self.prof" | tee -a "$out/$file"
+  done
+}
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4}'
+DSPARK5='{"method": "dspark", "num_speculative_tokens": 5}'
 case "${PART:-b}" in
   i)
     for k in 5 3; do
@@ -168,10 +180,7 @@ case "${PART:-b}" in
   t)
     selection 300
     dspark_k5
-    timeout 90 python3 benchmarks/host_step_times.py --model engramrt/bundled/tiny_v41 \
-      --batch-size 1 --input-len 128 --output-len 64 --prompt-kind repeat \
-      --speculative-config '{"method": "dspark", "num_speculative_tokens": 5}' 2>&1 \
-      | grep -v "^engramrt:" | grep -v "Warn\|USDT\|self.prof" | tee -a "$out/host_steps.txt"
+    host_steps host_steps.txt "" "$DSPARK5"
     preset 4b /tmp/m4b
     latency /tmp/m4b verify-4b.txt "" "$NGRAM"
     preset v41-wide /tmp/mv41-wide
@@ -179,20 +188,11 @@ case "${PART:-b}" in
       '{"method": "dspark", "num_speculative_tokens": 5}'
     ;;
   s)
-    for s in "" '{"method": "dspark", "num_speculative_tokens": 5}'; do
-      timeout 90 python3 benchmarks/host_step_times.py --model engramrt/bundled/tiny_v41 \
-        --batch-size 1 --input-len 128 --output-len 64 --prompt-kind repeat --timeline 60 \
-        ${s:+--speculative-config "$s"} 2>&1 | grep -v "^engramrt:" | tee -a "$out/timeline.txt"
-    done
+    host_steps timeline.txt "--timeline 60" "" "$DSPARK5"
     ;;
   r)
     python3 benchmarks/graph_launch.py --out "$out/graph_launch.json" | tee "$out/graph_launch.txt"
-    for s in "" '{"method": "dspark", "num_speculative_tokens": 5}'; do
-      timeout 90 python3 benchmarks/host_step_times.py --model engramrt/bundled/tiny_v41 \
-        --batch-size 1 --input-len 128 --output-len 64 --prompt-kind repeat \
-        ${s:+--speculative-config "$s"} 2>&1 | grep -v "^engramrt:" | grep -v "Warn\|USDT\|self.prof" \
-        | tee -a "$out/host_steps.txt"
-    done
+    host_steps host_steps.txt "" "" "$DSPARK5"
     dspark_k5
     ;;
   p)
