@@ -257,3 +257,23 @@ def test_an_engine_refuses_a_cache_without_room_for_its_drafts(runner) -> None:
     runner.allocate_kv(1, 256, 4, 64, slack=K)
     build_engine(runner, 256, 1, max_num_seqs=1, allocate=False,
                  speculative=SpecConfig(K, method="dspark"))  # fmt: skip
+
+
+def test_drafts_without_the_confidence_head_are_the_same_drafts(v41_small: Path) -> None:
+    """The verifier's draft pass skips the confidence head (``confidence=False``): the same
+    drafts and logits as the full pass, bitwise, after a prefill of two requests; no scores."""
+    import torch
+
+    from engramrt.model import dspark
+    from engramrt.runner.batch import StepBatch
+
+    runner = StageRunner.load(v41_small, num_slots=2, max_len=64, dtype="float32", dspark=True)
+    a, b = PROMPTS[0][:12], PROMPTS[1][:7]
+    batch = StepBatch(a + b, [0, 1], [12, 7], [0, 0])
+    runner.compute(batch)
+    ends, slots = ends_of(batch)
+    tokens = torch.tensor([5, 9])
+    full = dspark.draft(runner.model, runner.kv, ends, slots, tokens)
+    short = dspark.draft(runner.model, runner.kv, ends, slots, tokens, confidence=False)
+    assert full.confidence is not None and short.confidence is None
+    assert torch.equal(full.tokens, short.tokens) and torch.equal(full.logits, short.logits)
