@@ -61,6 +61,7 @@ TINY_RUNS = [
         ],
     ),
     ("train_step.py", ["--device", "cpu", "--batch", "2", "--length", "32", "--steps", "1"]),
+    ("step_kernels.py", ["--device", "cpu", "--prompt", "20"]),
 ]
 
 # one interpreter runs every script in turn (torch is imported once), as ``__main__``

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engramrt.kernels import use_triton
 from engramrt.model.layers import RMSNorm
-from engramrt.model.mhc import hc_pre
+from engramrt.model.mhc import collapse_norm, hc_pre
 from engramrt.model.quant import StoredLinear
 from engramrt.model.v41_attention import StepRuns, V41Attention, angles_at
 from engramrt.model.v41_cache import V41Cache
@@ -49,12 +50,45 @@ class DraftContext:
     kv: V41Cache
     runs: StepRuns  # per query: ``pos`` = its window's end p, ``slot``, ``real``
     positions: torch.Tensor  # [N] the query's own position (p + 1 + i)
-    block: int
+    rows: torch.Tensor  # [N, block] the rows of the query's block
     tracer = None
     step_cache: dict = field(default_factory=dict)
 
     def trace(self, *args) -> None:
         pass
+
+
+@dataclass
+class BlockConstants:
+    """What a draft pass of ``B`` blocks of ``k`` indexes by, the same every pass."""
+
+    owner: torch.Tensor  # [B * k] each query's block
+    offsets: torch.Tensor  # [B * k] its place in the block
+    rows: torch.Tensor  # [B * k, k] the rows of its block
+    zeros: torch.Tensor  # [B * k]
+    ones: torch.Tensor  # [B * k] bool
+    noise: torch.Tensor  # [B, k - 1] the noise id, every block's tail
+
+
+_CONSTANTS: dict[tuple, BlockConstants] = {}
+
+
+def block_constants(b: int, k: int, noise: int, dev: torch.device) -> BlockConstants:
+    """Built once a shape and kept (a CUDA graph then reads them instead of ~15 nodes building
+    them); never kept from inside a capture, where they would hold nothing until a replay."""
+    key = b, k, noise, dev
+    if key in _CONSTANTS:
+        return _CONSTANTS[key]
+    owner = torch.arange(b, device=dev).repeat_interleave(k)
+    offsets = torch.arange(k, device=dev).repeat(b)
+    const = BlockConstants(
+        owner, offsets, (owner * k)[:, None] + torch.arange(k, device=dev),
+        torch.zeros_like(owner), torch.ones_like(owner, dtype=torch.bool),
+        torch.full((b, k - 1), noise, dtype=torch.long, device=dev),
+    )  # fmt: skip
+    if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _CONSTANTS[key] = const
+    return const
 
 
 class DSparkAttention(V41Attention):
@@ -69,10 +103,7 @@ class DSparkAttention(V41Attention):
         angles = angles_at(ctx.positions, self.rope_key)
         rot = angles.cos(), angles.sin()
         q, kv = self.queries(self.q_norm(self.wq_a(x)), rot), self.latents(x, rot)
-        n = len(x)
-        start = torch.arange(0, n, ctx.block, device=x.device).repeat_interleave(ctx.block)
-        rows = start[:, None] + torch.arange(ctx.block, device=x.device)  # the query's block
-        out = self.attend(q, kv, kv, rows, ctx.runs, ctx.kv)
+        out = self.attend(q, kv, kv, ctx.rows, ctx.runs, ctx.kv)
         return self.output(out, rot)
 
 
@@ -127,31 +158,43 @@ def draft(model, cache: V41Cache, ends: torch.Tensor, slots: torch.Tensor, token
     score each draft (training; the verifier reads only the tokens)."""
     v = model.cfg.v41
     b, k, dev = len(tokens), v.dspark_block_size, tokens.device
-    ids = torch.full((b, k), v.dspark_noise_token_id, dtype=torch.long, device=dev)
-    ids[:, 0] = tokens
-    p = ends.repeat_interleave(k)
-    runs = StepRuns(p, p + 1, torch.zeros_like(p), p + 1, slots.repeat_interleave(k),
-                    torch.ones_like(p, dtype=torch.bool), torch.arange(b, device=dev)
-                    .repeat_interleave(k), None, 0)  # fmt: skip
-    ctx = DraftContext(cache, runs, p + 1 + torch.arange(k, device=dev).repeat(b), k)
+    const = block_constants(b, k, v.dspark_noise_token_id, dev)
+    ids = torch.cat([tokens[:, None], const.noise], dim=1)
+    p = ends[const.owner]
+    q = p + 1
+    runs = StepRuns(p, q, const.zeros, q, slots[const.owner], const.ones, const.owner, None, 0)
+    ctx = DraftContext(cache, runs, q + const.offsets, const.rows)
     x, pre = model.embed_tokens(ids.flatten())
     for stage in model.mtp:
         x, pre = stage(x, pre, ctx)
     last = model.mtp[-1]
-    y = hc_pre(x, pre)
-    logits = model.project(last.norm(y)).unflatten(0, (b, k))
+    logits = model.project(collapse_norm(x, pre, last.norm.weight, last.norm.eps))
+    logits = logits.unflatten(0, (b, k))
+    markov = last.markov_head
+    if use_triton(dev):  # one launch a position
+        from engramrt.kernels.markov_drafts import markov_drafts
+
+        out = markov_drafts(logits, tokens, markov.embed.weight, markov.head.weight, limit,
+                            targets)  # fmt: skip
+    else:
+        out = markov_loop(logits, tokens, markov, limit, targets)
+    score = None
+    if confidence:  # each position's previous token, as the Markov head took it
+        prevs = torch.cat([tokens[:, None], (out if targets is None else targets)[:, :-1]], 1)
+        both = torch.cat([hc_pre(x, pre).unflatten(0, (b, k)), markov.embed(prevs)], dim=-1)
+        score = last.confidence_head.proj(both.float()).squeeze(-1)
+    return Drafts(out, logits, score)
+
+
+def markov_loop(logits: torch.Tensor, tokens: torch.Tensor, markov: MarkovHead,
+                limit: int | None, targets: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """The Markov bias of the previous token added to ``logits`` [B, k, V] position by position,
+    then its argmax: the drafts [B, k] (the reference of ``kernels.markov_drafts``)."""
     if limit is not None:
         logits[..., limit:] = float("-inf")
-    markov = last.markov_head
-    prev, embeds, out = tokens, [], []
-    for i in range(k):  # the Markov bias of the previous token, then its argmax
-        e = markov.embed(prev)
-        logits[:, i] += torch.nn.functional.linear(e.float(), markov.head.weight)
-        embeds.append(e)
+    prev, out = tokens, []
+    for i in range(logits.shape[1]):
+        logits[:, i] += torch.nn.functional.linear(markov.embed(prev).float(), markov.head.weight)
         out.append(logits[:, i].argmax(-1))
         prev = out[-1] if targets is None else targets[:, i]
-    score = None
-    if confidence:
-        both = torch.cat([y.unflatten(0, (b, k)), torch.stack(embeds, 1)], dim=-1)
-        score = last.confidence_head.proj(both.float()).squeeze(-1)
-    return Drafts(torch.stack(out, 1), logits, score)
+    return torch.stack(out, 1)

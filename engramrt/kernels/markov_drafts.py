@@ -1,0 +1,81 @@
+"""DSpark's Markov loop in Triton: position by position, the previous token's Markov logits
+added to the block's logits and their argmax taken (``engramrt.model.dspark.draft``'s torch
+loop: an embedding, a GEMV, an add and an argmax a position, ~5 graph nodes each, where a node
+costs the GPU ~1 us at bs 1).
+
+One launch a position over ``(row, vocabulary tile)``: each program gathers its row's previous
+token's embedding, adds its tile of the head's logits (positions at or past ``limit`` get
+``-inf``), writes the tile back and offers its best to the row's slot with one 64-bit atomic
+min: the high word an order-reversed key of the value (a float's bits in signed order,
+inverted), the low word the vocabulary id, so the largest value wins and equal values go to the
+lower id, as ``torch.argmax``. The next position's launch reads its previous token from that
+word; the first reads the sampled tokens, and teacher forcing (``targets``) reads the true
+tokens instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 64
+BLOCK_R = 64
+_EMPTY = torch.iinfo(torch.int64).max
+_ID_BITS = 0xFFFFFFFF
+
+
+@triton.jit(do_not_specialize=["limit"])
+def _markov_step(
+    logits_ptr, prev_ptr, prev_stride, best_ptr, embed_ptr, head_ptr, V, R, limit, row_stride,
+    best_stride, PACKED: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    inside = v < V
+    prev = tl.load(prev_ptr + b * prev_stride).to(tl.int64)
+    if PACKED:  # the previous position's winner: its id is the low word
+        prev = prev & 0xFFFFFFFF
+    bias = tl.zeros((BLOCK_V,), tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        e = tl.load(embed_ptr + prev * R + r, mask=r < R, other=0.0).to(tl.float32)
+        w = tl.load(head_ptr + v[:, None].to(tl.int64) * R + r[None, :],
+                    mask=inside[:, None] & (r < R)[None, :], other=0.0)  # fmt: skip
+        bias += tl.sum(w * e[None, :], axis=1)
+    row = logits_ptr + b * row_stride + v
+    val = tl.load(row, mask=inside, other=0.0) + bias
+    val = tl.where(v < limit, val, float("-inf"))
+    tl.store(row, val, mask=inside)
+    val = tl.where(inside, val, float("-inf"))
+    top = tl.max(val, axis=0)
+    first = tl.min(tl.where(inside & (val == top), v, V), axis=0).to(tl.int64)
+    bits = top.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the floats
+    packed = ((~key).to(tl.int64) << 32) | first
+    tl.atomic_min(best_ptr + b * best_stride, packed)
+
+
+def markov_drafts(logits: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,
+                  head: torch.Tensor, limit: int | None,
+                  targets: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Add the Markov bias to ``logits`` [B, k, V] fp32 (in place) and return the drafts [B, k]:
+    position ``i``'s previous token is ``tokens`` [B] for ``i = 0``, then the draft of ``i - 1``
+    (or ``targets[:, i - 1]``). ``embed`` [vocab, R], ``head`` [V, R] fp32; ids at or past
+    ``limit`` score ``-inf``."""
+    b, k, v = logits.shape
+    assert logits.stride(2) == 1 and head.is_contiguous() and embed.is_contiguous()
+    best = torch.full((b, k), _EMPTY, dtype=torch.int64, device=logits.device)
+    grid = (b, triton.cdiv(v, BLOCK_V))
+    for i in range(k):
+        if i == 0:
+            prev, packed = tokens, False
+        elif targets is not None:
+            prev, packed = targets[:, i - 1], False
+        else:
+            prev, packed = best[:, i - 1], True
+        _markov_step[grid](logits[:, i], prev, prev.stride(0), best[:, i], embed, head, v,
+                           head.shape[1], v if limit is None else limit, logits.stride(0),
+                           best.stride(0), PACKED=packed, BLOCK_V=BLOCK_V,
+                           BLOCK_R=BLOCK_R)  # fmt: skip
+    return best & _ID_BITS

@@ -1,0 +1,87 @@
+"""DSpark's Markov loop (``engramrt.kernels.markov_drafts`` and the torch path
+``dspark.markov_loop``) against a restatement in Python: each row's previous token (the sampled
+one, then each draft or the teacher's token), its embedding times the head added to the
+logits, ids at or past ``limit`` set to ``-inf``, the first largest id taken. Integer-valued
+inputs keep every sum exact, so ties are real (many values repeat) and the logits written back
+must match to the bit; the rows span several vocabulary tiles and rank chunks, and all-negative
+rows check the float order of the packed keys."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engramrt.model.dspark import MarkovHead, markov_loop
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def restated(logits, tokens, embed, head, limit, targets):
+    logits = logits.double().tolist()
+    drafts = []
+    for b, row in enumerate(logits):
+        prev, out = int(tokens[b]), []
+        for i, pos in enumerate(row):
+            bias = [sum(w * e for w, e in zip(head[v].tolist(), embed[prev].tolist(), strict=True))
+                    for v in range(len(pos))]  # fmt: skip
+            pos[:] = [x + y if limit is None or v < limit else -math.inf
+                      for v, (x, y) in enumerate(zip(pos, bias, strict=True))]  # fmt: skip
+            out.append(max(range(len(pos)), key=lambda v, pos=pos: (pos[v], -v)))
+            prev = out[-1] if targets is None else int(targets[b, i])
+        drafts.append(out)
+    return torch.tensor(logits), drafts
+
+
+def inputs(seed: int, v: int, rank: int, b: int, k: int, negative: bool):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-4, 5, (b, k, v), generator=g).float()
+    if negative:
+        logits -= 100.0
+    logits[0, 0, 3] = -math.inf
+    head = MarkovHead(v, rank, torch.float32)
+    with torch.no_grad():
+        head.embed.weight.copy_(torch.randint(-2, 3, (v, rank), generator=g).float())
+        head.head.weight.copy_(torch.randint(-1, 2, (v, rank), generator=g).float())
+    tokens = torch.randint(0, v, (b,), generator=g)
+    targets = torch.randint(0, v, (b, k), generator=g)
+    return logits, tokens, head, targets
+
+
+CASES = [  # (seed, vocabulary, rank, rows, positions, limit, negative, teacher)
+    (0, 150, 70, 3, 5, None, False, False),
+    (1, 150, 70, 3, 5, 101, True, False),
+    (2, 130, 33, 2, 6, 64, False, True),
+    (3, 96, 8, 1, 1, None, True, False),
+]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_is_the_restatement(case) -> None:
+    from engramrt.kernels.markov_drafts import markov_drafts
+
+    seed, v, rank, b, k, limit, negative, teacher = case
+    logits, tokens, head, targets = inputs(seed, v, rank, b, k, negative)
+    want_logits, want = restated(logits, tokens, head.embed.weight, head.head.weight, limit,
+                                 targets if teacher else None)  # fmt: skip
+    on = logits.to(DEVICE)
+    with torch.no_grad():
+        got = markov_drafts(on, tokens.to(DEVICE), head.embed.weight.to(DEVICE),
+                            head.head.weight.to(DEVICE), limit,
+                            targets.to(DEVICE) if teacher else None)  # fmt: skip
+    assert got.cpu().tolist() == want
+    assert torch.equal(on.cpu().double(), want_logits)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_torch_path_is_the_restatement(case) -> None:
+    seed, v, rank, b, k, limit, negative, teacher = case
+    logits, tokens, head, targets = inputs(seed, v, rank, b, k, negative)
+    want_logits, want = restated(logits, tokens, head.embed.weight, head.head.weight, limit,
+                                 targets if teacher else None)  # fmt: skip
+    with torch.no_grad():
+        got = markov_loop(logits, tokens, head, limit, targets if teacher else None)
+    assert got.tolist() == want
+    assert torch.equal(logits.double(), want_logits)
