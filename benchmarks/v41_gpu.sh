@@ -54,6 +54,9 @@
 #   PART=u  issue 35: the whole selection after the last change, then what follows the sampler on
 #           a pipeline's last stage of the bundled model, eager and from its graph
 #           (pipeline_after_bench.py)
+#   PART=v  issue 35, the Markov loop's kernel: the DSpark and kernel tests on the GPU, the
+#           kernels of a plain step's forward, a verify step's and the draft pass
+#           (step_kernels.py), then DSpark on the bundled model (K = 5, bs 1 and 16)
 #   bash benchmarks/v41_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:-/tmp/v41}
@@ -109,6 +112,14 @@ host_steps() {  # file, extra flags, arms (--speculative-config values; "" for p
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4}'
 DSPARK5='{"method": "dspark", "num_speculative_tokens": 5}'
 case "${PART:-b}" in
+  v)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" tests/kernels/test_markov_drafts.py \
+      tests/model -k "dspark or markov or draft or v41_kernels" 2>&1 | tee "$out/gpu_tests.txt" \
+      | tail -4
+    timeout 90 python3 benchmarks/step_kernels.py --out "$out/step_kernels.json" 2>&1 \
+      | grep -v "^engramrt:\|USDT" | tee "$out/step_kernels.txt"
+    dspark_k5
+    ;;
   i)
     for k in 5 3; do
       timeout 100 python3 benchmarks/dspark_accept.py --device cuda --k "$k" --per-kind 8 \
