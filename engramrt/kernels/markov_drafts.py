@@ -10,7 +10,9 @@ min: the high word an order-reversed key of the value (a float's bits in signed 
 inverted), the low word the vocabulary id, so the largest value wins and equal values go to the
 lower id, as ``torch.argmax``. The next position's launch reads its previous token from that
 word; the first reads the sampled tokens, and teacher forcing (``targets``) reads the true
-tokens instead.
+tokens instead. The kernel indexes its own buffers by position and takes the caller's tensors
+(the samples, the targets) without specialising on their alignment: a view's offset would
+otherwise select a new variant, compiled mid-serving (~1 s).
 """
 
 from __future__ import annotations
@@ -25,17 +27,21 @@ _EMPTY = torch.iinfo(torch.int64).max
 _ID_BITS = 0xFFFFFFFF
 
 
-@triton.jit(do_not_specialize=["limit"])
+@triton.jit(do_not_specialize=["i", "first_stride", "limit"],
+            do_not_specialize_on_alignment=["first_ptr", "forced_ptr"])  # the caller's views
 def _markov_step(
-    logits_ptr, prev_ptr, prev_stride, best_ptr, embed_ptr, head_ptr, V, R, limit, row_stride,
-    best_stride, PACKED: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    logits_ptr, best_ptr, first_ptr, first_stride, forced_ptr, embed_ptr, head_ptr, i, K, V, R,
+    limit, FORCED: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     inside = v < V
-    prev = tl.load(prev_ptr + b * prev_stride).to(tl.int64)
-    if PACKED:  # the previous position's winner: its id is the low word
-        prev = prev & 0xFFFFFFFF
+    if i == 0:
+        prev = tl.load(first_ptr + b * first_stride).to(tl.int64)
+    elif FORCED:
+        prev = tl.load(forced_ptr + b * K + i - 1).to(tl.int64)
+    else:  # the previous position's winner: its id is the low word
+        prev = tl.load(best_ptr + b * K + i - 1) & 0xFFFFFFFF
     bias = tl.zeros((BLOCK_V,), tl.float32)
     for r0 in range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
@@ -43,7 +49,7 @@ def _markov_step(
         w = tl.load(head_ptr + v[:, None].to(tl.int64) * R + r[None, :],
                     mask=inside[:, None] & (r < R)[None, :], other=0.0)  # fmt: skip
         bias += tl.sum(w * e[None, :], axis=1)
-    row = logits_ptr + b * row_stride + v
+    row = logits_ptr + (b * K + i) * V + v
     val = tl.load(row, mask=inside, other=0.0) + bias
     val = tl.where(v < limit, val, float("-inf"))
     tl.store(row, val, mask=inside)
@@ -53,7 +59,7 @@ def _markov_step(
     bits = top.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the floats
     packed = ((~key).to(tl.int64) << 32) | first
-    tl.atomic_min(best_ptr + b * best_stride, packed)
+    tl.atomic_min(best_ptr + b * K + i, packed)
 
 
 def markov_drafts(logits: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,
@@ -64,18 +70,13 @@ def markov_drafts(logits: torch.Tensor, tokens: torch.Tensor, embed: torch.Tenso
     (or ``targets[:, i - 1]``). ``embed`` [vocab, R], ``head`` [V, R] fp32; ids at or past
     ``limit`` score ``-inf``."""
     b, k, v = logits.shape
-    assert logits.stride(2) == 1 and head.is_contiguous() and embed.is_contiguous()
+    assert logits.is_contiguous() and head.is_contiguous() and embed.is_contiguous()
     best = torch.full((b, k), _EMPTY, dtype=torch.int64, device=logits.device)
+    forced = best if targets is None else targets.contiguous()
     grid = (b, triton.cdiv(v, BLOCK_V))
     for i in range(k):
-        if i == 0:
-            prev, packed = tokens, False
-        elif targets is not None:
-            prev, packed = targets[:, i - 1], False
-        else:
-            prev, packed = best[:, i - 1], True
-        _markov_step[grid](logits[:, i], prev, prev.stride(0), best[:, i], embed, head, v,
-                           head.shape[1], v if limit is None else limit, logits.stride(0),
-                           best.stride(0), PACKED=packed, BLOCK_V=BLOCK_V,
+        _markov_step[grid](logits, best, tokens, tokens.stride(0), forced, embed, head, i, k, v,
+                           head.shape[1], v if limit is None else limit,
+                           FORCED=targets is not None, BLOCK_V=BLOCK_V,
                            BLOCK_R=BLOCK_R)  # fmt: skip
     return best & _ID_BITS

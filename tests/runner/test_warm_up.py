@@ -1,7 +1,8 @@
 """No Triton compilation mid-serving: the start-up warm-up covers every compile-time variant the
 token and request counts select, the step buffer's views are 16-byte aligned whatever the counts
 (Triton specialises pointers on it), and on a GPU a second wave of new prompt shapes after start-up
-compiles nothing."""
+compiles nothing, with speculation too (the draft pass reads the samples through views of any
+alignment)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ def test_step_buffer_views_are_16_byte_aligned() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_serving_after_warm_up_compiles_nothing() -> None:
+@pytest.mark.parametrize("spec", [None, '{"method": "dspark", "num_speculative_tokens": 5}',
+                                  '{"method": "ngram", "num_speculative_tokens": 4}'])
+def test_serving_after_warm_up_compiles_nothing(spec: str | None) -> None:
     from engramrt.commands.bench_throughput import add_arguments, local_engine
     from engramrt.engine.request import SamplingParams
     from engramrt.kernels.compiles import compilations, count_compilations, recent
@@ -73,7 +76,8 @@ def test_serving_after_warm_up_compiles_nothing() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(["--device", "cuda", "--max-num-seqs", "8",
-                         "--max-num-batched-tokens", "96"])  # fmt: skip
+                         "--max-num-batched-tokens", "96"]
+                        + (["--speculative-config", spec] if spec else []))  # fmt: skip
     engine = local_engine(args, 512)  # loads, profiles, warms up, captures graphs
     before = compilations()
     rng = random.Random(1)
