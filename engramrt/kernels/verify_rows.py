@@ -10,6 +10,10 @@ refused draft into a confirmed one, and the minimum over the replicas keeps the 
 ``write_drafts``: the next drafts into the rows, after the draft pass. ``shift``: the next
 step's lagging runs moved back by the drafts their slots rejected (``Verifier.shift``), one
 launch for ~20 small kernels.
+
+Every count and pointer is left unspecialised (Triton would otherwise compile a variant for a
+count of 1 or a multiple of 16, or a view's alignment, that the start-up's steps never met:
+serving with speculation compiled ~4 mid-run).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["size", "n_samples", "width", "spare", "pad_row"],
+            do_not_specialize_on_alignment=["x_ptr", "samples_ptr", "rows_ptr", "rejected_ptr",
+                                            "out_ptr", "block_ptr", "target_ptr"])  # fmt: skip
 def _accept_kernel(
     x_ptr, size, samples_ptr, n_samples, rows_ptr, width, rejected_ptr, spare,
     out_ptr, block_ptr, target_ptr, pad_row,
@@ -66,7 +72,9 @@ def _accept_kernel(
     tl.store(rejected_ptr + tl.where(keep, slot, spare), drafts - accepted)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width", "stride"],
+            do_not_specialize_on_alignment=["rows_ptr", "slots_ptr", "last_ptr", "keep_ptr",
+                                            "drafts_ptr"])  # fmt: skip
 def _write_drafts_kernel(
     rows_ptr, width, slots_ptr, last_ptr, keep_ptr, drafts_ptr, stride, K: tl.constexpr,
     LANES: tl.constexpr,
@@ -81,7 +89,11 @@ def _write_drafts_kernel(
              mask=i < tl.where(keep, K, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_runs", "table_width", "n_tokens", "block_size", "n_dec"],
+            do_not_specialize_on_alignment=["lag_ptr", "rejected_ptr", "slot_ids_ptr",
+                                            "start_ptr", "ctx_lens_ptr", "pos_ptr",
+                                            "slot_map_ptr", "token_req_ptr", "table_ptr",
+                                            "dec_lens_ptr", "dec_req_ptr"])  # fmt: skip
 def _shift_kernel(
     lag_ptr, rejected_ptr, slot_ids_ptr, start_ptr, ctx_lens_ptr, n_runs,
     pos_ptr, slot_map_ptr, token_req_ptr, table_ptr, table_width, n_tokens, block_size,
