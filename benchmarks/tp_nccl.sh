@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Issue 21 on a two-GPU machine, in sections (PARTS, default all): "check" check-pp over NCCL at
-# TP = 2, PP = 1 against one GPU and PP = 2 (every partition still bitwise), fp32 and bf16, on the
-# pp8 preset; "decode" bench throughput latency mode at bs 1 and 64 on the 4b preset, TP = 2 vs
-# one GPU vs PP = 2, and the NCCL kernels' share of a step (benchmarks/tp_profile.py);
-# "offline" nano-vllm's protocol TP = 2 vs one GPU, and TP = 2 with host tables; "serve" serve
-# -tp 2 vs one GPU with bench serve at concurrency 1 and 16 (bf16) and the greedy outputs of
-# both compared (fp32: tokens must match; bf16: reported).
+# Two GPUs over NCCL (issues 21 and 36), in sections (PARTS, default all): "check" check-pp over
+# NCCL at TP = 2, PP = 1 against one GPU and PP = 2 (every partition still bitwise), fp32 and
+# bf16, on the pp8 preset, then on v41-small every legal PP cut (bitwise) and TP = 2 (within
+# tolerance); "decode" bench throughput latency mode at bs 1 and 64 on each of PRESETS (default
+# "4b v41-wide"), TP = 2 vs one GPU vs PP = 2, and the NCCL kernels' share of a step
+# (benchmarks/tp_profile.py); "offline" nano-vllm's protocol TP = 2 vs one GPU, and TP = 2 with
+# host tables (on the first of PRESETS); "serve" serve -tp 2 vs one GPU with bench serve at
+# concurrency 1 and 16 (bf16) and the greedy outputs of both compared (fp32: tokens must match;
+# bf16: reported). At the end every output is packed into OUT_DIR/two-gpu.tar.gz (the device
+# returns at most 8 files): unpack it under benchmarks/results/two-gpu/ and commit.
 #   bash benchmarks/tp_nccl.sh OUT_DIR
-# A dry run of the script on one GPU: BACKEND=gloo PRESET=pp8 (two ranks share the GPU over
+# A dry run of the script on one GPU: BACKEND=gloo PRESETS=pp8 (two ranks share the GPU over
 # gloo, eagerly; the profile runs one rank) proves the commands, not the numbers.
 set -uo pipefail
 out=${1:-/tmp/tp_nccl}
@@ -15,7 +18,8 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 parts=${PARTS:-check decode offline serve}
-big=${PRESET:-4b}
+presets=${PRESETS:-${PRESET:-4b v41-wide}}
+big=${presets%% *}
 backend=${BACKEND:+--distributed-backend $BACKEND}
 log() { echo "== $*" | tee -a "$out/summary.txt"; }
 want() { [[ " $parts " == *" $1 "* ]]; }
@@ -24,6 +28,7 @@ model() { [ -f /tmp/m$1/config.json ] || python3 benchmarks/make_models.py --pre
   --out /tmp/m$1 --device cuda 2>&1 | tail -1 | tee -a "$out/summary.txt"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpus.txt"
+nvidia-smi -L >> "$out/gpus.txt"
 python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count(), torch.cuda.nccl.version())' \
   | tee -a "$out/summary.txt"
 
@@ -38,24 +43,41 @@ want check && model pp8 && for dtype in float32 bfloat16; do
   done
 done
 
-bench() {  # tag flags...
+want check && model v41-small && for dtype in float32 bfloat16; do
+  for stages in 2 1; do  # every legal cut of the V4.1 preset, then its TP = 2
+    tp=$([ $stages = 1 ] && echo 2 || echo 1)
+    log "check-pp v41-small --stages $stages -tp $tp --dtype $dtype (${BACKEND:-nccl}, 2 ranks)"
+    timeout 300 python3 -m engramrt check-pp --model /tmp/mv41-small --device cuda \
+      --stages $stages -tp $tp $backend --dtype $dtype --decode-steps 16 \
+      --json "$out/check-v41-$stages-$dtype.json" \
+      2>"$out/check-v41-$stages-$dtype.err" | tail -4 | tee -a "$out/summary.txt"
+  done
+done
+
+bench() {  # tag flags... (the model: $big)
   local tag=$1; shift
   timeout 400 python3 -m engramrt bench throughput --model /tmp/m$big --device cuda \
     --dtype bfloat16 $backend "$@" > "$out/$tag.txt" 2> "$out/$tag.err"
   echo "$tag: $(grep -E 'Output token throughput|Decode step|Achieved' "$out/$tag.txt" | tr '\n' ' ')" \
     | tee -a "$out/summary.txt"
 }
-want decode && model $big && for bs in 1 64; do
-  for cfg in "tp2:-tp 2" "tp1:" "pp2:-pp 2"; do
-    bench "decode-${cfg%%:*}-bs$bs" --batch-size $bs --input-len 128 --output-len 128 ${cfg#*:}
+ranks=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 2 || echo 1)
+first=$big
+want decode && for big in $presets; do
+  model $big && for bs in 1 64; do
+    for cfg in "tp2:-tp 2" "tp1:" "pp2:-pp 2"; do
+      bench "decode-$big-${cfg%%:*}-bs$bs" --batch-size $bs --input-len 128 --output-len 128 \
+        ${cfg#*:}
+    done
+  done
+  for bs in 1 64; do
+    log "the NCCL kernels' share of a TP decode step ($big, profile, $ranks ranks, bs $bs)"
+    timeout 200 torchrun --standalone --nproc-per-node $ranks benchmarks/tp_profile.py \
+      --model /tmp/m$big --batch-size $bs 2>>"$out/profile.err" | tail -1 \
+      | tee -a "$out/summary.txt"
   done
 done
-ranks=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 2 || echo 1)
-want decode && for bs in 1 64; do
-  log "the NCCL kernels' share of a TP decode step (profile, $ranks ranks, bs $bs)"
-  timeout 200 torchrun --standalone --nproc-per-node $ranks benchmarks/tp_profile.py \
-    --model /tmp/m$big --batch-size $bs 2>>"$out/profile.err" | tail -1 | tee -a "$out/summary.txt"
-done
+big=$first
 
 want offline && model $big && for cfg in "tp2:-tp 2" "tp1:" "tp2-host:-tp 2 --engram-table-memory host"; do
   bench "offline-${cfg%%:*}" ${cfg#*:}
@@ -84,3 +106,4 @@ want serve && for dtype in float32 bfloat16; do
   python3 benchmarks/greedy_outputs.py compare "$out/greedy-tp1-$dtype.json" \
     "$out/greedy-tp2-$dtype.json" | tee -a "$out/summary.txt"
 done
+tar czf "$out/two-gpu.tar.gz" -C "$out" --exclude two-gpu.tar.gz . && log "packed: $out/two-gpu.tar.gz"
