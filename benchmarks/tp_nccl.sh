@@ -7,14 +7,18 @@
 # (benchmarks/tp_profile.py); "offline" nano-vllm's protocol TP = 2 vs one GPU, and TP = 2 with
 # host tables (on the first of PRESETS); "serve" serve -tp 2 vs one GPU with bench serve at
 # concurrency 1 and 16 (bf16) and the greedy outputs of both compared (fp32: tokens must match;
-# bf16: reported). At the end every output is packed into OUT_DIR/two-gpu.tar.gz (the device
-# returns at most 8 files): unpack it under benchmarks/results/two-gpu/ and commit.
+# bf16: reported). The raw outputs go to RAW (default /tmp/two-gpu, kept across the calls of one
+# warm machine); after each section all of them so far are packed into OUT_DIR/two-gpu.tar.gz
+# (a device call returns at most 8 files, and a command stops at 10 minutes: run the sections
+# in separate calls, PARTS=check, PARTS=decode, ...): unpack the last one under
+# benchmarks/results/two-gpu/ and commit it.
 #   bash benchmarks/tp_nccl.sh OUT_DIR
 # A dry run of the script on one GPU: BACKEND=gloo PRESETS=pp8 (two ranks share the GPU over
 # gloo, eagerly; the profile runs one rank) proves the commands, not the numbers.
 set -uo pipefail
-out=${1:-/tmp/tp_nccl}
-mkdir -p "$out"
+dest=${1:-/tmp/tp_nccl}
+out=${RAW:-/tmp/two-gpu}
+mkdir -p "$dest" "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 parts=${PARTS:-check decode offline serve}
@@ -23,6 +27,8 @@ big=${presets%% *}
 backend=${BACKEND:+--distributed-backend $BACKEND}
 log() { echo "== $*" | tee -a "$out/summary.txt"; }
 want() { [[ " $parts " == *" $1 "* ]]; }
+pack() { want "$1" && log "packed after $1: $dest/two-gpu.tar.gz" \
+  && tar czf "$dest/two-gpu.tar.gz" -C "$out" .; }
 . "$(dirname "$0")/serve_lib.sh"
 model() { [ -f /tmp/m$1/config.json ] || python3 benchmarks/make_models.py --preset $1 \
   --out /tmp/m$1 --device cuda 2>&1 | tail -1 | tee -a "$out/summary.txt"; }
@@ -54,6 +60,8 @@ want check && model v41-small && for dtype in float32 bfloat16; do
   done
 done
 
+pack check
+
 bench() {  # tag flags... (the model: $big)
   local tag=$1; shift
   timeout 400 python3 -m engramrt bench throughput --model /tmp/m$big --device cuda \
@@ -64,7 +72,8 @@ bench() {  # tag flags... (the model: $big)
 ranks=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 2 || echo 1)
 first=$big
 want decode && for big in $presets; do
-  model $big && for bs in 1 64; do
+  model $big || continue
+  for bs in 1 64; do
     for cfg in "tp2:-tp 2" "tp1:" "pp2:-pp 2"; do
       bench "decode-$big-${cfg%%:*}-bs$bs" --batch-size $bs --input-len 128 --output-len 128 \
         ${cfg#*:}
@@ -78,10 +87,12 @@ want decode && for big in $presets; do
   done
 done
 big=$first
+pack decode
 
 want offline && model $big && for cfg in "tp2:-tp 2" "tp1:" "tp2-host:-tp 2 --engram-table-memory host"; do
   bench "offline-${cfg%%:*}" ${cfg#*:}
 done
+pack offline
 
 want serve && model $big && port=8600 && for tp in 2 1; do
   for dtype in bfloat16 float32; do  # bf16 for speed; fp32 for the greedy outputs' equality
@@ -106,4 +117,4 @@ want serve && for dtype in float32 bfloat16; do
   python3 benchmarks/greedy_outputs.py compare "$out/greedy-tp1-$dtype.json" \
     "$out/greedy-tp2-$dtype.json" | tee -a "$out/summary.txt"
 done
-tar czf "$out/two-gpu.tar.gz" -C "$out" --exclude two-gpu.tar.gz . && log "packed: $out/two-gpu.tar.gz"
+pack serve

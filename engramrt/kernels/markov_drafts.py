@@ -13,6 +13,11 @@ word; the first reads the sampled tokens, and teacher forcing (``targets``) read
 tokens instead. The kernel indexes its own buffers by position and takes the caller's tensors
 (the samples, the targets) without specialising on their alignment: a view's offset would
 otherwise select a new variant, compiled mid-serving (~1 s).
+
+The drafts equal ``dspark.markov_loop``'s up to the order of the rank sum (its GEMV's): exactly
+where the sums are exact, and away from near-ties otherwise. Not handled: NaN logits, which
+``torch.argmax`` takes as the largest; here a NaN loses every comparison, and a row of NaN
+would give the id ``V``.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ def markov_drafts(logits: torch.Tensor, tokens: torch.Tensor, embed: torch.Tenso
     ``limit`` score ``-inf``."""
     b, k, v = logits.shape
     assert logits.is_contiguous() and head.is_contiguous() and embed.is_contiguous()
+    assert head.shape[0] >= v and (targets is None or targets.shape == (b, k))
     best = torch.full((b, k), _EMPTY, dtype=torch.int64, device=logits.device)
     forced = best if targets is None else targets.contiguous()
     grid = (b, triton.cdiv(v, BLOCK_V))

@@ -3,8 +3,9 @@
 one, then each draft or the teacher's token), its embedding times the head added to the
 logits, ids at or past ``limit`` set to ``-inf``, the first largest id taken. Integer-valued
 inputs keep every sum exact, so ties are real (many values repeat) and the logits written back
-must match to the bit; the rows span several vocabulary tiles and rank chunks, and all-negative
-rows check the float order of the packed keys."""
+must match to the bit; the rows span several vocabulary tiles and rank chunks, all-negative
+rows check the float order of the packed keys, one case keeps its embedding in bf16 (as the
+model does) and the sampled tokens come as a strided view."""
 
 from __future__ import annotations
 
@@ -34,26 +35,27 @@ def restated(logits, tokens, embed, head, limit, targets):
     return torch.tensor(logits), drafts
 
 
-def inputs(seed: int, v: int, rank: int, b: int, k: int, negative: bool):
+def inputs(seed: int, v: int, rank: int, b: int, k: int, negative: bool, dtype: torch.dtype):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randint(-4, 5, (b, k, v), generator=g).float()
     if negative:
         logits -= 100.0
     logits[0, 0, 3] = -math.inf
-    head = MarkovHead(v, rank, torch.float32)
+    head = MarkovHead(v, rank, dtype)
     with torch.no_grad():
-        head.embed.weight.copy_(torch.randint(-2, 3, (v, rank), generator=g).float())
+        head.embed.weight.copy_(torch.randint(-2, 3, (v, rank), generator=g))
         head.head.weight.copy_(torch.randint(-1, 2, (v, rank), generator=g).float())
-    tokens = torch.randint(0, v, (b,), generator=g)
+    tokens = torch.randint(0, v, (b, 2), generator=g)[:, 1]  # a strided view, as samples are
     targets = torch.randint(0, v, (b, k), generator=g)
     return logits, tokens, head, targets
 
 
-CASES = [  # (seed, vocabulary, rank, rows, positions, limit, negative, teacher)
-    (0, 150, 70, 3, 5, None, False, False),
-    (1, 150, 70, 3, 5, 101, True, False),
-    (2, 130, 33, 2, 6, 64, False, True),
-    (3, 96, 8, 1, 1, None, True, False),
+F32, BF16 = torch.float32, torch.bfloat16
+CASES = [  # (seed, vocabulary, rank, rows, positions, limit, negative, teacher, embedding dtype)
+    (0, 150, 70, 3, 5, None, False, False, F32),
+    (1, 150, 70, 3, 5, 101, True, False, BF16),
+    (2, 130, 33, 2, 6, 64, False, True, F32),
+    (3, 96, 8, 1, 1, None, True, False, F32),
 ]
 
 
@@ -62,8 +64,8 @@ CASES = [  # (seed, vocabulary, rank, rows, positions, limit, negative, teacher)
 def test_kernel_is_the_restatement(case) -> None:
     from engramrt.kernels.markov_drafts import markov_drafts
 
-    seed, v, rank, b, k, limit, negative, teacher = case
-    logits, tokens, head, targets = inputs(seed, v, rank, b, k, negative)
+    seed, v, rank, b, k, limit, negative, teacher, dtype = case
+    logits, tokens, head, targets = inputs(seed, v, rank, b, k, negative, dtype)
     want_logits, want = restated(logits, tokens, head.embed.weight, head.head.weight, limit,
                                  targets if teacher else None)  # fmt: skip
     on = logits.to(DEVICE)
@@ -77,8 +79,8 @@ def test_kernel_is_the_restatement(case) -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_torch_path_is_the_restatement(case) -> None:
-    seed, v, rank, b, k, limit, negative, teacher = case
-    logits, tokens, head, targets = inputs(seed, v, rank, b, k, negative)
+    seed, v, rank, b, k, limit, negative, teacher, dtype = case
+    logits, tokens, head, targets = inputs(seed, v, rank, b, k, negative, dtype)
     want_logits, want = restated(logits, tokens, head.embed.weight, head.head.weight, limit,
                                  targets if teacher else None)  # fmt: skip
     with torch.no_grad():
