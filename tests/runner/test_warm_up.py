@@ -91,5 +91,6 @@ def test_serving_after_warm_up_compiles_nothing(spec: str | None) -> None:
                                               top_p=0.9, seed=i, ignore_eos=True))  # fmt: skip
         while engine.has_work():
             engine.step()
+    assert (engine.spec_draft_tokens > 0) == (spec is not None)  # speculation did run
     new = compilations() - before
     assert new == 0, f"{new} kernel variants compiled, the last: " + "\n".join(recent()[-new:])
