@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.spec_step_profile import warm_engine
+from benchmarks.step_kernels import module_ranges
 from engramrt.commands import bench_throughput as bt
 from engramrt.runner.batch import StepBatch
 
@@ -190,16 +191,10 @@ def draft_kernels(engine) -> dict[str, int]:
     model = engine.pipeline.runner.model
     if v is None:
         return {}
-    ranges = []
     mods = [("_run", None), ("propose", None)]
     if model.mtp is not None:
         mods += [(f"mtp.{i}.{n}", m) for i, st in enumerate(model.mtp)
                  for n, m in st.named_children()]  # fmt: skip
-    hooks = []
-    for name, m in mods[2:]:
-        hooks.append(m.register_forward_pre_hook(
-            lambda *_, _n=name: ranges.append(record_function(_n).__enter__())))
-        hooks.append(m.register_forward_hook(lambda *_: ranges.pop().__exit__(None, None, None)))
     dev = v.rejected.device
     x = v._inputs(StepBatch(None, [0], [1 + v.k], [10], drafts=[v.k], final=[1]), 1, v.k).to(dev)
     samples = torch.zeros(1 + v.k, dtype=torch.int64, device=dev)
@@ -213,13 +208,12 @@ def draft_kernels(engine) -> dict[str, int]:
     v._run(x, samples, v.k)  # warm
     sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
     sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with record_function("_run"):
-            v._run(x, samples, v.k)
-        sync()
+    with module_ranges(mods[2:]):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with record_function("_run"):
+                v._run(x, samples, v.k)
+            sync()
     v.propose = propose
-    for h in hooks:
-        h.remove()
 
     def kernels(e) -> int:
         return len(e.kernels) + sum(kernels(c) for c in e.cpu_children)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,25 +32,32 @@ def blocks(model) -> list[tuple[str, torch.nn.Module]]:
         (f"mtp.{i}", b) for i, b in enumerate(model.mtp or [])]  # fmt: skip
 
 
-def kernels_by_module(model, fn, sync) -> tuple[dict[str, int], dict[str, int]]:
-    """(kernels by innermost module, by kernel name) of one eager call of ``fn``."""
-    whole = blocks(model)
-    mods = whole + [(f"{b}.{n}", m) for b, block in whole for n, m in block.named_children()]
+@contextmanager
+def module_ranges(mods: list[tuple[str, torch.nn.Module]]):
+    """Each module's forward inside a profiler range of its name, while the block runs."""
     stack: list = []
     hooks = []
     for name, m in mods:
         hooks.append(m.register_forward_pre_hook(
             lambda *_, _n=name: stack.append(record_function(_n).__enter__())))  # fmt: skip
         hooks.append(m.register_forward_hook(lambda *_: stack.pop().__exit__(None, None, None)))
-    sync()
     try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def kernels_by_module(model, fn, sync) -> tuple[dict[str, int], dict[str, int]]:
+    """(kernels by innermost module, by kernel name) of one eager call of ``fn``."""
+    whole = blocks(model)
+    mods = whole + [(f"{b}.{n}", m) for b, block in whole for n, m in block.named_children()]
+    sync()
+    with module_ranges(mods):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             with record_function("(model)"):
                 fn()
             sync()
-    finally:
-        for h in hooks:
-            h.remove()
     names = {n for n, _ in mods} | {"(model)"}
     block_names = {n for n, _ in whole}
 

@@ -59,31 +59,35 @@ CASES = [  # (seed, vocabulary, rank, rows, positions, limit, negative, teacher,
 ]
 
 
+def prepared(case):
+    """(logits, tokens, head, limit, teacher's tokens or None) of a case, and the restatement's
+    (logits, drafts) for them."""
+    seed, v, rank, b, k, limit, negative, teacher, dtype = case
+    logits, tokens, head, targets = inputs(seed, v, rank, b, k, negative, dtype)
+    forced = targets if teacher else None
+    want = restated(logits, tokens, head.embed.weight, head.head.weight, limit, forced)
+    return (logits, tokens, head, limit, forced), want
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_is_the_restatement(case) -> None:
     from engramrt.kernels.markov_drafts import markov_drafts
 
-    seed, v, rank, b, k, limit, negative, teacher, dtype = case
-    logits, tokens, head, targets = inputs(seed, v, rank, b, k, negative, dtype)
-    want_logits, want = restated(logits, tokens, head.embed.weight, head.head.weight, limit,
-                                 targets if teacher else None)  # fmt: skip
+    (logits, tokens, head, limit, forced), (want_logits, want) = prepared(case)
     on = logits.to(DEVICE)
     with torch.no_grad():
         got = markov_drafts(on, tokens.to(DEVICE), head.embed.weight.to(DEVICE),
                             head.head.weight.to(DEVICE), limit,
-                            targets.to(DEVICE) if teacher else None)  # fmt: skip
+                            None if forced is None else forced.to(DEVICE))  # fmt: skip
     assert got.cpu().tolist() == want
     assert torch.equal(on.cpu().double(), want_logits)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_torch_path_is_the_restatement(case) -> None:
-    seed, v, rank, b, k, limit, negative, teacher, dtype = case
-    logits, tokens, head, targets = inputs(seed, v, rank, b, k, negative, dtype)
-    want_logits, want = restated(logits, tokens, head.embed.weight, head.head.weight, limit,
-                                 targets if teacher else None)  # fmt: skip
+    (logits, tokens, head, limit, forced), (want_logits, want) = prepared(case)
     with torch.no_grad():
-        got = markov_loop(logits, tokens, head, limit, targets if teacher else None)
+        got = markov_loop(logits, tokens, head, limit, forced)
     assert got.tolist() == want
     assert torch.equal(logits.double(), want_logits)
