@@ -30,18 +30,32 @@ ROTATE_BYTES = 512 * 2**20  # K/V touched per graph replay, well over the H200's
 
 @triton.jit
 def _old_decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, width_ptr, lens_ptr, out_ptr, scale,
-    H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    width_ptr,
+    lens_ptr,
+    out_ptr,
+    scale,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """The replaced kernel (engramrt before split-K), unchanged: grid (request, KV head)."""
     b, kvh = tl.program_id(0), tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gm, dm = g < G, d < D
     heads = kvh * G + g
-    q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=gm[:, None] & dm[None, :],
-                other=0).to(tl.float32)  # fmt: skip
+    q = tl.load(
+        q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=gm[:, None] & dm[None, :], other=0
+    ).to(tl.float32)
     n = tl.load(lens_ptr + b)
     max_blocks = tl.load(width_ptr)
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
@@ -64,8 +78,11 @@ def _old_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(out_ptr + (b * H + heads)[:, None] * D + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])  # fmt: skip
+    tl.store(
+        out_ptr + (b * H + heads)[:, None] * D + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=gm[:, None] & dm[None, :],
+    )
 
 
 def old_decode_attention(q, k_cache, v_cache, tables, lens, width) -> torch.Tensor:
@@ -73,10 +90,23 @@ def old_decode_attention(q, k_cache, v_cache, tables, lens, width) -> torch.Tens
     group = HEADS // KV_HEADS
     block_g, block_d = triton.next_power_of_2(group), triton.next_power_of_2(DIM)
     _old_decode_kernel[(q.shape[0], KV_HEADS)](
-        q, k_cache, v_cache, tables, width, lens, out, DIM**-0.5,
-        H=HEADS, KVH=KV_HEADS, G=group, BLOCK_G=block_g, D=DIM, BLOCK_D=block_d, BS=BLOCK,
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        width,
+        lens,
+        out,
+        DIM**-0.5,
+        H=HEADS,
+        KVH=KV_HEADS,
+        G=group,
+        BLOCK_G=block_g,
+        D=DIM,
+        BLOCK_D=block_d,
+        BS=BLOCK,
         BLOCK_N=max(16, min(64, triton.next_power_of_2(max(1, 8192 // (block_g * block_d))))),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -152,8 +182,12 @@ def main() -> None:
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     copy = copy_bandwidth_gbs("cuda")
-    results: dict = {"device": props.name, "sms": props.multi_processor_count,
-                     "copy_bandwidth_gbs": copy, "rows": []}  # fmt: skip
+    results: dict = {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "copy_bandwidth_gbs": copy,
+        "rows": [],
+    }
     print(f"{props.name}, {props.multi_processor_count} SMs, copy {copy:.0f} GB/s")
     head = f"{'bs':>4} {'ctx':>5} {'splits':>6} {'KV MB':>8}"
     for name in ("auto", "1 split", "old"):

@@ -44,8 +44,7 @@ def held_out_prompts(model_dir: Path, enc: PromptEncoder, per_kind: int) -> list
     return prompts + [enc.text(p) for p in prose]
 
 
-def run(engine: Engine, prompts: list[list[int]],
-        max_tokens: int) -> tuple[list, float, int, int]:  # fmt: skip
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list, float, int, int]:
     """Outputs, seconds from the step that gave every request its first token to the end, the
     tokens generated in that time and the engine steps that delivered them."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
@@ -135,22 +134,32 @@ def main() -> None:
             if name == "dspark":
                 st = engine.stats()
                 runs = st["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
-                took = (st["spec_decode_num_accepted_tokens"]
-                        - before["spec_decode_num_accepted_tokens"])  # fmt: skip
+                took = (
+                    st["spec_decode_num_accepted_tokens"]
+                    - before["spec_decode_num_accepted_tokens"]
+                )
                 key = "spec_decode_num_accepted_tokens_per_pos"
                 per_pos = [a - b for a, b in zip(st[key], before[key], strict=True)]
                 per = max(runs, 1)  # no verify run: too few tokens asked for
-                row.update(verify_runs=runs, tokens_per_verify=1 + took / per,
-                           accepted_per_pos=[round(a / per, 3) for a in per_pos])  # fmt: skip
+                row.update(
+                    verify_runs=runs,
+                    tokens_per_verify=1 + took / per,
+                    accepted_per_pos=[round(a / per, 3) for a in per_pos],
+                )
         if row["dspark_tok_s"] and row["plain_tok_s"]:
             row["speedup"] = row["dspark_tok_s"] / row["plain_tok_s"]
-        row["same_outputs"] = sum(a == b for a, b in zip(outputs["plain"], outputs["dspark"],
-                                                          strict=True))  # fmt: skip
+        row["same_outputs"] = sum(
+            a == b for a, b in zip(outputs["plain"], outputs["dspark"], strict=True)
+        )
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"model": str(args.model), "device": args.device,
-                                        "k": args.k, "rows": rows}, indent=1))  # fmt: skip
+        args.out.write_text(
+            json.dumps(
+                {"model": str(args.model), "device": args.device, "k": args.k, "rows": rows},
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -57,17 +57,29 @@ def main() -> None:
     cuda = args.device == "cuda"
     slots, block = max(sizes), 16
     per = -(-(args.prompt + 8) // block)
-    runner = StageRunner.load(args.model, num_slots=slots, max_len=args.prompt + 64,
-                              device=args.device, dtype=args.dtype, dspark=True,
-                              num_blocks=0)  # fmt: skip
+    runner = StageRunner.load(
+        args.model,
+        num_slots=slots,
+        max_len=args.prompt + 64,
+        device=args.device,
+        dtype=args.dtype,
+        dspark=True,
+        num_blocks=0,
+    )
     runner.allocate_kv(slots, args.prompt + 64, block, slots * per, slack=5)
     runner.speculate(5)
     if cuda:
         runner.capture_graphs(slots, 64)
     tokens = [3 + i % 900 for i in range(args.prompt)]
-    runner.compute(StepBatch(tokens * slots, list(range(slots)), [args.prompt] * slots,
-                             [0] * slots, new_blocks=[list(range(s * per, (s + 1) * per))
-                                                      for s in range(slots)]))  # fmt: skip
+    runner.compute(
+        StepBatch(
+            tokens * slots,
+            list(range(slots)),
+            [args.prompt] * slots,
+            [0] * slots,
+            new_blocks=[list(range(s * per, (s + 1) * per)) for s in range(slots)],
+        )
+    )
     rows = []
     for b in sizes:
         batch = StepBatch([5] * b, list(range(b)), [1] * b, [args.prompt] * b)
@@ -78,14 +90,15 @@ def main() -> None:
             "batch": b,
             "draft_eager_ms": timed(
                 lambda: dspark.draft(runner.model, runner.kv, ends, where, bonus), args.iters, cuda
-            ),  # fmt: skip
+            ),
             "decode_step_ms": timed(lambda: runner.compute(batch), args.iters, cuda),
         }
         if runner.verifier.graphs:  # the whole after-sampler work of a decode step, replayed
             after = StepBatch(None, list(range(b)), [1] * b, [args.prompt] * b)
             samples = torch.full((b,), 7, device=args.device)
-            row["after_graph_ms"] = timed(lambda: runner.verifier.after(after, samples),
-                                          args.iters, cuda)  # fmt: skip
+            row["after_graph_ms"] = timed(
+                lambda: runner.verifier.after(after, samples), args.iters, cuda
+            )
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

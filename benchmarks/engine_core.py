@@ -47,9 +47,12 @@ def main() -> None:
             ratio = best / row["kernel_ms"] if row["kernel_ms"] else float("nan")  # (CPU: none)
             row[f"{mode}_ms"], row[f"{mode}_over_kernels"] = best, ratio
         res[f"bs{bs}"] = row
-        print(f"bs {bs}: kernels {row['kernel_ms']:.3f} ms; step {row['off_ms']:.3f} ms "
-              f"synchronous ({row['off_over_kernels']:.2f}x), {row['on_ms']:.3f} ms overlapped "
-              f"({row['on_over_kernels']:.2f}x)", flush=True)  # fmt: skip
+        print(
+            f"bs {bs}: kernels {row['kernel_ms']:.3f} ms; step {row['off_ms']:.3f} ms "
+            f"synchronous ({row['off_over_kernels']:.2f}x), {row['on_ms']:.3f} ms overlapped "
+            f"({row['on_over_kernels']:.2f}x)",
+            flush=True,
+        )
     Path(args.out).write_text(json.dumps(res, indent=1))
 
 

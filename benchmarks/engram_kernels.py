@@ -107,8 +107,10 @@ EXTEND_LAUNCHES = [(16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)]
 def hashers(slots: int):
     layout = EngramLayout.from_config(engram_config(json.loads(FLASH_CONFIG.read_text())))
     tmap = torch.randint(0, 99092, (VOCAB,), generator=torch.Generator().manual_seed(0))
-    return (EngramHasher(layout, tmap, slots, "cuda", kernels=True),
-            EngramHasher(layout, tmap, slots, "cuda", kernels=False))  # fmt: skip
+    return (
+        EngramHasher(layout, tmap, slots, "cuda", kernels=True),
+        EngramHasher(layout, tmap, slots, "cuda", kernels=False),
+    )
 
 
 @contextlib.contextmanager
@@ -142,8 +144,15 @@ def main() -> None:
 
     def row(what, size, tri, ref, nbytes, equal):
         floor = nbytes / (bw * 1e3)
-        r = {"what": what, "size": size, "triton_us": tri, "torch_us": ref, "floor_us": floor,
-             "gbs": nbytes / (tri * 1e3), "equal": equal}  # fmt: skip
+        r = {
+            "what": what,
+            "size": size,
+            "triton_us": tri,
+            "torch_us": ref,
+            "floor_us": floor,
+            "gbs": nbytes / (tri * 1e3),
+            "equal": equal,
+        }
         res["rows"].append(r)
         print(
             f"{what:28} {size:>8} {tri:>10.2f} {ref:>10.2f} {floor:>9.3f} {r['gbs']:>7.0f} "
@@ -180,8 +189,14 @@ def main() -> None:
                 starts = torch.empty_like(lens)
                 t_k = graph_us(lambda: tri.ops.hash(EXTEND, toks, slots, start, lens, starts))
             tag = f"{launch[0]} tok/prog, {launch[1]} warps"
-            row(f"extend hash ({nreq} req, graph; {tag})", t_total, t_g, r_g, t_total * per_tok,
-                equal)  # fmt: skip
+            row(
+                f"extend hash ({nreq} req, graph; {tag})",
+                t_total,
+                t_g,
+                r_g,
+                t_total * per_tok,
+                equal,
+            )
             row(f"  hash kernel alone ({tag})", t_total, t_k, r_g, t_total * per_tok, equal)
     g = torch.Generator(device="cuda").manual_seed(0)
     rows_n = 2**22  # a 1 GiB slice of a table: row ids spread beyond L2
@@ -229,15 +244,23 @@ def main() -> None:
                 HOST_GATHERS if args.sweep else [engram_gather.default_config(table.weight, ids)]
             )
             for cfg in sweep:
-                main_us, total_us = beside(fn, lambda: gather(ids, table.weight, table.scale,
-                                                              config=cfg))  # fmt: skip
-                r = {"what": f"host gather T={t} beside {name}", "pairs": cfg.pairs,
-                     "max_programs": cfg.max_programs, "work_alone_us": alone,
-                     "work_beside_us": main_us, "total_us": total_us}  # fmt: skip
+                main_us, total_us = beside(
+                    fn, lambda: gather(ids, table.weight, table.scale, config=cfg)
+                )
+                r = {
+                    "what": f"host gather T={t} beside {name}",
+                    "pairs": cfg.pairs,
+                    "max_programs": cfg.max_programs,
+                    "work_alone_us": alone,
+                    "work_beside_us": main_us,
+                    "total_us": total_us,
+                }
                 res.setdefault("beside", []).append(r)
-                print(f"{r['what']:34} {cfg.pairs:>3} pairs {cfg.max_programs:>4} programs: "
-                      f"{name} {alone:.1f} us alone, {main_us:.1f} beside, both done "
-                      f"{total_us:.1f}")  # fmt: skip
+                print(
+                    f"{r['what']:34} {cfg.pairs:>3} pairs {cfg.max_programs:>4} programs: "
+                    f"{name} {alone:.1f} us alone, {main_us:.1f} beside, both done "
+                    f"{total_us:.1f}"
+                )
     hc, d = 4, 5120
     q, k = (torch.randn(hc, d, device="cuda").bfloat16() for _ in range(2))
     for t in (1, 64, 256, 4096):

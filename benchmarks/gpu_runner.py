@@ -58,8 +58,19 @@ def matmul_tflops(device: str, n: int = 8192) -> float:
 def engine_for(model: str, max_len: int, device: str, *flags: str) -> Engine:
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--model", model, "--device", device, "--max-num-seqs", "256",
-                         "--max-num-batched-tokens", "8192", *flags])  # fmt: skip
+    args = p.parse_args(
+        [
+            "--model",
+            model,
+            "--device",
+            device,
+            "--max-num-seqs",
+            "256",
+            "--max-num-batched-tokens",
+            "8192",
+            *flags,
+        ]
+    )
     return local_engine(args, max_len)
 
 
@@ -117,8 +128,9 @@ def profile_split(engine: Engine, bs: int, inp: int, steps: int = 6) -> dict:
     runner = engine.pipeline.runner
     rng = random.Random(bs)
     for i, p in enumerate(random_prompts(rng, [inp] * bs, engine.vocab_size)):
-        engine.add_request(f"p{i}", p, SamplingParams(max_tokens=steps + 4, temperature=0,
-                                                      ignore_eos=True))  # fmt: skip
+        engine.add_request(
+            f"p{i}", p, SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+        )
     started = set()
     while len(started) < bs:  # prefill (chunked) until every request has its first token
         started |= {o.request_id for o in engine.step()}
@@ -128,8 +140,11 @@ def profile_split(engine: Engine, bs: int, inp: int, steps: int = 6) -> dict:
         handles += _hooks(block.ffn, "ffn")
         if block.engram is not None:
             handles += _hooks(block.engram, "engram")
-    wrapped = [(runner.hasher, "decode", "engram_hash"), (runner.model, "logits", "head"),
-               (runner.sampler, "launch", "sample")]  # fmt: skip
+    wrapped = [
+        (runner.hasher, "decode", "engram_hash"),
+        (runner.model, "logits", "head"),
+        (runner.sampler, "launch", "sample"),
+    ]
     saved = [obj.__dict__.get(attr) for obj, attr, _ in wrapped]
     for obj, attr, label in wrapped:
         _wrap(obj, attr, label)
@@ -163,8 +178,9 @@ def profile_split(engine: Engine, bs: int, inp: int, steps: int = 6) -> dict:
     kernels = {
         a.key: a.self_device_time_total / 1e3 / steps
         for a in prof.key_averages()
+        # LABELS: the ranges' own GPU-side annotations
         if a.device_type == torch.autograd.DeviceType.CUDA and a.key not in LABELS
-    }  # fmt: skip  (the ranges' own GPU-side annotations)
+    }
     ms["kernels_total"] = sum(kernels.values())
     ms["kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
     return ms
@@ -177,8 +193,9 @@ def zero_engram(engine: Engine):
     e = runner.model.cfg.engram
 
     def no_ids(tokens, *a, **k):
-        return torch.zeros(tokens.numel(), e.num_layers, e.n_hash_cols, dtype=torch.int64,
-                           device=tokens.device)  # fmt: skip
+        return torch.zeros(
+            tokens.numel(), e.num_layers, e.n_hash_cols, dtype=torch.int64, device=tokens.device
+        )
 
     runner.hasher.decode = runner.hasher.extend = no_ids
     for block in runner.model.layers.values():
@@ -186,8 +203,12 @@ def zero_engram(engine: Engine):
             table = block.engram.embed
 
             def no_rows(ids, table=table):
-                return torch.zeros(ids.shape[0], ids.shape[-1] * table.dim,
-                                   dtype=table.out_dtype, device=ids.device)  # fmt: skip
+                return torch.zeros(
+                    ids.shape[0],
+                    ids.shape[-1] * table.dim,
+                    dtype=table.out_dtype,
+                    device=ids.device,
+                )
 
             block.engram.lookup = no_rows
     recapture(engine)
@@ -204,8 +225,11 @@ def zero_engram(engine: Engine):
 def prefill_flops(engine: Engine, tokens: int) -> float:
     model = engine.pipeline.runner.model
     cfg = model.cfg
-    matmul = sum(p.numel() for n, p in model.named_parameters()
-                 if p.dim() == 2 and not n.startswith("embed."))  # fmt: skip
+    matmul = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if p.dim() == 2 and not n.startswith("embed.")
+    )
     attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) / 2
     return 2 * matmul * tokens + attn
 
@@ -223,8 +247,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     ap.add_argument("--device", default="cuda", help="cpu: try the script, numbers mean nothing")
     ap.add_argument("--max-len", type=int, default=8192)
-    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                    help="overlap host and GPU (default: the engine's, on)")  # fmt: skip
+    ap.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        help="overlap host and GPU (default: the engine's, on)",
+    )
     args = ap.parse_args()
     dev = args.device
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"

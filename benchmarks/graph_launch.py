@@ -38,8 +38,11 @@ def measure(nodes: int, reps: int = 200) -> dict:
         cpu += time.perf_counter() - t
     end.record()
     torch.cuda.synchronize()
-    return {"nodes": nodes, "launch_us": 1e6 * cpu / reps,
-            "gpu_us": 1e3 * start.elapsed_time(end) / reps}  # fmt: skip
+    return {
+        "nodes": nodes,
+        "launch_us": 1e6 * cpu / reps,
+        "gpu_us": 1e3 * start.elapsed_time(end) / reps,
+    }
 
 
 def main() -> None:
@@ -49,8 +52,10 @@ def main() -> None:
     args = ap.parse_args()
     rows = [measure(int(n)) for n in args.nodes.split(",")]
     for r in rows:
-        print(f"{r['nodes']:6d} nodes: launch {r['launch_us']:8.1f} us on the host, "
-              f"{r['gpu_us']:8.1f} us on the GPU")  # fmt: skip
+        print(
+            f"{r['nodes']:6d} nodes: launch {r['launch_us']:8.1f} us on the host, "
+            f"{r['gpu_us']:8.1f} us on the GPU"
+        )
     print(f"{torch.cuda.get_device_properties(0).name}, CUDA {torch.version.cuda}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))

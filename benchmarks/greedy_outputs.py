@@ -32,8 +32,14 @@ PROMPTS = [
 
 
 def complete(base: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "logprobs": 1, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "ignore_eos": True,
+    }
     models = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
     body["model"] = models[0]["id"]
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
@@ -61,8 +67,10 @@ def compare(args: argparse.Namespace) -> int:
             gaps = [abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=False)]
             dlp = math.nan if any(map(math.isnan, gaps)) else max(gaps, default=0.0)
             bad += not same or math.isnan(dlp) or (args.atol is not None and dlp > args.atol)
-            print(f"{mode:<8} prompt {i}: tokens {'identical' if same else 'DIFFER'}, "
-                  f"max |dlogprob| {dlp:.3g}")  # fmt: skip
+            print(
+                f"{mode:<8} prompt {i}: tokens {'identical' if same else 'DIFFER'}, "
+                f"max |dlogprob| {dlp:.3g}"
+            )
     print(f"{bad} of {2 * len(runs[0]['prompts'])} outputs differ" if bad else "all identical")
     return 1 if bad else 0
 

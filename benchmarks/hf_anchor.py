@@ -27,10 +27,15 @@ def build(preset: str, max_len: int, device: str):
 
     hidden, layers, heads, kv, ffn, _, _ = PRESETS[preset]
     cfg = LlamaConfig(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, intermediate_size=ffn, vocab_size=1024,
-        max_position_embeddings=max_len, tie_word_embeddings=False,
-    )  # fmt: skip
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=ffn,
+        vocab_size=1024,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
@@ -42,9 +47,13 @@ def timed_generate(model, prompt: torch.Tensor, new: int) -> float:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = model.generate(
-        prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-        cache_implementation="static", pad_token_id=0,
-    )  # fmt: skip
+        prompt,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=0,
+    )
     if prompt.is_cuda:
         torch.cuda.synchronize()
     assert out.shape[1] == prompt.shape[1] + new
@@ -55,8 +64,9 @@ def step_bytes(model, context: int) -> int:
     """What a decode step must read: every weight but the embedding rows, and the K/V of the
     mean context."""
     cfg = model.config
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                  if "embed_tokens" not in n)  # fmt: skip
+    weights = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n
+    )
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * context * 2
     return weights + kv
 
@@ -82,11 +92,16 @@ def main() -> None:
     step_s = (full - first) / steps
     nbytes = step_bytes(model, args.input_len + args.output_len // 2)
     res = {
-        "preset": args.preset, "device": torch.cuda.get_device_name() if args.device == "cuda"
-        else "cpu", "torch": torch.__version__, "first_token_s": first, "total_s": full,
-        "decode_step_ms": 1e3 * step_s, "decode_tok_s": 1 / step_s, "step_bytes": nbytes,
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "first_token_s": first,
+        "total_s": full,
+        "decode_step_ms": 1e3 * step_s,
+        "decode_tok_s": 1 / step_s,
+        "step_bytes": nbytes,
         "achieved_gb_s": nbytes / step_s / 1e9,
-    }  # fmt: skip
+    }
     import transformers
 
     res["transformers"] = transformers.__version__

@@ -55,24 +55,31 @@ class StubPipeline:
             t0 = time.perf_counter()
             self.slots.admit(batch.admitted, 0)
             self.slots.advance(batch)
-            ForwardContext.for_runs(batch.slots, batch.run_lens, batch.start_pos, self.kv,
-                                    self.slots.blocks, "cpu")  # fmt: skip
+            ForwardContext.for_runs(
+                batch.slots, batch.run_lens, batch.start_pos, self.kv, self.slots.blocks, "cpu"
+            )
             self.build_ms = (time.perf_counter() - t0) * 1e3
         return StepResult([TOKEN] * len(batch.slots))
 
 
-def measure(requests: int, context: int, steps: int, prefix_caching: bool,
-            overlap: bool = True) -> tuple[float, float]:  # fmt: skip
+def measure(
+    requests: int, context: int, steps: int, prefix_caching: bool, overlap: bool = True
+) -> tuple[float, float]:
     """Milliseconds per decode step of the engine, and of building the step's tensors on the
     host (medians: a garbage-collector pass over the prompts' lists lands on a random step)."""
     tok = load_tokenizer(DEFAULT_MODEL_DIR)
     block = 16
     max_len = context + 1024  # the prefill phase decodes the early requests for a while
     cfg = EngineConfig(
-        max_model_len=max_len, max_num_seqs=requests, max_num_batched_tokens=16384,
-        block_size=block, num_blocks=requests * -(-max_len // block),
-        enable_prefix_caching=prefix_caching, eos_token_id=1, async_scheduling=overlap,
-    )  # fmt: skip
+        max_model_len=max_len,
+        max_num_seqs=requests,
+        max_num_batched_tokens=16384,
+        block_size=block,
+        num_blocks=requests * -(-max_len // block),
+        enable_prefix_caching=prefix_caching,
+        eos_token_id=1,
+        async_scheduling=overlap,
+    )
     kv = KVCache([], cfg.num_blocks, block, 1, 1, torch.float32, "cpu", max_len, requests)
     stub = StubPipeline(kv, overlap)
     engine = Engine(stub, tok, cfg)
@@ -108,9 +115,15 @@ def main() -> None:
     for ctx in (int(c) for c in args.contexts.split(",")):
         for caching in (True, False):
             ms, build = measure(args.requests, ctx, args.steps, caching, not args.sync)
-            rows.append({"requests": args.requests, "context": ctx, "prefix_caching": caching,
-                         "ms_per_step": round(ms, 3),
-                         "step_tensors_ms": round(build, 3)})  # fmt: skip
+            rows.append(
+                {
+                    "requests": args.requests,
+                    "context": ctx,
+                    "prefix_caching": caching,
+                    "ms_per_step": round(ms, 3),
+                    "step_tensors_ms": round(build, 3),
+                }
+            )
     if args.json:
         print(json.dumps(rows))
         return
@@ -118,8 +131,10 @@ def main() -> None:
     print("|---:|---:|---|---:|---:|")
     for r in rows:
         on = "on" if r["prefix_caching"] else "off"
-        print(f"| {r['requests']} | {r['context']} | {on} | {r['ms_per_step']:.2f} "
-              f"| {r['step_tensors_ms']:.2f} |")  # fmt: skip
+        print(
+            f"| {r['requests']} | {r['context']} | {on} | {r['ms_per_step']:.2f} "
+            f"| {r['step_tensors_ms']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -140,8 +140,10 @@ def print_timeline(marks: list, last: int) -> None:
     _, h0, e0 = marks[0]
     for label, h, e in marks[-last:]:
         gpu = e0.elapsed_time(e)
-        print(f"    host {1e3 * (h - h0):9.3f}  gpu {gpu:9.3f}  lead {gpu - 1e3 * (h - h0):7.3f}  "
-              f"{label}")  # fmt: skip
+        print(
+            f"    host {1e3 * (h - h0):9.3f}  gpu {gpu:9.3f}  lead {gpu - 1e3 * (h - h0):7.3f}  "
+            f"{label}"
+        )
 
 
 def replay_ms(fn, reps: int = 100) -> float:
@@ -176,8 +178,10 @@ def after_graph_parts(engine) -> dict[str, float]:
     one = torch.ones(1, dtype=torch.int64, device=dev)
     x = v._inputs(StepBatch(None, [0], [1 + v.k], [10], drafts=[v.k], final=[1]), 1, v.k).to(dev)
     samples = torch.zeros(1 + v.k, dtype=torch.int64, device=dev)
-    return {"after_ms": replay_ms(lambda: v._run(x, samples, v.k)),
-            "propose_ms": replay_ms(lambda: v.propose(one * 10, one * 0, one * 5))}  # fmt: skip
+    return {
+        "after_ms": replay_ms(lambda: v._run(x, samples, v.k)),
+        "propose_ms": replay_ms(lambda: v.propose(one * 10, one * 0, one * 5)),
+    }
 
 
 @torch.inference_mode()
@@ -193,8 +197,9 @@ def draft_kernels(engine) -> dict[str, int]:
         return {}
     mods = [("_run", None), ("propose", None)]
     if model.mtp is not None:
-        mods += [(f"mtp.{i}.{n}", m) for i, st in enumerate(model.mtp)
-                 for n, m in st.named_children()]  # fmt: skip
+        mods += [
+            (f"mtp.{i}.{n}", m) for i, st in enumerate(model.mtp) for n, m in st.named_children()
+        ]
     dev = v.rejected.device
     x = v._inputs(StepBatch(None, [0], [1 + v.k], [10], drafts=[v.k], final=[1]), 1, v.k).to(dev)
     samples = torch.zeros(1 + v.k, dtype=torch.int64, device=dev)
@@ -229,8 +234,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bt.add_arguments(ap)
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--timeline", type=int, default=0,
-                    help="instead of the totals, print the last N marks of the run's timeline")
+    ap.add_argument(
+        "--timeline",
+        type=int,
+        default=0,
+        help="instead of the totals, print the last N marks of the run's timeline",
+    )
     args = ap.parse_args()
     n = args.batch_size or 1
     engine, prompts, steps = warm_engine(args)
@@ -248,15 +257,26 @@ def main() -> None:
     bt._run(engine, prompts, [args.output_len] * n)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
-    per = {".".join(k.rsplit(".", 2)[-2:]): (round(1e3 * secs[k] / steps[0], 3), calls[k])
-           for k in TIMED}  # fmt: skip
-    gpu = {".".join(k.rsplit(".", 2)[-2:]):
-           round(sum(a.elapsed_time(b) for a, b in v) / steps[0], 3) for k, v in pairs.items()}
-    row = {"speculative_config": args.speculative_config, "batch": n, "steps": steps[0],
-           "wall_ms_a_step": 1e3 * wall / steps[0], "host_ms_a_step": per,
-           "gpu_ms_a_step": gpu}  # fmt: skip
-    print(f"{args.speculative_config or 'plain'}: {steps[0]} steps, "
-          f"{row['wall_ms_a_step']:.3f} ms a step")  # fmt: skip
+    per = {
+        ".".join(k.rsplit(".", 2)[-2:]): (round(1e3 * secs[k] / steps[0], 3), calls[k])
+        for k in TIMED
+    }
+    gpu = {
+        ".".join(k.rsplit(".", 2)[-2:]): round(sum(a.elapsed_time(b) for a, b in v) / steps[0], 3)
+        for k, v in pairs.items()
+    }
+    row = {
+        "speculative_config": args.speculative_config,
+        "batch": n,
+        "steps": steps[0],
+        "wall_ms_a_step": 1e3 * wall / steps[0],
+        "host_ms_a_step": per,
+        "gpu_ms_a_step": gpu,
+    }
+    print(
+        f"{args.speculative_config or 'plain'}: {steps[0]} steps, "
+        f"{row['wall_ms_a_step']:.3f} ms a step"
+    )
     for name, (ms, c) in per.items():
         print(f"    {ms:8.3f} ms a step  {c:6d} calls  {name}")
     row["isolated"] = after_graph_parts(engine)

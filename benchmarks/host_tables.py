@@ -30,8 +30,9 @@ def compare(runners: list[StageRunner], seed: int, last_only: bool) -> bool:
     for _ in range(6):
         outs = [r.compute(batch, last_only=last_only) for r in runners]
         same &= all(torch.equal(outs[0], o) for o in outs[1:])
-        batch = StepBatch([rng.randrange(6, vocab) for _ in range(8)], list(range(8)), [1] * 8,
-                          list(pos))  # fmt: skip
+        batch = StepBatch(
+            [rng.randrange(6, vocab) for _ in range(8)], list(range(8)), [1] * 8, list(pos)
+        )
         pos = [p + 1 for p in pos]
     return same
 
@@ -60,8 +61,10 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    runners = [StageRunner.load(a.model, 64, 2048, "cuda", "bfloat16", table_memory=m)
-               for m in ("device", "host", "host")]  # fmt: skip
+    runners = [
+        StageRunner.load(a.model, 64, 2048, "cuda", "bfloat16", table_memory=m)
+        for m in ("device", "host", "host")
+    ]
     runners[2].prefetcher = None  # host tables read where each Engram layer needs them
     res = {"bitwise_eager": compare(runners, 0, last_only=False)}
     for r in runners:
@@ -71,9 +74,12 @@ def main() -> None:
     for bsz in (1, 64):
         dev, host, plain = decode_ms(runners, bsz)
         res[f"decode_bs{bsz}_ms"] = {
-            "device": dev, "host_prefetch": host, "host_no_prefetch": plain,
-            "prefetch_over_device": host / dev, "no_prefetch_over_device": plain / dev,
-        }  # fmt: skip
+            "device": dev,
+            "host_prefetch": host,
+            "host_no_prefetch": plain,
+            "prefetch_over_device": host / dev,
+            "no_prefetch_over_device": plain / dev,
+        }
     print(json.dumps(res), flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -53,12 +53,18 @@ def preset_config(name: str) -> dict:
     raw = copy.deepcopy(load_json(GQA_MODEL_DIR))
     text = raw["text_config"]
     text.update(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, head_dim=hidden // heads, intermediate_size=ffn,
-        engram_layer_ids=engram_layers, engram_head_dim=256 if name != "tiny" else 32,
-        engram_vocab_size=start, max_position_embeddings=8192 if name != "tiny" else 256,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hidden // heads,
+        intermediate_size=ffn,
+        engram_layer_ids=engram_layers,
+        engram_head_dim=256 if name != "tiny" else 32,
+        engram_vocab_size=start,
+        max_position_embeddings=8192 if name != "tiny" else 256,
         engram_num_embeddings=[0] * len(engram_layers),
-    )  # fmt: skip
+    )
     primes = search_primes(engram_config(raw))
     text["engram_num_embeddings"] = [sum(map(sum, layer)) for layer in primes]
     return raw
@@ -112,8 +118,10 @@ def write_tables(raw: dict, path: Path, device: str, seed: int = 0) -> dict[str,
         for part, dtype, cols in (("weight", "F8_E4M3", dim), ("scale", "F8_E8M0", dim // 32)):
             end = offset + rows * cols
             entries[f"layers.{i}.engram.embed.{part}"] = {
-                "dtype": dtype, "shape": [rows, cols], "data_offsets": [offset, end]
-            }  # fmt: skip
+                "dtype": dtype,
+                "shape": [rows, cols],
+                "data_offsets": [offset, end],
+            }
             offset = end
     header = json.dumps(entries).encode()
     header += b" " * (-len(header) % 8)
@@ -139,8 +147,11 @@ def write_model(raw: dict, out: Path, device: str, max_shard_bytes: int) -> tupl
         model = random_model(raw, device)
         state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         del model
-    params = sum(t.numel() * (2 if t.dtype == torch.int8 else 1)
-                 for n, t in state.items() if not n.endswith(".scale"))  # fmt: skip
+    params = sum(
+        t.numel() * (2 if t.dtype == torch.int8 else 1)
+        for n, t in state.items()
+        if not n.endswith(".scale")
+    )
     save_state(state, out, raw, GQA_MODEL_DIR, max_shard_bytes)
     del state
     tables = write_tables(raw, out / TABLES_FILE, device)

@@ -98,8 +98,10 @@ def max_diff(a: dict) -> dict[str, float]:
     args = (a["x"], a["pre_prev"], a["fn"], a["scale"], a["base"], a["weight"])
     want, got = torch_pre(*args), fused_pre(*args)
     names = ("normed", "pre", "post", "comb")
-    out = {n: (g.float() - w.float()).abs().max().item()
-           for n, g, w in zip(names, got[:4], want, strict=True)}  # fmt: skip
+    out = {
+        n: (g.float() - w.float()).abs().max().item()
+        for n, g, w in zip(names, got[:4], want, strict=True)
+    }
     expand = mhc_fused.mhc_post(a["y"], a["x"], want[2], want[3]).float()
     out["expand"] = (expand - hc_post(a["y"], a["x"], want[2], want[3]).float()).abs().max().item()
     return out
@@ -136,8 +138,10 @@ def main() -> None:
     bw = copy_bandwidth_gbs("cuda")
     res: dict = {"device": torch.cuda.get_device_name(), "copy_gbs": bw, "rows": []}
     print(f"{res['device']}: copy {bw:.0f} GB/s; hidden {HIDDEN}, hc {HC}, bf16 stream")
-    print(f"{'T':>4} {'path':>6} {'pre us':>8} {'post us':>8} {'graph us':>9} {'eager us':>9} "
-          f"{'floor us':>9} {'GB/s':>7}")  # fmt: skip
+    print(
+        f"{'T':>4} {'path':>6} {'pre us':>8} {'post us':>8} {'graph us':>9} {'eager us':>9} "
+        f"{'floor us':>9} {'GB/s':>7}"
+    )
     for tokens in TOKENS:
         a = inputs(tokens)
         nbytes = floor_bytes(tokens)
@@ -145,20 +149,28 @@ def main() -> None:
         diff = max_diff(a)
         for kind in ("torch", "fused"):
             t = time_sublayer(kind, a)
-            row = {"tokens": tokens, "path": kind, **t, "bytes": nbytes,
-                   "floor_us": total / (bw * 1e3),
-                   "gbs": total / (t["graph_us"] * 1e3)}  # fmt: skip
+            row = {
+                "tokens": tokens,
+                "path": kind,
+                **t,
+                "bytes": nbytes,
+                "floor_us": total / (bw * 1e3),
+                "gbs": total / (t["graph_us"] * 1e3),
+            }
             if kind == "fused":
                 row["max_abs_diff_vs_torch"] = diff
             res["rows"].append(row)
-            print(f"{tokens:>4} {kind:>6} {t['pre_graph_us']:>8.2f} {t['post_graph_us']:>8.2f} "
-                  f"{t['graph_us']:>9.2f} {t['eager_us']:>9.2f} {row['floor_us']:>9.2f} "
-                  f"{row['gbs']:>7.0f}")  # fmt: skip
+            print(
+                f"{tokens:>4} {kind:>6} {t['pre_graph_us']:>8.2f} {t['post_graph_us']:>8.2f} "
+                f"{t['graph_us']:>9.2f} {t['eager_us']:>9.2f} {row['floor_us']:>9.2f} "
+                f"{row['gbs']:>7.0f}"
+            )
         print(f"     max |fused - torch|: {diff}")
         if args.sweep and tokens in SWEEP_TOKENS:
             res.setdefault("sweep", {})[tokens] = sweep(a)
-    out = args.out or (os.path.join(os.environ["OUT"], "mhc_fused.json") if "OUT" in os.environ
-                       else None)  # fmt: skip
+    out = args.out or (
+        os.path.join(os.environ["OUT"], "mhc_fused.json") if "OUT" in os.environ else None
+    )
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)

@@ -56,8 +56,20 @@ def main() -> None:
     a = ap.parse_args()
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--model", a.model, "--device", "cuda", "--dtype", "bfloat16",
-                         "--max-num-seqs", "128", "--max-num-batched-tokens", "2048"])  # fmt: skip
+    args = p.parse_args(
+        [
+            "--model",
+            a.model,
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--max-num-seqs",
+            "128",
+            "--max-num-batched-tokens",
+            "2048",
+        ]
+    )
     runner = local_engine(args, 2048).pipeline.runner
     b, ctx = a.rows, a.context
     tables = runner.slots.blocks  # slot s on its own fixed blocks (the warm-up left scratch)

@@ -35,22 +35,41 @@ def main() -> None:
     sizes, k, prompt = [int(b) for b in args.batches.split(",")], args.k, 64
     slots, block = max(sizes), 16
     per = -(-(prompt + 2 * k + 2) // block)
-    runner = StageRunner.load(args.model, num_slots=slots, max_len=prompt + 4 * k,
-                              device="cuda", layer_ids=[int(i) for i in args.layers.split(",")],
-                              dspark=True, num_blocks=0)  # fmt: skip
+    runner = StageRunner.load(
+        args.model,
+        num_slots=slots,
+        max_len=prompt + 4 * k,
+        device="cuda",
+        layer_ids=[int(i) for i in args.layers.split(",")],
+        dspark=True,
+        num_blocks=0,
+    )
     runner.allocate_kv(slots, prompt + 4 * k, block, slots * per, slack=k)
     runner.speculate(k)
     runner.capture_graphs(slots, 64)
     v = runner.verifier
     carry = Carry.empty(runner.model, prompt * slots, torch.zeros)
     carry.x.normal_(generator=torch.Generator("cuda").manual_seed(0))
-    runner.compute(StepBatch(None, list(range(slots)), [prompt] * slots, [0] * slots,
-                             new_blocks=[list(range(s * per, (s + 1) * per))
-                                         for s in range(slots)]), carry)  # fmt: skip
+    runner.compute(
+        StepBatch(
+            None,
+            list(range(slots)),
+            [prompt] * slots,
+            [0] * slots,
+            new_blocks=[list(range(s * per, (s + 1) * per)) for s in range(slots)],
+        ),
+        carry,
+    )
     rows = []
     for b in sizes:
-        batch = StepBatch(None, list(range(b)), [1 + k] * b, [prompt] * b, drafts=[k] * b,
-                          draft_tokens=[7] * (b * k))  # fmt: skip
+        batch = StepBatch(
+            None,
+            list(range(b)),
+            [1 + k] * b,
+            [prompt] * b,
+            drafts=[k] * b,
+            draft_tokens=[7] * (b * k),
+        )
         samples = torch.full((b * (1 + k),), 7, device="cuda")
         graphs = v.graphs
 

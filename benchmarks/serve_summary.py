@@ -20,8 +20,9 @@ def summary(path: str) -> dict:
     for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"):
         row[k] = round(r[k], 2)
     if itl.size:
-        row["itl_p10_p50_p90_p99_ms"] = [round(float(np.percentile(itl, q)), 2)
-                                         for q in (10, 50, 90, 99)]  # fmt: skip
+        row["itl_p10_p50_p90_p99_ms"] = [
+            round(float(np.percentile(itl, q)), 2) for q in (10, 50, 90, 99)
+        ]
         row["time_in_gaps_over_10ms"] = round(float(itl[itl > 10].sum() / itl.sum()), 3)
     return row
 

@@ -26,8 +26,9 @@ def warm_engine(args: argparse.Namespace) -> tuple[Engine, list[list[int]], list
     prompts, and ``[steps]``: the engine steps counted from here on."""
     n = args.batch_size or 1
     engine = bt.local_engine(args, args.input_len + args.output_len)
-    prompts = bt.random_prompts(random.Random(args.seed), [args.input_len] * n,
-                                engine.vocab_size, args.prompt_kind)  # fmt: skip
+    prompts = bt.random_prompts(
+        random.Random(args.seed), [args.input_len] * n, engine.vocab_size, args.prompt_kind
+    )
     bt._run(engine, prompts[:1], [2])  # warm-up
     steps, step = [0], engine.step
 
@@ -53,23 +54,38 @@ def main() -> None:
         wall = time.perf_counter() - t
     if args.trace:  # the timeline: where the GPU idles between steps, and why
         prof.export_chrome_trace(str(args.trace))
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.count
-               and not e.key.startswith(("aten::", "cuda", "Optimizer"))]  # fmt: skip
+    kernels = [
+        e
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+        and e.count
+        and not e.key.startswith(("aten::", "cuda", "Optimizer"))
+    ]
     kernels.sort(key=lambda e: -e.self_device_time_total)
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3
     stats = engine.stats()
     row = {
-        "speculative_config": args.speculative_config, "batch": n, "steps": steps[0],
-        "wall_ms_a_step": 1e3 * wall / steps[0], "kernel_ms_a_step": gpu_ms / steps[0],
+        "speculative_config": args.speculative_config,
+        "batch": n,
+        "steps": steps[0],
+        "wall_ms_a_step": 1e3 * wall / steps[0],
+        "kernel_ms_a_step": gpu_ms / steps[0],
         "verify_runs": stats["spec_decode_num_drafts"],
         "accepted": stats["spec_decode_num_accepted_tokens"],
-        "top_kernels": [(e.key[:70], round(e.count / steps[0], 1),
-                         round(e.self_device_time_total / 1e3 / steps[0], 3))
-                        for e in kernels[:12]],
-    }  # fmt: skip
-    print(f"{args.speculative_config or 'plain'}: {steps[0]} steps, "
-          f"{row['wall_ms_a_step']:.3f} ms a step, kernels {row['kernel_ms_a_step']:.3f} ms a step "
-          f"({row['verify_runs']} verify runs, {row['accepted']} drafts accepted)")  # fmt: skip
+        "top_kernels": [
+            (
+                e.key[:70],
+                round(e.count / steps[0], 1),
+                round(e.self_device_time_total / 1e3 / steps[0], 3),
+            )
+            for e in kernels[:12]
+        ],
+    }
+    print(
+        f"{args.speculative_config or 'plain'}: {steps[0]} steps, "
+        f"{row['wall_ms_a_step']:.3f} ms a step, kernels {row['kernel_ms_a_step']:.3f} ms a step "
+        f"({row['verify_runs']} verify runs, {row['accepted']} drafts accepted)"
+    )
     for name, calls, ms in row["top_kernels"]:
         print(f"    {ms:8.3f} ms  {calls:6.1f}x  {name}")
     if args.out:

@@ -29,7 +29,8 @@ from engramrt.runner.stage import StageRunner
 def blocks(model) -> list[tuple[str, torch.nn.Module]]:
     """Every block, the DSpark stages' included (named as in checkpoints)."""
     return [(f"layers.{i}", b) for i, b in model.layers.items()] + [
-        (f"mtp.{i}", b) for i, b in enumerate(model.mtp or [])]  # fmt: skip
+        (f"mtp.{i}", b) for i, b in enumerate(model.mtp or [])
+    ]
 
 
 @contextmanager
@@ -38,8 +39,11 @@ def module_ranges(mods: list[tuple[str, torch.nn.Module]]):
     stack: list = []
     hooks = []
     for name, m in mods:
-        hooks.append(m.register_forward_pre_hook(
-            lambda *_, _n=name: stack.append(record_function(_n).__enter__())))  # fmt: skip
+        hooks.append(
+            m.register_forward_pre_hook(
+                lambda *_, _n=name: stack.append(record_function(_n).__enter__())
+            )
+        )
         hooks.append(m.register_forward_hook(lambda *_: stack.pop().__exit__(None, None, None)))
     try:
         yield
@@ -88,8 +92,15 @@ def main() -> None:
     args = ap.parse_args()
     block = 16
     per = -(-(args.prompt + 2 * args.k + 8) // block)
-    runner = StageRunner.load(args.model, num_slots=1, max_len=per * block, device=args.device,
-                              dtype=None, dspark=True, num_blocks=0)  # fmt: skip
+    runner = StageRunner.load(
+        args.model,
+        num_slots=1,
+        max_len=per * block,
+        device=args.device,
+        dtype=None,
+        dspark=True,
+        num_blocks=0,
+    )
     runner.allocate_kv(1, per * block, block, per, slack=args.k)
     runner.speculate(args.k)
     tokens = [3 + i % 900 for i in range(args.prompt)]
@@ -98,18 +109,25 @@ def main() -> None:
     parts = {
         "plain forward": lambda: runner.compute(StepBatch([5], [0], [1], [p])),
         "verify forward": lambda: runner.compute(
-            StepBatch([5] * (args.k + 1), [0], [args.k + 1], [p + 1], drafts=[args.k])),
+            StepBatch([5] * (args.k + 1), [0], [args.k + 1], [p + 1], drafts=[args.k])
+        ),
         "draft pass": lambda: dspark.draft(
-            runner.model, runner.kv, *(torch.tensor([t], device=args.device) for t in (p, 0, 7)),
-            confidence=False),
+            runner.model,
+            runner.kv,
+            *(torch.tensor([t], device=args.device) for t in (p, 0, 7)),
+            confidence=False,
+        ),
     }
     sync = torch.cuda.synchronize if args.device == "cuda" else lambda: None
     report = {}
     for name, fn in parts.items():
         fn()  # first use: compilations, constants
         by_module, by_name = kernels_by_module(runner.model, fn, sync)
-        report[name] = {"kernels": sum(by_name.values()), "by_module": by_module,
-                        "by_name": by_name}  # fmt: skip
+        report[name] = {
+            "kernels": sum(by_name.values()),
+            "by_module": by_module,
+            "by_name": by_name,
+        }
         print(f"{name}: {report[name]['kernels']} kernels")
         for m, n in sorted(by_module.items(), key=lambda t: -t[1]):
             print(f"    {n:5d}  {m}")

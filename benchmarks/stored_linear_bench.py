@@ -24,10 +24,14 @@ from engramrt.kernels.stored_linear import SMS, _launch, stored_linear
 from engramrt.model import quant
 
 SHAPES = {  # name: (N, K, fp4) at V4.1-Flash's widths
-    "wq_a": (1280, 5120, False), "wq_b": (32768, 1280, False), "wkv": (512, 5120, False),
-    "wo_b": (5120, 8192, False), "indexer.wq_b": (4096, 1280, False),
-    "expert.w1": (2304, 5120, True), "expert.w2": (5120, 2304, True),
-}  # fmt: skip
+    "wq_a": (1280, 5120, False),
+    "wq_b": (32768, 1280, False),
+    "wkv": (512, 5120, False),
+    "wo_b": (5120, 8192, False),
+    "indexer.wq_b": (4096, 1280, False),
+    "expert.w1": (2304, 5120, True),
+    "expert.w2": (5120, 2304, True),
+}
 ROTATE_BYTES = 256 * 2**20
 
 
@@ -80,14 +84,27 @@ def sweep(bw: float, dev: str) -> list[dict]:
                     ),
                     dev,
                 )
-                row = {"shape": name, "m": m, "bm": bm, "bn": bn, "bk": bk, "warps": warps,
-                       "splits": splits, "us": us, "x_floor": us / floor}  # fmt: skip
+                row = {
+                    "shape": name,
+                    "m": m,
+                    "bm": bm,
+                    "bn": bn,
+                    "bk": bk,
+                    "warps": warps,
+                    "splits": splits,
+                    "us": us,
+                    "x_floor": us / floor,
+                }
                 out.append(row)
-            best = min((r for r in out if r["shape"] == name and r["m"] == m),
-                       key=lambda r: r["us"])  # fmt: skip
-            print(f"{name:<14} M {m:>3}: best {best['us']:.1f} us ({best['x_floor']:.1f}x "
-                  f"floor) at bm {best['bm']} bn {best['bn']} bk {best['bk']} warps "
-                  f"{best['warps']} splits {best['splits']}", flush=True)  # fmt: skip
+            best = min(
+                (r for r in out if r["shape"] == name and r["m"] == m), key=lambda r: r["us"]
+            )
+            print(
+                f"{name:<14} M {m:>3}: best {best['us']:.1f} us ({best['x_floor']:.1f}x "
+                f"floor) at bm {best['bm']} bn {best['bn']} bk {best['bk']} warps "
+                f"{best['warps']} splits {best['splits']}",
+                flush=True,
+            )
     return out
 
 
@@ -105,16 +122,19 @@ def main() -> None:
         return
     rows, g = [], torch.Generator(device=dev).manual_seed(0)
     print(f"copy bandwidth {bw:.0f} GB/s")
-    print(f"{'shape':<14}{'M':>6}{'kernel us':>11}{'graph us':>10}{'torch us':>10}{'bf16 us':>9}"
-          f"{'floor us':>10}{'x floor':>8}{'TFLOP/s':>9}")  # fmt: skip
+    print(
+        f"{'shape':<14}{'M':>6}{'kernel us':>11}{'graph us':>10}{'torch us':>10}{'bf16 us':>9}"
+        f"{'floor us':>10}{'x floor':>8}{'TFLOP/s':>9}"
+    )
     for name, (n, k, fp4) in SHAPES.items():
         w = torch.randn(n, k, device=dev, generator=g) / k**0.5
         stored, scale = quant.fp4_weight(w) if fp4 else quant.fp8_weight(w)
         dequant = quant.dequant_fp4_weight if fp4 else quant.dequant_fp8_weight
         w16 = dequant(stored, scale, torch.bfloat16)
         # copies to rotate through, more bytes than the 60 MB L2 holds (a step reads each once)
-        copies = [(stored.clone(), scale.clone())
-                  for _ in range(-(-ROTATE_BYTES // stored.numel()))]  # fmt: skip
+        copies = [
+            (stored.clone(), scale.clone()) for _ in range(-(-ROTATE_BYTES // stored.numel()))
+        ]
         turn = itertools.cycle(copies)
         for m in map(int, args.rows.split(",")):
             a = quant.act_roundtrip(torch.randn(m, k, device=dev, generator=g)).bfloat16()
@@ -122,19 +142,33 @@ def main() -> None:
             replay = graph_us(lambda a=a: stored_linear(a, *copies[0], fp4), dev)
             torch_path = median_us(
                 lambda a=a, s=stored, c=scale: quant.quantized_linear(a, dequant(s, c, a.dtype)),
-                dev, reps=5,
-            )  # fmt: skip
+                dev,
+                reps=5,
+            )
             bf16 = median_us(lambda a=a, w=w16: a @ w.T, dev)
             nbytes = stored.numel() + scale.numel() + a.numel() * 2 + m * n * 2
             floor = nbytes / (bw * 1e3)
             tflops = 2 * m * n * k / replay / 1e6
-            rows.append({"shape": name, "n": n, "k": k, "fp4": fp4, "m": m, "kernel_us": kernel,
-                         "graph_us": replay,
-                         "torch_us": torch_path, "bf16_gemm_us": bf16, "floor_us": floor,
-                         "tflops": tflops})  # fmt: skip
-            print(f"{name:<14}{m:>6}{kernel:>11.1f}{replay:>10.1f}{torch_path:>10.0f}"
-                  f"{bf16:>9.1f}{floor:>10.1f}{replay / floor:>8.2f}{tflops:>9.1f}",
-                  flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "shape": name,
+                    "n": n,
+                    "k": k,
+                    "fp4": fp4,
+                    "m": m,
+                    "kernel_us": kernel,
+                    "graph_us": replay,
+                    "torch_us": torch_path,
+                    "bf16_gemm_us": bf16,
+                    "floor_us": floor,
+                    "tflops": tflops,
+                }
+            )
+            print(
+                f"{name:<14}{m:>6}{kernel:>11.1f}{replay:>10.1f}{torch_path:>10.0f}"
+                f"{bf16:>9.1f}{floor:>10.1f}{replay / floor:>8.2f}{tflops:>9.1f}",
+                flush=True,
+            )
     with open(args.out, "w") as f:
         json.dump({"copy_gbs": bw, "rows": rows}, f, indent=1)
 

@@ -33,8 +33,12 @@ print(json.dumps({"rank": rank, "size": size, "peak_rss": peak - base, "held": h
 
 
 def probe(model_dir: str, rank: int, size: int, tables: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE, model_dir, str(rank), str(size), tables],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, model_dir, str(rank), str(size), tables],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -50,8 +54,11 @@ def main() -> None:
     for size in args.sizes:
         for rank in range(size):
             r = probe(args.model, rank, size, args.table_memory)
-            print(f"| {size} | {rank} | {r['held'] / gib:.3f} | {r['sharded'] / gib:.3f} | "
-                  f"{r['peak_rss'] / gib:.3f} |", flush=True)  # fmt: skip
+            print(
+                f"| {size} | {rank} | {r['held'] / gib:.3f} | {r['sharded'] / gib:.3f} | "
+                f"{r['peak_rss'] / gib:.3f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -39,11 +39,15 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     world = dist.get_world_size()
-    tp = tensor_parallel.join(rank, world, world) if world > 1 else tensor_parallel.TensorParallel(
-        0, 1, dist.group.WORLD, 0)  # fmt: skip
+    tp = (
+        tensor_parallel.join(rank, world, world)
+        if world > 1
+        else tensor_parallel.TensorParallel(0, 1, dist.group.WORLD, 0)
+    )
     bs, steps = args.batch_size, args.steps
-    runner = StageRunner.load(args.model, bs + 1, args.input_len + 3 * steps + 8, "cuda",
-                              args.dtype, tp=tp)  # fmt: skip
+    runner = StageRunner.load(
+        args.model, bs + 1, args.input_len + 3 * steps + 8, "cuda", args.dtype, tp=tp
+    )
     runner.capture_graphs(bs)
     rng = random.Random(0)
     slots, vocab = list(range(1, bs + 1)), runner.model.cfg.vocab_size
@@ -73,9 +77,16 @@ def main() -> None:
     calls = sum("nccl" in e.name.lower() for e in kernels) / steps
     if rank == 0:
         ms = wall * 1e3
-        out = {"tp": world, "batch_size": bs, "step_ms": ms, "kernel_ms": total, "nccl_ms": nccl,
-               "nccl_kernels_per_step": calls, "nccl_share_of_step": nccl / ms,
-               "nccl_share_of_kernels": nccl / max(total, 1e-9)}  # fmt: skip
+        out = {
+            "tp": world,
+            "batch_size": bs,
+            "step_ms": ms,
+            "kernel_ms": total,
+            "nccl_ms": nccl,
+            "nccl_kernels_per_step": calls,
+            "nccl_share_of_step": nccl / ms,
+            "nccl_share_of_kernels": nccl / max(total, 1e-9),
+        }
         print(json.dumps(out))
         if args.json:
             with open(args.json, "w") as f:

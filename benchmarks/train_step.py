@@ -26,8 +26,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from engramrt.bundled import train as T
 
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item",
-         "aten::_local_scalar_dense")  # fmt: skip
+SYNCS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaMemcpyAsync",
+    "aten::item",
+    "aten::_local_scalar_dense",
+)
 
 
 def measure(device: str, batch: int, length: int, steps: int, deterministic: bool) -> dict:
@@ -62,18 +67,29 @@ def _measure(device: str, batch: int, length: int, steps: int, deterministic: bo
     events = prof.key_averages()
     ops = sum(e.count for e in events if e.key.startswith("aten::"))
     syncs = {e.key: e.count for e in events if e.key in SYNCS}
-    kernels = sorted((e for e in events if e.device_time_total > 0 and e.count
-                      and not e.key.startswith(("aten::", "cuda"))),
-                     key=lambda e: -e.self_device_time_total)  # fmt: skip
+    kernels = sorted(
+        (
+            e
+            for e in events
+            if e.device_time_total > 0 and e.count and not e.key.startswith(("aten::", "cuda"))
+        ),
+        key=lambda e: -e.self_device_time_total,
+    )
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3
     return {
-        "device": device, "batch": batch, "length": length, "deterministic": deterministic,
+        "device": device,
+        "batch": batch,
+        "length": length,
+        "deterministic": deterministic,
         "step_ms": statistics.median(times) * 1e3,
-        "aten_ops": ops, "syncs": syncs,
-        "kernel_ms": gpu_ms, "kernels": sum(e.count for e in kernels),
-        "top_kernels": [(e.key[:80], e.count, round(e.self_device_time_total / 1e3, 2))
-                        for e in kernels[:10]],
-    }  # fmt: skip
+        "aten_ops": ops,
+        "syncs": syncs,
+        "kernel_ms": gpu_ms,
+        "kernels": sum(e.count for e in kernels),
+        "top_kernels": [
+            (e.key[:80], e.count, round(e.self_device_time_total / 1e3, 2)) for e in kernels[:10]
+        ],
+    }
 
 
 def main() -> None:
@@ -91,10 +107,12 @@ def main() -> None:
     for det, batch in itertools.product(flags, map(int, args.batch.split(","))):
         r = measure(args.device, batch, args.length, args.steps, det)
         rows.append(r)
-        print(f"{args.device} batch {batch} x {args.length}, deterministic {det}: "
-              f"{r['step_ms']:.0f} ms a step, {r['aten_ops']} ATen ops, "
-              f"{r['kernels']} kernels summing {r['kernel_ms']:.0f} ms; syncs {r['syncs']}",
-              flush=True)  # fmt: skip
+        print(
+            f"{args.device} batch {batch} x {args.length}, deterministic {det}: "
+            f"{r['step_ms']:.0f} ms a step, {r['aten_ops']} ATen ops, "
+            f"{r['kernels']} kernels summing {r['kernel_ms']:.0f} ms; syncs {r['syncs']}",
+            flush=True,
+        )
         for k in r["top_kernels"]:
             print("   ", k)
     if args.out:

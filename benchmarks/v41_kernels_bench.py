@@ -51,8 +51,7 @@ def attention_case(bs: int, run: int, context: int, dev: str):
     sink = torch.zeros(HEADS, device=dev)
 
     def launch():
-        return sparse_attention(q, kv, ring, comp, picks, pos, p0, q0, req, sink, D**-0.5,
-                                WINDOW)  # fmt: skip
+        return sparse_attention(q, kv, ring, comp, picks, pos, p0, q0, req, sink, D**-0.5, WINDOW)
 
     # unique rows: the run's latents, the ring's earlier window, the distinct picks
     rows = bs * (run + WINDOW - 1 + min(context // RATIO, TOPK * run))
@@ -122,14 +121,28 @@ def main() -> None:
             launch, nbytes, flops = make(bs, run, args.context, dev)
             us = graph_us(launch, dev)
             floor = nbytes / (bw * 1e3)
-            rows.append({"kernel": kernel, "bs": bs, "run": run, "us": us, "floor_us": floor,
-                         "bytes": nbytes, "tflops": flops / us / 1e6})  # fmt: skip
-            print(f"{kernel:<30} bs {bs:>3} x {run:>5} tokens: {us:8.1f} us, floor "
-                  f"{floor:7.1f} us ({us / floor:5.1f}x), {flops / us / 1e6:6.1f} TFLOP/s",
-                  flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "kernel": kernel,
+                    "bs": bs,
+                    "run": run,
+                    "us": us,
+                    "floor_us": floor,
+                    "bytes": nbytes,
+                    "tflops": flops / us / 1e6,
+                }
+            )
+            print(
+                f"{kernel:<30} bs {bs:>3} x {run:>5} tokens: {us:8.1f} us, floor "
+                f"{floor:7.1f} us ({us / floor:5.1f}x), {flops / us / 1e6:6.1f} TFLOP/s",
+                flush=True,
+            )
     with open(args.out, "w") as f:
-        json.dump({"copy_gbs": bw, "context": args.context, "capacity": args.capacity,
-                   "rows": rows}, f, indent=1)  # fmt: skip
+        json.dump(
+            {"copy_gbs": bw, "context": args.context, "capacity": args.capacity, "rows": rows},
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

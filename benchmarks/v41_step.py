@@ -68,8 +68,10 @@ class Session:
         slots = list(runs)
         starts = [self.pos.get(s, 0) for s in slots]
         lens = [len(runs[s]) for s in slots]
-        new = [list(range(s * self.per + -(-p // BLOCK), s * self.per + -(-(p + n) // BLOCK)))
-               for s, p, n in zip(slots, starts, lens, strict=True)]  # fmt: skip
+        new = [
+            list(range(s * self.per + -(-p // BLOCK), s * self.per + -(-(p + n) // BLOCK)))
+            for s, p, n in zip(slots, starts, lens, strict=True)
+        ]
         have = [-(-p // BLOCK) for p in starts]
         tokens = [t for s in slots for t in runs[s]]
         batch = StepBatch(tokens, slots, lens, starts, new_blocks=new, block_starts=have)
@@ -152,13 +154,17 @@ def prefill_flops(runner: StageRunner, tokens: int) -> float:
         if name == "head" or name.endswith(".head"):
             continue  # logits at the last token only
         total += 2 * out * inp * tokens * (share if ".experts." in name else 1)
-    attended = sum(min(v.window_size, p + 1) + (min(v.index_topk, (p + 1) // r.ratio)
-                                                if r.ratio else 0)
-                   for r in (v.roles[i] for i in runner.model.layer_ids)
-                   for p in range(tokens))  # fmt: skip
+    attended = sum(
+        min(v.window_size, p + 1) + (min(v.index_topk, (p + 1) // r.ratio) if r.ratio else 0)
+        for r in (v.roles[i] for i in runner.model.layer_ids)
+        for p in range(tokens)
+    )
     total += 4 * v.head_dim * v.n_heads * attended
-    scanned = sum(tokens * tokens / (2 * r.ratio) for r in (v.roles[i] for i in
-                  runner.model.layer_ids) if r.kind in (SOURCE, REINDEX))  # fmt: skip
+    scanned = sum(
+        tokens * tokens / (2 * r.ratio)
+        for r in (v.roles[i] for i in runner.model.layer_ids)
+        if r.kind in (SOURCE, REINDEX)
+    )
     return total + 2 * v.index_n_heads * v.index_head_dim * scanned
 
 
@@ -173,9 +179,11 @@ def matmul_tflops(tokens: int, dim: int, device: str) -> dict[str, float]:
     rates = {"bf16": flops / median_us(lambda: a @ b, device) / 1e6}
     a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
     one = torch.ones((), device=device)
-    rates["fp8"] = flops / median_us(lambda: torch._scaled_mm(a8, b8, one, one,
-                                                              out_dtype=torch.bfloat16),
-                                     device) / 1e6  # fmt: skip
+    rates["fp8"] = (
+        flops
+        / median_us(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), device)
+        / 1e6
+    )
     return rates
 
 
@@ -231,8 +239,9 @@ def main() -> None:
     ap.add_argument("--agree-tokens", type=int, default=32)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--torch-too", action="store_true", help="decode on the torch path as well")
-    ap.add_argument("--engram-cost", action="store_true",
-                    help="decode again with every Engram layer skipped")  # fmt: skip
+    ap.add_argument(
+        "--engram-cost", action="store_true", help="decode again with every Engram layer skipped"
+    )
     ap.add_argument("--engram-steps", type=int, default=30, help="decode steps an Engram arm")
     ap.add_argument(
         "--profile",
@@ -244,8 +253,11 @@ def main() -> None:
     gpu = StageRunner.load(args.model, 64, None, args.device, "bfloat16", num_blocks=0)
     cfg = gpu.model.cfg
     report["copy_gbs"] = bw = copy_bandwidth_gbs(args.device)
-    stored = sum(m.weight.numel() + m.scale.numel()
-                 for m in gpu.model.modules() if isinstance(m, StoredLinear))  # fmt: skip
+    stored = sum(
+        m.weight.numel() + m.scale.numel()
+        for m in gpu.model.modules()
+        if isinstance(m, StoredLinear)
+    )
     report["stored_linear_bytes"] = stored
     report["decode"] = {}
     for bs in map(int, args.batches.split(",")):
@@ -261,9 +273,11 @@ def main() -> None:
             med = statistics.median(times)
             gbs = floor_ms / med * bw  # the weight bytes a step must read, over its time
             row[path] = {"ms": times, "median_ms": med, "x_floor": med / floor_ms, "gbs": gbs}
-            print(f"decode bs {bs} ({path}): {med:.2f} ms a step, floor {floor_ms:.2f} ms "
-                  f"({med / floor_ms:.1f}x, {gbs:.0f} GB/s = {gbs / bw:.1%} of copy)",
-                  flush=True)  # fmt: skip
+            print(
+                f"decode bs {bs} ({path}): {med:.2f} ms a step, floor {floor_ms:.2f} ms "
+                f"({med / floor_ms:.1f}x, {gbs:.0f} GB/s = {gbs / bw:.1%} of copy)",
+                flush=True,
+            )
         if args.profile:
             profile_decode(gpu, bs, args.context, f"{args.profile}-bs{bs}.txt")
     if args.prefill:
@@ -271,13 +285,21 @@ def main() -> None:
         flops = prefill_flops(gpu, args.prefill)
         rates = matmul_tflops(args.prefill, cfg.hidden_size, args.device)
         got = flops / min(times) / 1e9
-        report["prefill"] = {"tokens": args.prefill, "ms": times, "flops": flops,
-                             "tflops": got, "matmul_tflops": rates}  # fmt: skip
-        print(f"prefill {args.prefill}: {min(times):.0f} ms "
-              f"({args.prefill / min(times) * 1e3:.0f} tok/s); {flops / 1e12:.1f} TFLOP, "
-              f"{got:.1f} TFLOP/s = {got / rates['bf16']:.1%} of bf16 mm "
-              f"({rates['bf16']:.0f}), {got / rates['fp8']:.1%} of FP8 mm "
-              f"({rates['fp8']:.0f})", flush=True)  # fmt: skip
+        report["prefill"] = {
+            "tokens": args.prefill,
+            "ms": times,
+            "flops": flops,
+            "tflops": got,
+            "matmul_tflops": rates,
+        }
+        print(
+            f"prefill {args.prefill}: {min(times):.0f} ms "
+            f"({args.prefill / min(times) * 1e3:.0f} tok/s); {flops / 1e12:.1f} TFLOP, "
+            f"{got:.1f} TFLOP/s = {got / rates['bf16']:.1%} of bf16 mm "
+            f"({rates['bf16']:.0f}), {got / rates['fp8']:.1%} of FP8 mm "
+            f"({rates['fp8']:.0f})",
+            flush=True,
+        )
         if args.profile:
             profile_prefill(gpu, args.prefill, f"{args.profile}-prefill.txt")
     # greedy agreement: GPU bf16 against CPU fp32 on the same prompts
@@ -291,11 +313,21 @@ def main() -> None:
         ref, got = forced(cpu, p + b), forced(gpu, p + b)
         top = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
         rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).median().item()
-        rows.append({"gpu_bf16": a, "cpu_fp32": b, "identical_prefix": same,
-                     "forced_top1_agreement": top, "forced_median_rel_err": rel})  # fmt: skip
-        print(f"prompt {i}: {same}/{len(a)} greedy tokens identical before the first "
-              f"difference; teacher-forced top-1 agreement {top:.1%}, median relative logit "
-              f"error {rel:.3f}", flush=True)  # fmt: skip
+        rows.append(
+            {
+                "gpu_bf16": a,
+                "cpu_fp32": b,
+                "identical_prefix": same,
+                "forced_top1_agreement": top,
+                "forced_median_rel_err": rel,
+            }
+        )
+        print(
+            f"prompt {i}: {same}/{len(a)} greedy tokens identical before the first "
+            f"difference; teacher-forced top-1 agreement {top:.1%}, median relative logit "
+            f"error {rel:.3f}",
+            flush=True,
+        )
     report["agreement"] = rows
     if args.engram_cost:  # on, off, on again: graphs captured anew each time
         for bs in map(int, args.batches.split(",")):
@@ -307,9 +339,12 @@ def main() -> None:
                 )
             report["decode"][bs]["engram"] = runs
             on = (runs["on"] + runs["on again"]) / 2
-            print(f"decode bs {bs} (graphs): Engram on {runs['on']:.2f} / {runs['on again']:.2f} "
-                  f"ms, every Engram layer skipped {runs['off']:.2f} ms: the Engram costs "
-                  f"{on / runs['off'] - 1:.1%} of a step", flush=True)  # fmt: skip
+            print(
+                f"decode bs {bs} (graphs): Engram on {runs['on']:.2f} / {runs['on again']:.2f} "
+                f"ms, every Engram layer skipped {runs['off']:.2f} ms: the Engram costs "
+                f"{on / runs['off'] - 1:.1%} of a step",
+                flush=True,
+            )
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -61,10 +61,20 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """``bench`` with its own subcommands, as ``vllm bench`` has."""
     bench = subparsers.add_parser("bench", help="benchmark a running server (vLLM style)")
     sub = bench.add_subparsers(dest="bench_command", required=True)
-    _add_command(sub, "serve", "streamed /v1/completions load: TTFT, TPOT, ITL",
-                 bench_serve.add_arguments, bench_serve.run)  # fmt: skip
-    _add_command(sub, "throughput", "the engine in-process: tok/s, decode GB/s",
-                 bench_throughput.add_arguments, bench_throughput.run)  # fmt: skip
+    _add_command(
+        sub,
+        "serve",
+        "streamed /v1/completions load: TTFT, TPOT, ITL",
+        bench_serve.add_arguments,
+        bench_serve.run,
+    )
+    _add_command(
+        sub,
+        "throughput",
+        "the engine in-process: tok/s, decode GB/s",
+        bench_throughput.add_arguments,
+        bench_throughput.run,
+    )
     return bench
 
 
@@ -72,16 +82,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engramrt", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"engramrt {engramrt.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_command(sub, "engram-hash", "print each token's Engram hash ids",
-                 engram_hash.add_arguments, engram_hash.run)  # fmt: skip
-    _add_command(sub, "generate", "complete a prompt (prefill + decode with a KV cache)",
-                 generate.add_arguments, generate.run)  # fmt: skip
-    _add_command(sub, "check-pp", "every layer partition must reproduce PP = 1 exactly",
-                 check_pp.add_arguments, check_pp.run)  # fmt: skip
-    _add_command(sub, "serve", "OpenAI-compatible server (vLLM's flag names)",
-                 serve.add_arguments, serve.run)  # fmt: skip
-    _add_command(sub, "eval", "accuracy on a JSONL task file; --ab compares server arms",
-                 evaluate.add_arguments, evaluate.run)  # fmt: skip
+    _add_command(
+        sub,
+        "engram-hash",
+        "print each token's Engram hash ids",
+        engram_hash.add_arguments,
+        engram_hash.run,
+    )
+    _add_command(
+        sub,
+        "generate",
+        "complete a prompt (prefill + decode with a KV cache)",
+        generate.add_arguments,
+        generate.run,
+    )
+    _add_command(
+        sub,
+        "check-pp",
+        "every layer partition must reproduce PP = 1 exactly",
+        check_pp.add_arguments,
+        check_pp.run,
+    )
+    _add_command(
+        sub, "serve", "OpenAI-compatible server (vLLM's flag names)", serve.add_arguments, serve.run
+    )
+    _add_command(
+        sub,
+        "eval",
+        "accuracy on a JSONL task file; --ab compares server arms",
+        evaluate.add_arguments,
+        evaluate.run,
+    )
     add_bench_parser(sub)
     return parser
 

@@ -88,9 +88,11 @@ class PromptEncoder:
             raise ValueError("this model has no chat template")
         env = ImmutableSandboxedEnvironment()
         text = env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token, eos_token=self.eos_token,
-        )  # fmt: skip
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
         if max_tokens is not None:
             self.check_fits(text, max_tokens)
         return self.text(text) if special else self._encode(text, special=False)
@@ -121,8 +123,9 @@ def max_token_bytes(tokenizer: Tokenizer) -> int | None:
     input (any normaliser but an empty sequence, a pre-tokenizer that removes)."""
     spec = json.loads(tokenizer.to_str())
     normalizer = spec.get("normalizer")
-    if normalizer is not None and not (normalizer.get("type") == "Sequence"
-                                       and not normalizer.get("normalizers")):  # fmt: skip
+    if normalizer is not None and not (
+        normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")
+    ):
         return None
     if not _keeps_input(spec.get("pre_tokenizer")):
         return None

@@ -30,16 +30,25 @@ WINDOW, SOURCE, REINDEX, REUSE = "window", "source", "reindex", "reuse"
 
 # the HF ``text_config`` name of each field whose reference name differs
 HF_NAMES = {
-    "dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-    "rope_head_dim": "qk_rope_head_dim", "window_size": "sliding_window",
-    "kv_source_layers": "kv_source_layer_ids", "index_source_layers": "index_source_layer_ids",
-    "candidate_source_layer": "candidate_source_layer_id", "norm_eps": "rms_norm_eps",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "rope_head_dim": "qk_rope_head_dim",
+    "window_size": "sliding_window",
+    "kv_source_layers": "kv_source_layer_ids",
+    "index_source_layers": "index_source_layer_ids",
+    "candidate_source_layer": "candidate_source_layer_id",
+    "norm_eps": "rms_norm_eps",
     "original_seq_len": "rope_scaling.original_max_position_embeddings",
-    "rope_factor": "rope_scaling.factor", "beta_fast": "rope_scaling.beta_fast",
-    "beta_slow": "rope_scaling.beta_slow", "n_mtp_layers": "num_nextn_predict_layers",
-    "n_activated_experts": "num_experts_per_tok", "moe_inter_dim": "moe_intermediate_size",
-    "route_scale": "routed_scaling_factor", "score_func": "scoring_func",
-}  # fmt: skip
+    "rope_factor": "rope_scaling.factor",
+    "beta_fast": "rope_scaling.beta_fast",
+    "beta_slow": "rope_scaling.beta_slow",
+    "n_mtp_layers": "num_nextn_predict_layers",
+    "n_activated_experts": "num_experts_per_tok",
+    "moe_inter_dim": "moe_intermediate_size",
+    "route_scale": "routed_scaling_factor",
+    "score_func": "scoring_func",
+}
 
 
 def _field(cfg: Mapping[str, Any], ref: str, default: Any = ...) -> tuple[str, Any]:
@@ -48,8 +57,10 @@ def _field(cfg: Mapping[str, Any], ref: str, default: Any = ...) -> tuple[str, A
     hf = HF_NAMES.get(ref, ref)
     here = [k for k in dict.fromkeys((ref, hf)) if k in cfg]
     if len(here) == 2 and cfg[ref] != cfg[hf]:
-        raise ConfigError(f"config fields {ref!r} ({cfg[ref]!r}) and {hf!r} ({cfg[hf]!r}) "
-                          "name the same thing and disagree")  # fmt: skip
+        raise ConfigError(
+            f"config fields {ref!r} ({cfg[ref]!r}) and {hf!r} ({cfg[hf]!r}) "
+            "name the same thing and disagree"
+        )
     if here:
         return hf, cfg[here[0]]
     if default is ...:
@@ -92,8 +103,11 @@ class LayerRole:
     @property
     def reads(self) -> set[int]:
         """Layers whose state this one reads (its own included)."""
-        return {s for s in (self.kv_source, self.index_source, self.topk_from,
-                            self.candidates_from) if s is not None}  # fmt: skip
+        return {
+            s
+            for s in (self.kv_source, self.index_source, self.topk_from, self.candidates_from)
+            if s is not None
+        }
 
 
 @dataclass(frozen=True)
@@ -143,8 +157,11 @@ class V41Config:
     def dspark_stages(self) -> list[int]:
         """The DSpark stages' layer ids (``mtp.s`` is layer ``n_layers + s``); none without
         a draft block."""
-        return list(range(self.n_layers, self.n_layers + self.n_mtp_layers)) \
-            if self.dspark_block_size else []  # fmt: skip
+        return (
+            list(range(self.n_layers, self.n_layers + self.n_mtp_layers))
+            if self.dspark_block_size
+            else []
+        )
 
     def role(self, layer: int) -> LayerRole:
         """A backbone layer's role, or a DSpark stage's (its own window only)."""
@@ -154,15 +171,20 @@ class V41Config:
 
     def stage_moe(self) -> V41Config:
         """The config a DSpark stage's MoE reads: its own expert counts."""
-        return replace(self, n_routed_experts=self.dspark_n_routed_experts or self.n_routed_experts,
-                       n_activated_experts=self.dspark_n_activated_experts
-                       or self.n_activated_experts)  # fmt: skip
+        return replace(
+            self,
+            n_routed_experts=self.dspark_n_routed_experts or self.n_routed_experts,
+            n_activated_experts=self.dspark_n_activated_experts or self.n_activated_experts,
+        )
 
     def legal_cuts(self) -> list[int]:
         """The layers a pipeline stage may start at (1 .. n_layers - 1): those before which no
         later layer reads what an earlier one wrote."""
-        return [cut for cut in range(1, self.n_layers)
-                if not any(r < cut for role in self.roles[cut:] for r in role.reads)]  # fmt: skip
+        return [
+            cut
+            for cut in range(1, self.n_layers)
+            if not any(r < cut for role in self.roles[cut:] for r in role.reads)
+        ]
 
 
 def v41_config(raw: Mapping[str, Any]) -> V41Config:
@@ -174,26 +196,58 @@ def v41_config(raw: Mapping[str, Any]) -> V41Config:
     hf, score = _field(c, "score_func", "sqrtsoftplus")
     if score != "sqrtsoftplus":
         raise ConfigError(f"config field {hf!r} must be 'sqrtsoftplus' for V4.1, got {score!r}")
-    ints = ["dim", "n_layers", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups",
-            "o_lora_rank", "window_size", "candidate_topk_blocks", "candidate_block_size",
-            "index_n_heads", "index_head_dim", "index_topk", "original_seq_len",
-            "n_routed_experts", "n_activated_experts", "moe_inter_dim"]  # fmt: skip
-    floats = ["rope_theta", "compress_rope_theta", "rope_factor", "beta_fast", "beta_slow",
-              "norm_eps", "route_scale", "swiglu_limit"]  # fmt: skip
+    ints = [
+        "dim",
+        "n_layers",
+        "n_heads",
+        "head_dim",
+        "rope_head_dim",
+        "q_lora_rank",
+        "o_groups",
+        "o_lora_rank",
+        "window_size",
+        "candidate_topk_blocks",
+        "candidate_block_size",
+        "index_n_heads",
+        "index_head_dim",
+        "index_topk",
+        "original_seq_len",
+        "n_routed_experts",
+        "n_activated_experts",
+        "moe_inter_dim",
+    ]
+    floats = [
+        "rope_theta",
+        "compress_rope_theta",
+        "rope_factor",
+        "beta_fast",
+        "beta_slow",
+        "norm_eps",
+        "route_scale",
+        "swiglu_limit",
+    ]
     cfg = V41Config(
         **{name: _int(c, name) for name in ints},
         **{name: _float(c, name) for name in floats},
-        **{name: _ints(c, name)
-           for name in ("compress_ratios", "kv_source_layers", "index_source_layers")},
+        **{
+            name: _ints(c, name)
+            for name in ("compress_ratios", "kv_source_layers", "index_source_layers")
+        },
         candidate_source_layer=_int(c, "candidate_source_layer", low=0),
         n_mtp_layers=_int(c, "n_mtp_layers", default=0, low=0),
         n_shared_experts=_int(c, "n_shared_experts", low=0),
-        **{name: _int(c, name, default=0, low=0)
-           for name in ("dspark_block_size", "dspark_noise_token_id", "dspark_n_routed_experts",
-                        "dspark_n_activated_experts")},
+        **{
+            name: _int(c, name, default=0, low=0)
+            for name in (
+                "dspark_block_size",
+                "dspark_noise_token_id",
+                "dspark_n_routed_experts",
+                "dspark_n_activated_experts",
+            )
+        },
         dspark_markov_rank=_int(c, "dspark_markov_rank", default=256),
         dspark_target_layer_ids=tuple(_field(c, "dspark_target_layer_ids", [])[1]),
-    )  # fmt: skip
+    )
     _check_widths(cfg)
     return replace(cfg, roles=_roles(cfg))
 
@@ -208,9 +262,13 @@ def _check_widths(c: V41Config) -> None:
         "qk_rope_head_dim",
         f"must be even and below head_dim ({c.head_dim}), got {c.rope_head_dim}",
     )
-    for name, width in (("head_dim", c.head_dim), ("hidden_size", c.dim),
-                        ("q_lora_rank", c.q_lora_rank), ("index_head_dim", c.index_head_dim),
-                        ("moe_intermediate_size", c.moe_inter_dim)):  # fmt: skip
+    for name, width in (
+        ("head_dim", c.head_dim),
+        ("hidden_size", c.dim),
+        ("q_lora_rank", c.q_lora_rank),
+        ("index_head_dim", c.index_head_dim),
+        ("moe_intermediate_size", c.moe_inter_dim),
+    ):
         need(width % 32 == 0, name, f"must be a multiple of 32 (the FP8/FP4 blocks), got {width}")
     need(
         c.n_heads * c.head_dim % c.o_groups == 0,
@@ -261,43 +319,60 @@ def _check_widths(c: V41Config) -> None:
 def _roles(c: V41Config) -> tuple[LayerRole, ...]:
     """Every backbone layer's role; an inconsistent source list is an error naming it."""
     kv, index = set(c.kv_source_layers), set(c.index_source_layers)
-    for field, layers in (("kv_source_layer_ids", c.kv_source_layers),
-                          ("index_source_layer_ids", c.index_source_layers)):  # fmt: skip
+    for field, layers in (
+        ("kv_source_layer_ids", c.kv_source_layers),
+        ("index_source_layer_ids", c.index_source_layers),
+    ):
         if list(layers) != sorted(set(layers)) or any(i >= c.n_layers for i in layers):
-            raise ConfigError(f"config field {field!r} must be sorted, unique layer ids below "
-                              f"{c.n_layers}, got {list(layers)}")  # fmt: skip
+            raise ConfigError(
+                f"config field {field!r} must be sorted, unique layer ids below "
+                f"{c.n_layers}, got {list(layers)}"
+            )
     if not kv <= index:
-        raise ConfigError(f"config field 'kv_source_layer_ids': every KV source runs an "
-                          f"indexer, but {sorted(kv - index)} are not in "
-                          "index_source_layer_ids")  # fmt: skip
+        raise ConfigError(
+            f"config field 'kv_source_layer_ids': every KV source runs an "
+            f"indexer, but {sorted(kv - index)} are not in "
+            "index_source_layer_ids"
+        )
     cand = c.candidate_source_layer
     if cand not in kv or c.compress_ratios[cand] != 1:
-        raise ConfigError(f"config field 'candidate_source_layer_id' ({cand}) must be a KV source "
-                          "of ratio 1")  # fmt: skip
+        raise ConfigError(
+            f"config field 'candidate_source_layer_id' ({cand}) must be a KV source of ratio 1"
+        )
     roles, source, topk = [], None, None
     for layer in range(c.n_layers):
         ratio = c.compress_ratios[layer]
         if ratio == 0:
             if layer in index:
-                raise ConfigError(f"config field 'index_source_layer_ids': layer {layer} has "
-                                  "compress ratio 0 and no cache to index")  # fmt: skip
+                raise ConfigError(
+                    f"config field 'index_source_layer_ids': layer {layer} has "
+                    "compress ratio 0 and no cache to index"
+                )
             roles.append(LayerRole(layer, 0, WINDOW, None, None, None))
             continue
         if layer in kv:
             source = topk = layer
-            roles.append(LayerRole(layer, ratio, SOURCE, layer, layer, layer,
-                                   builds_candidates=layer == cand))  # fmt: skip
+            roles.append(
+                LayerRole(
+                    layer, ratio, SOURCE, layer, layer, layer, builds_candidates=layer == cand
+                )
+            )
             continue
         if source is None or c.compress_ratios[source] != ratio:
-            raise ConfigError(f"config field 'compress_ratios': layer {layer} (ratio {ratio}) has "
-                              f"no earlier KV source of that ratio to read")  # fmt: skip
+            raise ConfigError(
+                f"config field 'compress_ratios': layer {layer} (ratio {ratio}) has "
+                f"no earlier KV source of that ratio to read"
+            )
         if layer in index:
             if layer < cand:
-                raise ConfigError(f"config field 'index_source_layer_ids': layer {layer} "
-                                  f"re-indexes before the candidate source {cand}")  # fmt: skip
+                raise ConfigError(
+                    f"config field 'index_source_layer_ids': layer {layer} "
+                    f"re-indexes before the candidate source {cand}"
+                )
             topk = layer
-            roles.append(LayerRole(layer, ratio, REINDEX, source, source, layer,
-                                   candidates_from=cand))  # fmt: skip
+            roles.append(
+                LayerRole(layer, ratio, REINDEX, source, source, layer, candidates_from=cand)
+            )
         else:
             roles.append(LayerRole(layer, ratio, REUSE, source, None, topk))
     return tuple(roles)

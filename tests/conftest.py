@@ -12,9 +12,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SERVER_TESTS = ["server/test_server.py", "server/test_lifecycle.py",
-                "server/test_tokenize_endpoints.py", "server/test_api_schema.py",
-                "commands/test_lm_eval.py", "commands/test_eval.py"]  # fmt: skip
+SERVER_TESTS = [
+    "server/test_server.py",
+    "server/test_lifecycle.py",
+    "server/test_tokenize_endpoints.py",
+    "server/test_api_schema.py",
+    "commands/test_lm_eval.py",
+    "commands/test_eval.py",
+]
 
 
 def _missing_server_stack() -> str | None:

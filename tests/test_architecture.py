@@ -91,8 +91,13 @@ def layer_of(module: str) -> int:
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
-    return sorted((a, b) for a, targets in graph.items() if a != "engramrt"
-                  for b in targets if layer_of(b) < layer_of(a))  # fmt: skip
+    return sorted(
+        (a, b)
+        for a, targets in graph.items()
+        if a != "engramrt"
+        for b in targets
+        if layer_of(b) < layer_of(a)
+    )
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -83,9 +83,13 @@ print("RESULTS " + json.dumps(results))
 
 def run_scripts(calls: list[tuple[str, list[str]]]) -> dict[str, str | None]:
     out = subprocess.run(
-        [sys.executable, "-c", RUNNER, json.dumps(calls)], capture_output=True, text=True,
-        cwd=BENCH.parent, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    )  # fmt: skip
+        [sys.executable, "-c", RUNNER, json.dumps(calls)],
+        capture_output=True,
+        text=True,
+        cwd=BENCH.parent,
+        timeout=600,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULTS ")), None)
     assert line is not None, out.stderr[-3000:]
     return json.loads(line.removeprefix("RESULTS "))
@@ -96,9 +100,12 @@ def engramrt_imports(path: Path) -> list[tuple[str, str]]:
     those in an ``except ImportError`` handler (a fallback for older trees a benchmark can
     measure)."""
     tree = ast.parse(path.read_text())
-    fallback = {id(n) for h in ast.walk(tree) if isinstance(h, ast.ExceptHandler)
-                and getattr(h.type, "id", None) == "ImportError"
-                for n in ast.walk(h)}  # fmt: skip
+    fallback = {
+        id(n)
+        for h in ast.walk(tree)
+        if isinstance(h, ast.ExceptHandler) and getattr(h.type, "id", None) == "ImportError"
+        for n in ast.walk(h)
+    }
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("engramrt"):
@@ -139,8 +146,14 @@ def test_scripts_with_a_cpu_path_make_a_tiny_run() -> None:
 
 
 def test_serve_summary_reads_a_result_file(tmp_path: Path) -> None:
-    res = {"output_throughput": 10.0, "itls": [[0.005, 0.02]], "median_ttft_ms": 1,
-           "p99_ttft_ms": 2, "median_tpot_ms": 3, "p99_tpot_ms": 4}  # fmt: skip
+    res = {
+        "output_throughput": 10.0,
+        "itls": [[0.005, 0.02]],
+        "median_ttft_ms": 1,
+        "p99_ttft_ms": 2,
+        "median_tpot_ms": 3,
+        "p99_tpot_ms": 4,
+    }
     (tmp_path / "r.json").write_text(json.dumps(res))
     cmd = [sys.executable, str(BENCH / "serve_summary.py"), str(tmp_path / "r.json")]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout

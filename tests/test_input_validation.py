@@ -109,9 +109,12 @@ def test_host_validation_agrees_with_the_checks_it_screens_for() -> None:
 
 @pytest.mark.parametrize(
     ("lens", "slots", "msg"),
-    [([3, 3], [0, 1], "sum to at most"), ([-1, 2], [0, 1], "must be >= 0"),
-     ([1, 2], [1, 1], "share a slot")],
-)  # fmt: skip
+    [
+        ([3, 3], [0, 1], "sum to at most"),
+        ([-1, 2], [0, 1], "must be >= 0"),
+        ([1, 2], [1, 1], "share a slot"),
+    ],
+)
 def test_extend_runs_are_checked(lens: list[int], slots: list[int], msg: str) -> None:
     hasher, _ = load_hasher(GQA_MODEL_DIR, 2)
     t = torch.tensor([7, 8, 9])
@@ -126,9 +129,16 @@ def test_zero_request_step(session: StageRunner) -> None:
 
 @pytest.mark.parametrize(
     "row",
-    [SampleRow(temperature=-1), SampleRow(top_p=0), SampleRow(top_p=1.5), SampleRow(top_k=-1),
-     SampleRow(min_p=2), SampleRow(logprobs=MAX_LOGPROBS + 1), SampleRow(seed=-3)],
-)  # fmt: skip
+    [
+        SampleRow(temperature=-1),
+        SampleRow(top_p=0),
+        SampleRow(top_p=1.5),
+        SampleRow(top_k=-1),
+        SampleRow(min_p=2),
+        SampleRow(logprobs=MAX_LOGPROBS + 1),
+        SampleRow(seed=-3),
+    ],
+)
 def test_sampling_parameters_are_checked(row: SampleRow) -> None:
     with pytest.raises(ValueError):
         row.validate()
@@ -168,21 +178,43 @@ def test_step_message_round_trip_keeps_every_field_exactly(with_tokens: bool) ->
     snapshots to keep and restore (V4.1 prefix caching) reach every stage."""
     controls = Controls(0.5, -0.25, 1.3, {7: -100.0, 2: 0.1}, 3, [1, 9], [2, 7, 8], [4])
     admitted = [
-        NewRequest(3, [5, 6, 7], 2, 1, [4, 7], SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4, False),
-                   controls, snapshot=5),
+        NewRequest(
+            3,
+            [5, 6, 7],
+            2,
+            1,
+            [4, 7],
+            SampleRow(0.7, 0.9, 5, 0.1, 2**53 + 1, 3, 4, False),
+            controls,
+            snapshot=5,
+        ),
         NewRequest(1, [8, 9], 2, 0, [2], SampleRow(seed=2**63 - 1, min_p=1e-300)),
-    ]  # fmt: skip
-    batch = StepBatch([9, 2**40, 0], [3, 1], [2, 1], [5, 9], new_blocks=[[4, 7], [2]],
-                      block_starts=[1, 0], admitted=admitted, token_counts=[2, 1],
-                      sample_index=[4, 0], final=[False, True], return_logits=True,
-                      targets=[11, -1, 4], target_k=2, masks=[(0, [5, -(2**31), 2**31 - 1])],
-                      drafts=[1, 0], commits=[(1, [4, 5], 1)],
-                      snapshots=[(3, 0), (1, 7)])  # fmt: skip
+    ]
+    batch = StepBatch(
+        [9, 2**40, 0],
+        [3, 1],
+        [2, 1],
+        [5, 9],
+        new_blocks=[[4, 7], [2]],
+        block_starts=[1, 0],
+        admitted=admitted,
+        token_counts=[2, 1],
+        sample_index=[4, 0],
+        final=[False, True],
+        return_logits=True,
+        targets=[11, -1, 4],
+        target_k=2,
+        masks=[(0, [5, -(2**31), 2**31 - 1])],
+        drafts=[1, 0],
+        commits=[(1, [4, 5], 1)],
+        snapshots=[(3, 0), (1, 7)],
+    )
     got = decode_batch(encode_batch(batch, with_tokens))
     # the second request's tokens stay on the first stage (no penalties need them further on)
     kept = admitted if with_tokens else [admitted[0], dataclasses.replace(admitted[1], tokens=[])]
-    want = dataclasses.replace(batch, tokens=batch.tokens if with_tokens else None,
-                               admitted=kept, commits=[])  # fmt: skip
+    want = dataclasses.replace(
+        batch, tokens=batch.tokens if with_tokens else None, admitted=kept, commits=[]
+    )
     assert got == want
     # every field is compared: a field the codec dropped would differ from a changed batch
     for name in (f.name for f in dataclasses.fields(StepBatch)):
@@ -191,9 +223,16 @@ def test_step_message_round_trip_keeps_every_field_exactly(with_tokens: bool) ->
 
 
 def test_result_message_round_trip() -> None:
-    result = StepResult([3, -1], None, [-0.1, float("-inf")], [[1, 2], [0, 0]],
-                        [[-0.5, -1e-30], [0.0, -7.25]], [float("nan"), -2.0], [[1], [2]],
-                        [[-1.0], [-3.0]])  # fmt: skip
+    result = StepResult(
+        [3, -1],
+        None,
+        [-0.1, float("-inf")],
+        [[1, 2], [0, 0]],
+        [[-0.5, -1e-30], [0.0, -7.25]],
+        [float("nan"), -2.0],
+        [[1], [2]],
+        [[-1.0], [-3.0]],
+    )
     got = decode_result(encode_result(result))
     assert got.tokens == result.tokens and got.top_ids == result.top_ids
     for name in ("logprobs", "top_logprobs", "target_logprobs", "target_top_logprobs"):

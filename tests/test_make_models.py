@@ -19,8 +19,19 @@ from engramrt.runner.stage import StageRunner
 @pytest.mark.slow
 def test_tiny_preset_loads_and_runs(tmp_path: Path) -> None:
     script = Path(__file__).parents[1] / "benchmarks" / "make_models.py"
-    subprocess.run([sys.executable, str(script), "--preset", "tiny", "--out", str(tmp_path),
-                    "--device", "cpu"], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--preset",
+            "tiny",
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+        ],
+        check=True,
+    )
     s = StageRunner.load(tmp_path, dtype="float32")
     logits = s.compute(StepBatch([0, 40, 41, 42], [0], [4], [0]))
     assert logits.shape == (4, s.model.cfg.vocab_size) and bool(logits.isfinite().all())

@@ -124,8 +124,10 @@ def test_the_length_bound_holds_for_every_text_tried() -> None:
     rng = random.Random(0)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     for _ in range(300):
-        parts = [tok.decode([rng.randrange(vocab)], skip_special_tokens=False)
-                 for _ in range(rng.randint(1, 40))]  # fmt: skip
+        parts = [
+            tok.decode([rng.randrange(vocab)], skip_special_tokens=False)
+            for _ in range(rng.randint(1, 40))
+        ]
         parts += [chr(rng.randrange(32, 0x2FFF)) * rng.randint(1, 50) for _ in range(3)]
         rng.shuffle(parts)
         text = "".join(parts)

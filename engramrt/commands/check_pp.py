@@ -58,8 +58,10 @@ def choose_partitions(
     if cuts is not None:
         every = [p for p in every if all(sum(p[:r]) in cuts for r in range(1, stages))]
         if not every:
-            raise ValueError(f"this V4.1 model has no partition into {stages} stages: a stage "
-                             f"may start only before layers {cuts}")  # fmt: skip
+            raise ValueError(
+                f"this V4.1 model has no partition into {stages} stages: a stage "
+                f"may start only before layers {cuts}"
+            )
     if limit is None or limit >= len(every):
         return every
 
@@ -118,8 +120,15 @@ def check_pp(opts: CheckOptions) -> dict | None:
 def _scenario(pipe: Pipeline, prompts: list[list[int]], steps: int, forced: list | None):
     """Prefill all prompts in one batch, then ``steps`` decode steps; logits of every step."""
     slots = list(range(len(prompts)))
-    res = pipe.step(StepBatch([t for p in prompts for t in p], slots, [len(p) for p in prompts],
-                              [0] * len(prompts), return_logits=True))  # fmt: skip
+    res = pipe.step(
+        StepBatch(
+            [t for p in prompts for t in p],
+            slots,
+            [len(p) for p in prompts],
+            [0] * len(prompts),
+            return_logits=True,
+        )
+    )
     logits, tokens = [res.logits], [res.tokens]
     lengths = [len(p) for p in prompts]
     for k in range(steps):
@@ -135,9 +144,13 @@ def _runner(
     opts: CheckOptions, layers: list[int], num_slots: int, tp: TensorParallel | None = None
 ) -> StageRunner:
     runner = StageRunner.load(
-        opts.model_dir, num_slots, device=stage_device(opts.dist), dtype=opts.dtype,
-        layer_ids=layers, tp=tp,
-    )  # fmt: skip
+        opts.model_dir,
+        num_slots,
+        device=stage_device(opts.dist),
+        dtype=opts.dtype,
+        layer_ids=layers,
+        tp=tp,
+    )
     if runner.device.type == "cuda" and not opts.enforce_eager:
         runner.capture_graphs(num_slots)
     return runner
@@ -232,8 +245,9 @@ def _worker(rank, world, opts: CheckOptions, partitions, prompts, out_path: str)
             error = stage.error
         per_rank = _to_rank0(driver, (stage.engram_ran if stage else Counter(), error))
         if driver:
-            errors = [f"{_where(r, tp.size)}: {e}" for r, (_, e) in enumerate(per_rank)
-                      if e is not None]  # fmt: skip
+            errors = [
+                f"{_where(r, tp.size)}: {e}" for r, (_, e) in enumerate(per_rank) if e is not None
+            ]
             if errors:
                 rows.append(_failed(parts, "; ".join(errors)))
             else:
@@ -285,8 +299,9 @@ def _compare(opts, parts, per_stage, logits, tokens, ref_logits, ref_tokens) -> 
     delta = max(float((a - b).abs().max()) for a, b in pairs)
     rtol = opts.rtol if opts.rtol is not None else (1e-5 if opts.dist.tp_size > 1 else 0.0)
     # relative to the step's largest logit: a logit near 0 has no scale of its own
-    close = all(float((a - b).abs().max()) <= opts.atol + rtol * float(b.abs().max())
-                for a, b in pairs)  # fmt: skip
+    close = all(
+        float((a - b).abs().max()) <= opts.atol + rtol * float(b.abs().max()) for a, b in pairs
+    )
     cfg = model_config(load_json(opts.model_dir))
     expected = [
         [layer for layer in stage_layers(parts, r) if layer in cfg.engram.layer_ids] * steps
@@ -310,10 +325,12 @@ def _flip_gap(tokens, ref_tokens, ref_logits) -> float | None:
     """Where a greedy token differs (the inputs are the reference's), the largest gap between
     the two tokens' reference logits: a flip within ``max_abs_dlogit`` is a near-tie that
     rounding decided, a larger one is a wrong logit. None when no token differs."""
-    gaps = [float(ref[row, want] - ref[row, got])
-            for step, ref in enumerate(ref_logits)
-            for row, (got, want) in enumerate(zip(tokens[step], ref_tokens[step], strict=True))
-            if got != want]  # fmt: skip
+    gaps = [
+        float(ref[row, want] - ref[row, got])
+        for step, ref in enumerate(ref_logits)
+        for row, (got, want) in enumerate(zip(tokens[step], ref_tokens[step], strict=True))
+        if got != want
+    ]
     return max(gaps) if gaps else None
 
 
@@ -368,11 +385,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--atol", type=float, default=0.0, help="allowed max |dlogit| (default 0)")
     p.add_argument(
-        "--rtol", type=float,
+        "--rtol",
+        type=float,
         help="allowed max |dlogit| relative to the step's largest |logit| (default: 0, bitwise; "
         "1e-5 with "
         "--tensor-parallel-size > 1, whose all-reduces sum in another order)",
-    )  # fmt: skip
+    )
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     add_dist_flags(p)

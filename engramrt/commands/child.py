@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import sys
 
-_BOOT = ("import runpy, sys; del sys.path[0]; sys.argv[0] = 'engramrt'; "
-         "runpy.run_module('engramrt', run_name='__main__', alter_sys=True)")  # fmt: skip
+_BOOT = (
+    "import runpy, sys; del sys.path[0]; sys.argv[0] = 'engramrt'; "
+    "runpy.run_module('engramrt', run_name='__main__', alter_sys=True)"
+)
 
 
 def engramrt_command(*args: str) -> list[str]:

@@ -87,8 +87,9 @@ class Client:
             try:
                 r = await self.http.post("/v1/completions", json={"temperature": 0, **body})
             except httpx.TransportError as exc:
-                raise RuntimeError(f"cannot reach the server at {self.http.base_url}: "
-                                   f"{exc or type(exc).__name__}") from None  # fmt: skip
+                raise RuntimeError(
+                    f"cannot reach the server at {self.http.base_url}: {exc or type(exc).__name__}"
+                ) from None
         if r.status_code != 200:
             raise RuntimeError(f"the server answered {r.status_code}: {r.text[:300]}")
         return r.json()["choices"][0]
@@ -99,18 +100,21 @@ class Client:
             out = await self._complete(prompt=item.prompt, max_tokens=self.max_tokens, stop=stop)
             text = out["text"]
             return Scored(text, text.strip() == str(item.answer).strip())
-        outs = await asyncio.gather(*(
-            self._complete(prompt=item.prompt + c, max_tokens=0, echo=True, logprobs=0)
-            for c in item.choices
-        ))  # fmt: skip
+        outs = await asyncio.gather(
+            *(
+                self._complete(prompt=item.prompt + c, max_tokens=0, echo=True, logprobs=0)
+                for c in item.choices
+            )
+        )
         lls = [choice_loglikelihood(item.prompt, o["logprobs"], o["text"]) for o in outs]
         best = max(range(len(lls)), key=lls.__getitem__)
         want = item.answer if isinstance(item.answer, int) else item.choices.index(item.answer)
         return Scored(item.choices[best], best == want)
 
 
-async def evaluate(base_url: str, items: list[Item], max_tokens: int, concurrency: int,
-                   label: str = "") -> list[Scored]:  # fmt: skip
+async def evaluate(
+    base_url: str, items: list[Item], max_tokens: int, concurrency: int, label: str = ""
+) -> list[Scored]:
     client = Client(base_url, max_tokens, concurrency)
     bar = tqdm(total=len(items), desc=label or "eval", disable=not sys.stderr.isatty())
 
@@ -135,14 +139,30 @@ def _free_port() -> int:
 class LocalServer:
     """``engramrt serve`` in a child process for one arm."""
 
-    def __init__(self, model: str | None, flags: list[str], wait_s: float = 900,
-                 env: dict[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: str | None,
+        flags: list[str],
+        wait_s: float = 900,
+        env: dict[str, str] | None = None,
+    ):
         self.port = _free_port()
-        cmd = engramrt_command("serve", *([model] if model else []), "--port", str(self.port),
-                               "--disable-uvicorn-access-log", *flags)  # fmt: skip
+        cmd = engramrt_command(
+            "serve",
+            *([model] if model else []),
+            "--port",
+            str(self.port),
+            "--disable-uvicorn-access-log",
+            *flags,
+        )
         self.log = tempfile.TemporaryFile("w+")  # a pipe could fill up and stall the server
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -182,59 +202,81 @@ def _is_env(token: str) -> bool:
 
 def run_arm(args: argparse.Namespace, items: list[Item], name: str, flags: list[str]) -> dict:
     if args.base_url:
-        scored = asyncio.run(evaluate(args.base_url, items, args.max_tokens, args.concurrency,
-                                      name))  # fmt: skip
+        scored = asyncio.run(
+            evaluate(args.base_url, items, args.max_tokens, args.concurrency, name)
+        )
     else:
         env = dict(f.split("=", 1) for f in flags if _is_env(f))
         server = LocalServer(args.model, [f for f in flags if not _is_env(f)], env=env)
         try:
-            scored = asyncio.run(evaluate(server.url, items, args.max_tokens, args.concurrency,
-                                          name))  # fmt: skip
+            scored = asyncio.run(
+                evaluate(server.url, items, args.max_tokens, args.concurrency, name)
+            )
         finally:
             server.close()
     correct = sum(s.correct for s in scored)
-    return {"arm": name, "flags": flags, "items": len(items), "correct": correct,
-            "accuracy": correct / max(len(items), 1),
-            "results": [asdict(s) for s in scored]}  # fmt: skip
+    return {
+        "arm": name,
+        "flags": flags,
+        "items": len(items),
+        "correct": correct,
+        "accuracy": correct / max(len(items), 1),
+        "results": [asdict(s) for s in scored],
+    }
 
 
 def table(arms: list[dict]) -> str:
     first = arms[0]
-    rows = ["| arm | accuracy | correct | Δ | same answers as the first arm |",
-            "|---|---:|---:|---:|---:|"]  # fmt: skip
+    rows = [
+        "| arm | accuracy | correct | Δ | same answers as the first arm |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for a in arms:
-        agree = sum(x["picked"] == y["picked"] for x, y in zip(a["results"], first["results"],
-                                                                 strict=True))  # fmt: skip
+        agree = sum(
+            x["picked"] == y["picked"] for x, y in zip(a["results"], first["results"], strict=True)
+        )
         delta = a["accuracy"] - first["accuracy"]
-        rows.append(f"| {a['arm']} | {a['accuracy']:.1%} | {a['correct']}/{a['items']} | "
-                    f"{delta:+.1%} | {agree}/{a['items']} |")  # fmt: skip
+        rows.append(
+            f"| {a['arm']} | {a['accuracy']:.1%} | {a['correct']}/{a['items']} | "
+            f"{delta:+.1%} | {agree}/{a['items']} |"
+        )
     return "\n".join(rows)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("tasks", help="a JSONL task file")
-    p.add_argument("--model", help="model directory for the server started here (default: the "
-                   "bundled model)")  # fmt: skip
+    p.add_argument(
+        "--model", help="model directory for the server started here (default: the bundled model)"
+    )
     p.add_argument("--base-url", help="an engramrt (or any OpenAI-compatible) server instead")
     p.add_argument("--max-tokens", type=int, default=32, help="for exact-match items")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight")
     p.add_argument("--limit", type=int, help="the first N items only")
-    p.add_argument("--engram", choices=["on", "off"], default="on",
-                   help="off: every Engram layer skipped (the server's ablation)")  # fmt: skip
+    p.add_argument(
+        "--engram",
+        choices=["on", "off"],
+        default="on",
+        help="off: every Engram layer skipped (the server's ablation)",
+    )
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     p.add_argument("--pp-layer-partition", help="layers per stage, e.g. 14,26")
     p.add_argument("--serve-args", default="", help="more flags for the server started here")
-    p.add_argument("--ab", nargs="+", metavar="NAME=FLAGS",
-                   help="several arms, each a server with these flags (replaces --engram, -pp, "
-                   "--pp-layer-partition), e.g. on= off='--engram off'; NAME=VALUE words set "
-                   "the server's environment")  # fmt: skip
+    p.add_argument(
+        "--ab",
+        nargs="+",
+        metavar="NAME=FLAGS",
+        help="several arms, each a server with these flags (replaces --engram, -pp, "
+        "--pp-layer-partition), e.g. on= off='--engram off'; NAME=VALUE words set "
+        "the server's environment",
+    )
     p.add_argument("--json", action="store_true", help="print JSON, item results included")
 
 
 def _arms(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     extra = shlex.split(args.serve_args)
-    server_side = (args.engram != "on" or args.pipeline_parallel_size != 1
-                   or args.pp_layer_partition or extra)  # fmt: skip
+    server_side = (
+        args.engram != "on" or args.pipeline_parallel_size != 1 or args.pp_layer_partition or extra
+    )
     if args.base_url and server_side:
         raise ValueError(
             "--engram, -pp, --pp-layer-partition and --serve-args configure the "

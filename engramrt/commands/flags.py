@@ -26,22 +26,26 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
     """``--device`` and ``--dtype`` left open: see :func:`resolve_device`; no dtype means the
     model config's on a GPU, float32 on a CPU (``engramrt.model.checkpoint.default_dtype``)."""
     p.add_argument("--device", choices=DEVICES, help="default: cuda if available")
-    p.add_argument("--dtype", choices=DTYPES,
-                   help="default: the config's on a GPU, float32 on a CPU")  # fmt: skip
+    p.add_argument(
+        "--dtype", choices=DTYPES, help="default: the config's on a GPU, float32 on a CPU"
+    )
 
 
 def add_engram_memory_flags(p: argparse.ArgumentParser) -> None:
     """Where the Engram tables live (``engramrt.engram.host_memory``); vLLM's
     ``--engram-config '{"cpu_offload": true}'`` is read as ``host``."""
     p.add_argument(
-        "--engram-table-memory", choices=["auto", "device", "host"], default="auto",
+        "--engram-table-memory",
+        choices=["auto", "device", "host"],
+        default="auto",
         help="host: the tables stay in pinned host memory (huge pages) and the GPU reads their "
         "rows in place; auto: host when a stage's tables would take over half its GPU",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--engram-config", metavar="JSON",
+        "--engram-config",
+        metavar="JSON",
         help='vLLM\'s form: {"cpu_offload": true} is --engram-table-memory host, false device',
-    )  # fmt: skip
+    )
 
 
 def engram_table_memory(args: argparse.Namespace) -> str:
@@ -74,9 +78,12 @@ def add_dist_flags(p: argparse.ArgumentParser) -> None:
     """Pipeline and tensor parallelism, and how their processes meet."""
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=1,
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
         help="ranks per pipeline stage, each holding a slice of every layer (world = TP x PP)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--pp-layer-partition",
         help="layers per stage, e.g. 14,26 (also $ENGRAMRT_PP_LAYER_PARTITION or "
@@ -111,35 +118,42 @@ def layer_partition(args: argparse.Namespace, model_dir: Path) -> list[int]:
 def add_memory_flags(p: argparse.ArgumentParser) -> None:
     """How much memory the engine may take: the KV cache budget and CUDA graphs."""
     p.add_argument(
-        "--kv-cache-memory-bytes", type=int,
+        "--kv-cache-memory-bytes",
+        type=int,
         help="KV cache budget over all layers (default: by --gpu-memory-utilization on CUDA, "
         "256 MiB on CPU)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.9,
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
         help="share of GPU memory for weights, activations and the KV cache (default 0.9)",
-    )  # fmt: skip
+    )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
     """Overlap scheduling and the prompt-chunk cap (vLLM's flag names)."""
     p.add_argument(
-        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="prepare and launch step N+1 while the GPU runs step N; the host reads a step's "
         "tokens one step late (same outputs). Default: on with one pipeline stage of one rank, "
         "off otherwise",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--long-prefill-token-threshold", type=int, default=0,
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
         help="a prompt computes at most this many tokens a step, so the decode rows that share "
         "the step wait less for it (0: up to --max-num-batched-tokens)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--speculative-config",
         help='n-gram (prompt-lookup) speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
-    )  # fmt: skip
+    )
 
 
 def options_from_args(
@@ -150,14 +164,28 @@ def options_from_args(
     device = fields.pop("device", None) or args.device
     taken = {
         name: getattr(args, name)
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "num_gpu_blocks_override", "kv_cache_memory_bytes", "enforce_eager",
-                     "gpu_memory_utilization", "async_scheduling", "long_prefill_token_threshold",
-                     "speculative_config", "dtype", "seed", "enable_prefix_caching")
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "num_gpu_blocks_override",
+            "kv_cache_memory_bytes",
+            "enforce_eager",
+            "gpu_memory_utilization",
+            "async_scheduling",
+            "long_prefill_token_threshold",
+            "speculative_config",
+            "dtype",
+            "seed",
+            "enable_prefix_caching",
+        )
         if hasattr(args, name)
-    }  # fmt: skip
+    }
     return cls(
-        model_dir=model_dir, partition=layer_partition(args, model_dir),
-        table_memory=engram_table_memory(args), dist=dist_config(args, device),
+        model_dir=model_dir,
+        partition=layer_partition(args, model_dir),
+        table_memory=engram_table_memory(args),
+        dist=dist_config(args, device),
         **{**taken, **fields},
-    )  # fmt: skip
+    )

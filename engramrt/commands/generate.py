@@ -36,9 +36,12 @@ class Generation:
 
 
 def generate(
-    engine: Engine, prompts: PromptEncoder, prompt: str, max_tokens: int = 32,
+    engine: Engine,
+    prompts: PromptEncoder,
+    prompt: str,
+    max_tokens: int = 32,
     params: SamplingParams | None = None,
-) -> Generation:  # fmt: skip
+) -> Generation:
     """Greedy (the default) or sampled completion of ``prompt``: one request through the
     engine (the same scheduling and sampling as ``serve``); the pipeline's last stage samples.
     The EOS that ends it is not part of the output."""
@@ -90,8 +93,12 @@ class GenerateOptions(EngineOptions):
 
     @property
     def params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed)  # fmt: skip
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+        )
 
 
 def run_generate(opts: GenerateOptions) -> None:
@@ -164,9 +171,16 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model_dir = resolve_model_dir(args.model)
     opts = options_from_args(
-        args, model_dir, device=device, cls=GenerateOptions, prompt=args.prompt,
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        trace_path=args.engram_trace, engram_stats=args.engram_stats,
-    )  # fmt: skip
+        args,
+        model_dir,
+        device=device,
+        cls=GenerateOptions,
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        trace_path=args.engram_trace,
+        engram_stats=args.engram_stats,
+    )
     run_generate(opts)
     return 0

@@ -103,19 +103,28 @@ def _serve_http(opts: ServeOptions, client: EngineClient, prompts: PromptEncoder
 
     try:
         server = Server(
-            client, prompts,
-            ServerConfig(opts.served_model_name, client.limits.max_model_len, opts.api_key,
-                         opts.max_request_bytes, opts.enable_log_requests),
-        )  # fmt: skip
+            client,
+            prompts,
+            ServerConfig(
+                opts.served_model_name,
+                client.limits.max_model_len,
+                opts.api_key,
+                opts.max_request_bytes,
+                opts.enable_log_requests,
+            ),
+        )
         ready = (
             f"serving {opts.served_model_name[0]} ({opts.model_dir}) at "
             f"http://{opts.host}:{opts.port}/v1 | {client.description}"
         )
         config = uvicorn.Config(
-            create_app(server), host=opts.host, port=opts.port,
+            create_app(server),
+            host=opts.host,
+            port=opts.port,
             log_level="warning" if opts.disable_uvicorn_access_log else "info",
-            access_log=not opts.disable_uvicorn_access_log, timeout_graceful_shutdown=5,
-        )  # fmt: skip
+            access_log=not opts.disable_uvicorn_access_log,
+            timeout_graceful_shutdown=5,
+        )
         http = EngineServer(config, server, ready, opts.shutdown_timeout)
         http.run()
     finally:
@@ -146,37 +155,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request"
     )
     p.add_argument(
-        "--enable-log-requests", action="store_true",
+        "--enable-log-requests",
+        action="store_true",
         help="a line per API request: its id, choices, prompt tokens and main parameters",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--disable-log-requests", action="store_true",
+        "--disable-log-requests",
+        action="store_true",
         help="vLLM's older flag, kept so its command lines carry over: requests are not logged "
         "unless --enable-log-requests",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-request-bytes", type=int, default=32 * 2**20,
+        "--max-request-bytes",
+        type=int,
+        default=32 * 2**20,
         help="larger request bodies are a 413 (default 32 MiB)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--shutdown-timeout", type=float, default=20.0,
+        "--shutdown-timeout",
+        type=float,
+        default=20.0,
         help="on SIGTERM/SIGINT, seconds the running requests may take to finish before they "
         "are aborted (0: abort at once)",
-    )  # fmt: skip
+    )
     add_device_flags(p)
     add_engram_memory_flags(p)
     p.add_argument("--seed", type=int, default=0, help="for requests that bring no seed")
     p.add_argument(
-        "--engram", choices=["on", "off"], default="on",
+        "--engram",
+        choices=["on", "off"],
+        default="on",
         help="off: skip every Engram layer on purpose (an ablation for evaluations; the "
         "fail-closed check then expects none to run)",
-    )  # fmt: skip
+    )
     add_dist_flags(p)
     p.add_argument(
-        "--stage-timeout", type=float, default=10.0,
+        "--stage-timeout",
+        type=float,
+        default=10.0,
         help="with -pp > 1: seconds of silence after which a stage counts as hung; its "
         "requests fail and the server exits 1",
-    )  # fmt: skip
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,14 +205,22 @@ def run(args: argparse.Namespace) -> int:
         "engramrt-tiny" if (args.model_tag or args.model) is None else str(model_dir)
     ]
     opts = options_from_args(
-        args, model_dir, device=device, cls=ServeOptions, served_model_name=name,
-        host=args.host, port=args.port,
+        args,
+        model_dir,
+        device=device,
+        cls=ServeOptions,
+        served_model_name=name,
+        host=args.host,
+        port=args.port,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
-        enable_log_requests=args.enable_log_requests, max_request_bytes=args.max_request_bytes,
-        shutdown_timeout=args.shutdown_timeout, stage_timeout=args.stage_timeout,
-        api_key=args.api_key or os.environ.get("ENGRAMRT_API_KEY")
+        enable_log_requests=args.enable_log_requests,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        stage_timeout=args.stage_timeout,
+        api_key=args.api_key
+        or os.environ.get("ENGRAMRT_API_KEY")
         or os.environ.get("VLLM_API_KEY"),
         engram=args.engram == "on",
-    )  # fmt: skip
+    )
     run_serve(opts)
     return 0

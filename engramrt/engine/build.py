@@ -136,19 +136,24 @@ def _check_dspark(opts: EngineOptions, cfg: ModelConfig) -> None:
     last pipeline stage (which drafts)."""
     check_dspark(cfg, stage_layers(opts.partition, len(opts.partition) - 1))
     if opts.dist.tp_size > 1:  # its followers would have to draft beside it, in its collectives
-        raise ValueError("--speculative-config method 'dspark' runs without tensor parallelism "
-                         "for now (-tp 1): the last stage's TP followers do not draft")  # fmt: skip
+        raise ValueError(
+            "--speculative-config method 'dspark' runs without tensor parallelism "
+            "for now (-tp 1): the last stage's TP followers do not draft"
+        )
     v, k = cfg.v41, opts.speculative.num_speculative_tokens
     if k > v.dspark_block_size:
-        raise ValueError(f"num_speculative_tokens {k} exceeds the DSpark block "
-                         f"({v.dspark_block_size} drafts a pass)")  # fmt: skip
+        raise ValueError(
+            f"num_speculative_tokens {k} exceeds the DSpark block "
+            f"({v.dspark_block_size} drafts a pass)"
+        )
 
 
 def _check_v41(opts: EngineOptions, cfg: ModelConfig) -> None:
     """What the V4.1 torch path does not run yet is an error before anything loads."""
     if opts.block_size % 2:
-        raise ValueError(f"--block-size must be even for V4.1 (ratio-2 groups), got "
-                         f"{opts.block_size}")  # fmt: skip
+        raise ValueError(
+            f"--block-size must be even for V4.1 (ratio-2 groups), got {opts.block_size}"
+        )
     for rank in range(len(opts.partition)):  # every stage starts and ends at a legal cut
         check_v41_stage(cfg, stage_layers(opts.partition, rank))
 
@@ -162,8 +167,11 @@ def _check_slot_state(opts: EngineOptions, max_len: int) -> None:
     per_slot = 4 * (max_len + 1) + 8 * -(-max_len // opts.block_size)
     need = opts.max_num_seqs * per_slot
     if need > SLOT_STATE_BYTES:
-        length = (f"--max-model-len {max_len}" if opts.max_model_len is not None else
-                  f"max_position_embeddings {max_len} (no --max-model-len)")  # fmt: skip
+        length = (
+            f"--max-model-len {max_len}"
+            if opts.max_model_len is not None
+            else f"max_position_embeddings {max_len} (no --max-model-len)"
+        )
         raise ValueError(
             f"--max-num-seqs {opts.max_num_seqs} sequences of {length} need "
             f"{need / 2**30:.1f} GiB of per-slot state (token rows, block tables), more than "
@@ -190,8 +198,9 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
     def fixed(layers: list[int]) -> int:  # V4.1's rings and tails: per slot, not per block
         if cfg.v41 is None:
             return 0
-        return v41_cache.fixed_bytes(cfg.v41, layers, size, opts.max_num_seqs,
-                                     snapshots_for(opts), opts.verify_drafts)  # fmt: skip
+        return v41_cache.fixed_bytes(
+            cfg.v41, layers, size, opts.max_num_seqs, snapshots_for(opts), opts.verify_drafts
+        )
 
     if runner.device.type != "cuda" or opts.kv_cache_memory_bytes is not None:
         cap = opts.max_num_seqs * -(-max_len // opts.block_size)
@@ -223,8 +232,9 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
             )
         outputs = output_rows(shapes, runner.is_last) * row
     per, rings = per_block(model.layer_ids), fixed(model.cache_layer_ids)
-    return blocks_from_profile(profile, opts.gpu_memory_utilization, per, share, graph_rows,
-                               outputs, rings)  # fmt: skip
+    return blocks_from_profile(
+        profile, opts.gpu_memory_utilization, per, share, graph_rows, outputs, rings
+    )
 
 
 def build_stage(
@@ -235,11 +245,18 @@ def build_stage(
     device = stage_device(opts.dist)
     layers = stage_layers(opts.partition, rank)
     runner = StageRunner.load(
-        opts.model_dir, opts.max_num_seqs, max_len, device,
-        opts.dtype or default_dtype(cfg.torch_dtype, device), layers, opts.block_size,
-        num_blocks=0, seed=opts.seed, table_memory=opts.table_memory,
+        opts.model_dir,
+        opts.max_num_seqs,
+        max_len,
+        device,
+        opts.dtype or default_dtype(cfg.torch_dtype, device),
+        layers,
+        opts.block_size,
+        num_blocks=0,
+        seed=opts.seed,
+        table_memory=opts.table_memory,
         dspark=opts.dspark and layers[-1] == cfg.num_layers - 1,  # the last stage drafts
-    )  # fmt: skip
+    )
     inject_stage_faults(runner, rank)  # test-only, from the environment (A/B arms)
     pipe = Pipeline(runner, rank, world)
     driver = pipe.is_driver
@@ -248,12 +265,15 @@ def build_stage(
         if driver:
             log("--engram off: every Engram layer is skipped (an ablation)")
     blocks = _agree(kv_blocks(runner, opts, cfg, max_len), device)
-    runner.allocate_kv(opts.max_num_seqs, max_len, opts.block_size, blocks, snapshots_for(opts),
-                       opts.verify_drafts)  # fmt: skip
+    runner.allocate_kv(
+        opts.max_num_seqs, max_len, opts.block_size, blocks, snapshots_for(opts), opts.verify_drafts
+    )
     if driver and device.type == "cuda":
         gib = runner.kv.nbytes / 2**30
-        log(f"KV cache {blocks} blocks = {blocks * opts.block_size} tokens ({gib:.2f} GiB on "
-            "stage 0)")  # fmt: skip
+        log(
+            f"KV cache {blocks} blocks = {blocks * opts.block_size} tokens ({gib:.2f} GiB on "
+            "stage 0)"
+        )
     counting = count_compilations()
     if opts.warm_up:
         runner.warm_up(opts.max_num_batched_tokens)  # kernel variants compiled now
@@ -263,9 +283,11 @@ def build_stage(
     if device.type == "cuda" and not opts.enforce_eager:
         runner.capture_graphs(opts.max_num_seqs, opts.max_num_batched_tokens, verify)
         if verify and driver:
-            log(f"verify steps of {verify} drafts a row replay CUDA graphs (each decoding row is "
+            log(
+                f"verify steps of {verify} drafts a row replay CUDA graphs (each decoding row is "
                 f"given {verify}: a lookup that finds fewer repeats its last token); others run "
-                "eagerly")  # fmt: skip
+                "eagerly"
+            )
     if driver and counting and compilations():
         log(f"{compilations()} Triton kernel variants compiled at start-up")
     compiles.serving()
@@ -278,30 +300,44 @@ def engine_for(pipe: Pipeline, opts: EngineOptions, cfg: ModelConfig, max_len: i
     """The engine over a pipeline whose driving stage has its KV cache."""
     kv = pipe.runner.kv
     k = opts.verify_drafts
-    if cfg.v41 is not None and k and (kv.ring_len < cfg.v41.window_size + k
-                                      or kv.tail_rows < k // 2 + 1):  # fmt: skip
-        raise ValueError(f"a V4.1 cache for {k} drafts a step needs rings of window + {k} rows "
-                         "and tails of K / 2 + 1 (allocate_kv's slack)")  # fmt: skip
+    if (
+        cfg.v41 is not None
+        and k
+        and (kv.ring_len < cfg.v41.window_size + k or kv.tail_rows < k // 2 + 1)
+    ):
+        raise ValueError(
+            f"a V4.1 cache for {k} drafts a step needs rings of window + {k} rows "
+            "and tails of K / 2 + 1 (allocate_kv's slack)"
+        )
     if k and pipe.runner.verifier is None and pipe.runner.graphs is None:
         speculate(pipe.runner, opts)  # a runner set up by hand (tests, benchmarks)
     if k and pipe.can_overlap and pipe.runner.verifier is None:
-        raise ValueError("a stage that keeps its samples verifies drafts itself: "
-                         "StageRunner.speculate before capture_graphs")  # fmt: skip
+        raise ValueError(
+            "a stage that keeps its samples verifies drafts itself: "
+            "StageRunner.speculate before capture_graphs"
+        )
     snapshots = kv.num_snapshots
     prefix_caching = opts.enable_prefix_caching
     if cfg.v41 is not None and prefix_caching and not snapshots:
         log("prefix caching is off: this V4.1 cache keeps no window snapshots")
         prefix_caching = False
     config = EngineConfig(
-        max_len, opts.max_num_seqs, opts.max_num_batched_tokens, opts.block_size, kv.num_blocks,
-        prefix_caching, cfg.eos_token_id, cfg.vocab_size,
+        max_len,
+        opts.max_num_seqs,
+        opts.max_num_batched_tokens,
+        opts.block_size,
+        kv.num_blocks,
+        prefix_caching,
+        cfg.eos_token_id,
+        cfg.vocab_size,
         opts.overlap and (bool(opts.async_scheduling) or pipe.can_overlap),
-        opts.long_prefill_token_threshold, opts.speculative,
+        opts.long_prefill_token_threshold,
+        opts.speculative,
         uniform_drafts=pipe.runner.graphs is not None,
         # V4.1 is served text-only (no vision tower): its image token is refused in prompts
         text_only_image_token=cfg.engram.image_token_id if cfg.v41 is not None else None,
         window_snapshots=snapshots,
-    )  # fmt: skip
+    )
     return Engine(pipe, pipe.runner.tokenizer, config)
 
 

@@ -67,8 +67,7 @@ class RequestFailed(ValueError):
 
 
 class EngineClient:
-    def __init__(self, conn: Connection, worker: threading.Thread | mp.Process,
-                 tokenizer=None):  # fmt: skip
+    def __init__(self, conn: Connection, worker: threading.Thread | mp.Process, tokenizer=None):
         """``conn``: connected to a loop that has said ``Ready``. ``tokenizer``: for the text
         of the outputs (decoded here, with stop strings) and for compiling grammars at the
         boundary (their errors are 400s here, not failures in the engine); None: ids only."""
@@ -91,8 +90,9 @@ class EngineClient:
         self._stats: Stats = ready.stats
         self.grammars, self.tokenizer = None, tokenizer
         if tokenizer is not None:
-            self.grammars = Grammars(tokenizer, self.limits.tokenizer_size,
-                                     self.limits.eos_token_id)  # fmt: skip
+            self.grammars = Grammars(
+                tokenizer, self.limits.tokenizer_size, self.limits.eos_token_id
+            )
         self._old_interval = sys.getswitchinterval()  # given back by ``shutdown``
         sys.setswitchinterval(interval)
         self.error: BaseException | None = None
@@ -112,8 +112,12 @@ class EngineClient:
     def in_thread(cls, engine: Steps, tokenizer=None, description: str = "") -> EngineClient:
         """The loop on a thread of this process, over a pipe."""
         mine, theirs = Pipe()
-        worker = threading.Thread(target=_serve_then_close, args=(engine, theirs, description),
-                                  name="engramrt-engine", daemon=True)  # fmt: skip
+        worker = threading.Thread(
+            target=_serve_then_close,
+            args=(engine, theirs, description),
+            name="engramrt-engine",
+            daemon=True,
+        )
         worker.start()
         return cls(mine, worker, tokenizer)
 
@@ -244,11 +248,15 @@ class EngineClient:
                 when, _, _ = self._beat
                 still = self._still_since
                 if now - when > timeout:
-                    self.fail(f"the engine stopped answering: no heartbeat for {timeout:g} s "
-                              "(--stage-timeout); its process is stopped or wedged")  # fmt: skip
+                    self.fail(
+                        f"the engine stopped answering: no heartbeat for {timeout:g} s "
+                        "(--stage-timeout); its process is stopped or wedged"
+                    )
                 elif still is not None and now - still > timeout:
-                    self.fail(f"the engine is hung: no step finished for {timeout:g} s with "
-                              "requests waiting (--stage-timeout)")  # fmt: skip
+                    self.fail(
+                        f"the engine is hung: no step finished for {timeout:g} s with "
+                        "requests waiting (--stage-timeout)"
+                    )
 
         threading.Thread(target=run, name="engramrt-engine-watch", daemon=True).start()
 
@@ -338,8 +346,10 @@ def _accept(listener: Listener, proc: mp.Process) -> Connection:
     while waiter.is_alive():
         waiter.join(0.5)
         if waiter.is_alive() and not proc.is_alive():
-            raise EngineDead(f"the engine's process exited with status {proc.exitcode} while "
-                             "starting (its log above says why)")  # fmt: skip
+            raise EngineDead(
+                f"the engine's process exited with status {proc.exitcode} while "
+                "starting (its log above says why)"
+            )
     if not got:
         raise EngineDead("the engine's process could not connect")
     return got[0]

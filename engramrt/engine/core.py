@@ -112,8 +112,9 @@ def run_core(engine: Steps, conn: Connection, description: str = "") -> None:
     send = _sender(conn)
     progress = Beat(0, False)
     done = threading.Event()
-    threading.Thread(target=_beat, args=(send, progress, done), name="engramrt-engine-beat",
-                     daemon=True).start()  # fmt: skip
+    threading.Thread(
+        target=_beat, args=(send, progress, done), name="engramrt-engine-beat", daemon=True
+    ).start()
     try:
         send(Ready(engine.limits, description, _stats(engine)))
         while True:
@@ -155,8 +156,7 @@ def _apply(engine: Steps, message: Add | Abort, send) -> list[RequestOutput]:
     if isinstance(message, Abort):
         engine.abort(message.request_id)
         if message.notify:
-            return [RequestOutput(message.request_id, [], "", finished=True,
-                                  finish_reason="abort")]  # fmt: skip
+            return [RequestOutput(message.request_id, [], "", finished=True, finish_reason="abort")]
         return []
     try:
         engine.add(engine.new_request(message.request_id, message.prompt_ids, message.params))
@@ -242,8 +242,11 @@ def serve_stage(pipe, opts) -> None:
     first = sum(opts.partition[: pipe.rank])
     last = first + opts.partition[pipe.rank] - 1
     tp = f", TP rank {pipe.tp.rank} of {pipe.tp.size}" if pipe.tp.size > 1 else ""
-    print(f"engramrt: stage {pipe.rank} of {pipe.world}{tp} (layers {first}-{last}) ready, "
-          f"pid {os.getpid()}", flush=True)  # fmt: skip
+    print(
+        f"engramrt: stage {pipe.rank} of {pipe.world}{tp} (layers {first}-{last}) ready, "
+        f"pid {os.getpid()}",
+        flush=True,
+    )
     beat = Heartbeat()
     try:
         pipe.serve()

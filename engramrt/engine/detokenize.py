@@ -121,7 +121,11 @@ class RequestText:
         if not hit:
             return replace(out, new_text=text)
         return replace(
-            out, new_token_ids=out.new_token_ids[:kept], new_logprobs=out.new_logprobs[:kept],
-            new_text=text, finished=True, finish_reason="stop",
+            out,
+            new_token_ids=out.new_token_ids[:kept],
+            new_logprobs=out.new_logprobs[:kept],
+            new_text=text,
+            finished=True,
+            finish_reason="stop",
             num_output_tokens=out.num_output_tokens - (n - kept),
-        )  # fmt: skip
+        )

@@ -133,15 +133,27 @@ class Engine:
     def __init__(self, pipeline: Runs, tokenizer: Tokenizer, cfg: EngineConfig):
         self.pipeline, self.tokenizer, self.cfg = pipeline, tokenizer, cfg
         self.tokenizer_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.limits = RequestLimits(self.tokenizer_size, cfg.model_vocab_size, cfg.max_model_len,
-                                    cfg.num_blocks, cfg.block_size, cfg.eos_token_id,
-                                    cfg.text_only_image_token)  # fmt: skip
-        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                   cfg.window_snapshots)  # fmt: skip
+        self.limits = RequestLimits(
+            self.tokenizer_size,
+            cfg.model_vocab_size,
+            cfg.max_model_len,
+            cfg.num_blocks,
+            cfg.block_size,
+            cfg.eos_token_id,
+            cfg.text_only_image_token,
+        )
+        self.blocks = BlockManager(
+            cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.window_snapshots
+        )
         propose = self._propose if cfg.speculative is not None else None
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.long_prefill_token_threshold, propose,
-                                   cfg.max_model_len)  # fmt: skip
+        self.scheduler = Scheduler(
+            self.blocks,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.long_prefill_token_threshold,
+            propose,
+            cfg.max_model_len,
+        )
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = self.generation_tokens_total = 0
         can = bool(getattr(pipeline, "can_overlap", False))
@@ -234,8 +246,10 @@ class Engine:
     def _needs_sync(self) -> bool:
         s = self.scheduler
         speculating = self.cfg.speculative is not None
-        return any(r.needs_host_tokens or (speculating and r.params.seed is not None)
-                   for r in (*s.running, *s.waiting))  # fmt: skip
+        return any(
+            r.needs_host_tokens or (speculating and r.params.seed is not None)
+            for r in (*s.running, *s.waiting)
+        )
 
     def _launch(self) -> InFlight | None:
         """Schedule (a running request's pending token counts as present), build the batch and
@@ -244,8 +258,9 @@ class Engine:
         if not scheduled:
             return None
         new = [self._new_request(req) for req in admitted]
-        asked = [r.params.prompt_logprobs for r, _ in scheduled
-                 if r.params.prompt_logprobs is not None]  # fmt: skip
+        asked = [
+            r.params.prompt_logprobs for r, _ in scheduled if r.params.prompt_logprobs is not None
+        ]
         target_k = max(asked) if asked else None  # prompt tokens are scored only when asked
         tokens, targets, starts, new_blocks, rows, index, final = [], [], [], [], [], [], []
         masks, drafts, counts, snapshots, lag = [], [], [], [], []
@@ -274,8 +289,7 @@ class Engine:
             if target_k is not None:
                 scored = req.params.prompt_logprobs is not None
                 for p in range(start + 1, start + n + 1):  # token p - 1 predicts token p
-                    targets.append(req.token_ids[p] if scored and p < req.num_prompt_tokens
-                                   else -1)  # fmt: skip
+                    targets.append(req.token_ids[p] if scored and p < req.num_prompt_tokens else -1)
             samples = start + n == req.num_tokens + req.unread or bool(req.drafts)
             drafts.append(len(req.drafts))
             index.append(req.num_output_tokens + req.unread)
@@ -329,9 +343,16 @@ class Engine:
         controls = req.params.controls(self.cfg.eos_token_id)
         self.held[req] = Held(len(req.blocks), req.num_tokens)
         req.row_drafted = False
-        return NewRequest(req.slot, list(req.token_ids), req.num_prompt_tokens, req.num_computed,
-                          list(req.blocks), req.params.row(0), controls,
-                          req.snapshot)  # fmt: skip
+        return NewRequest(
+            req.slot,
+            list(req.token_ids),
+            req.num_prompt_tokens,
+            req.num_computed,
+            list(req.blocks),
+            req.params.row(0),
+            controls,
+            req.snapshot,
+        )
 
     def _apply(self, launched: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them. Rows of requests that finished or
@@ -368,8 +389,12 @@ class Engine:
         (grammars, logit controls, logprobs), within the context (and max_tokens unless every
         run verifies K drafts: those past it are discarded with the rest of the run)."""
         p = req.params
-        if (req.needs_host_tokens or p.logprobs is not None or p.prompt_logprobs is not None
-                or p.controls(self.cfg.eos_token_id) is not None):  # fmt: skip
+        if (
+            req.needs_host_tokens
+            or p.logprobs is not None
+            or p.prompt_logprobs is not None
+            or p.controls(self.cfg.eos_token_id) is not None
+        ):
             return []
         room = min(limit, self.cfg.max_model_len - req.num_tokens - req.unread)
         if not self.cfg.uniform_drafts:  # (a verify graph costs the same with drafts past it)
@@ -387,8 +412,9 @@ class Engine:
             drafts += [(drafts or req.token_ids)[-1]] * (k - len(drafts))
         return drafts
 
-    def _verified(self, req: Request, row: Row, result: StepResult, i: int,
-                  now: float) -> RequestOutput:  # fmt: skip
+    def _verified(
+        self, req: Request, row: Row, result: StepResult, i: int, now: float
+    ) -> RequestOutput:
         """A verify run's outcome: its accepted drafts and the bonus token, in one output; the
         rejected drafts' positions are computed no more and their spare blocks go back; the
         history commit (anchor + accepted) goes with the next step, unless the stage made it.
@@ -396,8 +422,10 @@ class Engine:
         drafts = row.drafts
         if self.samples_kept:
             if req.proposed_at != req.num_tokens:
-                raise RuntimeError(f"request {req.id}: the stage's drafts for token "
-                                   f"{req.num_tokens} were never received")  # fmt: skip
+                raise RuntimeError(
+                    f"request {req.id}: the stage's drafts for token "
+                    f"{req.num_tokens} were never received"
+                )
             drafts = req.proposed[: len(row.drafts)]
         a = accepted(drafts, result.tokens[i : i + 1 + len(drafts)])
         held = self.held[req]
@@ -433,10 +461,13 @@ class Engine:
             req.prompt_logprobs = [None]
         for j in range(offset, offset + n):
             if start + (j - offset) + 1 < req.num_prompt_tokens:
-                req.prompt_logprobs.append(Logprob(
-                    result.target_logprobs[j], result.target_top_ids[j][:k],
-                    result.target_top_logprobs[j][:k],
-                ))  # fmt: skip
+                req.prompt_logprobs.append(
+                    Logprob(
+                        result.target_logprobs[j],
+                        result.target_top_ids[j][:k],
+                        result.target_top_logprobs[j][:k],
+                    )
+                )
 
     def _append(self, req: Request, result: StepResult, i: int, now: float) -> RequestOutput:
         token, p = result.tokens[i], req.params
@@ -484,10 +515,17 @@ class Engine:
             elif reason is None and req.matcher.is_stopped():
                 reason = "stop"
         out = RequestOutput(
-            req.id, [token], "", new_lp,
+            req.id,
+            [token],
+            "",
+            new_lp,
             req.prompt_logprobs if first and p.prompt_logprobs is not None else None,
-            reason is not None, reason, req.num_prompt_tokens, req.num_output_tokens, error,
-        )  # fmt: skip
+            reason is not None,
+            reason,
+            req.num_prompt_tokens,
+            req.num_output_tokens,
+            error,
+        )
         if reason is not None:
             self.scheduler.finish(req, reason)
             self.requests.pop(req.id, None)

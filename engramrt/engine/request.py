@@ -41,9 +41,15 @@ class SamplingParams:
 
     def row(self, index: int, final: bool = True) -> SampleRow:
         return SampleRow(
-            self.temperature, self.top_p, self.top_k, self.min_p, self.seed, index, self.logprobs,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.seed,
+            index,
+            self.logprobs,
             final,
-        )  # fmt: skip
+        )
 
     def controls(self, eos_token_id: int | None) -> Controls | None:
         """What the sampler must apply, or None when nothing is asked (the usual case)."""
@@ -51,10 +57,15 @@ class SamplingParams:
         if eos_token_id is not None and not self.ignore_eos:
             stops.append(eos_token_id)
         c = Controls(
-            self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
-            dict(self.logit_bias), self.min_tokens, stops if self.min_tokens else [],
-            self.allowed_token_ids, list(self.banned_ids),
-        )  # fmt: skip
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            dict(self.logit_bias),
+            self.min_tokens,
+            stops if self.min_tokens else [],
+            self.allowed_token_ids,
+            list(self.banned_ids),
+        )
         return None if c == Controls() else c
 
     def validate(self, vocab: int | None = None, eos_token_id: int | None = None) -> None:
@@ -193,8 +204,11 @@ class Request:
     def banned_now(self) -> list[int]:
         """The last tokens of the bad words whose other tokens end the output."""
         out = self.token_ids[self.num_prompt_tokens :]
-        return [s[-1] for s in self.params.bad_word_seqs
-                if len(out) >= len(s) - 1 and out[len(out) - len(s) + 1 :] == s[:-1]]  # fmt: skip
+        return [
+            s[-1]
+            for s in self.params.bad_word_seqs
+            if len(out) >= len(s) - 1 and out[len(out) - len(s) + 1 :] == s[:-1]
+        ]
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

@@ -33,8 +33,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-KEYS = {"ngram": {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
-        "dspark": {"num_speculative_tokens"}}  # fmt: skip
+KEYS = {
+    "ngram": {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+    "dspark": {"num_speculative_tokens"},
+}
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,10 @@ class SpecConfig:
 
     def to_json(self) -> str:
         """vLLM's spelling, which ``parse`` reads back."""
-        return json.dumps({k: v for k, v in asdict(self).items() if k in KEYS[self.method]}
-                          | {"method": self.method})  # fmt: skip
+        return json.dumps(
+            {k: v for k, v in asdict(self).items() if k in KEYS[self.method]}
+            | {"method": self.method}
+        )
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to ``min(k, limit)`` drafts: what followed the latest earlier occurrence of the
@@ -84,8 +88,9 @@ class SpecConfig:
         if k <= 0:
             return []
         seq = np.asarray(tokens, dtype=np.int64)  # one vectorised scan per suffix length
-        for n in range(min(self.prompt_lookup_max, len(tokens) - 1), self.prompt_lookup_min - 1,
-                       -1):  # fmt: skip
+        for n in range(
+            min(self.prompt_lookup_max, len(tokens) - 1), self.prompt_lookup_min - 1, -1
+        ):
             windows = sliding_window_view(seq[:-1], n)  # every earlier start
             hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
             if hits.size:  # the latest occurrence

@@ -157,9 +157,13 @@ class EngramHasher:
             self._check(tokens, real, slots[real_req])
         if self.ops is not None:
             return self.ops.hash(
-                VERIFY, tokens, slots.long(), positions.long(), num_real=num_real,
+                VERIFY,
+                tokens,
+                slots.long(),
+                positions.long(),
+                num_real=num_real,
                 verify_block=block,
-            )  # fmt: skip
+            )
         pos = positions.long()[req] + off
         return self._hash(self._sources(tokens, slot, off), pos, real)
 

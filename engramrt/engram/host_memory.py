@@ -95,8 +95,9 @@ def check_reads(table, device: torch.device | str, rows: int = 512, seed: int = 
 
     g = torch.Generator().manual_seed(seed)
     cols = 8
-    ids = torch.randint(table.row_start, table.row_start + max(1, table.num_rows),
-                        (rows // cols, cols), generator=g)  # fmt: skip
+    ids = torch.randint(
+        table.row_start, table.row_start + max(1, table.num_rows), (rows // cols, cols), generator=g
+    )
     want = table.lookup(ids)  # ids on the CPU: the torch path, in host memory
     try:
         got = gather(ids.to(device), table.weight, table.scale, table.row_start).cpu()

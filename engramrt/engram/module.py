@@ -82,8 +82,9 @@ class Engram(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.hc, self.dim = cfg.hc_mult, cfg.hidden_size
         self.cols, self.head_dim = cfg.n_hash_cols, cfg.head_dim
-        self.wkv = nn.Linear(self.cols * cfg.head_dim, (self.hc + 1) * self.dim, bias=False,
-                             dtype=dtype)  # fmt: skip
+        self.wkv = nn.Linear(
+            self.cols * cfg.head_dim, (self.hc + 1) * self.dim, bias=False, dtype=dtype
+        )
         self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=dtype))
         self.col_span, self.row_span = (0, self.cols), (0, cfg.num_embeddings[layer_index])

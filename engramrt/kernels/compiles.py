@@ -32,8 +32,12 @@ def count_compilations() -> bool:
         _recent.append(str(kwargs.get("repr", "?")))
         del _recent[:-8]
         if _serving:
-            print(f"engramrt: a Triton kernel variant compiled while serving (the step stalls): "
-                  f"{_recent[-1]}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"engramrt: a Triton kernel variant compiled while serving (the step stalls): "
+                f"{_recent[-1]}",
+                file=sys.stderr,
+                flush=True,
+            )
         return previous(*args, **kwargs) if previous is not None else None
 
     runtime.jit_post_compile_hook = hook

@@ -18,18 +18,25 @@ from engramrt.kernels.rms_norm import normalised
 
 
 @triton.jit
-def _pool_norm_kernel(a_ptr, s_ptr, tail_ptr, inside_ptr, row_ptr, w_ptr, out_ptr, eps,
-                      D: tl.constexpr):  # fmt: skip
+def _pool_norm_kernel(
+    a_ptr, s_ptr, tail_ptr, inside_ptr, row_ptr, w_ptr, out_ptr, eps, D: tl.constexpr
+):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
     a = tl.load(a_ptr + t * D + d)
     s = tl.load(s_ptr + t * D + d)
     inside = (tl.load(inside_ptr + t) + d * 0) != 0
     held = tail_ptr + tl.load(row_ptr + t).to(tl.int64) * 2 * D + d  # (projection, score)
-    pa = tl.where(inside, tl.load(a_ptr + (t - 1) * D + d, mask=inside, other=0.0),
-                  tl.load(held, mask=~inside, other=0.0))  # fmt: skip
-    ps = tl.where(inside, tl.load(s_ptr + (t - 1) * D + d, mask=inside, other=0.0),
-                  tl.load(held + D, mask=~inside, other=0.0))  # fmt: skip
+    pa = tl.where(
+        inside,
+        tl.load(a_ptr + (t - 1) * D + d, mask=inside, other=0.0),
+        tl.load(held, mask=~inside, other=0.0),
+    )
+    ps = tl.where(
+        inside,
+        tl.load(s_ptr + (t - 1) * D + d, mask=inside, other=0.0),
+        tl.load(held + D, mask=~inside, other=0.0),
+    )
     top = tl.maximum(ps, s)
     e0, e1 = tl.exp(ps - top), tl.exp(s - top)
     total = e0 + e1
@@ -39,9 +46,15 @@ def _pool_norm_kernel(a_ptr, s_ptr, tail_ptr, inside_ptr, row_ptr, w_ptr, out_pt
 
 
 def pool_norm(
-    a: torch.Tensor, s: torch.Tensor, tail: torch.Tensor, inside: torch.Tensor,
-    rows: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
+    a: torch.Tensor,
+    s: torch.Tensor,
+    tail: torch.Tensor,
+    inside: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """Projections ``a`` and gate scores ``s`` [T, D] (fp32), the ``tail`` [R, 2, D] and the
     row of it each token reads (``rows`` [T]) where its group does not start at the previous
     row (``inside`` [T]). Out ``[T, D]`` in ``dtype``."""
@@ -50,6 +63,16 @@ def pool_norm(
         raise ValueError(f"the latent width must be a power of two, got {d}")
     out = torch.empty(t, d, dtype=dtype, device=a.device)
     if t:
-        _pool_norm_kernel[(t,)](a.contiguous(), s.contiguous(), tail, inside, rows, weight,
-                                out, eps, D=d, enable_fp_fusion=False)  # fmt: skip
+        _pool_norm_kernel[(t,)](
+            a.contiguous(),
+            s.contiguous(),
+            tail,
+            inside,
+            rows,
+            weight,
+            out,
+            eps,
+            D=d,
+            enable_fp_fusion=False,
+        )
     return out

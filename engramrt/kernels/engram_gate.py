@@ -11,9 +11,18 @@ import triton.language as tl
 
 @triton.jit
 def _gate_kernel(
-    x_ptr, kv_ptr, q_ptr, k_ptr, dead_ptr, out_ptr, eps,
-    HC: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, HAS_DEAD: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    kv_ptr,
+    q_ptr,
+    k_ptr,
+    dead_ptr,
+    out_ptr,
+    eps,
+    HC: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_DEAD: tl.constexpr,
+):
     pid = tl.program_id(0)
     t, j = pid // HC, pid % HC
     x_row = x_ptr + t * HC * D + j * D
@@ -65,8 +74,16 @@ def gate(
     if t == 0:
         return out
     _gate_kernel[(t * hc,)](
-        x.contiguous(), kv.contiguous(), q_weight.contiguous(), k_weight.contiguous(),
-        dead.to(torch.uint8) if dead is not None else x, out, eps,
-        HC=hc, D=dim, BLOCK=min(1024, triton.next_power_of_2(dim)), HAS_DEAD=dead is not None,
-    )  # fmt: skip
+        x.contiguous(),
+        kv.contiguous(),
+        q_weight.contiguous(),
+        k_weight.contiguous(),
+        dead.to(torch.uint8) if dead is not None else x,
+        out,
+        eps,
+        HC=hc,
+        D=dim,
+        BLOCK=min(1024, triton.next_power_of_2(dim)),
+        HAS_DEAD=dead is not None,
+    )
     return out

@@ -67,9 +67,17 @@ def _exact_bits(b, e):
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gather_fp8_kernel(
-    ids_ptr, weight_ptr, scale_ptr, out_ptr, num_pairs, num_rows, row_start,
-    NB: tl.constexpr, NB_PAD: tl.constexpr, PAIRS: tl.constexpr,
-):  # fmt: skip
+    ids_ptr,
+    weight_ptr,
+    scale_ptr,
+    out_ptr,
+    num_pairs,
+    num_rows,
+    row_start,
+    NB: tl.constexpr,
+    NB_PAD: tl.constexpr,
+    PAIRS: tl.constexpr,
+):
     # a tile is [PAIRS, NB blocks, 32 elements]: the scale byte broadcasts over its block
     D: tl.constexpr = NB * 32
     k = tl.arange(0, NB_PAD)[None, :, None]
@@ -93,9 +101,17 @@ def _gather_fp8_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gather_copy_kernel(
-    ids_ptr, weight_ptr, out_ptr, num_pairs, num_rows, row_start,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, NEG_ZERO: tl.constexpr, PAIRS: tl.constexpr,
-):  # fmt: skip
+    ids_ptr,
+    weight_ptr,
+    out_ptr,
+    num_pairs,
+    num_rows,
+    row_start,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NEG_ZERO: tl.constexpr,
+    PAIRS: tl.constexpr,
+):
     # plain tables are copied as integers (compilers may fold a -0.0 literal to +0.0)
     d = tl.arange(0, BLOCK_D)[None, :]
     num_tiles = tl.cdiv(num_pairs, PAIRS)
@@ -162,15 +178,30 @@ def gather(
     if fp8:
         nb = dim // 32  # one e8m0 scale per 32 elements
         _gather_fp8_kernel[grid](
-            ids, weight.view(torch.uint8), scale.view(torch.uint8), out.view(torch.int16),
-            pairs, rows, row_start, NB=nb, NB_PAD=triton.next_power_of_2(nb),
-            PAIRS=config.pairs, num_warps=config.num_warps,
-        )  # fmt: skip
+            ids,
+            weight.view(torch.uint8),
+            scale.view(torch.uint8),
+            out.view(torch.int16),
+            pairs,
+            rows,
+            row_start,
+            NB=nb,
+            NB_PAD=triton.next_power_of_2(nb),
+            PAIRS=config.pairs,
+            num_warps=config.num_warps,
+        )
     else:
         _gather_copy_kernel[grid](
-            ids, weight.view(as_int), out.view(as_int), pairs, rows, row_start,
-            D=dim, BLOCK_D=triton.next_power_of_2(dim),
+            ids,
+            weight.view(as_int),
+            out.view(as_int),
+            pairs,
+            rows,
+            row_start,
+            D=dim,
+            BLOCK_D=triton.next_power_of_2(dim),
             NEG_ZERO=-(2 ** (8 * out.element_size() - 1)),  # the sign bit alone: -0.0
-            PAIRS=config.pairs, num_warps=config.num_warps,
-        )  # fmt: skip
+            PAIRS=config.pairs,
+            num_warps=config.num_warps,
+        )
     return out

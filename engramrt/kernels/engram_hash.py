@@ -35,14 +35,40 @@ def _mod(r, p, magic):
 
 @triton.jit(do_not_specialize=["num_tokens", "num_req", "mm_start", "verify_block", "num_real_int"])
 def _engram_hash_kernel(
-    tokens_ptr, slots_ptr, pos_ptr, lens_ptr, starts_ptr, num_real_ptr,
-    history_ptr, token_map_ptr, mult_ptr, primes_ptr, magic_ptr, offsets_ptr, out_ptr,
-    num_tokens, num_req, pad_row, pad_id, image_id, mm_start, verify_block, num_real_int,
-    REAL_PTR: tl.constexpr, MODE: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
+    tokens_ptr,
+    slots_ptr,
+    pos_ptr,
+    lens_ptr,
+    starts_ptr,
+    num_real_ptr,
+    history_ptr,
+    token_map_ptr,
+    mult_ptr,
+    primes_ptr,
+    magic_ptr,
+    offsets_ptr,
+    out_ptr,
+    num_tokens,
+    num_req,
+    pad_row,
+    pad_id,
+    image_id,
+    mm_start,
+    verify_block,
+    num_real_int,
+    REAL_PTR: tl.constexpr,
+    MODE: tl.constexpr,
+    N: tl.constexpr,
+    H: tl.constexpr,
     H_PAD: tl.constexpr,
-    L: tl.constexpr, L_PAD: tl.constexpr, N_PAD: tl.constexpr, REQ_PAD: tl.constexpr,
-    BLOCK: tl.constexpr, HAS_IMAGE: tl.constexpr, HAS_MM: tl.constexpr,
-):  # fmt: skip
+    L: tl.constexpr,
+    L_PAD: tl.constexpr,
+    N_PAD: tl.constexpr,
+    REQ_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_IMAGE: tl.constexpr,
+    HAS_MM: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = t < num_tokens
     # --- which request, offset in its run, absolute position, history slot ---------------
@@ -127,9 +153,19 @@ def _engram_hash_kernel(
 
 @triton.jit(do_not_specialize=["num_req", "num_real_int"])
 def _commit_rows_kernel(
-    history_ptr, tokens_ptr, slots_ptr, starts_ptr, lens_ptr, pos_ptr, num_real_ptr, num_req,
-    num_real_int, N: tl.constexpr, W_PAD: tl.constexpr, REAL_PTR: tl.constexpr,
-):  # fmt: skip
+    history_ptr,
+    tokens_ptr,
+    slots_ptr,
+    starts_ptr,
+    lens_ptr,
+    pos_ptr,
+    num_real_ptr,
+    num_req,
+    num_real_int,
+    N: tl.constexpr,
+    W_PAD: tl.constexpr,
+    REAL_PTR: tl.constexpr,
+):
     """One program per request: its new row is the ``N-1`` ids that end at token
     ``starts + lens - 1`` of the window (old row ++ batch tokens from ``starts``); ``lens == 0``
     keeps the row. Extend: starts = run start, lens = run length. Verify: lens = 1 + accepted."""
@@ -168,15 +204,25 @@ class TritonHashOps:
         self.primes = hasher.primes.reshape(layers, -1).contiguous()
         self.magic = torch.tensor(
             [[(2**64 - 1) // p for p in row] for row in self.primes.tolist()],
-            dtype=torch.int64, device=self.primes.device,
-        )  # fmt: skip
+            dtype=torch.int64,
+            device=self.primes.device,
+        )
         self.offsets = hasher.offsets.reshape(layers, -1).contiguous()
         cfg = hasher.layout.config
         self.image = -1 if cfg.image_token_id is None else cfg.image_token_id
         self.mm = -1 if hasher.mm_pad_start is None else hasher.mm_pad_start
 
-    def hash(self, mode: int, tokens, slots, positions, lens=None, starts_out=None,
-             num_real=None, verify_block: int = 1) -> torch.Tensor:  # fmt: skip
+    def hash(
+        self,
+        mode: int,
+        tokens,
+        slots,
+        positions,
+        lens=None,
+        starts_out=None,
+        num_real=None,
+        verify_block: int = 1,
+    ) -> torch.Tensor:
         """Extend: ``lens`` per run; the run starts are written to ``starts_out`` (for the
         commit), unless no token is hashed."""
         h, dev = self.h, tokens.device
@@ -191,18 +237,41 @@ class TritonHashOps:
         dummy = slots
         block, warps = LAUNCH[mode]
         _engram_hash_kernel[(triton.cdiv(t, block),)](
-            tokens, slots, positions, lens if lens is not None else dummy,
-            starts_out if starts_out is not None else dummy, num_real if real_ptr else dummy,
-            h.history.table, h.token_map, self.mults, self.primes, self.magic, self.offsets,
+            tokens,
+            slots,
+            positions,
+            lens if lens is not None else dummy,
+            starts_out if starts_out is not None else dummy,
+            num_real if real_ptr else dummy,
+            h.history.table,
+            h.token_map,
+            self.mults,
+            self.primes,
+            self.magic,
+            self.offsets,
             out,
-            t, nreq, h.history.pad_row, h.layout.config.pad_token_id, self.image, self.mm,
-            verify_block, nreq if num_real is None or real_ptr else int(num_real),
-            REAL_PTR=real_ptr, MODE=mode, N=self.n, H=self.heads, H_PAD=_pow2(self.heads),
+            t,
+            nreq,
+            h.history.pad_row,
+            h.layout.config.pad_token_id,
+            self.image,
+            self.mm,
+            verify_block,
+            nreq if num_real is None or real_ptr else int(num_real),
+            REAL_PTR=real_ptr,
+            MODE=mode,
+            N=self.n,
+            H=self.heads,
+            H_PAD=_pow2(self.heads),
             L=self.layers,
-            L_PAD=_pow2(self.layers), N_PAD=_pow2(self.n),
+            L_PAD=_pow2(self.layers),
+            N_PAD=_pow2(self.n),
             REQ_PAD=_pow2(nreq) if mode == EXTEND else 1,
-            BLOCK=block, HAS_IMAGE=self.image >= 0, HAS_MM=self.mm >= 0, num_warps=warps,
-        )  # fmt: skip
+            BLOCK=block,
+            HAS_IMAGE=self.image >= 0,
+            HAS_MM=self.mm >= 0,
+            num_warps=warps,
+        )
         return out
 
     def commit(self, tokens, slots, starts, lens, first_pos, num_real=None) -> None:
@@ -214,8 +283,16 @@ class TritonHashOps:
         )
         real_ptr = isinstance(num_real, torch.Tensor)
         _commit_rows_kernel[(nreq,)](
-            self.h.history.table, tokens, slots, starts, lens, first_pos,
-            num_real if real_ptr else slots, nreq,
+            self.h.history.table,
+            tokens,
+            slots,
+            starts,
+            lens,
+            first_pos,
+            num_real if real_ptr else slots,
+            nreq,
             nreq if num_real is None or real_ptr else int(num_real),
-            N=self.n, W_PAD=_pow2(self.n - 1), REAL_PTR=real_ptr,
-        )  # fmt: skip
+            N=self.n,
+            W_PAD=_pow2(self.n - 1),
+            REAL_PTR=real_ptr,
+        )

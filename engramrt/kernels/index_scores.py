@@ -24,10 +24,24 @@ BLOCK_N, CHUNK = 64, 1024
 # the entry count and table width vary by step: specialising on them compiles while serving
 @triton.jit(do_not_specialize=["C", "TW"])
 def _index_scores_kernel(
-    q_ptr, w_ptr, keys_ptr, table_ptr, req_ptr, pos_ptr, out_ptr, C, TW,
-    R: tl.constexpr, BS: tl.constexpr, H: tl.constexpr, DI: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, F32: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    w_ptr,
+    keys_ptr,
+    table_ptr,
+    req_ptr,
+    pos_ptr,
+    out_ptr,
+    C,
+    TW,
+    R: tl.constexpr,
+    BS: tl.constexpr,
+    H: tl.constexpr,
+    DI: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    F32: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * CHUNK
     h = tl.arange(0, BLOCK_H)
@@ -53,14 +67,20 @@ def _index_scores_kernel(
         s = _dot(q, tl.trans(k), F32).to(q.dtype).to(tl.float32)  # [BLOCK_H, BLOCK_N]
         s = (tl.maximum(s, 0.0) * w[:, None]).to(q.dtype).to(tl.float32)
         total = tl.sum(s, axis=0)
-        tl.store(out_ptr + t * C + c, tl.where(ok, total, float("-inf")).to(q.dtype),
-                 mask=c < hi)  # fmt: skip
+        tl.store(out_ptr + t * C + c, tl.where(ok, total, float("-inf")).to(q.dtype), mask=c < hi)
 
 
 def index_scores(
-    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
-    req: torch.Tensor, pos: torch.Tensor, ratio: int, block_size: int, count: int,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys: torch.Tensor,
+    table: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    ratio: int,
+    block_size: int,
+    count: int,
+) -> torch.Tensor:
     """Scores ``[T, count]`` in ``q``'s dtype of queries ``q`` [T, H, DI] with head weights
     ``w`` [T, H] against ``keys`` (the paged index keys: entry ``c`` of request ``b`` at row
     ``table[b, c*r // bs] * (bs / r) + (c*r % bs) / r``); token ``t`` is request ``req[t]``'s,
@@ -70,9 +90,22 @@ def index_scores(
     if t == 0 or count == 0:
         return out
     _index_scores_kernel[(t, triton.cdiv(count, CHUNK))](
-        q.contiguous(), w.to(q.dtype).contiguous(), keys, table, req, pos, out, count,
-        table.shape[1], R=ratio, BS=block_size, H=h, DI=di,
-        BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_N=BLOCK_N, CHUNK=CHUNK,
+        q.contiguous(),
+        w.to(q.dtype).contiguous(),
+        keys,
+        table,
+        req,
+        pos,
+        out,
+        count,
+        table.shape[1],
+        R=ratio,
+        BS=block_size,
+        H=h,
+        DI=di,
+        BLOCK_H=max(16, triton.next_power_of_2(h)),
+        BLOCK_N=BLOCK_N,
+        CHUNK=CHUNK,
         F32=q.dtype == torch.float32 or _interpreted(),
-    )  # fmt: skip
+    )
     return out

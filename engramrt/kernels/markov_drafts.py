@@ -32,12 +32,27 @@ _EMPTY = torch.iinfo(torch.int64).max
 _ID_BITS = 0xFFFFFFFF
 
 
-@triton.jit(do_not_specialize=["i", "first_stride", "limit"],
-            do_not_specialize_on_alignment=["first_ptr", "forced_ptr"])  # the caller's views
+@triton.jit(
+    do_not_specialize=["i", "first_stride", "limit"],
+    do_not_specialize_on_alignment=["first_ptr", "forced_ptr"],
+)  # the caller's views
 def _markov_step(
-    logits_ptr, best_ptr, first_ptr, first_stride, forced_ptr, embed_ptr, head_ptr, i, K, V, R,
-    limit, FORCED: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    best_ptr,
+    first_ptr,
+    first_stride,
+    forced_ptr,
+    embed_ptr,
+    head_ptr,
+    i,
+    K,
+    V,
+    R,
+    limit,
+    FORCED: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     inside = v < V
@@ -51,8 +66,11 @@ def _markov_step(
     for r0 in range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         e = tl.load(embed_ptr + prev * R + r, mask=r < R, other=0.0).to(tl.float32)
-        w = tl.load(head_ptr + v[:, None].to(tl.int64) * R + r[None, :],
-                    mask=inside[:, None] & (r < R)[None, :], other=0.0)  # fmt: skip
+        w = tl.load(
+            head_ptr + v[:, None].to(tl.int64) * R + r[None, :],
+            mask=inside[:, None] & (r < R)[None, :],
+            other=0.0,
+        )
         bias += tl.sum(w * e[None, :], axis=1)
     row = logits_ptr + (b * K + i) * V + v
     val = tl.load(row, mask=inside, other=0.0) + bias
@@ -67,9 +85,14 @@ def _markov_step(
     tl.atomic_min(best_ptr + b * K + i, packed)
 
 
-def markov_drafts(logits: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,
-                  head: torch.Tensor, limit: int | None,
-                  targets: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def markov_drafts(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    limit: int | None,
+    targets: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Add the Markov bias to ``logits`` [B, k, V] fp32 (in place) and return the drafts [B, k]:
     position ``i``'s previous token is ``tokens`` [B] for ``i = 0``, then the draft of ``i - 1``
     (or ``targets[:, i - 1]``). ``embed`` [vocab, R], ``head`` [V, R] fp32; ids at or past
@@ -80,8 +103,21 @@ def markov_drafts(logits: torch.Tensor, tokens: torch.Tensor, embed: torch.Tenso
     forced = best if targets is None else targets.contiguous()
     grid = (b, triton.cdiv(v, BLOCK_V))
     for i in range(k):
-        _markov_step[grid](logits, best, tokens, tokens.stride(0), forced, embed, head, i, k, v,
-                           head.shape[1], v if limit is None else limit,
-                           FORCED=targets is not None, BLOCK_V=BLOCK_V,
-                           BLOCK_R=BLOCK_R)  # fmt: skip
+        _markov_step[grid](
+            logits,
+            best,
+            tokens,
+            tokens.stride(0),
+            forced,
+            embed,
+            head,
+            i,
+            k,
+            v,
+            head.shape[1],
+            v if limit is None else limit,
+            FORCED=targets is not None,
+            BLOCK_V=BLOCK_V,
+            BLOCK_R=BLOCK_R,
+        )
     return best & _ID_BITS

@@ -51,9 +51,19 @@ class MixesPlan(NamedTuple):
 
 @triton.jit
 def _mixes_part(
-    x_ptr, fn_ptr, part_ptr, pid, num_tokens, K, CHUNK, SPLITS,
-    MIX: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    fn_ptr,
+    part_ptr,
+    pid,
+    num_tokens,
+    K,
+    CHUNK,
+    SPLITS,
+    MIX: tl.constexpr,
+    P: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+):
     t = (pid // SPLITS) * BT + tl.arange(0, BT)
     s = pid % SPLITS
     tm = t < num_tokens
@@ -86,9 +96,19 @@ def _collapse(x_row, w_ptr, d, m, D, HC: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _collapse_norm(
-    x_ptr, prev_ptr, w_ptr, coll_ptr, out_ptr, t, D, norm_eps,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, SINGLE: tl.constexpr, STORE_C: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    prev_ptr,
+    w_ptr,
+    coll_ptr,
+    out_ptr,
+    t,
+    D,
+    norm_eps,
+    HC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SINGLE: tl.constexpr,
+    STORE_C: tl.constexpr,
+):
     """Row ``t`` collapsed with its lagged pre, then RMSNorm of the rounded row. ``SINGLE``: the
     row fits one block and stays in registers; otherwise it goes to ``coll_ptr`` and is read
     back (``STORE_C`` is then set)."""
@@ -128,25 +148,56 @@ def _collapse_norm(
 
 @triton.jit(do_not_specialize=["num_tokens", "CHUNK", "SPLITS", "MIX_PROGRAMS"])
 def _mixes_collapse_kernel(
-    x_ptr, fn_ptr, part_ptr, prev_ptr, w_ptr, coll_ptr, out_ptr,
-    num_tokens, K, D, CHUNK, SPLITS, MIX_PROGRAMS, norm_eps,
-    HC: tl.constexpr, MIX: tl.constexpr, P: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BLOCK_D: tl.constexpr, SINGLE: tl.constexpr, STORE_C: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    fn_ptr,
+    part_ptr,
+    prev_ptr,
+    w_ptr,
+    coll_ptr,
+    out_ptr,
+    num_tokens,
+    K,
+    D,
+    CHUNK,
+    SPLITS,
+    MIX_PROGRAMS,
+    norm_eps,
+    HC: tl.constexpr,
+    MIX: tl.constexpr,
+    P: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SINGLE: tl.constexpr,
+    STORE_C: tl.constexpr,
+):
     pid = tl.program_id(0)
     if pid < MIX_PROGRAMS:
         _mixes_part(x_ptr, fn_ptr, part_ptr, pid, num_tokens, K, CHUNK, SPLITS, MIX, P, BT, BK)
     else:
         t = (pid - MIX_PROGRAMS).to(tl.int64)
-        _collapse_norm(x_ptr, prev_ptr, w_ptr, coll_ptr, out_ptr, t, D, norm_eps, HC, BLOCK_D,
-                       SINGLE, STORE_C)  # fmt: skip
+        _collapse_norm(
+            x_ptr, prev_ptr, w_ptr, coll_ptr, out_ptr, t, D, norm_eps, HC, BLOCK_D, SINGLE, STORE_C
+        )
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
 def _split_kernel(
-    part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, SPLITS, K, iters, hc_eps,
-    norm_eps, HC: tl.constexpr, P: tl.constexpr, SB: tl.constexpr,
-):  # fmt: skip
+    part_ptr,
+    scale_ptr,
+    base_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    SPLITS,
+    K,
+    iters,
+    hc_eps,
+    norm_eps,
+    HC: tl.constexpr,
+    P: tl.constexpr,
+    SB: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HC)
     off = j[:, None] * HC + j[None, :]
@@ -161,15 +212,20 @@ def _split_kernel(
         sq += tl.load(row + (2 + HC) * HC, mask=sm, other=0)
         zp += tl.load(row[:, None] + j[None, :], mask=sm[:, None], other=0)
         zq += tl.load(row[:, None] + HC + j[None, :], mask=sm[:, None], other=0)
-        zl += tl.load(row[:, None, None] + 2 * HC + off[None, :, :], mask=sm[:, None, None],
-                      other=0)  # fmt: skip
+        zl += tl.load(
+            row[:, None, None] + 2 * HC + off[None, :, :], mask=sm[:, None, None], other=0
+        )
     r = tl.rsqrt(tl.sum(sq, axis=0) / K + norm_eps)
     pre, post, comb = split_tile(
         (tl.sum(zp, axis=0) * r)[None, :],
         (tl.sum(zq, axis=0) * r)[None, :],
         (tl.sum(zl, axis=0) * r)[None, :, :],
-        scale_ptr, base_ptr, iters, hc_eps, HC,
-    )  # fmt: skip
+        scale_ptr,
+        base_ptr,
+        iters,
+        hc_eps,
+        HC,
+    )
     tl.store(pre_ptr + t * HC + j[None, :], pre)
     tl.store(post_ptr + t * HC + j[None, :], post)
     tl.store(comb_ptr + t * HC * HC + off[None, :, :], comb)
@@ -257,12 +313,30 @@ def _first_launch(
         c_buf = normed if single else torch.empty_like(normed)  # normed: never written as c
     if tokens:
         _mixes_collapse_kernel[(mix_programs + tokens,)](
-            x, normed if fn is None else fn.float().contiguous(), normed if part is None else part,
-            pre_prev.float().contiguous(), norm_weight.contiguous(), c_buf, normed,
-            tokens, k, dim, plan.chunk, plan.splits, mix_programs, norm_eps,
-            HC=hc, MIX=mix, P=p, BT=plan.block_t, BK=plan.block_k, BLOCK_D=block_d, SINGLE=single,
-            STORE_C=collapsed is not None or not single, num_warps=plan.warps,
-        )  # fmt: skip
+            x,
+            normed if fn is None else fn.float().contiguous(),
+            normed if part is None else part,
+            pre_prev.float().contiguous(),
+            norm_weight.contiguous(),
+            c_buf,
+            normed,
+            tokens,
+            k,
+            dim,
+            plan.chunk,
+            plan.splits,
+            mix_programs,
+            norm_eps,
+            HC=hc,
+            MIX=mix,
+            P=p,
+            BT=plan.block_t,
+            BK=plan.block_k,
+            BLOCK_D=block_d,
+            SINGLE=single,
+            STORE_C=collapsed is not None or not single,
+            num_warps=plan.warps,
+        )
     return normed, collapsed, part
 
 
@@ -288,10 +362,22 @@ def mhc_pre(
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=x.device)
     if tokens:
         _split_kernel[(tokens,)](
-            part, scale.float().contiguous(), base.float().contiguous(), pre, post, comb,
-            part.shape[1], hc * x.shape[2], iters, hc_eps, norm_eps,
-            HC=hc, P=part.shape[2], SB=SPLIT_BLOCK, num_warps=SPLIT_WARPS,
-        )  # fmt: skip
+            part,
+            scale.float().contiguous(),
+            base.float().contiguous(),
+            pre,
+            post,
+            comb,
+            part.shape[1],
+            hc * x.shape[2],
+            iters,
+            hc_eps,
+            norm_eps,
+            HC=hc,
+            P=part.shape[2],
+            SB=SPLIT_BLOCK,
+            num_warps=SPLIT_WARPS,
+        )
     return normed, pre, post, comb, collapsed
 
 
@@ -312,7 +398,13 @@ def mhc_post(
     if tokens:
         block = post_block_d(tokens)
         _post_kernel[(tokens, triton.cdiv(dim, block))](
-            y.contiguous(), residual, post.float().contiguous(), comb.float().contiguous(), out,
-            dim, HC=hc, BLOCK_D=block,
-        )  # fmt: skip
+            y.contiguous(),
+            residual,
+            post.float().contiguous(),
+            comb.float().contiguous(),
+            out,
+            dim,
+            HC=hc,
+            BLOCK_D=block,
+        )
     return out

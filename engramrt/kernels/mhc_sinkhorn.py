@@ -38,9 +38,18 @@ def split_tile(zp, zq, zl, scale_ptr, base_ptr, iters, eps, HC: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _sinkhorn_kernel(
-    z_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, num_tokens, iters, eps,
-    HC: tl.constexpr, BT: tl.constexpr,
-):  # fmt: skip
+    z_ptr,
+    scale_ptr,
+    base_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    num_tokens,
+    iters,
+    eps,
+    HC: tl.constexpr,
+    BT: tl.constexpr,
+):
     width: tl.constexpr = (2 + HC) * HC
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tm = t < num_tokens
@@ -49,8 +58,9 @@ def _sinkhorn_kernel(
     off = j[:, None] * HC + j[None, :]
     zp = tl.load(z_ptr + row + j[None, :], mask=tm[:, None], other=0)
     zq = tl.load(z_ptr + row + HC + j[None, :], mask=tm[:, None], other=0)
-    zl = tl.load(z_ptr + row[:, :, None] + 2 * HC + off[None, :, :], mask=tm[:, None, None],
-                 other=0)  # fmt: skip
+    zl = tl.load(
+        z_ptr + row[:, :, None] + 2 * HC + off[None, :, :], mask=tm[:, None, None], other=0
+    )
     pre, post, comb = split_tile(zp, zq, zl, scale_ptr, base_ptr, iters, eps, HC)
     out = t.to(tl.int64)[:, None] * HC + j[None, :]
     tl.store(pre_ptr + out, pre, mask=tm[:, None])
@@ -70,7 +80,16 @@ def split_sinkhorn(
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=z.device)
     if tokens:
         _sinkhorn_kernel[(triton.cdiv(tokens, BLOCK_T),)](
-            z, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, tokens,
-            iters, eps, HC=hc, BT=BLOCK_T,
-        )  # fmt: skip
+            z,
+            scale.float().contiguous(),
+            base.float().contiguous(),
+            pre,
+            post,
+            comb,
+            tokens,
+            iters,
+            eps,
+            HC=hc,
+            BT=BLOCK_T,
+        )
     return pre, post, comb

@@ -49,11 +49,28 @@ def _dot(a, b, F32: tl.constexpr):
 
 @triton.jit(do_not_specialize=["SPLITS"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, width_ptr, lens_ptr, part_ptr, lse_ptr, out_ptr, scale,
-    SPLITS, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, F32: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    width_ptr,
+    lens_ptr,
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    scale,
+    SPLITS,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+    F32: tl.constexpr,
+):
     """Stage 1: the G query heads of KV head ``kvh`` of request ``b`` over split ``s`` of its
     keys. ``DIRECT`` (one split): the normalised output itself, in the output's dtype."""
     b, kvh, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -61,8 +78,9 @@ def _decode_split_kernel(
     d = tl.arange(0, BLOCK_D)
     gm, dm = g < G, d < D
     heads = kvh * G + g
-    q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=gm[:, None] & dm[None, :],
-                other=0).to(k_ptr.dtype.element_ty)  # fmt: skip
+    q = tl.load(
+        q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=gm[:, None] & dm[None, :], other=0
+    ).to(k_ptr.dtype.element_ty)
     n = tl.load(lens_ptr + b)
     max_blocks = tl.load(width_ptr)  # from memory: a graph replays any table width
     chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N  # whole steps; from n, not a constexpr
@@ -76,36 +94,48 @@ def _decode_split_kernel(
         valid = pos < hi
         block = tl.load(tables_ptr + b * max_blocks + pos // BS, mask=valid, other=0).to(tl.int64)
         rows = (block * BS + pos % BS) * KVH + kvh
-        kt = tl.load(k_ptr + rows[None, :] * D + d[:, None], mask=valid[None, :] & dm[:, None],
-                     other=0)  # fmt: skip
+        kt = tl.load(
+            k_ptr + rows[None, :] * D + d[:, None], mask=valid[None, :] & dm[:, None], other=0
+        )
         scores = tl.where(valid[None, :], _dot(q, kt, F32) * scale, float("-inf"))  # [G, N]
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_ptr + rows[:, None] * D + d[None, :], mask=valid[:, None] & dm[None, :],
-                    other=0)  # fmt: skip
+        v = tl.load(
+            v_ptr + rows[:, None] * D + d[None, :], mask=valid[:, None] & dm[None, :], other=0
+        )
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]  # no keys: zeros
     if DIRECT:
-        tl.store(out_ptr + (b * H + heads)[:, None] * D + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])  # fmt: skip
+        tl.store(
+            out_ptr + (b * H + heads)[:, None] * D + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=gm[:, None] & dm[None, :],
+        )
     else:
         row = (b * H + heads) * SPLITS + s  # [B, H, SPLITS] of lse, then D of the partial
         some = l_i > 0  # the split holds keys
         lse = tl.where(some, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=gm)
         # an empty split writes its lse alone: the merge never reads its partial
-        tl.store(part_ptr + row[:, None] * D + d[None, :], out,
-                 mask=(gm & some)[:, None] & dm[None, :])  # fmt: skip
+        tl.store(
+            part_ptr + row[:, None] * D + d[None, :], out, mask=(gm & some)[:, None] & dm[None, :]
+        )
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
 def _decode_merge_kernel(
-    part_ptr, lse_ptr, out_ptr, SPLITS,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    SPLITS,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """Stage 2: head ``h`` of request ``b``, the splits weighted by exp(lse - max lse); a row
     with no keys in any split (graph padding) stores zeros."""
     row = tl.program_id(0).to(tl.int64) * H + tl.program_id(1)
@@ -115,8 +145,11 @@ def _decode_merge_kernel(
     top = tl.max(lse, axis=0)
     w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for an empty split
     live = lse > float("-inf")
-    part = tl.load(part_ptr + (row * SPLITS + sp)[:, None] * D + d[None, :],
-                   mask=live[:, None] & (d < D)[None, :], other=0)  # fmt: skip
+    part = tl.load(
+        part_ptr + (row * SPLITS + sp)[:, None] * D + d[None, :],
+        mask=live[:, None] & (d < D)[None, :],
+        other=0,
+    )
     out = tl.sum(w[:, None] * part, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
@@ -134,10 +167,28 @@ def _load(ptrs, dmask, EVEN_D: tl.constexpr):
 
 @triton.jit
 def _prefill_steps(
-    acc, m_i, l_i, q, qpos, k_ptr, v_ptr, trow, kvh, qk_scale, lo, hi, d, dm,
-    KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIAG: tl.constexpr, EVEN_D: tl.constexpr, F32: tl.constexpr,
-):  # fmt: skip
+    acc,
+    m_i,
+    l_i,
+    q,
+    qpos,
+    k_ptr,
+    v_ptr,
+    trow,
+    kvh,
+    qk_scale,
+    lo,
+    hi,
+    d,
+    dm,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIAG: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    F32: tl.constexpr,
+):
     """Keys ``[lo, hi)``, ``BLOCK_N`` at a time, into the online softmax (base 2: ``qk_scale``
     holds log2(e)). ``DIAG``: the steps that straddle the tile's queries, under the causal mask;
     their key positions are clamped to ``hi - 1`` for the loads (a masked key reads a real row
@@ -167,12 +218,28 @@ def _prefill_steps(
 
 @triton.jit(do_not_specialize=["max_blocks"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, qstart_ptr, pos0_ptr, tile_req_ptr, tile_m0_ptr,
-    qk_scale, max_blocks,
-    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
-    EVEN_D: tl.constexpr, F32: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    tables_ptr,
+    qstart_ptr,
+    pos0_ptr,
+    tile_req_ptr,
+    tile_m0_ptr,
+    qk_scale,
+    max_blocks,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUB: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    F32: tl.constexpr,
+):
     """Queries ``[m0, m0 + BLOCK_M)`` of one request (one of the ``SUB`` programs of a host
     tile), head ``h``. Program ids run over heads fastest, so the heads of one KV head, which
     read the same K/V, run side by side (in L2), and over tiles in the host's order (most keys
@@ -208,16 +275,55 @@ def _prefill_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     acc, m_i, l_i = _prefill_steps(
-        acc, m_i, l_i, q, qpos, k_ptr, v_ptr, trow, kvh, qk_scale, 0, full, d, dm,
-        KVH=KVH, D=D, BS=BS, BLOCK_N=BLOCK_N, DIAG=False, EVEN_D=EVEN_D, F32=F32,
-    )  # fmt: skip
+        acc,
+        m_i,
+        l_i,
+        q,
+        qpos,
+        k_ptr,
+        v_ptr,
+        trow,
+        kvh,
+        qk_scale,
+        0,
+        full,
+        d,
+        dm,
+        KVH=KVH,
+        D=D,
+        BS=BS,
+        BLOCK_N=BLOCK_N,
+        DIAG=False,
+        EVEN_D=EVEN_D,
+        F32=F32,
+    )
     acc, m_i, l_i = _prefill_steps(
-        acc, m_i, l_i, q, qpos, k_ptr, v_ptr, trow, kvh, qk_scale, full, hi, d, dm,
-        KVH=KVH, D=D, BS=BS, BLOCK_N=BLOCK_N, DIAG=True, EVEN_D=EVEN_D, F32=F32,
-    )  # fmt: skip
+        acc,
+        m_i,
+        l_i,
+        q,
+        qpos,
+        k_ptr,
+        v_ptr,
+        trow,
+        kvh,
+        qk_scale,
+        full,
+        hi,
+        d,
+        dm,
+        KVH=KVH,
+        D=D,
+        BS=BS,
+        BLOCK_N=BLOCK_N,
+        DIAG=True,
+        EVEN_D=EVEN_D,
+        F32=F32,
+    )
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(out_ptr + qrows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=io_mask)  # fmt: skip
+    tl.store(
+        out_ptr + qrows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask
+    )
 
 
 MAX_SPLITS = 64  # splits of a request's keys, at most
@@ -306,18 +412,41 @@ def paged_decode_attention(
     part, lse = (out, out) if splits == 1 else _workspace(bsz, heads, splits, dim, q.device)
     block_d = max(16, triton.next_power_of_2(dim))
     _decode_split_kernel[(bsz, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables.contiguous(), table_width, context_lens.contiguous(),
-        part, lse, out, dim**-0.5, splits,
-        H=heads, KVH=kv_heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim,
-        BLOCK_D=block_d, BS=block_size, BLOCK_N=decode_keys_per_step(block_d),
-        DIRECT=splits == 1, F32=k_cache.dtype == torch.float32 or _interpreted(),
-        num_warps=4, num_stages=2,  # H200, 4B shapes: 3 stages ran 10-35% slower
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        block_tables.contiguous(),
+        table_width,
+        context_lens.contiguous(),
+        part,
+        lse,
+        out,
+        dim**-0.5,
+        splits,
+        H=heads,
+        KVH=kv_heads,
+        G=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        D=dim,
+        BLOCK_D=block_d,
+        BS=block_size,
+        BLOCK_N=decode_keys_per_step(block_d),
+        DIRECT=splits == 1,
+        F32=k_cache.dtype == torch.float32 or _interpreted(),
+        num_warps=4,
+        num_stages=2,  # H200, 4B shapes: 3 stages ran 10-35% slower
+    )
     if splits > 1:
         _decode_merge_kernel[(bsz, heads)](
-            part, lse, out, splits,
-            H=heads, D=dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
-        )  # fmt: skip
+            part,
+            lse,
+            out,
+            splits,
+            H=heads,
+            D=dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(splits),
+        )
     return out
 
 
@@ -375,11 +504,28 @@ def paged_prefill_attention(
     block_d = max(16, triton.next_power_of_2(dim))
     sub = PREFILL_TILE // cfg["BLOCK_M"]
     _prefill_kernel[(tile_req.numel() * sub * heads,)](
-        q, k_cache, v_cache, out, block_tables.contiguous(), query_start,
-        start_pos, tile_req, tile_m0, dim**-0.5 * 1.4426950408889634, block_tables.shape[1],
-        H=heads, KVH=kv_heads, D=dim, BLOCK_D=block_d, BS=block_size, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], SUB=sub, EVEN_D=block_d == dim,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables.contiguous(),
+        query_start,
+        start_pos,
+        tile_req,
+        tile_m0,
+        dim**-0.5 * 1.4426950408889634,
+        block_tables.shape[1],
+        H=heads,
+        KVH=kv_heads,
+        D=dim,
+        BLOCK_D=block_d,
+        BS=block_size,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        SUB=sub,
+        EVEN_D=block_d == dim,
         F32=k_cache.dtype == torch.float32 or _interpreted(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     return out

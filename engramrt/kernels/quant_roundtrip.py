@@ -70,15 +70,15 @@ def _on_grid(g, scale, inv, KIND: tl.constexpr):
 
 
 @triton.jit
-def _roundtrip_kernel(x_ptr, out_ptr, n_blocks, KIND: tl.constexpr, B: tl.constexpr,
-                      NB: tl.constexpr):  # fmt: skip
+def _roundtrip_kernel(
+    x_ptr, out_ptr, n_blocks, KIND: tl.constexpr, B: tl.constexpr, NB: tl.constexpr
+):
     blk = tl.program_id(0) * NB + tl.arange(0, NB)
     offs = blk[:, None].to(tl.int64) * B + tl.arange(0, B)[None, :]
     mask = blk[:, None] < n_blocks
     g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     scale, inv = _scales(tl.max(tl.abs(g), axis=1), KIND)
-    tl.store(out_ptr + offs, _on_grid(g, scale, inv, KIND).to(out_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
+    tl.store(out_ptr + offs, _on_grid(g, scale, inv, KIND).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def roundtrip(x: torch.Tensor, kind: int) -> torch.Tensor:
@@ -90,6 +90,5 @@ def roundtrip(x: torch.Tensor, kind: int) -> torch.Tensor:
     out = torch.empty_like(x)
     n_blocks = x.numel() // block
     if n_blocks:
-        _roundtrip_kernel[(triton.cdiv(n_blocks, NB),)](x, out, n_blocks, KIND=kind, B=block,
-                                                         NB=NB)  # fmt: skip
+        _roundtrip_kernel[(triton.cdiv(n_blocks, NB),)](x, out, n_blocks, KIND=kind, B=block, NB=NB)
     return out

@@ -36,6 +36,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel():
-        _rms_norm_kernel[(x.numel() // n,)](x, weight, out, eps, N=n,
-                                           BLOCK=triton.next_power_of_2(n))  # fmt: skip
+        _rms_norm_kernel[(x.numel() // n,)](
+            x, weight, out, eps, N=n, BLOCK=triton.next_power_of_2(n)
+        )
     return out

@@ -20,10 +20,19 @@ BLOCK_H = 4  # heads per program: several programs per token at bs 1
 
 @triton.jit
 def _rope_write_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slots_ptr,
-    H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    slots_ptr,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     t, hb = tl.program_id(0), tl.program_id(1)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     i = tl.arange(0, BLOCK)
@@ -54,9 +63,14 @@ def _rope_write_kernel(
 
 
 def rope_write_kv(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, slots: torch.Tensor, heads: int,
-) -> torch.Tensor:  # fmt: skip
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
     """``qkv [T, (heads + 2 * kv_heads) * head_dim]`` with ``cos, sin [T, 1, head_dim / 2]``
     (fp32) and cache rows ``slots [T]`` -> the rotated ``q [T, heads, head_dim]``."""
     _, kv_heads, dim = k_cache.shape
@@ -67,8 +81,17 @@ def rope_write_kv(
     half = dim // 2
     grid = (tokens, triton.cdiv(heads + 2 * kv_heads, BLOCK_H))
     _rope_write_kernel[grid](
-        qkv.contiguous(), cos.contiguous(), sin.contiguous(), q, k_cache, v_cache,
-        slots.contiguous(), H=heads, KVH=kv_heads, HALF=half, BLOCK_H=BLOCK_H,
+        qkv.contiguous(),
+        cos.contiguous(),
+        sin.contiguous(),
+        q,
+        k_cache,
+        v_cache,
+        slots.contiguous(),
+        H=heads,
+        KVH=kv_heads,
+        HALF=half,
+        BLOCK_H=BLOCK_H,
         BLOCK=triton.next_power_of_2(half),
-    )  # fmt: skip
+    )
     return q

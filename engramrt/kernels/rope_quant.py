@@ -27,10 +27,22 @@ GRID = {torch.bfloat16: (7, -126), torch.float16: (10, -14), torch.float32: (0, 
 
 @triton.jit
 def _rope_quant_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, rows_ptr, H,
-    D: tl.constexpr, HALF_ROT: tl.constexpr, KIND: tl.constexpr, B: tl.constexpr,
-    INVERSE: tl.constexpr, WRITE: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    cache_ptr,
+    rows_ptr,
+    H,
+    D: tl.constexpr,
+    HALF_ROT: tl.constexpr,
+    KIND: tl.constexpr,
+    B: tl.constexpr,
+    INVERSE: tl.constexpr,
+    WRITE: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64)  # token t's head h
     t = r // H
     j = tl.arange(0, D // 2)
@@ -65,9 +77,14 @@ def _rope_quant_kernel(
 
 
 def rope_quant(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kind: int = NONE,
-    inverse: bool = False, cache: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kind: int = NONE,
+    inverse: bool = False,
+    cache: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x`` [T, ..., D] rotated on its last ``2 * cos.shape[-1]`` dims (``cos``/``sin``
     [T, rd / 2] fp32), through the ``kind`` round trip; also written to ``cache`` [R, ...] at
     ``rows`` [T] (-1: nowhere)."""
@@ -84,9 +101,21 @@ def rope_quant(
         return out
     write = cache is not None
     _rope_quant_kernel[(t * heads,)](
-        x, cos.contiguous(), sin.contiguous(), out, cache if write else out,
-        rows if write else cos, heads, D=d, HALF_ROT=cos.shape[-1], KIND=kind, B=block,
-        INVERSE=inverse, WRITE=write, MBITS=GRID[x.dtype][0], EMIN=GRID[x.dtype][1],
+        x,
+        cos.contiguous(),
+        sin.contiguous(),
+        out,
+        cache if write else out,
+        rows if write else cos,
+        heads,
+        D=d,
+        HALF_ROT=cos.shape[-1],
+        KIND=kind,
+        B=block,
+        INVERSE=inverse,
+        WRITE=write,
+        MBITS=GRID[x.dtype][0],
+        EMIN=GRID[x.dtype][1],
         enable_fp_fusion=False,
-    )  # fmt: skip
+    )
     return out

@@ -36,11 +36,27 @@ def _softmax_step(acc, m_i, l_i, q, rows, valid, scale, F32: tl.constexpr):
 
 @triton.jit(do_not_specialize=["K_PICKS"])  # min(top-k, entries): varies by step
 def _sparse_attention_kernel(
-    q_ptr, kv_ptr, ring_ptr, comp_ptr, picks_ptr, pos_ptr, p0_ptr, q0_ptr, slot_ptr, sink_ptr,
-    out_ptr, scale, K_PICKS,
-    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, RING: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, F32: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    kv_ptr,
+    ring_ptr,
+    comp_ptr,
+    picks_ptr,
+    pos_ptr,
+    p0_ptr,
+    q0_ptr,
+    slot_ptr,
+    sink_ptr,
+    out_ptr,
+    scale,
+    K_PICKS,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    RING: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    F32: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = heads < H
@@ -56,10 +72,14 @@ def _sparse_attention_kernel(
         u = base + w0 + tl.arange(0, BLOCK_N)
         valid = (w0 + tl.arange(0, BLOCK_N) < W) & (u <= p)
         mine = valid & (u >= p0)  # this run's rows: kv; earlier ones: the ring
-        rows = tl.load(kv_ptr + (q0 + u - p0)[:, None] * D + d[None, :], mask=mine[:, None],
-                       other=0)  # fmt: skip
-        rows += tl.load(ring_ptr + (slot * RING + u % RING)[:, None] * D + d[None, :],
-                        mask=(valid & ~mine)[:, None], other=0)  # fmt: skip
+        rows = tl.load(
+            kv_ptr + (q0 + u - p0)[:, None] * D + d[None, :], mask=mine[:, None], other=0
+        )
+        rows += tl.load(
+            ring_ptr + (slot * RING + u % RING)[:, None] * D + d[None, :],
+            mask=(valid & ~mine)[:, None],
+            other=0,
+        )
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, rows, valid, scale, F32)
     for j0 in range(0, K_PICKS, BLOCK_N):  # the picked compressed rows (-1: none)
         j = j0 + tl.arange(0, BLOCK_N)
@@ -69,15 +89,28 @@ def _sparse_attention_kernel(
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, rows, valid, scale, F32)
     sink = tl.load(sink_ptr + heads, mask=hm, other=0.0).to(tl.float32)
     out = acc / (l_i + tl.exp(sink - m_i))[:, None]
-    tl.store(out_ptr + (t * H + heads)[:, None] * D + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=hm[:, None])  # fmt: skip
+    tl.store(
+        out_ptr + (t * H + heads)[:, None] * D + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=hm[:, None],
+    )
 
 
 def sparse_attention(
-    q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, comp: torch.Tensor | None,
-    picks: torch.Tensor | None, pos: torch.Tensor, p0: torch.Tensor, q0: torch.Tensor,
-    slot: torch.Tensor, sink: torch.Tensor, scale: float, window: int, ring_len: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    ring: torch.Tensor,
+    comp: torch.Tensor | None,
+    picks: torch.Tensor | None,
+    pos: torch.Tensor,
+    p0: torch.Tensor,
+    q0: torch.Tensor,
+    slot: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    window: int,
+    ring_len: int | None = None,
+) -> torch.Tensor:
     """``q`` [T, H, D] over each token's window (``kv`` [T, D] this step's latents, ``ring``
     [slots * window, D] the earlier ones) and its ``picks`` [T, k] (rows of ``comp``, -1:
     none); ``pos``/``p0``/``q0``/``slot`` [T]: position, its run's first position and first
@@ -92,8 +125,25 @@ def sparse_attention(
         picks, comp = torch.empty(t, 0, dtype=torch.int64, device=q.device), kv
     block_h = 16  # tl.dot's least rows; heads past H are masked
     _sparse_attention_kernel[(t, triton.cdiv(h, block_h))](
-        q.contiguous(), kv.contiguous(), ring, comp, picks.contiguous(), pos, p0, q0, slot, sink,
-        out, scale, picks.shape[1], H=h, D=d, W=window, RING=ring_len or window, BLOCK_H=block_h,
-        BLOCK_N=64 if d <= 128 else 32, F32=q.dtype == torch.float32 or _interpreted(),
-    )  # fmt: skip
+        q.contiguous(),
+        kv.contiguous(),
+        ring,
+        comp,
+        picks.contiguous(),
+        pos,
+        p0,
+        q0,
+        slot,
+        sink,
+        out,
+        scale,
+        picks.shape[1],
+        H=h,
+        D=d,
+        W=window,
+        RING=ring_len or window,
+        BLOCK_H=block_h,
+        BLOCK_N=64 if d <= 128 else 32,
+        F32=q.dtype == torch.float32 or _interpreted(),
+    )
     return out

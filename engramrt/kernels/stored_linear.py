@@ -60,10 +60,24 @@ def _dot_acc(acc, a, w, IEEE: tl.constexpr):
 # on it compiled a variant while serving
 @triton.jit(do_not_specialize=["M"])
 def _stored_linear_kernel(
-    a_ptr, w_ptr, s_ptr, out_ptr, tiles_ptr, M, N, K, K_SPLIT, W_STRIDE, S_STRIDE,
-    FP4: tl.constexpr, IEEE: tl.constexpr, GROUPED: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    tiles_ptr,
+    M,
+    N,
+    K,
+    K_SPLIT,
+    W_STRIDE,
+    S_STRIDE,
+    FP4: tl.constexpr,
+    IEEE: tl.constexpr,
+    GROUPED: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     """``GROUPED``: program ``pid_m`` takes the rows ``[lo, hi)`` of ``tiles[pid_m]`` = (expert,
     lo, hi) against expert ``e``'s weight (``W_STRIDE`` / ``S_STRIDE`` apart); an empty tile
     loads nothing. FP4 bytes are read once each: even inputs against low nibbles, odd ones
@@ -99,12 +113,22 @@ def _stored_linear_kernel(
             byte = tl.load(w_ptr + rn64 * (K // 2) + kp[None, :], mask=pm, other=0)
             byte = byte.to(tl.int32) & 0xFF
             if BM == 1:  # the GEMV: each scale gathered per element (the faster form here)
-                sc = _e8m0(tl.load(s_ptr + rn64 * (K // 32) + kp[None, :] // 16, mask=pm,
-                                   other=127))  # fmt: skip
+                sc = _e8m0(
+                    tl.load(s_ptr + rn64 * (K // 32) + kp[None, :] // 16, mask=pm, other=127)
+                )
             else:
-                sc = _spread(_e8m0(tl.load(s_ptr + rn64 * (K // 32) + kg[None, :],
-                                           mask=nmask & (kg[None, :] < K // 32), other=127)),
-                             BN, G, BK // 2)  # fmt: skip
+                sc = _spread(
+                    _e8m0(
+                        tl.load(
+                            s_ptr + rn64 * (K // 32) + kg[None, :],
+                            mask=nmask & (kg[None, :] < K // 32),
+                            other=127,
+                        )
+                    ),
+                    BN,
+                    G,
+                    BK // 2,
+                )
             w_even, w_odd = _e2m1(byte & 15) * sc, _e2m1(byte >> 4) * sc
             am = (rm[:, None] < end) & (kp[None, :] < K // 2)
             a_even = tl.load(a_rows + 2 * kp[None, :], mask=am, other=0.0)
@@ -122,12 +146,22 @@ def _stored_linear_kernel(
             if BM == 1:
                 sc = _e8m0(tl.load(srow + rk[None, :] // 32, mask=wm, other=127))
             else:
-                sc = _spread(_e8m0(tl.load(srow + kg[None, :], mask=nmask
-                                           & (kg[None, :] < tl.cdiv(K, 32)), other=127)),
-                             BN, G, BK)  # fmt: skip
+                sc = _spread(
+                    _e8m0(
+                        tl.load(
+                            srow + kg[None, :],
+                            mask=nmask & (kg[None, :] < tl.cdiv(K, 32)),
+                            other=127,
+                        )
+                    ),
+                    BN,
+                    G,
+                    BK,
+                )
             w = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
-            a = tl.load(a_rows + rk[None, :], mask=(rm[:, None] < end) & (rk[None, :] < K),
-                        other=0.0)  # fmt: skip
+            a = tl.load(
+                a_rows + rk[None, :], mask=(rm[:, None] < end) & (rk[None, :] < K), other=0.0
+            )
             if BM == 1:
                 row += tl.sum(w * a.to(tl.float32), axis=1)
             else:
@@ -138,8 +172,9 @@ def _stored_linear_kernel(
     tl.store(out, acc, mask=(rm[:, None] < end) & (rn[None, :] < N))
 
 
-def _launch(a, weight, scale, fp4, grid_m, bm, splits, tiles, bn=BN, bk=BLOCK_K,
-            warps=4) -> torch.Tensor:  # fmt: skip
+def _launch(
+    a, weight, scale, fp4, grid_m, bm, splits, tiles, bn=BN, bk=BLOCK_K, warps=4
+) -> torch.Tensor:
     m, k = a.shape
     if k % 32:
         raise ValueError(f"inputs must come in whole 32-wide scale blocks, got {k}")
@@ -151,11 +186,25 @@ def _launch(a, weight, scale, fp4, grid_m, bm, splits, tiles, bn=BN, bk=BLOCK_K,
     grid = (triton.cdiv(n, bn), grid_m, splits)
     grouped = tiles is not None
     _stored_linear_kernel[grid](
-        a, weight.view(torch.uint8), scale.view(torch.uint8), part, tiles if grouped else a,
-        m, n, k, per, weight[0].numel() if grouped else 0, scale[0].numel() if grouped else 0,
-        FP4=fp4, IEEE=a.dtype == torch.float32, GROUPED=grouped, BM=bm, BN=bn, BK=bk,
+        a,
+        weight.view(torch.uint8),
+        scale.view(torch.uint8),
+        part,
+        tiles if grouped else a,
+        m,
+        n,
+        k,
+        per,
+        weight[0].numel() if grouped else 0,
+        scale[0].numel() if grouped else 0,
+        FP4=fp4,
+        IEEE=a.dtype == torch.float32,
+        GROUPED=grouped,
+        BM=bm,
+        BN=bn,
+        BK=bk,
         num_warps=warps,
-    )  # fmt: skip
+    )
     return (part[0] if splits == 1 else part.sum(0)).to(a.dtype)
 
 
@@ -169,8 +218,9 @@ def _settings(rows: int, fp4: bool) -> tuple[int, int, int]:
     return (16, BN, 4) if rows <= 16 or fp4 else (64, BN, 4)
 
 
-def stored_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                  fp4: bool) -> torch.Tensor:  # fmt: skip
+def stored_linear(
+    a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp4: bool
+) -> torch.Tensor:
     """``a`` [M, K] (already through ``act_quant``, bf16 or fp32) times the stored weight
     (``weight`` E4M3 ``[N, K]`` with 32 x 32 scales, or I8 ``[N, K / 2]`` with a scale per 32;
     scales as E8M0 bytes); out ``[M, N]`` in ``a``'s dtype."""
@@ -180,8 +230,7 @@ def stored_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     bm, bn, warps = _settings(m, fp4)
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     splits = max(1, min(triton.cdiv(k, BLOCK_K), 2 * SMS // tiles)) if m <= 16 else 1
-    return _launch(a, weight, scale, fp4, triton.cdiv(m, bm), bm, splits, None, bn,
-                   warps=warps)  # fmt: skip
+    return _launch(a, weight, scale, fp4, triton.cdiv(m, bm), bm, splits, None, bn, warps=warps)
 
 
 def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
@@ -200,13 +249,13 @@ def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
     return torch.stack([ex, torch.where(used, lo, 0), torch.where(used, hi, 0)], 1).contiguous()
 
 
-def grouped_stored_linear(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp4: bool,
-                          counts: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def grouped_stored_linear(
+    a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp4: bool, counts: torch.Tensor
+) -> torch.Tensor:
     """Rows of ``a`` [R, K] sorted by expert (``counts`` [E] rows each) times their expert's
     stored weight (``weight`` [E, N, ...], ``scale`` [E, ...]): one launch for every expert
     (a mixture-of-experts layer's). Out ``[R, N]``."""
     rows = len(a)
     bm, bn, warps = _settings(-(-rows // len(counts)), fp4)  # by the rows an expert averages
     tiles = group_tiles(counts, rows, bm)
-    return _launch(a.contiguous(), weight, scale, fp4, len(tiles), bm, 1, tiles, bn,
-                   warps=warps)  # fmt: skip
+    return _launch(a.contiguous(), weight, scale, fp4, len(tiles), bm, 1, tiles, bn, warps=warps)

@@ -23,8 +23,7 @@ RADIX = 8  # bits of the key a pass decides: 2 passes for bf16 scores, 4 for fp3
 
 
 @triton.jit
-def _keys(row_ptr, allow_ptr, c, valid, BS: tl.constexpr, MASKED: tl.constexpr,
-          BITS: tl.constexpr):  # fmt: skip
+def _keys(row_ptr, allow_ptr, c, valid, BS: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr):
     """Keys of entries ``c``: the score's bits, sign-magnitude turned into an unsigned order."""
     x = tl.load(row_ptr + c, mask=valid, other=0.0)
     if MASKED:
@@ -41,10 +40,19 @@ def _keys(row_ptr, allow_ptr, c, valid, BS: tl.constexpr, MASKED: tl.constexpr,
 
 @triton.jit(do_not_specialize=["C", "K", "NB"])
 def _top_select_kernel(
-    scores_ptr, seen_ptr, allow_ptr, out_ptr, C, K, NB,
-    BS: tl.constexpr, MASKED: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    scores_ptr,
+    seen_ptr,
+    allow_ptr,
+    out_ptr,
+    C,
+    K,
+    NB,
+    BS: tl.constexpr,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
     RADIX: tl.constexpr,
-):  # fmt: skip
+):
     t = tl.program_id(0).to(tl.int64)
     row = scores_ptr + t * C
     allow = allow_ptr + t * NB
@@ -89,9 +97,12 @@ def _top_select_kernel(
 
 
 def top_select(
-    scores: torch.Tensor, seen: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
+    scores: torch.Tensor,
+    seen: torch.Tensor,
+    k: int,
+    allowed: torch.Tensor | None = None,
     block: int = 1,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Picks ``[n, k]`` (int64) of ``scores`` [n, C] (fp32 or a 16-bit float), row ``i`` among
     its first ``seen[i]`` entries; ``allowed`` [n, NB]: entry ``c`` counts as ``-inf`` unless
     ``allowed[i, c // block]``."""
@@ -105,8 +116,17 @@ def top_select(
     masked = allowed is not None
     allow = allowed.contiguous() if masked else seen  # unread without a mask
     _top_select_kernel[(n,)](
-        scores.contiguous(), seen.contiguous(), allow, out, width, k,
-        allowed.shape[1] if masked else 0, BS=block, MASKED=masked, BITS=bits, BLOCK=BLOCK,
+        scores.contiguous(),
+        seen.contiguous(),
+        allow,
+        out,
+        width,
+        k,
+        allowed.shape[1] if masked else 0,
+        BS=block,
+        MASKED=masked,
+        BITS=bits,
+        BLOCK=BLOCK,
         RADIX=RADIX,
-    )  # fmt: skip
+    )
     return out

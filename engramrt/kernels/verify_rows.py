@@ -23,14 +23,34 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["size", "n_samples", "width", "spare", "pad_row"],
-            do_not_specialize_on_alignment=["x_ptr", "samples_ptr", "rows_ptr", "rejected_ptr",
-                                            "out_ptr", "block_ptr", "target_ptr"])  # fmt: skip
+@triton.jit(
+    do_not_specialize=["size", "n_samples", "width", "spare", "pad_row"],
+    do_not_specialize_on_alignment=[
+        "x_ptr",
+        "samples_ptr",
+        "rows_ptr",
+        "rejected_ptr",
+        "out_ptr",
+        "block_ptr",
+        "target_ptr",
+    ],
+)
 def _accept_kernel(
-    x_ptr, size, samples_ptr, n_samples, rows_ptr, width, rejected_ptr, spare,
-    out_ptr, block_ptr, target_ptr, pad_row,
-    K: tl.constexpr, LANES: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    size,
+    samples_ptr,
+    n_samples,
+    rows_ptr,
+    width,
+    rejected_ptr,
+    spare,
+    out_ptr,
+    block_ptr,
+    target_ptr,
+    pad_row,
+    K: tl.constexpr,
+    LANES: tl.constexpr,
+):
     b = tl.program_id(0)
     first = tl.load(x_ptr + b)
     lens = tl.load(x_ptr + size + b)
@@ -72,38 +92,73 @@ def _accept_kernel(
     tl.store(rejected_ptr + tl.where(keep, slot, spare), drafts - accepted)
 
 
-@triton.jit(do_not_specialize=["width", "stride"],
-            do_not_specialize_on_alignment=["rows_ptr", "slots_ptr", "last_ptr", "keep_ptr",
-                                            "drafts_ptr"])  # fmt: skip
+@triton.jit(
+    do_not_specialize=["width", "stride"],
+    do_not_specialize_on_alignment=["rows_ptr", "slots_ptr", "last_ptr", "keep_ptr", "drafts_ptr"],
+)
 def _write_drafts_kernel(
-    rows_ptr, width, slots_ptr, last_ptr, keep_ptr, drafts_ptr, stride, K: tl.constexpr,
+    rows_ptr,
+    width,
+    slots_ptr,
+    last_ptr,
+    keep_ptr,
+    drafts_ptr,
+    stride,
+    K: tl.constexpr,
     LANES: tl.constexpr,
-):  # fmt: skip
+):
     b = tl.program_id(0)
     slot = tl.load(slots_ptr + b)
     keep = tl.load(keep_ptr + b) != 0
     i = tl.arange(0, LANES)
     d = tl.load(drafts_ptr + b * stride + i, mask=i < K, other=0)
     at = tl.minimum(tl.load(last_ptr + b) + 2 + i, width - 1)
-    tl.store(rows_ptr + slot * width + at, d.to(rows_ptr.dtype.element_ty),
-             mask=i < tl.where(keep, K, 0))
+    tl.store(
+        rows_ptr + slot * width + at, d.to(rows_ptr.dtype.element_ty), mask=i < tl.where(keep, K, 0)
+    )
 
 
-@triton.jit(do_not_specialize=["n_runs", "table_width", "n_tokens", "block_size", "n_dec"],
-            do_not_specialize_on_alignment=["lag_ptr", "rejected_ptr", "slot_ids_ptr",
-                                            "start_ptr", "ctx_lens_ptr", "pos_ptr",
-                                            "slot_map_ptr", "token_req_ptr", "table_ptr",
-                                            "dec_lens_ptr", "dec_req_ptr"])  # fmt: skip
+@triton.jit(
+    do_not_specialize=["n_runs", "table_width", "n_tokens", "block_size", "n_dec"],
+    do_not_specialize_on_alignment=[
+        "lag_ptr",
+        "rejected_ptr",
+        "slot_ids_ptr",
+        "start_ptr",
+        "ctx_lens_ptr",
+        "pos_ptr",
+        "slot_map_ptr",
+        "token_req_ptr",
+        "table_ptr",
+        "dec_lens_ptr",
+        "dec_req_ptr",
+    ],
+)
 def _shift_kernel(
-    lag_ptr, rejected_ptr, slot_ids_ptr, start_ptr, ctx_lens_ptr, n_runs,
-    pos_ptr, slot_map_ptr, token_req_ptr, table_ptr, table_width, n_tokens, block_size,
-    dec_lens_ptr, dec_req_ptr, n_dec, BLOCK: tl.constexpr,
-):  # fmt: skip
+    lag_ptr,
+    rejected_ptr,
+    slot_ids_ptr,
+    start_ptr,
+    ctx_lens_ptr,
+    n_runs,
+    pos_ptr,
+    slot_map_ptr,
+    token_req_ptr,
+    table_ptr,
+    table_width,
+    n_tokens,
+    block_size,
+    dec_lens_ptr,
+    dec_req_ptr,
+    n_dec,
+    BLOCK: tl.constexpr,
+):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     # each lane recomputes its run's distance from the unchanged lag flags and counts
     run = i < n_runs
     back = tl.load(lag_ptr + i, mask=run, other=0) * tl.load(
-        rejected_ptr + tl.load(slot_ids_ptr + i, mask=run, other=0), mask=run, other=0)
+        rejected_ptr + tl.load(slot_ids_ptr + i, mask=run, other=0), mask=run, other=0
+    )
     tl.store(start_ptr + i, tl.load(start_ptr + i, mask=run) - back, mask=run)
     tl.store(ctx_lens_ptr + i, tl.load(ctx_lens_ptr + i, mask=run) - back, mask=run)
     tok = i < n_tokens
@@ -111,7 +166,8 @@ def _shift_kernel(
     real = rows >= 0  # padded tokens stay where they are
     req = tl.load(token_req_ptr + i, mask=tok, other=0)
     back = tl.load(lag_ptr + req, mask=real, other=0) * tl.load(
-        rejected_ptr + tl.load(slot_ids_ptr + req, mask=real, other=0), mask=real, other=0)
+        rejected_ptr + tl.load(slot_ids_ptr + req, mask=real, other=0), mask=real, other=0
+    )
     pos = tl.load(pos_ptr + i, mask=tok, other=0) - back
     tl.store(pos_ptr + i, pos, mask=tok)
     block = tl.load(table_ptr + req * table_width + pos // block_size, mask=real, other=0)
@@ -121,7 +177,8 @@ def _shift_kernel(
     live = length > 0
     req = tl.load(dec_req_ptr + i, mask=live, other=0)
     back = tl.load(lag_ptr + req, mask=live, other=0) * tl.load(
-        rejected_ptr + tl.load(slot_ids_ptr + req, mask=live, other=0), mask=live, other=0)
+        rejected_ptr + tl.load(slot_ids_ptr + req, mask=live, other=0), mask=live, other=0
+    )
     tl.store(dec_lens_ptr + i, length - back, mask=live)
 
 
@@ -132,14 +189,34 @@ def shift(ctx, rejected: torch.Tensor) -> None:
     dec_req = ctx.dec_req if n_dec else ctx.token_req
     most, block = max(len(ctx.slot_ids), len(ctx.positions), n_dec), 128
     _shift_kernel[(triton.cdiv(most, block),)](
-        ctx.lag, rejected, ctx.slot_ids, ctx.start_pos_t, ctx.context_lens, len(ctx.slot_ids),
-        ctx.positions, ctx.slot_mapping, ctx.token_req, ctx.block_table,
-        ctx.block_table.stride(0), len(ctx.positions), ctx.kv.block_size, dec_lens, dec_req,
-        n_dec, BLOCK=block)  # fmt: skip
+        ctx.lag,
+        rejected,
+        ctx.slot_ids,
+        ctx.start_pos_t,
+        ctx.context_lens,
+        len(ctx.slot_ids),
+        ctx.positions,
+        ctx.slot_mapping,
+        ctx.token_req,
+        ctx.block_table,
+        ctx.block_table.stride(0),
+        len(ctx.positions),
+        ctx.kv.block_size,
+        dec_lens,
+        dec_req,
+        n_dec,
+        BLOCK=block,
+    )
 
 
-def accept(x: torch.Tensor, samples: torch.Tensor, rows: torch.Tensor, rejected: torch.Tensor,
-           k: int, pad_row: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def accept(
+    x: torch.Tensor,
+    samples: torch.Tensor,
+    rows: torch.Tensor,
+    rejected: torch.Tensor,
+    k: int,
+    pad_row: int,
+) -> tuple[torch.Tensor, ...]:
     """``Verifier._run``'s bookkeeping for runs ``x`` (``Verifier._inputs``, on the device) of
     at most ``k`` drafts: (last accepted position, bonus sample, drafts accepted, whether the
     run keeps its samples, history block ``[B, 1 + k]``, the history row to commit it to:
@@ -150,15 +227,42 @@ def accept(x: torch.Tensor, samples: torch.Tensor, rows: torch.Tensor, rejected:
     block = torch.empty(size, k + 1, dtype=torch.int64, device=x.device)
     target = torch.empty(size, dtype=torch.int64, device=x.device)
     lanes = triton.next_power_of_2(k + 1)
-    _accept_kernel[(size,)](x, size, samples, len(samples), rows, rows.shape[1], rejected,
-                            len(rejected) - 1, out, block, target, pad_row, K=k,
-                            LANES=lanes)  # fmt: skip
+    _accept_kernel[(size,)](
+        x,
+        size,
+        samples,
+        len(samples),
+        rows,
+        rows.shape[1],
+        rejected,
+        len(rejected) - 1,
+        out,
+        block,
+        target,
+        pad_row,
+        K=k,
+        LANES=lanes,
+    )
     return out[0], out[1], out[2], out[3], block, target
 
 
-def write_drafts(rows: torch.Tensor, slots: torch.Tensor, last: torch.Tensor, keep: torch.Tensor,
-                 drafts: torch.Tensor) -> None:  # fmt: skip
+def write_drafts(
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    last: torch.Tensor,
+    keep: torch.Tensor,
+    drafts: torch.Tensor,
+) -> None:
     """``rows[slots[b], last[b] + 2 + i] = drafts[b, i]`` where ``keep[b]``."""
     size, k = drafts.shape
-    _write_drafts_kernel[(size,)](rows, rows.shape[1], slots, last, keep, drafts, drafts.stride(0),
-                                  K=k, LANES=triton.next_power_of_2(k))  # fmt: skip
+    _write_drafts_kernel[(size,)](
+        rows,
+        rows.shape[1],
+        slots,
+        last,
+        keep,
+        drafts,
+        drafts.stride(0),
+        K=k,
+        LANES=triton.next_power_of_2(k),
+    )

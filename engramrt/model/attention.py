@@ -54,10 +54,16 @@ class Attention(nn.Module):
         q_dim, kv_dim = self.heads * hd, self.kv_heads * hd
         self.wqkv = StackedLinear(self, "wqkv", d, {"wq": q_dim, "wk": kv_dim, "wv": kv_dim}, dtype)
         self.wo = nn.Linear(q_dim, d, bias=False, dtype=dtype)
-        self.shards = {} if tp.size == 1 else {
-            "wq.weight": (0, q0 * hd, q1 * hd), "wk.weight": (0, k0 * hd, k1 * hd),
-            "wv.weight": (0, k0 * hd, k1 * hd), "wo.weight": (1, q0 * hd, q1 * hd),
-        }  # fmt: skip
+        self.shards = (
+            {}
+            if tp.size == 1
+            else {
+                "wq.weight": (0, q0 * hd, q1 * hd),
+                "wk.weight": (0, k0 * hd, k1 * hd),
+                "wv.weight": (0, k0 * hd, k1 * hd),
+                "wo.weight": (1, q0 * hd, q1 * hd),
+            }
+        )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.wqkv(x)
@@ -92,12 +98,22 @@ def _triton_attention(qkv, cos, sin, k_cache, v_cache, ctx: ForwardContext, head
     # takes what graph-padding decode entries write
     t = q.shape[0]
     out = q.new_empty(t + 1, *q.shape[1:])
-    pa.paged_prefill_attention(q, k_cache, v_cache, ctx.block_table, ctx.query_start,
-                               ctx.start_pos_t, *ctx.tiles, bs, out=out)  # fmt: skip
+    pa.paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        ctx.block_table,
+        ctx.query_start,
+        ctx.start_pos_t,
+        *ctx.tiles,
+        bs,
+        out=out,
+    )
     tok, table, lens = ctx.decode_rows()
     if tok.numel():
-        o = pa.paged_decode_attention(q[tok.clamp(max=t - 1)], k_cache, v_cache, table, lens, bs,
-                                      ctx.table_width)  # fmt: skip
+        o = pa.paged_decode_attention(
+            q[tok.clamp(max=t - 1)], k_cache, v_cache, table, lens, bs, ctx.table_width
+        )
         out.index_copy_(0, tok, o)
     return out[:t]
 

@@ -102,8 +102,11 @@ def engram_table_bytes(model_dir: str | Path, layer_ids: list[int] | None = None
 def _optional_scales(model: EngramMHCModel) -> set[str]:
     """Scales a checkpoint may give for weights the model holds dequantised: the Engram's, and
     V4.1's grouped output projection ``wo_a`` (FP8 as released, bf16 in memory)."""
-    engram = {f"layers.{i}.engram.{part}.scale"
-              for i in model.engram_layer_ids for part in ("embed", "wkv")}  # fmt: skip
+    engram = {
+        f"layers.{i}.engram.{part}.scale"
+        for i in model.engram_layer_ids
+        for part in ("embed", "wkv")
+    }
     if model.cfg.v41 is None:
         return engram
     stages = {f"mtp.{s}.attn.wo_a.scale" for s in range(len(model.mtp or []))}
@@ -128,8 +131,15 @@ def _skip_unrun(where: dict[str, Path], shapes: dict[str, list[int]], dspark: bo
     reference registers them, its converter skips them) always."""
     skipped: dict[str, int] = {}
     for name in list(shapes):
-        why = next((w for key, w in UNRUN.items() if (name.startswith(key) or (
-            key[0] == "." and key in name)) and not (dspark and w == DSPARK)), None)  # fmt: skip
+        why = next(
+            (
+                w
+                for key, w in UNRUN.items()
+                if (name.startswith(key) or (key[0] == "." and key in name))
+                and not (dspark and w == DSPARK)
+            ),
+            None,
+        )
         if name.startswith("mtp.") and name.split(".")[2] in ("embed", "head"):
             why = "the DSpark stages' copies of the shared embedding and head"
         if why is not None:
@@ -146,8 +156,9 @@ def _dequantise_at_load(state: dict[str, torch.Tensor], scale: str) -> None:
     name = scale.removesuffix(".scale") + ".weight"
     weight = state[name]
     if weight.dtype != torch.float8_e4m3fn:
-        raise CheckpointError(f"tensor {scale} is given but {name} is {weight.dtype}, not "
-                              "float8_e4m3fn")  # fmt: skip
+        raise CheckpointError(
+            f"tensor {scale} is given but {name} is {weight.dtype}, not float8_e4m3fn"
+        )
     try:
         state[name] = quant.dequant_fp8_weight(weight, state.pop(scale), torch.float32)
     except ValueError as exc:
@@ -158,8 +169,11 @@ def check_layer_count(model_dir: str | Path, cfg: ModelConfig) -> None:
     """The config's ``num_hidden_layers`` against the layers the checkpoint stores, from the
     tensor names alone: a config that asks for 100,000 layers of a 4-layer checkpoint is an
     error at once, not minutes of building a model that cannot load."""
-    stored = {int(m.group(1)) for name in _files(Path(model_dir))
-              if (m := re.match(r"layers\.(\d+)\.", name))}  # fmt: skip
+    stored = {
+        int(m.group(1))
+        for name in _files(Path(model_dir))
+        if (m := re.match(r"layers\.(\d+)\.", name))
+    }
     # layers the config does not have are unexpected tensors, named by the full check
     if stored and not set(range(cfg.num_layers)) <= stored:
         raise CheckpointError(
@@ -265,8 +279,9 @@ def load_model(
 Slices = dict[str, tuple[int, int, int]]  # tensor -> (dim, lo, hi) a rank reads
 
 
-def _read(where: dict[str, Path], names: list[str], model_dir: Path,
-          slices: Slices) -> dict[str, torch.Tensor]:  # fmt: skip
+def _read(
+    where: dict[str, Path], names: list[str], model_dir: Path, slices: Slices
+) -> dict[str, torch.Tensor]:
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(where[name], []).append(name)
@@ -311,8 +326,13 @@ def _stream_to_host(
     sizes = [math.prod(shape) * target.itemsize for shape, _, target, _ in meta.values()]
     host = HostMapping(mapping_bytes(sizes), register)
     state = {}
-    with tqdm(total=sum(sizes), desc="Engram tables to host memory", unit="B",
-              unit_scale=True, disable=None) as bar:  # fmt: skip
+    with tqdm(
+        total=sum(sizes),
+        desc="Engram tables to host memory",
+        unit="B",
+        unit_scale=True,
+        disable=None,
+    ) as bar:
         for name, (shape, stored, target, first) in meta.items():
             dst = host.tensor(shape, target)
             if stored == target:
@@ -351,8 +371,9 @@ def _read_into(f: Path, name: str, dst: torch.Tensor, bar: tqdm, first_row: int 
             lo, hi = entry["data_offsets"]
             rows = entry["shape"][0]
         except (struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
-            raise CheckpointError(f"tensor {name}: unreadable safetensors header in {f}: "
-                                  f"{exc!r}") from None  # fmt: skip
+            raise CheckpointError(
+                f"tensor {name}: unreadable safetensors header in {f}: {exc!r}"
+            ) from None
         out = dst.view(-1).view(torch.uint8).numpy()
         row_bytes = out.nbytes // max(1, len(dst))
         if hi - lo != rows * row_bytes or first_row + len(dst) > rows:

@@ -179,10 +179,19 @@ class ForwardContext:
         flat, views = _pack(parts, device)
         views["block_table"] = views["block_table"].view(runs.bsz, runs.width)
         tiles = views.pop("tile_req", None), views.pop("tile_m0", None)
-        return cls(list(slots), list(run_lens), list(start_pos), kv, flat, decode=decode,
-                   padded=pad is not None, tiles=None if tiles[0] is None else tiles,
-                   token_rows=pad is not None and bool(pad.verify), **views,
-                   **kw)  # fmt: skip
+        return cls(
+            list(slots),
+            list(run_lens),
+            list(start_pos),
+            kv,
+            flat,
+            decode=decode,
+            padded=pad is not None,
+            tiles=None if tiles[0] is None else tiles,
+            token_rows=pad is not None and bool(pad.verify),
+            **views,
+            **kw,
+        )
 
     def rope(self, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's rotary cos/sin rows, computed by the first layer that asks (in a CUDA
@@ -263,8 +272,22 @@ class _Runs:
         qstart = np.concatenate([np.zeros(1, i64), np.cumsum(lens)])
         positions = pos0[req] + np.arange(len(req), dtype=i64) - qstart[req]
         rows = table[req, positions // block] * block + positions % block
-        return cls(bsz, bsz, width, ids, lens, pos0, req, qstart, positions, rows,
-                   pos0 + lens, table, list(run_lens), list(start_pos))  # fmt: skip
+        return cls(
+            bsz,
+            bsz,
+            width,
+            ids,
+            lens,
+            pos0,
+            req,
+            qstart,
+            positions,
+            rows,
+            pos0 + lens,
+            table,
+            list(run_lens),
+            list(start_pos),
+        )
 
     def padded(self, pad: GraphShape, decode: bool) -> _Runs:
         """The runs padded to a captured graph's shape: a padded token is written nowhere
@@ -276,20 +299,30 @@ class _Runs:
         step = 1 if decode else pad.verify + 1 if pad.verify else 0
         qstart = np.concatenate([self.qstart, self.qstart[-1] + step * np.arange(1, extra_r + 1)])
         return replace(
-            self, bsz=pad.requests, qstart=qstart,
+            self,
+            bsz=pad.requests,
+            qstart=qstart,
             positions=_grow(self.positions, extra_t, 0),
-            rows=_grow(self.rows, extra_t, -1), req=_grow(self.req, extra_t, 0),
-            ids=_grow(self.ids, extra_r, 0), pos0=_grow(self.pos0, extra_r, 0),
-            ctx_lens=_grow(self.ctx_lens, extra_r, 0), table=_grow(self.table, extra_r, 0),
-        )  # fmt: skip
+            rows=_grow(self.rows, extra_t, -1),
+            req=_grow(self.req, extra_t, 0),
+            ids=_grow(self.ids, extra_r, 0),
+            pos0=_grow(self.pos0, extra_r, 0),
+            ctx_lens=_grow(self.ctx_lens, extra_r, 0),
+            table=_grow(self.table, extra_r, 0),
+        )
 
     def common(self) -> dict[str, np.ndarray]:
         return {
-            "slot_ids": self.ids, "positions": self.positions, "token_req": self.req,
-            "slot_mapping": self.rows, "context_lens": self.ctx_lens, "query_start": self.qstart,
-            "start_pos_t": self.pos0, "num_real": np.array([self.real]),
+            "slot_ids": self.ids,
+            "positions": self.positions,
+            "token_req": self.req,
+            "slot_mapping": self.rows,
+            "context_lens": self.ctx_lens,
+            "query_start": self.qstart,
+            "start_pos_t": self.pos0,
+            "num_real": np.array([self.real]),
             "table_width": np.array([self.width]),
-        }  # fmt: skip
+        }
 
     def mixed(self, pad: GraphShape | None) -> dict[str, np.ndarray]:
         """A mixed step's prefill tiles, each token's slot and its one-token runs (for the
@@ -300,12 +333,16 @@ class _Runs:
         i64 = np.int64
         if pad is not None and pad.verify:  # every token a decode row of its own (causal)
             none = np.zeros(0, dtype=i64)
-            return {"tile_req": none, "tile_m0": none, "token_slots": self.ids[self.req],
-                    "dec_tok": np.arange(len(self.req), dtype=i64), "dec_req": self.req,
-                    "dec_lens": np.where(self.rows >= 0, self.positions + 1, 0)}  # fmt: skip
+            return {
+                "tile_req": none,
+                "tile_m0": none,
+                "token_slots": self.ids[self.req],
+                "dec_tok": np.arange(len(self.req), dtype=i64),
+                "dec_req": self.req,
+                "dec_lens": np.where(self.rows >= 0, self.positions + 1, 0),
+            }
         long = [n if n > 1 else 0 for n in self.run_lens]
-        tile_req, tile_m0 = (np.asarray(v, dtype=i64)
-                             for v in prefill_tiles(long, self.start_pos))  # fmt: skip
+        tile_req, tile_m0 = (np.asarray(v, dtype=i64) for v in prefill_tiles(long, self.start_pos))
         one = np.flatnonzero(self.lens == 1)
         dec_tok, dec_req, dec_lens = self.qstart[one], one, self.ctx_lens[one]
         if pad is not None:
@@ -314,8 +351,14 @@ class _Runs:
             extra = pad.requests - len(one)
             dec_tok = _grow(dec_tok, extra, len(self.req))
             dec_req, dec_lens = _grow(dec_req, extra, 0), _grow(dec_lens, extra, 0)
-        return {"tile_req": tile_req, "tile_m0": tile_m0, "token_slots": self.ids[self.req],
-                "dec_tok": dec_tok, "dec_req": dec_req, "dec_lens": dec_lens}  # fmt: skip
+        return {
+            "tile_req": tile_req,
+            "tile_m0": tile_m0,
+            "token_slots": self.ids[self.req],
+            "dec_tok": dec_tok,
+            "dec_req": dec_req,
+            "dec_lens": dec_lens,
+        }
 
     def verify(self, drafts: list[int], sample_rows: bool) -> dict[str, np.ndarray]:
         """An eager step with drafts: which runs commit history when hashed (none with drafts)

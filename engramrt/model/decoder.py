@@ -36,9 +36,16 @@ def _hc_params(cfg: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Paramet
 
 def _ffn(cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
     if cfg.ffn_type == "moe":
-        return MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts,
-                   cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.norm_topk_prob, dtype,
-                   tp)  # fmt: skip
+        return MoE(
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cfg.n_shared_experts,
+            cfg.norm_topk_prob,
+            dtype,
+            tp,
+        )
     return MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
 
 
@@ -85,9 +92,18 @@ class Block(nn.Module):
         keep_collapsed: bool = False,
     ) -> PreMix:
         return mhc_pre(
-            x, pre_prev, fn, scale, base, norm.weight, self.hc, self.iters, self.hc_eps,
-            self.norm_eps, keep_collapsed,
-        )  # fmt: skip
+            x,
+            pre_prev,
+            fn,
+            scale,
+            base,
+            norm.weight,
+            self.hc,
+            self.iters,
+            self.hc_eps,
+            self.norm_eps,
+            keep_collapsed,
+        )
 
     def forward(
         self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext
@@ -103,9 +119,14 @@ class Block(nn.Module):
             ctx.step_cache.setdefault("features", {})[self.layer_id] = x.mean(1)
         # attention collapses with the previous sublayer's pre, the FFN with attention's
         a = self._pre(
-            x, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm,
+            x,
+            pre,
+            self.hc_attn_fn,
+            self.hc_attn_scale,
+            self.hc_attn_base,
+            self.attn_norm,
             keep_collapsed=ctx.tracer is not None,
-        )  # fmt: skip
+        )
         if a.collapsed is not None:
             ctx.trace("attn_collapse_in", self.layer_id, a.collapsed)
         x = mhc_post(self.attn(a.normed, ctx), x, a.post, a.comb)
@@ -148,8 +169,11 @@ class EngramMHCModel(nn.Module):
         self.head = nn.Linear(d, v1 - v0, bias=False, dtype=head_dtype) if last else None
         self.shards = {}
         if tp.size > 1:
-            self.shards = {f"{n}.weight": (0, v0, v1) for n in ("embed", "head")
-                           if getattr(self, n) is not None}  # fmt: skip
+            self.shards = {
+                f"{n}.weight": (0, v0, v1)
+                for n in ("embed", "head")
+                if getattr(self, n) is not None
+            }
         self.mtp: nn.ModuleList | None = None
         if dspark:
             self.mtp = dspark_stages(cfg, ids, dtype, tp)
@@ -254,10 +278,12 @@ def check_dspark(cfg: ModelConfig, layer_ids: list[int]) -> None:
         )
     need = sorted({*v.dspark_target_layer_ids, cfg.num_layers - 1} - set(layer_ids))
     if need:
-        raise ValueError(f"DSpark drafts on the last pipeline stage, which must hold its target "
-                         f"layers {list(v.dspark_target_layer_ids)}: this one lacks layers "
-                         f"{need} (cut after layer {min(v.dspark_target_layer_ids)} at the "
-                         "latest)")  # fmt: skip
+        raise ValueError(
+            f"DSpark drafts on the last pipeline stage, which must hold its target "
+            f"layers {list(v.dspark_target_layer_ids)}: this one lacks layers "
+            f"{need} (cut after layer {min(v.dspark_target_layer_ids)} at the "
+            "latest)"
+        )
 
 
 def check_v41_stage(cfg: ModelConfig, layer_ids: list[int]) -> None:

@@ -82,10 +82,13 @@ def block_constants(b: int, k: int, noise: int, dev: torch.device) -> BlockConst
     owner = torch.arange(b, device=dev).repeat_interleave(k)
     offsets = torch.arange(k, device=dev).repeat(b)
     const = BlockConstants(
-        owner, offsets, (owner * k)[:, None] + torch.arange(k, device=dev),
-        torch.zeros_like(owner), torch.ones_like(owner, dtype=torch.bool),
+        owner,
+        offsets,
+        (owner * k)[:, None] + torch.arange(k, device=dev),
+        torch.zeros_like(owner),
+        torch.ones_like(owner, dtype=torch.bool),
         torch.full((b, k - 1), noise, dtype=torch.long, device=dev),
-    )  # fmt: skip
+    )
     if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _CONSTANTS[key] = const
     return const
@@ -147,9 +150,16 @@ def seed(model, ctx) -> None:
         stage.attn.seed(main_x, step, ctx.kv)
 
 
-def draft(model, cache: V41Cache, ends: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
-          limit: int | None = None, targets: torch.Tensor | None = None,
-          confidence: bool = True) -> Drafts:  # fmt: skip
+def draft(
+    model,
+    cache: V41Cache,
+    ends: torch.Tensor,
+    slots: torch.Tensor,
+    tokens: torch.Tensor,
+    limit: int | None = None,
+    targets: torch.Tensor | None = None,
+    confidence: bool = True,
+) -> Drafts:
     """One draft pass for ``B`` requests: ``ends`` [B] each one's last accepted position,
     ``slots`` [B], ``tokens`` [B] the token sampled after it; no draft at or past ``limit``
     (the tokenizer's size: DeepSeek pads its vocabulary, and the sampler never draws there).
@@ -174,8 +184,7 @@ def draft(model, cache: V41Cache, ends: torch.Tensor, slots: torch.Tensor, token
     if use_triton(dev):  # one launch a position
         from engramrt.kernels.markov_drafts import markov_drafts
 
-        out = markov_drafts(logits, tokens, markov.embed.weight, markov.head.weight, limit,
-                            targets)  # fmt: skip
+        out = markov_drafts(logits, tokens, markov.embed.weight, markov.head.weight, limit, targets)
     else:
         out = markov_loop(logits, tokens, markov, limit, targets)
     score = None
@@ -186,8 +195,13 @@ def draft(model, cache: V41Cache, ends: torch.Tensor, slots: torch.Tensor, token
     return Drafts(out, logits, score)
 
 
-def markov_loop(logits: torch.Tensor, tokens: torch.Tensor, markov: MarkovHead,
-                limit: int | None, targets: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def markov_loop(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    markov: MarkovHead,
+    limit: int | None,
+    targets: torch.Tensor | None,
+) -> torch.Tensor:
     """The Markov bias of the previous token added to ``logits`` [B, k, V] position by position,
     then its argmax: the drafts [B, k] (the reference of ``kernels.markov_drafts``)."""
     if limit is not None:

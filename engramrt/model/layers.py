@@ -108,17 +108,27 @@ class MLP(nn.Module):
     ``reduce`` is False (an MoE reduces its experts' sum once)."""
 
     def __init__(
-        self, dim: int, inter: int, dtype: torch.dtype, tp: TensorParallel = SINGLE,
+        self,
+        dim: int,
+        inter: int,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
         reduce: bool = True,
-    ):  # fmt: skip
+    ):
         super().__init__()
         lo, hi = tp.span(inter, "the FFN's intermediate size")
         self.tp = tp if reduce else SINGLE
         self.w13 = StackedLinear(self, "w13", dim, {"w1": hi - lo, "w3": hi - lo}, dtype)
         self.w2 = nn.Linear(hi - lo, dim, bias=False, dtype=dtype)
-        self.shards = {} if tp.size == 1 else {
-            "w1.weight": (0, lo, hi), "w3.weight": (0, lo, hi), "w2.weight": (1, lo, hi),
-        }  # fmt: skip
+        self.shards = (
+            {}
+            if tp.size == 1
+            else {
+                "w1.weight": (0, lo, hi),
+                "w3.weight": (0, lo, hi),
+                "w2.weight": (1, lo, hi),
+            }
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.w2(silu_mul(self.w13(x))))

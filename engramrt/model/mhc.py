@@ -118,10 +118,19 @@ def mhc_pre(
 
         return PreMix(
             *mhc_fused.mhc_pre(
-                x, pre_prev, fn, scale, base, norm_weight, hc, iters, hc_eps, norm_eps,
+                x,
+                pre_prev,
+                fn,
+                scale,
+                base,
+                norm_weight,
+                hc,
+                iters,
+                hc_eps,
+                norm_eps,
                 keep_collapsed,
             )
-        )  # fmt: skip
+        )
     mixes = hc_mixes(x, fn, norm_eps)
     pre, post, comb = hc_split_sinkhorn(mixes, scale, base, hc, iters, hc_eps)
     collapsed = hc_pre(x, pre_prev)

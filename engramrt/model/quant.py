@@ -179,8 +179,9 @@ def dequant_fp8_weight(
     out_f, in_f = weight.shape
     want = (-(-out_f // 32), -(-in_f // 32))
     if tuple(scale.shape) != want:
-        raise ValueError(f"an FP8 weight [{out_f}, {in_f}] needs scales {list(want)}, got "
-                         f"{list(scale.shape)}")  # fmt: skip
+        raise ValueError(
+            f"an FP8 weight [{out_f}, {in_f}] needs scales {list(want)}, got {list(scale.shape)}"
+        )
     s = decode_e8m0(scale).repeat_interleave(32, 0)[:out_f].repeat_interleave(32, 1)[:, :in_f]
     return (weight.float() * s).to(dtype)
 
@@ -192,8 +193,10 @@ def dequant_fp4_weight(
     with its E8M0 scales ``[out, in / 32]`` as ``dtype`` values (exact in bf16)."""
     out_f, half = weight.shape
     if tuple(scale.shape) != (out_f, 2 * half // 32):
-        raise ValueError(f"an FP4 weight [{out_f}, {2 * half}] needs scales "
-                         f"[{out_f}, {2 * half // 32}], got {list(scale.shape)}")  # fmt: skip
+        raise ValueError(
+            f"an FP4 weight [{out_f}, {2 * half}] needs scales "
+            f"[{out_f}, {2 * half // 32}], got {list(scale.shape)}"
+        )
     values = unpack_e2m1(weight).unflatten(-1, (-1, 32)) * decode_e8m0(scale).unsqueeze(-1)
     return values.flatten(-2).to(dtype)
 
@@ -264,12 +267,17 @@ class StoredLinear(nn.Module):
                 continue
             lo, hi = span
             if lo % 32 or hi % 32:
-                raise ValueError(f"a tensor-parallel slice [{lo}, {hi}) of an FP8/FP4 weight "
-                                 "must lie on its 32-wide scale blocks")  # fmt: skip
+                raise ValueError(
+                    f"a tensor-parallel slice [{lo}, {hi}) of an FP8/FP4 weight "
+                    "must lie on its 32-wide scale blocks"
+                )
             packed = 2 if fp4 and dim == 1 else 1  # two FP4 codes a byte along the inputs
             per_scale = 1 if fp4 and dim == 0 else 32  # FP4: a scale per row and 32 inputs
-            self.shards = {**self.shards, "weight": (dim, lo // packed, hi // packed),
-                           "scale": (dim, lo // per_scale, hi // per_scale)}  # fmt: skip
+            self.shards = {
+                **self.shards,
+                "weight": (dim, lo // packed, hi // packed),
+                "scale": (dim, lo // per_scale, hi // per_scale),
+            }
             if dim == 0:
                 out_features = hi - lo
             else:

@@ -55,8 +55,9 @@ def rope_frequencies(dim: int, theta: float, yarn: tuple[int, float, float, floa
             return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
         low, high = max(math.floor(dim_of(fast)), 0), min(math.ceil(dim_of(slow)), dim - 1)
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low)
-                / max(high - low, 1e-3)).clamp(0, 1)  # fmt: skip
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(
+            0, 1
+        )
         keep = 1 - ramp
         freqs = freqs / factor * (1 - keep) + freqs * keep
     return freqs
@@ -95,9 +96,13 @@ ACT = "act"  # rope_quant's kinds: the window KV's FP8 round trip, or an FP4 sca
 
 
 def rope_quant(
-    x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], kind: str | None = None,
-    inverse: bool = False, cache: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    rot: tuple[torch.Tensor, torch.Tensor],
+    kind: str | None = None,
+    inverse: bool = False,
+    cache: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``rotate_tail`` by ``rot`` (cos, sin), then the ``kind`` round trip (None: none;
     ``ACT``; ``quant.POW2_SCALE`` or ``quant.E4M3_SCALE``: FP4), also written to ``cache`` at
     ``rows`` [T] (one row a token). On CUDA one launch (``engramrt.kernels.rope_quant``)."""
@@ -106,8 +111,12 @@ def rope_quant(
         from engramrt.kernels.rope_quant import NONE
         from engramrt.kernels.rope_quant import rope_quant as fused
 
-        code = {None: NONE, ACT: rt.ACT, quant.POW2_SCALE: rt.FP4_POW2,
-                quant.E4M3_SCALE: rt.FP4_E4M3}[kind]  # fmt: skip
+        code = {
+            None: NONE,
+            ACT: rt.ACT,
+            quant.POW2_SCALE: rt.FP4_POW2,
+            quant.E4M3_SCALE: rt.FP4_E4M3,
+        }[kind]
         return fused(x, *rot, code, inverse, cache, rows)
     y = rotate_tail(x, *rot, inverse)
     if kind == ACT:
@@ -140,9 +149,13 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype)
 
     def forward(
-        self, x: torch.Tensor, inside: torch.Tensor, tail: torch.Tensor | None,
-        reads: torch.Tensor | None, writes: torch.Tensor | None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        inside: torch.Tensor,
+        tail: torch.Tensor | None,
+        reads: torch.Tensor | None,
+        writes: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Each token's group latent ``[T, D]``, meaningful where the token closes its group
         (ratio 1: every token; ratio 2: odd positions, whose group's first token is the previous
         row where ``inside`` its run, else row ``reads`` of ``tail`` [rows, 2, D]). The tokens'
@@ -208,14 +221,16 @@ class Indexer(nn.Module):
         best = padded.unflatten(-1, (-1, self.block_size)).amax(-1)
         reach = (seen + self.block_size - 1) // self.block_size  # blocks it can reach
         nb = best.shape[-1]
-        best = best.masked_fill(torch.arange(nb, device=best.device) == reach.unsqueeze(-1) - 1,
-                                math.inf)  # fmt: skip
+        best = best.masked_fill(
+            torch.arange(nb, device=best.device) == reach.unsqueeze(-1) - 1, math.inf
+        )
         picks = top_by_position(best, reach, min(self.blocks, nb))
         keep = torch.zeros(len(best), nb + 1, dtype=torch.bool, device=best.device)
         return keep.scatter_(1, torch.where(picks >= 0, picks, nb), True)[:, :nb]
 
-    def select(self, scores: torch.Tensor, seen: torch.Tensor,
-               allowed: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def select(
+        self, scores: torch.Tensor, seen: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Top-``index_topk`` entries ``[n, k]`` (``top_by_position``); ``allowed``: the
         candidate blocks, outside which an entry scores ``-inf``."""
         k = min(self.topk, scores.shape[-1])
@@ -223,9 +238,12 @@ class Indexer(nn.Module):
 
 
 def top_by_position(
-    scores: torch.Tensor, seen: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
+    scores: torch.Tensor,
+    seen: torch.Tensor,
+    k: int,
+    allowed: torch.Tensor | None = None,
     block: int = 1,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """The ``k`` best of each row's first ``seen`` entries ``[n, k]``, sorted by position, -1
     past the last; equal scores: the lower position first. ``allowed`` [n, NB]: entry ``c``
     scores ``-inf`` unless ``allowed[:, c // block]`` (still a pick if fewer than ``k`` others
@@ -239,9 +257,12 @@ def top_by_position(
 
 
 def sorted_picks(
-    scores: torch.Tensor, seen: torch.Tensor, k: int, allowed: torch.Tensor | None = None,
+    scores: torch.Tensor,
+    seen: torch.Tensor,
+    k: int,
+    allowed: torch.Tensor | None = None,
     block: int = 1,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``top_by_position`` by a stable sort of each whole row (the torch path)."""
     width = scores.shape[-1]
     entries = torch.arange(width, device=scores.device)
@@ -284,10 +305,16 @@ class StepRuns:
             if ctx.padded:  # a graph replays any lengths: scan what the cache can hold
                 ends = [ctx.kv.max_len]
             runs = ctx.step_cache["v41"] = cls(
-                ctx.positions, p0, ctx.query_start[req], p0 + lens[req], ctx.slot_ids[req],
-                ctx.slot_mapping >= 0, req, ctx.block_table,
+                ctx.positions,
+                p0,
+                ctx.query_start[req],
+                p0 + lens[req],
+                ctx.slot_ids[req],
+                ctx.slot_mapping >= 0,
+                req,
+                ctx.block_table,
                 max(ends, default=0),
-            )  # fmt: skip
+            )
         return runs
 
     def rotation(self, key: tuple, back: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,8 +343,7 @@ class StepRuns:
             reads = self.slot * n + ((self.pos - 1) // 2) % n
             keep = self.real & (self.pos % 2 == 0) & (self.pos >= self.end - 2 * n)
             spare = (cache.num_slots + 1) * n - 1
-            self.memo["tail"] = reads, torch.where(keep, self.slot * n + (self.pos // 2) % n,
-                                                   spare)  # fmt: skip
+            self.memo["tail"] = reads, torch.where(keep, self.slot * n + (self.pos // 2) % n, spare)
         return self.memo["tail"]
 
     def closing_rows(self, cache: V41Cache, ratio: int) -> torch.Tensor:
@@ -366,19 +392,28 @@ class V41Attention(nn.Module):
             cfg.dim, cfg.o_groups * rank, cols=tp_span(tp, g0 * rank, g1 * rank)
         )
         self.attn_sink = nn.Parameter(torch.zeros(h1 - h0), requires_grad=False)
-        self.shards = {} if tp.size == 1 else {
-            "wo_a.weight": (0, g0 * rank, g1 * rank), "attn_sink": (0, h0, h1),
-            "wo_a.scale": (0, g0 * rank // 32, g1 * rank // 32),  # whole blocks: rank % 32 == 0
-        }  # fmt: skip
+        self.shards = (
+            {}
+            if tp.size == 1
+            else {
+                "wo_a.weight": (0, g0 * rank, g1 * rank),
+                "attn_sink": (0, h0, h1),
+                "wo_a.scale": (0, g0 * rank // 32, g1 * rank // 32),  # whole blocks: rank % 32 == 0
+            }
+        )
         self.softmax_scale = cfg.head_dim**-0.5
         self.compressor = Compressor(cfg, role.ratio, dtype) if role.kind == SOURCE else None
-        self.indexer = (Indexer(cfg, role.kind == SOURCE, dtype)
-                        if role.kind in (SOURCE, REINDEX) else None)  # fmt: skip
+        self.indexer = (
+            Indexer(cfg, role.kind == SOURCE, dtype) if role.kind in (SOURCE, REINDEX) else None
+        )
         yarn = None
         if role.ratio:  # compressed layers: YaRN-ramped compress_rope_theta, no mscale
             yarn = (cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
-        self.rope_key = (cfg.rope_head_dim, cfg.compress_rope_theta if role.ratio else
-                         cfg.rope_theta, yarn)  # fmt: skip
+        self.rope_key = (
+            cfg.rope_head_dim,
+            cfg.compress_rope_theta if role.ratio else cfg.rope_theta,
+            yarn,
+        )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cache: V41Cache = ctx.kv
@@ -448,11 +483,19 @@ class V41Attention(nn.Module):
             if use_triton(dev):  # keys read through the block tables, no copy in memory
                 from engramrt.kernels.index_scores import index_scores
 
-                scores = index_scores(q[c], w[c], keys, step.tables, step.req[c], step.pos[c],
-                                      r, cache.block_size, count)  # fmt: skip
+                scores = index_scores(
+                    q[c],
+                    w[c],
+                    keys,
+                    step.tables,
+                    step.req[c],
+                    step.pos[c],
+                    r,
+                    cache.block_size,
+                    count,
+                )
             else:
-                rows = cache.entry_rows(step.tables, step.req[c], entries.expand(len(seen), -1),
-                                        r)  # fmt: skip
+                rows = cache.entry_rows(step.tables, step.req[c], entries.expand(len(seen), -1), r)
                 scores = self.indexer.scores(q[c], w[c], take_rows(keys, rows))
                 scores = scores.masked_fill(entries >= seen.unsqueeze(-1), -math.inf)
             allowed = None
@@ -476,9 +519,21 @@ class V41Attention(nn.Module):
         if use_triton(dev):  # the same, one launch, no rows gathered into memory
             from engramrt.kernels.sparse_attention import sparse_attention
 
-            return sparse_attention(q, kv, ring, comp, rows, step.pos, step.p0, step.q0,
-                                    step.slot, self.attn_sink, self.softmax_scale, w,
-                                    cache.ring_len)  # fmt: skip
+            return sparse_attention(
+                q,
+                kv,
+                ring,
+                comp,
+                rows,
+                step.pos,
+                step.p0,
+                step.q0,
+                step.slot,
+                self.attn_sink,
+                self.softmax_scale,
+                w,
+                cache.ring_len,
+            )
         out = torch.empty_like(q)
         span = torch.arange(w, device=dev)
         for c in step.chunks():
@@ -487,8 +542,11 @@ class V41Attention(nn.Module):
             seen = at <= pos
             here = step.q0[c, None] + (at - p0)  # this run's rows
             ring_rows = step.slot[c, None] * cache.ring_len + at % cache.ring_len
-            both = torch.where((at >= p0).unsqueeze(-1), take_rows(kv, here.clamp(0, len(kv) - 1)),
-                               take_rows(ring, ring_rows))  # fmt: skip
+            both = torch.where(
+                (at >= p0).unsqueeze(-1),
+                take_rows(kv, here.clamp(0, len(kv) - 1)),
+                take_rows(ring, ring_rows),
+            )
             if rows is not None:
                 both = torch.cat([both, take_rows(comp, rows[c].clamp_min(0))], dim=1)
                 seen = torch.cat([seen, rows[c] >= 0], dim=1)

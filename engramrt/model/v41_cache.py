@@ -37,8 +37,11 @@ if TYPE_CHECKING:
 
 def entry_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int) -> float:
     """Bytes of compressed KV and index keys a token adds in ``layer_ids`` (per-token sizing)."""
-    return sum((cfg.head_dim + cfg.index_head_dim) * itemsize / r.ratio
-               for r in cfg.roles if r.layer in layer_ids and r.kind == SOURCE)  # fmt: skip
+    return sum(
+        (cfg.head_dim + cfg.index_head_dim) * itemsize / r.ratio
+        for r in cfg.roles
+        if r.layer in layer_ids and r.kind == SOURCE
+    )
 
 
 def rings_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int, slack: int = 0) -> int:
@@ -55,8 +58,11 @@ def tail_rows(slack: int) -> int:
 def slot_bytes(cfg: V41Config, layer_ids: list[int], itemsize: int, slack: int = 0) -> int:
     """Bytes of window rings and compressor tails a slot holds in ``layer_ids``."""
     ring = rings_bytes(cfg, layer_ids, itemsize, slack)
-    tails = sum(2 * cfg.head_dim * 4 * tail_rows(slack) for r in cfg.roles
-                if r.layer in layer_ids and r.kind == SOURCE and r.ratio == 2)  # fmt: skip
+    tails = sum(
+        2 * cfg.head_dim * 4 * tail_rows(slack)
+        for r in cfg.roles
+        if r.layer in layer_ids and r.kind == SOURCE and r.ratio == 2
+    )
     return ring + tails
 
 
@@ -90,10 +96,16 @@ def fixed_bytes(
 ) -> int:
     """Bytes a cache for ``slots`` sequences holds whatever its blocks: their rings and tails,
     the spare slot's, each source's spare entry row and the window snapshots."""
-    spare = sum((cfg.head_dim + cfg.index_head_dim) * itemsize for r in cfg.roles
-                if r.layer in layer_ids and r.kind == SOURCE)  # fmt: skip
-    return ((slots + 1) * slot_bytes(cfg, layer_ids, itemsize, slack) + spare
-            + snapshots * rings_bytes(cfg, layer_ids, itemsize, slack))  # fmt: skip
+    spare = sum(
+        (cfg.head_dim + cfg.index_head_dim) * itemsize
+        for r in cfg.roles
+        if r.layer in layer_ids and r.kind == SOURCE
+    )
+    return (
+        (slots + 1) * slot_bytes(cfg, layer_ids, itemsize, slack)
+        + spare
+        + snapshots * rings_bytes(cfg, layer_ids, itemsize, slack)
+    )
 
 
 class V41Cache(KVCache):
@@ -117,10 +129,12 @@ class V41Cache(KVCache):
         so a rejected draft's writes land where no later query reads (rollback without a
         copy)."""
         if block_size % 2:
-            raise ValueError(f"--block-size must be even for V4.1 (ratio-2 groups), got "
-                             f"{block_size}")  # fmt: skip
-        super().__init__([], num_blocks, block_size, 1, cfg.head_dim, dtype, device, max_len,
-                         num_slots)  # fmt: skip
+            raise ValueError(
+                f"--block-size must be even for V4.1 (ratio-2 groups), got {block_size}"
+            )
+        super().__init__(
+            [], num_blocks, block_size, 1, cfg.head_dim, dtype, device, max_len, num_slots
+        )
         roles = [cfg.role(i) for i in layer_ids]  # DSpark stages: rings only
         slots, w, d = self.num_slots, cfg.window_size + slack, cfg.head_dim
         self.ring_len, self.tail_rows = w, tail_rows(slack)
@@ -132,13 +146,19 @@ class V41Cache(KVCache):
         self.snapshots = torch.zeros(len(roles), num_snapshots, w, d, dtype=dtype, device=device)
         sources = [r for r in roles if r.kind == SOURCE]
         rows = {r.layer: self.spare_row(r.ratio) + 1 for r in sources}
-        self.compressed = {i: torch.zeros(n, d, dtype=dtype, device=device)
-                           for i, n in rows.items()}  # fmt: skip
-        self.index_keys = {i: torch.zeros(n, cfg.index_head_dim, dtype=dtype, device=device)
-                           for i, n in rows.items()}  # fmt: skip
+        self.compressed = {
+            i: torch.zeros(n, d, dtype=dtype, device=device) for i, n in rows.items()
+        }
+        self.index_keys = {
+            i: torch.zeros(n, cfg.index_head_dim, dtype=dtype, device=device)
+            for i, n in rows.items()
+        }
         # (projection, gate score) of a ratio-2 group's first token, fp32 as the compressor
-        self.tail = {r.layer: torch.zeros((slots + 1) * self.tail_rows, 2, d, device=device)
-                     for r in sources if r.ratio == 2}  # fmt: skip
+        self.tail = {
+            r.layer: torch.zeros((slots + 1) * self.tail_rows, 2, d, device=device)
+            for r in sources
+            if r.ratio == 2
+        }
 
     @property
     def nbytes(self) -> int:
@@ -167,8 +187,9 @@ class V41Cache(KVCache):
         tokens that close no group: the last, past every block's entries."""
         return self.num_blocks * self.block_size // ratio
 
-    def entry_rows(self, tables: torch.Tensor, req: torch.Tensor, entries: torch.Tensor,
-                   ratio: int) -> torch.Tensor:  # fmt: skip
+    def entry_rows(
+        self, tables: torch.Tensor, req: torch.Tensor, entries: torch.Tensor, ratio: int
+    ) -> torch.Tensor:
         """Rows of the compressed cache (and index keys) holding ``entries``, each of the
         request ``req`` gives (an index into the block tables ``tables`` [B, W]; ``req`` has
         ``entries``' shape or its leading dims); an entry past a table reads its last block

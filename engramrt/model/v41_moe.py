@@ -118,10 +118,12 @@ class V41MoE(nn.Module):
         a = quant.act_roundtrip(x)[pairs.order // ids.shape[1]]
         h = grouped_stored_linear(a, w13, s13, True, pairs.counts)
         gate, up = h.chunk(2, dim=-1)
-        h = clamped_swiglu(gate, up, self.shared_experts.limit,
-                           weights.flatten()[pairs.order, None])  # fmt: skip
-        return pairs.combine(grouped_stored_linear(quant.act_roundtrip(h.to(x.dtype)), w2, s2,
-                                                   True, pairs.counts))  # fmt: skip
+        h = clamped_swiglu(
+            gate, up, self.shared_experts.limit, weights.flatten()[pairs.order, None]
+        )
+        return pairs.combine(
+            grouped_stored_linear(quant.act_roundtrip(h.to(x.dtype)), w2, s2, True, pairs.counts)
+        )
 
     def _looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each routed expert over its tokens' rows (ascending, as ``_grouped`` sorts them) in a
@@ -139,13 +141,19 @@ class V41MoE(nn.Module):
         which each expert's tensors are views of them (one copy in memory)."""
         if self.stack is None or self.stack[0].device != self.experts[0].w1.weight.device:
             ex, n = self.experts, self.experts[0].w1.weight.shape[0]
-            parts = [torch.stack([torch.cat([getattr(e.w1, b), getattr(e.w3, b)]) for e in ex])
-                     for b in ("weight", "scale")]  # fmt: skip
+            parts = [
+                torch.stack([torch.cat([getattr(e.w1, b), getattr(e.w3, b)]) for e in ex])
+                for b in ("weight", "scale")
+            ]
             parts += [torch.stack([getattr(e.w2, b) for e in ex]) for b in ("weight", "scale")]
             w13, s13, w2, s2 = parts
             for i, e in enumerate(ex):
                 e.w1.weight, e.w3.weight, e.w1.scale, e.w3.scale = (
-                    w13[i, :n], w13[i, n:], s13[i, :n], s13[i, n:])  # fmt: skip
+                    w13[i, :n],
+                    w13[i, n:],
+                    s13[i, :n],
+                    s13[i, n:],
+                )
                 e.w2.weight, e.w2.scale = w2[i], s2[i]
             self.stack = tuple(parts)
         return self.stack
@@ -176,8 +184,12 @@ class V41MoE(nn.Module):
         launch settings of every row count the per-expert loop can meet (routing decides which
         it meets while serving; the engine's warm-up steps repeat one token, so every token
         goes to the same experts)."""
-        x = torch.zeros(quant.STORED_KERNEL_ROWS, self.gate.weight.shape[1], dtype=dtype,
-                        device=self.gate.weight.device)  # fmt: skip
+        x = torch.zeros(
+            quant.STORED_KERNEL_ROWS,
+            self.gate.weight.shape[1],
+            dtype=dtype,
+            device=self.gate.weight.device,
+        )
         for rows in (1, 2, quant.STORED_KERNEL_ROWS):
             self.experts[0](x[:rows], torch.ones(rows, 1, device=x.device))
 

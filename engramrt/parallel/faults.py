@@ -22,6 +22,10 @@ def inject_stage_faults(runner, rank: int) -> bool:
     if first.engram is None:
         return False
     first.engram.forward = lambda x, ids, dead=None, rows=None: x
-    print(f"engramrt: FAULT INJECTED ({FAULT_ENV}): stage {rank} skips the Engram of its first "
-          f"layer {runner.model.layer_ids[0]}", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"engramrt: FAULT INJECTED ({FAULT_ENV}): stage {rank} skips the Engram of its first "
+        f"layer {runner.model.layer_ids[0]}",
+        file=sys.stderr,
+        flush=True,
+    )
     return True

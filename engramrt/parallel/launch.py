@@ -97,8 +97,11 @@ def launch(cfg: DistConfig, worker: Worker, *args, forward_signals: bool = True)
             join=False,
         )
         stop = _ForwardStop(ctx.processes[0].pid)
-        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)
-                    if forward_signals}  # fmt: skip
+        previous = {
+            sig: signal.signal(sig, stop)
+            for sig in (signal.SIGTERM, signal.SIGINT)
+            if forward_signals
+        }
         try:
             while not ctx.join(timeout=1, grace_period=2):
                 pass

@@ -214,10 +214,13 @@ def encode_batch(batch: StepBatch, with_tokens: bool) -> torch.Tensor:
     """The step for another rank, as bytes: the first stage's own business (the tokens, unless
     the receiver embeds them too, a TP follower of the first stage, or penalties need an admitted
     request's on the last stage; the verify commits: only its hasher reads them) stays behind."""
-    admitted = [a if with_tokens or a.needs_tokens_on_last_stage else replace(a, tokens=[])
-                for a in batch.admitted]  # fmt: skip
-    wire = replace(batch, tokens=batch.tokens if with_tokens else None, admitted=admitted,
-                   commits=[])  # fmt: skip
+    admitted = [
+        a if with_tokens or a.needs_tokens_on_last_stage else replace(a, tokens=[])
+        for a in batch.admitted
+    ]
+    wire = replace(
+        batch, tokens=batch.tokens if with_tokens else None, admitted=admitted, commits=[]
+    )
     return _as_tensor(_ENCODER.encode(wire))
 
 

@@ -48,8 +48,16 @@ def token_sizes(max_tokens: int) -> list[int]:
     2,048 and of 512 above, up to and including ``max_tokens``. Past 256 tokens, where the
     kernels start to cost more than the launches, padding wastes at most 1/3 of a step, and at
     most 1/5 for the common mixed step of a 512-token prompt beside a batch of decode rows."""
-    steps = [16, 32, 64, 128, 256, *range(384, 1025, 128), *range(1280, 2049, 256),
-             *range(2560, 65537, 512)]  # fmt: skip
+    steps = [
+        16,
+        32,
+        64,
+        128,
+        256,
+        *range(384, 1025, 128),
+        *range(1280, 2049, 256),
+        *range(2560, 65537, 512),
+    ]
     sizes = [t for t in steps if t < max_tokens]
     return [*sizes, max_tokens] if max_tokens >= 2 else []
 
@@ -63,8 +71,11 @@ def graph_shapes(max_batch: int, max_tokens: int, verify: int = 0) -> list[Graph
     mixed = token_sizes(min(max_tokens, MAX_GRAPH_TOKENS))
     shapes += [GraphShape(False, t, min(sizes[-1], t)) for t in mixed]
     if verify:
-        shapes += [GraphShape(False, b * (verify + 1), b, verify) for b in sizes
-                   if b * (verify + 1) <= min(max_tokens, MAX_GRAPH_TOKENS)]  # fmt: skip
+        shapes += [
+            GraphShape(False, b * (verify + 1), b, verify)
+            for b in sizes
+            if b * (verify + 1) <= min(max_tokens, MAX_GRAPH_TOKENS)
+        ]
     return shapes
 
 
@@ -133,9 +144,18 @@ class StepGraphs:
     @torch.inference_mode()  # no autograd state kept alive by the captured outputs
     def _capture(self, shape: GraphShape, pool):
         # all padding: the warm-up run (Triton JIT, cuBLAS handles) commits and writes nothing
-        ctx = ForwardContext.for_runs([], [], [], self.kv, self.tables, self.device, self.width,
-                                      shape, last_rows=True,
-                                      lag=[] if self.lagging else None)  # fmt: skip
+        ctx = ForwardContext.for_runs(
+            [],
+            [],
+            [],
+            self.kv,
+            self.tables,
+            self.device,
+            self.width,
+            shape,
+            last_rows=True,
+            lag=[] if self.lagging else None,
+        )
         carry = None if self.carry_for is None else self.carry_for(shape.tokens)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -53,8 +53,15 @@ def blocks_from_profile(
     outside_torch = p.total - p.free - p.reserved
     activations = p.peak - p.profile_cache - p.weights
     graphs = activations * min(1.0, graph_rows / p.tokens) if graph_rows else 0
-    budget = int(p.total * utilization / stages_per_gpu - outside_torch - p.weights
-                 - activations - graphs - graph_outputs - fixed)  # fmt: skip
+    budget = int(
+        p.total * utilization / stages_per_gpu
+        - outside_torch
+        - p.weights
+        - activations
+        - graphs
+        - graph_outputs
+        - fixed
+    )
     if budget < per_block:
         raise ValueError(
             f"--gpu-memory-utilization {utilization} leaves no room for the KV cache: the "

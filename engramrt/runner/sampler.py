@@ -150,16 +150,21 @@ def _samples(batch: StepBatch, run_rows: list[SampleRow]):
         return ends, run_rows, batch.slots, batch.run_lens, range(n)
     tails = batch.tails
     if batch.full_logits:
-        ends = [e - t + 1 + j for e, t in zip(itertools.accumulate(batch.run_lens), tails,
-                                              strict=True) for j in range(t)]  # fmt: skip
+        ends = [
+            e - t + 1 + j
+            for e, t in zip(itertools.accumulate(batch.run_lens), tails, strict=True)
+            for j in range(t)
+        ]
     else:
         ends = list(range(batch.num_samples))
     owner = [b for b, t in enumerate(tails) for _ in range(t)]
     # the output index keys a seeded row's noise (a run with drafts has no logit controls)
-    rows = [replace(r, index=r.index + j) if j and r.seed is not None else r
-            for r, t in zip(run_rows, tails, strict=True) for j in range(t)]  # fmt: skip
-    return (ends, rows, [batch.slots[b] for b in owner], [batch.run_lens[b] for b in owner],
-            owner)  # fmt: skip
+    rows = [
+        replace(r, index=r.index + j) if j and r.seed is not None else r
+        for r, t in zip(run_rows, tails, strict=True)
+        for j in range(t)
+    ]
+    return (ends, rows, [batch.slots[b] for b in owner], [batch.run_lens[b] for b in owner], owner)
 
 
 class Sampler:
@@ -216,9 +221,11 @@ class Sampler:
         last = controlled
         live_rows = [rows[i] for i in live]
         sampled = sample_tokens_device(
-            last, live_rows, self.generator,
+            last,
+            live_rows,
+            self.generator,
             lambda at: self.slots.gather([live_slots[j] for j in at]),
-        )  # fmt: skip
+        )
         self.controls.count(live_slots, [rows[i].final for i in live], sampled)
         if len(live) == len(rows):
             tokens = sampled

@@ -86,15 +86,23 @@ class SlotTable:
         if self.blocks is not None and given:
             self.blocks.set([a.slot for a in given], None, [a.blocks for a in given])
         if self.tokens is not None:
-            self._write([a.slot for a in admitted], [len(a.tokens) for a in admitted],
-                        [t for a in admitted for t in a.tokens])  # fmt: skip
+            self._write(
+                [a.slot for a in admitted],
+                [len(a.tokens) for a in admitted],
+                [t for a in admitted for t in a.tokens],
+            )
         for new in admitted:
             if self.hasher is not None:
                 self.hasher.rebuild(new.slot, new.tokens[: new.num_computed])
             if self.samples:
                 self._keep_sampling(new.slot, new.sampling)
-                self.controls.register(new.slot, new.controls, new.tokens[: new.num_prompt],
-                                       new.tokens[new.num_prompt :], vocab)  # fmt: skip
+                self.controls.register(
+                    new.slot,
+                    new.controls,
+                    new.tokens[: new.num_prompt],
+                    new.tokens[new.num_prompt :],
+                    vocab,
+                )
             for state in self.states:
                 state.admit(new)
 
@@ -127,8 +135,10 @@ class SlotTable:
         width = self.tokens.shape[1]
         s, e, c = (np.asarray(x, dtype=np.int64) for x in (slots, ends, counts))
         if len(s) and (s.min() < 0 or s.max() >= len(self.tokens) or e.max() > width):
-            raise ValueError(f"slots {slots} / positions up to {e.max()} lie outside the token "
-                             f"rows [{len(self.tokens)}, {width - 1}]")  # fmt: skip
+            raise ValueError(
+                f"slots {slots} / positions up to {e.max()} lie outside the token "
+                f"rows [{len(self.tokens)}, {width - 1}]"
+            )
         run = np.repeat(np.arange(len(s)), c)
         pos = np.repeat(e - c, c) + np.arange(len(run)) - np.repeat(np.cumsum(c) - c, c)
         both = np.stack([s[run] * width + pos, np.asarray(tokens, dtype=np.int64)])
@@ -140,13 +150,17 @@ class SlotTable:
         fills, where the engine keeps it (a final run): the next step reads it there."""
         lens = np.asarray(batch.run_lens, dtype=np.int64)
         keep = lens > 0 if batch.final is None else (lens > 0) & np.asarray(batch.final)
-        host = torch.from_numpy(np.stack([np.asarray(batch.slots), np.asarray(batch.start_pos)
-                                          + lens, keep]).astype(np.int64))  # fmt: skip
+        host = torch.from_numpy(
+            np.stack([np.asarray(batch.slots), np.asarray(batch.start_pos) + lens, keep]).astype(
+                np.int64
+            )
+        )
         slots, pos, live = to_device(host, self.device)
         self.write(slots, pos, sampled, live.bool())
 
-    def write(self, slots: torch.Tensor, pos: torch.Tensor, values: torch.Tensor,
-              live: torch.Tensor) -> None:  # fmt: skip
+    def write(
+        self, slots: torch.Tensor, pos: torch.Tensor, values: torch.Tensor, live: torch.Tensor
+    ) -> None:
         """``tokens[slots, pos] = values`` on the device where ``live``; the rest go to the spare
         row (a masked index would wait for the device)."""
         width = self.tokens.shape[1]
@@ -182,8 +196,9 @@ class SlotTable:
             i = 0 if index is None else index[b]
             f = True if final is None else final[b]
             if i or not f or row is not GREEDY:
-                row = SampleRow(row.temperature, row.top_p, row.top_k, row.min_p, row.seed, i,
-                                row.logprobs, f)  # fmt: skip
+                row = SampleRow(
+                    row.temperature, row.top_p, row.top_k, row.min_p, row.seed, i, row.logprobs, f
+                )
             out.append(row)
         return out
 

@@ -68,10 +68,29 @@ def new_kv_cache(
     if cfg.v41 is not None:
         if snapshots is None:
             snapshots = v41_cache.default_snapshots(num_slots)
-        return V41Cache(cfg.v41, model.cache_layer_ids, num_blocks, block_size, model.dtype, device,
-                        max_len, num_slots, snapshots, slack)  # fmt: skip
-    return KVCache(model.layer_ids, num_blocks, block_size, model.kv_heads, cfg.head_dim,
-                   model.dtype, device, max_len, num_slots)  # fmt: skip
+        return V41Cache(
+            cfg.v41,
+            model.cache_layer_ids,
+            num_blocks,
+            block_size,
+            model.dtype,
+            device,
+            max_len,
+            num_slots,
+            snapshots,
+            slack,
+        )
+    return KVCache(
+        model.layer_ids,
+        num_blocks,
+        block_size,
+        model.kv_heads,
+        cfg.head_dim,
+        model.dtype,
+        device,
+        max_len,
+        num_slots,
+    )
 
 
 @dataclass
@@ -96,8 +115,7 @@ class StageRunner:
     def __post_init__(self) -> None:
         if self.device.type == "cuda" and prefetch.host_engrams(self.model):
             self.prefetcher = prefetch.Prefetch(self.model, self.device)
-        self.slots = SlotTable(self.device, self.hasher, self.model.head is not None,
-                               self.is_first)  # fmt: skip
+        self.slots = SlotTable(self.device, self.hasher, self.model.head is not None, self.is_first)
         if self.kv is not None:
             self.slots.size_for(self.kv)
         if self.model.head is not None:
@@ -137,8 +155,11 @@ class StageRunner:
         if tables:
             # a log line: stderr, so that what a command prints (generated text, reports)
             # stays its output
-            print(f"engramrt: {describe(tables, str(torch.device(device)))}", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"engramrt: {describe(tables, str(torch.device(device)))}",
+                file=sys.stderr,
+                flush=True,
+            )
         if placement == "host" and use_triton(device):
             for table in tables:
                 check_reads(table, device)
@@ -181,8 +202,9 @@ class StageRunner:
         slack: int = 0,
     ) -> None:
         self.kv = self.verifier = None  # the old cache goes before the new one is allocated
-        self.kv = new_kv_cache(self.model, num_slots, max_len, block_size, num_blocks, snapshots,
-                               slack)  # fmt: skip
+        self.kv = new_kv_cache(
+            self.model, num_slots, max_len, block_size, num_blocks, snapshots, slack
+        )
         self.slots.size_for(self.kv, slack)
 
     def speculate(self, k: int, lookup: tuple[int, int] | None = None) -> None:
@@ -200,8 +222,9 @@ class StageRunner:
             limit = self.sampler.token_limit
 
             def propose(last, slots, bonus):
-                return dspark.draft(self.model, self.kv, last, slots, bonus, limit,
-                                    confidence=False).tokens
+                return dspark.draft(
+                    self.model, self.kv, last, slots, bonus, limit, confidence=False
+                ).tokens
         elif rows is not None and lookup is not None:
 
             def propose(last, slots, bonus):
@@ -225,20 +248,35 @@ class StageRunner:
         moe = [m.grouped_tokens for m in self.model.modules() if isinstance(m, V41MoE)]
         if moe and max_tokens > min(moe):  # a larger step's experts run as GEMMs, eagerly
             max_tokens = min(moe)
-            print(f"engramrt: V4.1 mixed steps of more than {max_tokens} tokens run eagerly (their "
-                  "experts run as GEMMs)", flush=True)  # fmt: skip
+            print(
+                f"engramrt: V4.1 mixed steps of more than {max_tokens} tokens run eagerly (their "
+                "experts run as GEMMs)",
+                flush=True,
+            )
         if not use_triton(self.device):  # the torch reference attention is not capturable
             print("engramrt: CUDA graphs need the Triton kernels; decoding eagerly", flush=True)
             return
         if not self.model.tp.solo and dist.get_backend(self.model.tp.group) != "nccl":
-            print("engramrt: tensor parallelism over gloo cannot be captured in CUDA graphs; "
-                  "decoding eagerly", flush=True)  # fmt: skip
+            print(
+                "engramrt: tensor parallelism over gloo cannot be captured in CUDA graphs; "
+                "decoding eagerly",
+                flush=True,
+            )
             return
         carry_for = None if self.is_first else (lambda n: Carry.empty(self.model, n, torch.zeros))
         v = self.verifier
-        self.graphs = StepGraphs(self.forward, self.kv, self.slots.blocks, self.device, max_batch,
-                                 max_tokens, self.is_last, carry_for, verify,
-                                 lagging=v is not None and v.rows is not None)  # fmt: skip
+        self.graphs = StepGraphs(
+            self.forward,
+            self.kv,
+            self.slots.blocks,
+            self.device,
+            max_batch,
+            max_tokens,
+            self.is_last,
+            carry_for,
+            verify,
+            lagging=v is not None and v.rows is not None,
+        )
         if v is not None:  # what follows the sampler (drafting included), by batch size
             v.capture(batch_sizes(min(max_batch, self.kv.num_slots)))
 
@@ -251,8 +289,9 @@ class StageRunner:
         dev = self.device
         runs = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
         per_seq = -(-max_len // block_size)
-        tables = [list(range(i * per_seq, i * per_seq + -(-n // block_size)))
-                  for i, n in enumerate(runs)]  # fmt: skip
+        tables = [
+            list(range(i * per_seq, i * per_seq + -(-n // block_size))) for i, n in enumerate(runs)
+        ]
         self.allocate_kv(len(runs), max_len, block_size, len(runs) * per_seq)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -272,9 +311,15 @@ class StageRunner:
             self.hasher.history.table.zero_()  # the profile's history rows mean nothing
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
-        return MemoryProfile(total=total, free=free, reserved=torch.cuda.memory_reserved(dev),
-                             weights=torch.cuda.memory_allocated(dev), peak=peak,
-                             profile_cache=cache_bytes, tokens=tokens)  # fmt: skip
+        return MemoryProfile(
+            total=total,
+            free=free,
+            reserved=torch.cuda.memory_reserved(dev),
+            weights=torch.cuda.memory_allocated(dev),
+            peak=peak,
+            profile_cache=cache_bytes,
+            tokens=tokens,
+        )
 
     @torch.inference_mode()
     def warm_up(self, max_tokens: int) -> None:
@@ -291,8 +336,10 @@ class StageRunner:
             ends = np.cumsum([-(-n // block) for n in runs])  # scratch blocks, reused each step
             if ends[-1] > self.kv.num_blocks:
                 continue
-            tables = [list(range(int(e) - -(-n // block), int(e)))
-                      for n, e in zip(runs, ends, strict=True)]  # fmt: skip
+            tables = [
+                list(range(int(e) - -(-n // block), int(e)))
+                for n, e in zip(runs, ends, strict=True)
+            ]
             tokens = sum(runs)
             carry = None if self.is_first else Carry.empty(self.model, tokens, torch.zeros)
             fake = [self.model.cfg.bos_token_id or 0] * tokens if self.is_first else None
@@ -362,13 +409,20 @@ class StageRunner:
         if self.verifier is not None and self.verifier.rows is not None:
             lag = batch.lag or [0] * len(batch.slots)  # the graphs' buffers have the part
         ctx = ForwardContext.for_runs(
-            batch.slots, batch.run_lens, batch.start_pos, self.kv, self.slots.blocks,
+            batch.slots,
+            batch.run_lens,
+            batch.start_pos,
+            self.kv,
+            self.slots.blocks,
             "cpu" if shape else self.device,
             # a mixed graph's prefill kernel strides the table by its static width
-            width=graphs.width if shape and not shape.decode else None, pad=shape,
-            last_rows=shape is not None or (last_only and self.is_last), tracer=self.tracer,
-            drafts=drafts, lag=lag,
-        )  # fmt: skip
+            width=graphs.width if shape and not shape.decode else None,
+            pad=shape,
+            last_rows=shape is not None or (last_only and self.is_last),
+            tracer=self.tracer,
+            drafts=drafts,
+            lag=lag,
+        )
         if shape is not None:
             out, ran = graphs.replay(ctx, shape, carry)
         else:
@@ -414,8 +468,9 @@ class StageRunner:
                 ids = self.hasher.decode(t, ctx.slot_ids, ctx.positions, ctx.num_real, check=False)
             else:
                 lens = ctx.query_start.diff()
-                ids = self.hasher.extend(t, ctx.slot_ids, lens, ctx.start_pos_t, check=False,
-                                         commit=ctx.commit_runs)  # fmt: skip
+                ids = self.hasher.extend(
+                    t, ctx.slot_ids, lens, ctx.start_pos_t, check=False, commit=ctx.commit_runs
+                )
             dead = self.hasher.is_dead(t)
             if tp.solo:
                 return ids, dead

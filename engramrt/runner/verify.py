@@ -34,8 +34,9 @@ from engramrt.transfer import pinned, to_device
 Propose = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def ngram_drafts(rows: torch.Tensor, slots: torch.Tensor, last: torch.Tensor, k: int,
-                 longest: int, shortest: int) -> torch.Tensor:  # fmt: skip
+def ngram_drafts(
+    rows: torch.Tensor, slots: torch.Tensor, last: torch.Tensor, k: int, longest: int, shortest: int
+) -> torch.Tensor:
     """``[B, k]`` n-gram (prompt-lookup) drafts from the token rows: what followed the latest
     earlier occurrence of the longest suffix (``longest`` .. ``shortest`` tokens) of row
     ``slots[b]`` up to position ``last[b]``, padded with the last token found, or all the
@@ -58,8 +59,15 @@ def ngram_drafts(rows: torch.Tensor, slots: torch.Tensor, last: torch.Tensor, k:
 
 
 class Verifier:
-    def __init__(self, num_slots: int, k: int, propose: Propose, slots: SlotTable | None,
-                 hasher: EngramHasher | None, device: torch.device):  # fmt: skip
+    def __init__(
+        self,
+        num_slots: int,
+        k: int,
+        propose: Propose,
+        slots: SlotTable | None,
+        hasher: EngramHasher | None,
+        device: torch.device,
+    ):
         """``k`` drafts a run at most; ``propose``: the draft pass; ``slots``: the stage's slot
         table where it keeps samples and drafts in the token rows (None: the host sends them);
         ``hasher``: the history's owner where it is on this stage."""
@@ -119,8 +127,7 @@ class Verifier:
             has = torch.arange(width) < torch.tensor(drafts)[:, None]
             guess = torch.full(has.shape, -2, dtype=torch.int64)  # never a sample (>= -1)
             guess[has] = torch.tensor(batch.draft_tokens, dtype=torch.int64)
-        uniform = all(d == width for d in drafts) and all(
-            r == 1 + width for r in batch.run_lens)  # fmt: skip
+        uniform = all(d == width for d in drafts) and all(r == 1 + width for r in batch.run_lens)
         size = min((b for b, k in self.graphs if k == width and b >= n), default=None)
         if uniform and size is not None:
             graph, x, static, host, out = self.graphs[size, width]
@@ -153,8 +160,9 @@ class Verifier:
         x[7, :n] = batch.lag if batch.lag is not None else 0
         return torch.from_numpy(x)
 
-    def _run(self, x: torch.Tensor, samples: torch.Tensor, width: int,
-             guess: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def _run(
+        self, x: torch.Tensor, samples: torch.Tensor, width: int, guess: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``after`` on device inputs (``_inputs``) and at most ``width`` drafts a run: what a
         graph captures. With the Triton kernels, the bookkeeping is two launches
         (``kernels.verify_rows``), else the torch statement below."""
@@ -190,24 +198,39 @@ class Verifier:
 
         pad = self.hasher.history.pad_row if self.hasher is not None else 0
         last, bonus, accepted, keep, block, target = verify_rows.accept(
-            x, samples, self.rows, self.rejected, width, pad)  # fmt: skip
+            x, samples, self.rows, self.rejected, width, pad
+        )
         if width and self.hasher is not None:
             self.hasher.commit_verify(block.flatten(), target, accepted, check=False)
         out = self.propose(last, x[2], bonus)[:, : self.k]
         verify_rows.write_drafts(self.rows, x[2], last, keep, out)
         return out
 
-    def _keep(self, samples: torch.Tensor, before: torch.Tensor, slots: torch.Tensor,
-              keep: torch.Tensor, first: torch.Tensor, tails: torch.Tensor) -> None:  # fmt: skip
+    def _keep(
+        self,
+        samples: torch.Tensor,
+        before: torch.Tensor,
+        slots: torch.Tensor,
+        keep: torch.Tensor,
+        first: torch.Tensor,
+        tails: torch.Tensor,
+    ) -> None:
         """Sample ``j`` of run ``b`` fills position ``before[b] + 1 + j`` of its row."""
         dev = samples.device
-        owner = torch.repeat_interleave(torch.arange(len(tails), device=dev), tails,
-                                        output_size=len(samples))  # fmt: skip
+        owner = torch.repeat_interleave(
+            torch.arange(len(tails), device=dev), tails, output_size=len(samples)
+        )
         j = torch.arange(len(samples), device=dev) - first[owner]
         self.slots.write(slots[owner], before[owner] + 1 + j, samples, keep[owner])
 
-    def _commit(self, starts: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor,
-                verified: torch.Tensor, width: int) -> None:  # fmt: skip
+    def _commit(
+        self,
+        starts: torch.Tensor,
+        slots: torch.Tensor,
+        accepted: torch.Tensor,
+        verified: torch.Tensor,
+        width: int,
+    ) -> None:
         """The verify runs' anchors and accepted drafts into their history rows (their samples
         are kept by now: the drafts they accepted are the rows' tokens there); other runs
         committed when they were hashed, and commit into the pad row here."""

@@ -69,8 +69,11 @@ async def models(request: Request) -> dict:
     return {"object": "list", "data": data}
 
 
-@api.get("/v1/models/{model_id:path}", response_model=None,
-         responses=schema.plain(schema.ModelCard, 401, 404))  # fmt: skip
+@api.get(
+    "/v1/models/{model_id:path}",
+    response_model=None,
+    responses=schema.plain(schema.ModelCard, 401, 404),
+)
 async def model(model_id: str, request: Request) -> dict:
     """One model's card (``client.models.retrieve``); names may hold slashes (paths)."""
     server = _server(request)
@@ -79,29 +82,33 @@ async def model(model_id: str, request: Request) -> dict:
 
 # Calls are built on a worker thread: tokenising a long prompt (which releases the GIL) must not
 # stall every stream and /health on the event loop.
-@api.post("/v1/completions", response_model=None,
-          responses=schema.generation(schema.Completion))  # fmt: skip
+@api.post("/v1/completions", response_model=None, responses=schema.generation(schema.Completion))
 async def completions(req: CompletionRequest, request: Request) -> dict | Response:
     call = await asyncio.to_thread(CompletionCall, _server(request), req)
     return await _respond(request, call, req.stream)
 
 
-@api.post("/v1/chat/completions", response_model=None,
-          responses=schema.generation(schema.ChatCompletion))  # fmt: skip
+@api.post(
+    "/v1/chat/completions", response_model=None, responses=schema.generation(schema.ChatCompletion)
+)
 async def chat(req: ChatCompletionRequest, request: Request) -> dict | Response:
     call = await asyncio.to_thread(ChatCall, _server(request), req)
     return await _respond(request, call, req.stream)
 
 
 # vLLM's paths (no /v1), behind the API key like /v1/*; off the event loop like a prompt
-@api.post("/tokenize", response_model=None,
-          responses=schema.plain(schema.Tokenized, *schema.API_ERRORS))  # fmt: skip
+@api.post(
+    "/tokenize", response_model=None, responses=schema.plain(schema.Tokenized, *schema.API_ERRORS)
+)
 async def tokenize(req: TokenizeRequest, request: Request) -> dict:
     return await asyncio.to_thread(tokenization.tokenize, _server(request), req)
 
 
-@api.post("/detokenize", response_model=None,
-          responses=schema.plain(schema.Detokenized, *schema.API_ERRORS))  # fmt: skip
+@api.post(
+    "/detokenize",
+    response_model=None,
+    responses=schema.plain(schema.Detokenized, *schema.API_ERRORS),
+)
 async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
     return await asyncio.to_thread(tokenization.detokenize, _server(request), req)
 
@@ -159,8 +166,12 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(validation_error_body(exc.errors()), 400)
 
 
-_KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-          413: "RequestTooLargeError"}  # fmt: skip
+_KINDS = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+}
 
 
 def _authorized(request: Request) -> bool:
@@ -179,20 +190,33 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     With an API key, anything under ``/v1/`` asks for the key first (as vLLM's check does):
     a caller without it learns nothing about which paths exist."""
     if request.url.path.startswith("/v1/") and not _authorized(request):
-        return await _api_error(request, ApiError(401, "invalid or missing API key",
-                                                  "AuthenticationError"))  # fmt: skip
-    kind = _KINDS.get(exc.status_code, "InternalServerError" if exc.status_code >= 500 else
-                      "BadRequestError")  # fmt: skip
+        return await _api_error(
+            request, ApiError(401, "invalid or missing API key", "AuthenticationError")
+        )
+    kind = _KINDS.get(
+        exc.status_code, "InternalServerError" if exc.status_code >= 500 else "BadRequestError"
+    )
     message = str(exc.detail)
     if exc.status_code == 404 and message == "Not Found":
-        message = (f"{request.method} {request.url.path} is not supported by this server; it "
-                   f"serves {', '.join(_SERVED)}")  # fmt: skip
+        message = (
+            f"{request.method} {request.url.path} is not supported by this server; it "
+            f"serves {', '.join(_SERVED)}"
+        )
     body = error_body(exc.status_code, message, kind)
     return JSONResponse(body, exc.status_code, headers=getattr(exc, "headers", None))
 
 
-_SERVED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
-           "/tokenizer_info", "/health", "/metrics", "/version")  # fmt: skip
+_SERVED = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+    "/health",
+    "/metrics",
+    "/version",
+)
 
 
 class BodyLimit:

@@ -55,8 +55,10 @@ class EngineServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         error = self.server.engine.error
         if error is not None and not self.should_exit:
-            log(f"the engine failed: {error}; exiting with status 1 so that a supervisor "
-                "can restart the server")  # fmt: skip
+            log(
+                f"the engine failed: {error}; exiting with status 1 so that a supervisor "
+                "can restart the server"
+            )
             self.should_exit = True
         return await super().on_tick(counter)
 
@@ -67,8 +69,10 @@ class EngineServer(uvicorn.Server):
         engine.close()
         if engine.error is None:
             running = engine.num_running
-            log(f"no new requests; draining {running} running request(s) for up to "
-                f"{self.drain_s:g} s (--shutdown-timeout)")  # fmt: skip
+            log(
+                f"no new requests; draining {running} running request(s) for up to "
+                f"{self.drain_s:g} s (--shutdown-timeout)"
+            )
             aborted = await engine.drain(self.drain_s, self._force)
             log(f"drained: {running - aborted} finished, {aborted} aborted")
         await super().shutdown(sockets)

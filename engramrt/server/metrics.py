@@ -51,9 +51,11 @@ class _EngineCollector:
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])
             c.add_metric([self.model], value)
             yield c
-        c = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
-                                "Verify runs that accepted their draft at each position (from 0).",
-                                labels=["model_name", "position"])  # fmt: skip
+        c = CounterMetricFamily(
+            P + "spec_decode_num_accepted_tokens_per_pos",
+            "Verify runs that accepted their draft at each position (from 0).",
+            labels=["model_name", "position"],
+        )
         for pos, value in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
             c.add_metric([self.model, str(pos)], value)
         yield c
@@ -73,9 +75,11 @@ class Metrics:
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens.")
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to the last token.")
         self.success = Counter(
-            P + "request_success", "Finished requests by reason.",
-            ["model_name", "finished_reason"], registry=self.registry,
-        )  # fmt: skip
+            P + "request_success",
+            "Finished requests by reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

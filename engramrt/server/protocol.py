@@ -109,19 +109,27 @@ class _Sampling(_Base):
                 )
             asked.append(GrammarSpec("json", schema))
         elif kind != "text":
-            raise FieldError("response_format", f"response_format type {kind!r} is not one of "
-                             "text, json_object, json_schema")  # fmt: skip
+            raise FieldError(
+                "response_format",
+                f"response_format type {kind!r} is not one of text, json_object, json_schema",
+            )
         so = self.structured_outputs or {}
         unknown = set(so) - {"json", "regex", "choice", "grammar", "json_object"}
         if unknown:
             raise FieldError(
                 "structured_outputs", f"structured_outputs: unknown key {sorted(unknown)[0]!r}"
             )
-        pairs = [("json", self.guided_json), ("regex", self.guided_regex),
-                 ("choice", self.guided_choice), ("lark", self.guided_grammar),
-                 ("json", so.get("json")), ("regex", so.get("regex")),
-                 ("choice", so.get("choice")), ("lark", so.get("grammar")),
-                 ("json", {} if so.get("json_object") else None)]  # fmt: skip
+        pairs = [
+            ("json", self.guided_json),
+            ("regex", self.guided_regex),
+            ("choice", self.guided_choice),
+            ("lark", self.guided_grammar),
+            ("json", so.get("json")),
+            ("regex", so.get("regex")),
+            ("choice", so.get("choice")),
+            ("lark", so.get("grammar")),
+            ("json", {} if so.get("json_object") else None),
+        ]
         asked += [GrammarSpec(k, v) for k, v in pairs if v is not None]
         if len(asked) > 1:
             raise ValueError("give one of response_format, guided_* and structured_outputs")
@@ -131,11 +139,15 @@ class _Sampling(_Base):
     def _refuse_unsupported(self) -> _Sampling:
         self.grammar()  # a malformed request is a 400 here
         if self.tools and self.tool_choice != "none":
-            raise FieldError("tools", "tools: tool calling is not supported for this model "
-                             '(tool_choice "none" sends them and calls none)')  # fmt: skip
+            raise FieldError(
+                "tools",
+                "tools: tool calling is not supported for this model "
+                '(tool_choice "none" sends them and calls none)',
+            )
         if self.tool_choice not in (None, "none", "auto"):
-            raise FieldError("tool_choice", "tool_choice: tool calling is not supported for this "
-                             "model")  # fmt: skip
+            raise FieldError(
+                "tool_choice", "tool_choice: tool calling is not supported for this model"
+            )
         for key in self.logit_bias or {}:
             if not key.strip().lstrip("-").isascii() or not key.strip().lstrip("-").isdigit():
                 raise FieldError("logit_bias", f"logit_bias keys are token ids, got {key!r}")
@@ -160,11 +172,13 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _refuse_completion_extras(self) -> CompletionRequest:
         if self.suffix:
-            raise FieldError("suffix", "suffix is not supported (no model here is trained to "
-                             "insert)")  # fmt: skip
+            raise FieldError(
+                "suffix", "suffix is not supported (no model here is trained to insert)"
+            )
         if self.best_of is not None and self.best_of != self.n:
-            raise FieldError("best_of", f"best_of ({self.best_of}) other than n ({self.n}) is not "
-                             "supported")  # fmt: skip
+            raise FieldError(
+                "best_of", f"best_of ({self.best_of}) other than n ({self.n}) is not supported"
+            )
         return self
 
 
@@ -192,8 +206,11 @@ def _text_only(messages: list[ChatMessage] | None) -> None:
             kind = part.get("type")
             if kind != "text" or not isinstance(part.get("text"), str):
                 where = f"messages[{i}].content[{j}]"
-                raise FieldError(where, f"{where}: a {kind!r} part; this model reads text only "
-                                 '(parts of type "text" with a "text" string)')  # fmt: skip
+                raise FieldError(
+                    where,
+                    f"{where}: a {kind!r} part; this model reads text only "
+                    '(parts of type "text" with a "text" string)',
+                )
 
 
 class ChatCompletionRequest(_Sampling):

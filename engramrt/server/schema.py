@@ -135,10 +135,16 @@ def plain(model: type[BaseModel], *statuses: int) -> dict:
     return {200: {"model": model}, **_errors(*statuses)}
 
 
-HEALTH = {200: {"description": "Serving", "content": {}},
-          503: {"description": "Shutting down, or the engine has died", "content": {}}}  # fmt: skip
-METRICS = {200: {"description": "Prometheus text", "content": {"text/plain": {
-    "schema": {"type": "string"}}}}}  # fmt: skip
+HEALTH = {
+    200: {"description": "Serving", "content": {}},
+    503: {"description": "Shutting down, or the engine has died", "content": {}},
+}
+METRICS = {
+    200: {
+        "description": "Prometheus text",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+}
 
 
 def install(app: FastAPI) -> None:

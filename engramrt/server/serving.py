@@ -284,9 +284,11 @@ class Call(ABC):
         self.envelope = Envelope(f"{self.id_prefix}-{uuid.uuid4().hex}", model, usage_on)
         if server.cfg.log_requests:
             p = choices[0].request.params
-            line = (f"engramrt: request {self.envelope.id}: {len(choices)} choice(s), {n_prompt} "
-                    f"prompt tokens, max_tokens {p.max_tokens}, temperature {p.temperature}, "
-                    f"stream {req.stream}")  # fmt: skip
+            line = (
+                f"engramrt: request {self.envelope.id}: {len(choices)} choice(s), {n_prompt} "
+                f"prompt tokens, max_tokens {p.max_tokens}, temperature {p.temperature}, "
+                f"stream {req.stream}"
+            )
             print(line, file=sys.stderr, flush=True)
 
     def _opening(self) -> Iterator[dict]:
@@ -349,8 +351,13 @@ class CompletionCall(Call):
         lps = None
         if self.req.echo and self.req.logprobs is not None and out is not None:
             offsets = TextOffsets(self.server.tok, specials=True, text=text)(c.prompt_ids)
-            lps = completion_logprobs(self.server.tok, c.prompt_ids, out.prompt_logprobs,
-                                      offsets, self.req.return_tokens_as_token_ids)  # fmt: skip
+            lps = completion_logprobs(
+                self.server.tok,
+                c.prompt_ids,
+                out.prompt_logprobs,
+                offsets,
+                self.req.return_tokens_as_token_ids,
+            )
         return text, lps
 
     def _choice(
@@ -368,8 +375,9 @@ class CompletionCall(Call):
         prefix, prompt_lps = prompt
         logprobs = None
         if self.req.logprobs is not None:
-            logprobs = completion_logprobs(self.server.tok, ids, lps, offsets(ids),
-                                           self.req.return_tokens_as_token_ids)  # fmt: skip
+            logprobs = completion_logprobs(
+                self.server.tok, ids, lps, offsets(ids), self.req.return_tokens_as_token_ids
+            )
             if prompt_lps is not None:
                 logprobs = join_completion_logprobs(prompt_lps, logprobs)
         return completion_choice(c.index, prefix + text, logprobs, finish_reason)
@@ -379,14 +387,22 @@ class CompletionCall(Call):
         if state.offsets is None:
             prompt = self._prompt_part(c, out)
             state.offsets = TextOffsets(self.server.tok, len(prompt[0]))
-        return self._choice(c, prompt, out.new_text, out.new_token_ids, out.new_logprobs,
-                            out.finish_reason, state.offsets)  # fmt: skip
+        return self._choice(
+            c,
+            prompt,
+            out.new_text,
+            out.new_token_ids,
+            out.new_logprobs,
+            out.finish_reason,
+            state.offsets,
+        )
 
     def _result_choice(self, r: ChoiceResult) -> dict:
         prompt = self._prompt_part(r.choice, r.prompt_out)
         offsets = TextOffsets(self.server.tok, len(prompt[0]))
-        return self._choice(r.choice, prompt, r.text, r.token_ids, r.logprobs, r.finish_reason,
-                            offsets)  # fmt: skip
+        return self._choice(
+            r.choice, prompt, r.text, r.token_ids, r.logprobs, r.finish_reason, offsets
+        )
 
 
 class ChatCall(Call):

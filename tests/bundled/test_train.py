@@ -34,8 +34,9 @@ def test_a_few_steps_are_reproducible_and_learn() -> None:
     r1, l1 = recipe.train(6, seed=7, **kw)
     r2, l2 = recipe.train(6, seed=7, **kw)
     assert l1 == l2
-    for (n, p), (_, q) in zip(r1.model.state_dict().items(), r2.model.state_dict().items(),
-                              strict=True):  # fmt: skip
+    for (n, p), (_, q) in zip(
+        r1.model.state_dict().items(), r2.model.state_dict().items(), strict=True
+    ):
         assert torch.equal(p, q), n
     fresh = recipe.build(7, "cpu", GQA_MODEL_DIR)
     windows = next(recipe.batches([[5, 6, 7, 8, 9] * 6], 1, 24, 3, 0))
@@ -53,7 +54,10 @@ def test_saved_checkpoint_serves(tmp_path) -> None:
     runner, _ = recipe.train(2, seed=3, length=16, size=2, log=None, model_dir=GQA_MODEL_DIR)
     out = recipe.save(runner, tmp_path / "m", seed=3, model_dir=GQA_MODEL_DIR)
     assert sorted(p.name for p in (out / "tasks").iterdir()) == [
-        "arithmetic.jsonl", "in_context.jsonl", "recall.jsonl"]  # fmt: skip
+        "arithmetic.jsonl",
+        "in_context.jsonl",
+        "recall.jsonl",
+    ]
     served = StageRunner.load(out, 1, 64, "cpu", "float32")
     table = served.model.layers["1"].engram.embed
     assert table.weight.dtype == torch.float8_e4m3fn

@@ -120,10 +120,14 @@ def test_gradients_reach_everything_but_the_indexers() -> None:
     runner = recipe.build(4, "cpu")
     params = recipe.trainable(runner)
     windows = _windows(6, 40, 9)
-    recipe.loss_of(runner, windows, recipe.prefill_ends(windows, runner, random.Random(0))
-                   ).total.backward()  # fmt: skip
-    dead = {n for n, p in runner.model.named_parameters()
-            if p.grad is None or not p.grad.abs().sum() > 0}  # fmt: skip
+    recipe.loss_of(
+        runner, windows, recipe.prefill_ends(windows, runner, random.Random(0))
+    ).total.backward()
+    dead = {
+        n
+        for n, p in runner.model.named_parameters()
+        if p.grad is None or not p.grad.abs().sum() > 0
+    }
     # the indexers only select (every entry of these windows is picked anyway); a routed
     # expert no token of the batch chose has no gradient either, but each layer's chosen ones do
     assert all(".indexer." in n or ".ffn.experts." in n for n in dead), sorted(dead)
@@ -134,8 +138,11 @@ def test_gradients_reach_everything_but_the_indexers() -> None:
     tables = [b.engram.embed.weight for b in runner.model.layers.values() if b.engram]
     assert len(tables) == 2 and all(any(t is p for p in params) for t in tables)
     assert all(t.grad.abs().sum() > 0 for t in tables)
-    for stage in ("mtp.0.main_proj.master", "mtp.0.markov_head.embed.weight",
-                  "mtp.0.confidence_head.proj.weight"):  # fmt: skip
+    for stage in (
+        "mtp.0.main_proj.master",
+        "mtp.0.markov_head.embed.weight",
+        "mtp.0.confidence_head.proj.weight",
+    ):
         assert stage in names and stage not in dead
 
 
@@ -147,8 +154,13 @@ def test_teacher_forced_draft_with_its_own_drafts_is_the_greedy_draft(trained) -
     ends = [10, 14, 17]
     with torch.no_grad():
         recipe.loss_of(runner, windows, ends)  # prefill: seeds the DSpark ring
-        args = (runner.model, runner.kv, torch.tensor(ends) - 1, torch.arange(3),
-                torch.tensor([w[e] for w, e in zip(windows, ends, strict=True)]))  # fmt: skip
+        args = (
+            runner.model,
+            runner.kv,
+            torch.tensor(ends) - 1,
+            torch.arange(3),
+            torch.tensor([w[e] for w, e in zip(windows, ends, strict=True)]),
+        )
         free = dspark.draft(*args)
         forced = dspark.draft(*args, targets=free.tokens)
         other = dspark.draft(*args, targets=(free.tokens + 1) % 1000)
@@ -168,9 +180,11 @@ def test_gqa_fixture_still_trains() -> None:
 
 
 def test_prose_paragraphs_and_the_held_out_chapters(tmp_path, monkeypatch) -> None:
-    text = ("Chapter 1\r\n\r\n\r\nIt is a truth\r\nuniversally acknowledged.\r\n\r\n"
-            "\"My dear,\" said  she.\r\n\r\nChapter 60\r\n\r\nLate  text\r\nhere.\r\n\r\n"
-            "Chapter 61\r\n\r\nThe end.\r\n")  # fmt: skip
+    text = (
+        "Chapter 1\r\n\r\n\r\nIt is a truth\r\nuniversally acknowledged.\r\n\r\n"
+        '"My dear," said  she.\r\n\r\nChapter 60\r\n\r\nLate  text\r\nhere.\r\n\r\n'
+        "Chapter 61\r\n\r\nThe end.\r\n"
+    )
     assert prose.paragraphs(text) == [
         "It is a truth universally acknowledged.",
         '"My dear," said she.',
@@ -202,8 +216,11 @@ def test_a_phase_moves_tables_at_their_own_rate() -> None:
     kw = {"seed": 5, "length": 16, "size": 2, "log": None, "model_dir": GQA_MODEL_DIR}
     runner, _ = recipe.train(2, phase=recipe.Phase(table_lr=0.0), **kw)
     start = recipe.build(5, "cpu", GQA_MODEL_DIR)
-    tables = [(b.engram.embed.weight, start.model.layers[i].engram.embed.weight)
-              for i, b in runner.model.layers.items() if b.engram]  # fmt: skip
+    tables = [
+        (b.engram.embed.weight, start.model.layers[i].engram.embed.weight)
+        for i, b in runner.model.layers.items()
+        if b.engram
+    ]
     assert tables and all(torch.equal(a, b) for a, b in tables)
     assert not torch.equal(runner.model.embed.weight, start.model.embed.weight)
 

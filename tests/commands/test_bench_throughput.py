@@ -62,8 +62,9 @@ def test_latency_mode_reports_bandwidth(capsys: pytest.CaptureFixture) -> None:
 def test_decode_bytes_match_a_count_from_the_config() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--model", str(GQA_MODEL_DIR), "--device", "cpu",
-                         "--num-gpu-blocks-override", "64"])  # fmt: skip
+    args = p.parse_args(
+        ["--model", str(GQA_MODEL_DIR), "--device", "cpu", "--num-gpu-blocks-override", "64"]
+    )
     engine = local_engine(args, 64)
     c = engine.pipeline.runner.model.cfg
     d, e, hc = c.hidden_size, c.engram, c.hc_mult
@@ -88,10 +89,25 @@ def test_tensor_parallel_ranks_run_the_benchmark() -> None:
     import subprocess
     import sys
 
-    argv = ["bench", "throughput", "--model", str(GQA_MODEL_DIR), "--device", "cpu",
-            "--batch-size", "3", "--input-len", "8", "--output-len", "5", "-tp", "2"]  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "engramrt", *argv], capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    argv = [
+        "bench",
+        "throughput",
+        "--model",
+        str(GQA_MODEL_DIR),
+        "--device",
+        "cpu",
+        "--batch-size",
+        "3",
+        "--input-len",
+        "8",
+        "--output-len",
+        "5",
+        "-tp",
+        "2",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "engramrt", *argv], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr
     assert "PP 1 x TP 2): 3 requests, 24 prompt + 15 generated tokens" in run.stdout
 
@@ -105,6 +121,15 @@ def test_on_a_cpu_engines_compute_in_float32_unless_told() -> None:
     for flags, want in (([], torch.float32), (["--dtype", "bfloat16"], torch.bfloat16)):
         p = argparse.ArgumentParser()
         add_arguments(p)
-        args = p.parse_args(["--model", str(GQA_MODEL_DIR), "--device", "cpu",
-                             "--num-gpu-blocks-override", "8", *flags])  # fmt: skip
+        args = p.parse_args(
+            [
+                "--model",
+                str(GQA_MODEL_DIR),
+                "--device",
+                "cpu",
+                "--num-gpu-blocks-override",
+                "8",
+                *flags,
+            ]
+        )
         assert local_engine(args, 64).pipeline.runner.model.dtype == want, flags

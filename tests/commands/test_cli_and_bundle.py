@@ -51,8 +51,12 @@ def test_every_help_shows_the_defaults() -> None:
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     parsers = [p for s in subs for p in s.choices.values()]
     bench = parsers.pop([p.prog for p in parsers].index("engramrt bench"))
-    parsers += [p for a in bench._actions if isinstance(a, argparse._SubParsersAction)
-                for p in a.choices.values()]  # fmt: skip
+    parsers += [
+        p
+        for a in bench._actions
+        if isinstance(a, argparse._SubParsersAction)
+        for p in a.choices.values()
+    ]
     assert len(parsers) == 7  # engram-hash, generate, check-pp, serve, eval, bench serve/throughput
     for p in parsers:
         text = " ".join(p.format_help().split())

@@ -37,8 +37,11 @@ def _stub_app() -> FastAPI:
         best = prompt.endswith("best")
         lps = [-0.1 if best and i >= len(prompt) - 4 else -1.0 for i in range(len(prompt))]
         lps[0] = None  # the first token has no logprob
-        logprobs = {"tokens": list(prompt), "token_logprobs": lps,
-                    "text_offset": list(range(len(prompt)))}  # fmt: skip
+        logprobs = {
+            "tokens": list(prompt),
+            "token_logprobs": lps,
+            "text_offset": list(range(len(prompt))),
+        }
         return {"choices": [{"text": prompt, "logprobs": logprobs}]}
 
     return app
@@ -70,8 +73,17 @@ def test_scores_against_known_answers(stub, tmp_path, capsys) -> None:
         {"prompt": "Q: ", "choices": ["bad", "best", "worse"], "answer": 1},  # right: -0.4
         {"prompt": "Q: ", "choices": ["best", "ok"], "answer": "ok"},  # wrong: best wins
     ]
-    args = build_parser().parse_args(["eval", _write(tmp_path / "t.jsonl", rows), "--base-url",
-                                      stub, "--json", "--concurrency", "2"])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "eval",
+            _write(tmp_path / "t.jsonl", rows),
+            "--base-url",
+            stub,
+            "--json",
+            "--concurrency",
+            "2",
+        ]
+    )
     assert args.func(args) == 0
     (arm,) = json.loads(capsys.readouterr().out)
     assert [r["correct"] for r in arm["results"]] == [True, True, False, True, False]
@@ -82,8 +94,9 @@ def test_scores_against_known_answers(stub, tmp_path, capsys) -> None:
 
 def test_a_dead_base_url_is_one_line_naming_it(tmp_path, capsys) -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    args = build_parser().parse_args(["eval", _write(tmp_path / "t.jsonl", [{"prompt": "a",
-                                      "answer": "b"}]), "--base-url", url])  # fmt: skip
+    args = build_parser().parse_args(
+        ["eval", _write(tmp_path / "t.jsonl", [{"prompt": "a", "answer": "b"}]), "--base-url", url]
+    )
     assert args.func(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and url in err and "cannot reach" in err, err
@@ -98,11 +111,16 @@ def test_children_start_whatever_folder_they_start_from(tmp_path) -> None:
     from engramrt.commands.child import engramrt_command
 
     (tmp_path / "engramrt").mkdir()
-    plain = subprocess.run([sys.executable, "-m", "engramrt", "--version"], cwd=tmp_path,
-                           capture_output=True, text=True)  # fmt: skip
+    plain = subprocess.run(
+        [sys.executable, "-m", "engramrt", "--version"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert plain.returncode != 0  # the shadowing this guards against is real
-    ours = subprocess.run(engramrt_command("--version"), cwd=tmp_path, capture_output=True,
-                          text=True)  # fmt: skip
+    ours = subprocess.run(
+        engramrt_command("--version"), cwd=tmp_path, capture_output=True, text=True
+    )
     assert ours.returncode == 0, ours.stderr
 
 
@@ -118,18 +136,25 @@ def test_a_token_across_the_prompt_boundary_belongs_to_the_choice() -> None:
 
 def test_bad_task_files_name_the_line(tmp_path) -> None:
     with pytest.raises(ValueError, match=":2:"):
-        evaluate.load_tasks(_write(tmp_path / "a.jsonl", [{"prompt": "x", "answer": "y"},
-                                                          {"prompt": "x"}]))  # fmt: skip
+        evaluate.load_tasks(
+            _write(tmp_path / "a.jsonl", [{"prompt": "x", "answer": "y"}, {"prompt": "x"}])
+        )
     with pytest.raises(ValueError, match="not one of the choices"):
-        evaluate.load_tasks(_write(tmp_path / "b.jsonl",
-                                   [{"prompt": "x", "choices": ["a"], "answer": "b"}]))  # fmt: skip
+        evaluate.load_tasks(
+            _write(tmp_path / "b.jsonl", [{"prompt": "x", "choices": ["a"], "answer": "b"}])
+        )
 
 
 def test_table_compares_arms_item_by_item() -> None:
     def arm(name, picks, right):
         results = [{"picked": p, "correct": c} for p, c in zip(picks, right, strict=True)]
-        return {"arm": name, "items": 3, "correct": sum(right), "accuracy": sum(right) / 3,
-                "results": results}  # fmt: skip
+        return {
+            "arm": name,
+            "items": 3,
+            "correct": sum(right),
+            "accuracy": sum(right) / 3,
+            "results": results,
+        }
 
     text = evaluate.table([arm("on", "abc", [1, 1, 0]), arm("off", "abd", [1, 0, 0])])
     assert "| on | 66.7% | 2/3 | +0.0% | 3/3 |" in text
@@ -194,8 +219,10 @@ def test_the_stage_entry_fault_reaches_served_stages(monkeypatch, capsys) -> Non
     assert "FAULT INJECTED" in capsys.readouterr().err
     batch = StepBatch([5, 6, 7, 8], [0], [4], [0], new_blocks=[[0]])
     carry = stage([0]).compute(batch)
-    out = {name: r.compute(batch, carry).x for name, r in
-           (("plain", plain), ("faulty", faulty), ("skipped", skipped))}  # fmt: skip
+    out = {
+        name: r.compute(batch, carry).x
+        for name, r in (("plain", plain), ("faulty", faulty), ("skipped", skipped))
+    }
     assert torch.equal(out["faulty"], out["skipped"])
     assert not torch.equal(out["faulty"], out["plain"])
     assert faulty.engram_ran[1] == 1 and not skipped.engram_ran

@@ -98,9 +98,13 @@ def runs(base: str, tmp_path_factory: pytest.TempPathFactory) -> dict[bool, dict
                 "max_retries": 1,
             }
             res = simple_evaluate(
-                model="local-completions", model_args=model_args, tasks=list(TASKS),
-                task_manager=tasks, log_samples=True, bootstrap_iters=0,
-            )  # fmt: skip
+                model="local-completions",
+                model_args=model_args,
+                tasks=list(TASKS),
+                task_manager=tasks,
+                log_samples=True,
+                bootstrap_iters=0,
+            )
             out[tokenized] = res["samples"]
     return out
 

@@ -32,26 +32,48 @@ def _bigger_tokenizer(tmp_path: Path) -> str:
     out = Path(_model(tmp_path))
     tok = json.loads((Path(GQA_MODEL_DIR) / "tokenizer.json").read_text())
     size = json.loads((out / "config.json").read_text())["text_config"]["vocab_size"]
-    tok["added_tokens"] += [{"id": size + i, "content": f"<extra_{i}>", "single_word": False,
-                             "lstrip": False, "rstrip": False, "normalized": False,
-                             "special": True} for i in range(40)]  # fmt: skip
+    tok["added_tokens"] += [
+        {
+            "id": size + i,
+            "content": f"<extra_{i}>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i in range(40)
+    ]
     (out / "tokenizer.json").unlink()
     (out / "tokenizer.json").write_text(json.dumps(tok))
     return str(out)
 
 
 CASES = [
-    ("positions", lambda t: [_model(t, max_position_embeddings=10**12)],
-     ["max_position_embeddings", "--max-num-seqs", "GiB"]),
-    ("layers", lambda t: [_model(t, num_hidden_layers=100000)],
-     ["num_hidden_layers", "100000", "stores 4 layers"]),
+    (
+        "positions",
+        lambda t: [_model(t, max_position_embeddings=10**12)],
+        ["max_position_embeddings", "--max-num-seqs", "GiB"],
+    ),
+    (
+        "layers",
+        lambda t: [_model(t, num_hidden_layers=100000)],
+        ["num_hidden_layers", "100000", "stores 4 layers"],
+    ),
     ("max_num_seqs", lambda t: ["--max-num-seqs", "1000000000"], ["--max-num-seqs", "GiB"]),
     ("port", lambda t: ["--port", "99999"], ["--port", "65535"]),
     ("blocks", lambda t: ["--num-gpu-blocks-override", "0"], ["--num-gpu-blocks-override"]),
     ("tokenizer", lambda t: [_bigger_tokenizer(t)], ["tokenizer", "vocab_size", "1064", "1024"]),
-    ("dspark", lambda t: [str(GQA_MODEL_DIR), "--speculative-config", '{"method": "dspark", '
-                          '"num_speculative_tokens": 2}'], ["dspark", "with DSpark stages"]),
-]  # fmt: skip
+    (
+        "dspark",
+        lambda t: [
+            str(GQA_MODEL_DIR),
+            "--speculative-config",
+            '{"method": "dspark", "num_speculative_tokens": 2}',
+        ],
+        ["dspark", "with DSpark stages"],
+    ),
+]
 
 
 @pytest.mark.parametrize(("argv", "needles"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])

@@ -418,8 +418,11 @@ def test_snapshot_hits_restore_exactly_their_prefix(seed: int) -> None:
         if running and rng.random() < 0.3:
             bm.release(running.pop(rng.randrange(len(running))))
         elif rng.random() < 0.4:
-            req = make_req(str(step), rng.choice(stems)[: rng.randrange(4, 13)]
-                           + [rng.randrange(50) for _ in range(rng.randrange(0, 10))])  # fmt: skip
+            req = make_req(
+                str(step),
+                rng.choice(stems)[: rng.randrange(4, 13)]
+                + [rng.randrange(50) for _ in range(rng.randrange(0, 10))],
+            )
             if not bm.can_admit(req):
                 continue
             keys = oracle_keys(req.token_ids, bs)

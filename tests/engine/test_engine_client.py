@@ -51,9 +51,19 @@ def outputs(rng: random.Random, n: int, finish: bool) -> list[RequestOutput]:
         ids = [rng.randrange(1000) for _ in range(rng.randint(0, 2))]
         lps = [Logprob(-rng.random(), [t], [-rng.random()]) for t in ids]
         last = finish and i == n - 1
-        outs.append(RequestOutput("r", ids, "".join(chr(97 + t % 26) for t in ids), lps,
-                                  [None] if i == 0 else None, last, "stop" if last else None,
-                                  3, i + 1))  # fmt: skip
+        outs.append(
+            RequestOutput(
+                "r",
+                ids,
+                "".join(chr(97 + t % 26) for t in ids),
+                lps,
+                [None] if i == 0 else None,
+                last,
+                "stop" if last else None,
+                3,
+                i + 1,
+            )
+        )
     return outs
 
 
@@ -238,8 +248,17 @@ def test_request_text_ends_at_the_first_stop_string_whatever_the_output_split(se
         k = rng.randint(1, 4)
         chunk = ids[i : i + k]
         i += len(chunk)
-        out = RequestOutput("r", chunk, "", [], None, i == len(ids),
-                            "length" if i == len(ids) else None, len(prompt), i)  # fmt: skip
+        out = RequestOutput(
+            "r",
+            chunk,
+            "",
+            [],
+            None,
+            i == len(ids),
+            "length" if i == len(ids) else None,
+            len(prompt),
+            i,
+        )
         got = text.apply(out)
         if got is not None:
             outs.append(got)

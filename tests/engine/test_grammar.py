@@ -22,9 +22,15 @@ from engramrt.runner.stage import StageRunner
 from tests.support.engine_factory import build_engine
 from tests.support.kernel_env import ENGINE_DEVICES
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "ok"],
-          "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
-                         "ok": {"type": "boolean"}}}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["id", "ok"],
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+    },
+}
 
 
 @pytest.fixture(scope="module", params=ENGINE_DEVICES)
@@ -33,14 +39,30 @@ def session(request) -> StageRunner:
 
 
 def _run(session, overlap: bool, guided: bool) -> dict[str, str]:
-    engine = build_engine(session, 256, 4, max_num_seqs=4, max_num_batched_tokens=32,
-                          block_size=4, num_blocks=256, overlap=overlap)  # fmt: skip
+    engine = build_engine(
+        session,
+        256,
+        4,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        block_size=4,
+        num_blocks=256,
+        overlap=overlap,
+    )
     engine.add_request("plain", [5, 6, 8, 9], SamplingParams(max_tokens=12, temperature=0))
     if guided:
-        for i, spec in enumerate([GrammarSpec("json", SCHEMA), GrammarSpec("regex", "[a-z]{2,5}!"),
-                                  GrammarSpec("choice", ["alpha", "beta"])]):  # fmt: skip
-            engine.add_request(f"g{i}", [7, 8, 9 + i], SamplingParams(
-                max_tokens=120, temperature=1.0, seed=i, grammar=spec))  # fmt: skip
+        for i, spec in enumerate(
+            [
+                GrammarSpec("json", SCHEMA),
+                GrammarSpec("regex", "[a-z]{2,5}!"),
+                GrammarSpec("choice", ["alpha", "beta"]),
+            ]
+        ):
+            engine.add_request(
+                f"g{i}",
+                [7, 8, 9 + i],
+                SamplingParams(max_tokens=120, temperature=1.0, seed=i, grammar=spec),
+            )
     text = {}
     while engine.has_work():
         for o in engine.step():
@@ -62,9 +84,11 @@ def test_guided_outputs_match_their_grammar_with_and_without_overlap(session) ->
 
 def test_invalid_grammar_is_a_value_error(session) -> None:
     engine = build_engine(session, 256, 4)
-    for spec, needle in [(GrammarSpec("regex", "(a"), "regex"),
-                         (GrammarSpec("json", {"type": "nope"}), "json"),
-                         (GrammarSpec("choice", []), "choice")]:  # fmt: skip
+    for spec, needle in [
+        (GrammarSpec("regex", "(a"), "regex"),
+        (GrammarSpec("json", {"type": "nope"}), "json"),
+        (GrammarSpec("choice", []), "choice"),
+    ]:
         with pytest.raises(ValueError, match=needle):
             engine.new_request("x", [5], SamplingParams(grammar=spec))
 
@@ -86,8 +110,17 @@ def test_grammar_wins_over_min_tokens(session) -> None:
     the sampler, controls that would leave no token allowed (min_tokens holding back the EOS a
     grammar requires) give way to the grammar's mask."""
     engine = build_engine(session, 256, 4)
-    engine.add_request("r", [5, 6], SamplingParams(max_tokens=40, temperature=1.0, seed=0,
-                       min_tokens=30, grammar=GrammarSpec("choice", ["ab", "cd"])))  # fmt: skip
+    engine.add_request(
+        "r",
+        [5, 6],
+        SamplingParams(
+            max_tokens=40,
+            temperature=1.0,
+            seed=0,
+            min_tokens=30,
+            grammar=GrammarSpec("choice", ["ab", "cd"]),
+        ),
+    )
     text, reason = "", None
     while engine.has_work():
         for o in engine.step():
@@ -98,8 +131,14 @@ def test_grammar_wins_over_min_tokens(session) -> None:
     eos, vocab = 1, 64
     only_eos = [1 << eos, 0]
     controls = Controls(min_tokens=5, min_tokens_ids=[eos])
-    batch = StepBatch([5], [0], [1], [0], admitted=[NewRequest(0, [5], 1, 0, controls=controls)],
-                      masks=[(0, only_eos)])  # fmt: skip
+    batch = StepBatch(
+        [5],
+        [0],
+        [1],
+        [0],
+        admitted=[NewRequest(0, [5], 1, 0, controls=controls)],
+        masks=[(0, only_eos)],
+    )
     sampler.slots.admit(batch.admitted, vocab)
     pending, _ = sampler.launch(torch.randn(1, vocab), batch)
     assert pending.wait().tokens == [eos]
@@ -119,8 +158,12 @@ def test_a_grammar_that_cannot_be_followed_is_never_a_silent_stop(session) -> No
         with pytest.raises(ValueError, match="cannot be followed"):
             engine.new_request("x", [5], SamplingParams(grammar=spec))
     a = session.tokenizer.token_to_id("a")
-    params = SamplingParams(max_tokens=20, temperature=0, logit_bias={a: 100.0},
-                            grammar=GrammarSpec("regex", "b|a{1000}{1000}"))  # fmt: skip
+    params = SamplingParams(
+        max_tokens=20,
+        temperature=0,
+        logit_bias={a: 100.0},
+        grammar=GrammarSpec("regex", "b|a{1000}{1000}"),
+    )
     engine.add_request("r", [5, 6], params)
     outs = []
     while engine.has_work():

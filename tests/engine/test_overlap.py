@@ -31,8 +31,9 @@ def session() -> StageRunner:
 @pytest.fixture(scope="module")
 def make_engine(session: StageRunner):
     def make(overlap: bool, **cfg) -> Engine:
-        return build_engine(session, MAX_LEN, MAX_SLOTS, **{"num_blocks": 128, **cfg},
-                            overlap=overlap)  # fmt: skip
+        return build_engine(
+            session, MAX_LEN, MAX_SLOTS, **{"num_blocks": 128, **cfg}, overlap=overlap
+        )
 
     return make
 
@@ -267,8 +268,9 @@ def test_overlap_with_cuda_graphs_equals_synchronous(encode, session) -> None:
     vocab = session.tokenizer.get_vocab_size()
 
     def engine(overlap: bool) -> Engine:
-        return build_engine(runner, MAX_LEN, MAX_SLOTS, MAX_SLOTS, 64, overlap=overlap,
-                            allocate=False)  # fmt: skip
+        return build_engine(
+            runner, MAX_LEN, MAX_SLOTS, MAX_SLOTS, 64, overlap=overlap, allocate=False
+        )
 
     probe = run_all(engine(False), random_requests(encode, vocab, 2, None))
     stop_token = next(r.ids[2] for r in probe.values() if len(r.ids) > 3)
@@ -281,11 +283,16 @@ def test_overlap_with_cuda_graphs_equals_synchronous(encode, session) -> None:
 
 @pytest.mark.parametrize(
     ("flags", "on"),
-    [([], True), (["--no-async-scheduling"], False), (["--async-scheduling"], True),
-     (["-pp", "2"], False), (["-tp", "2"], False),
-     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], True),
-     (["--speculative-config", '{"num_speculative_tokens": 2}', "-pp", "2"], False)],
-)  # fmt: skip
+    [
+        ([], True),
+        (["--no-async-scheduling"], False),
+        (["--async-scheduling"], True),
+        (["-pp", "2"], False),
+        (["-tp", "2"], False),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], True),
+        (["--speculative-config", '{"num_speculative_tokens": 2}', "-pp", "2"], False),
+    ],
+)
 def test_overlap_is_the_default_wherever_outputs_are_the_same(flags: list[str], on: bool) -> None:
     """As vLLM: overlap scheduling is on unless asked off, or where it cannot give the same
     outputs (several stages or ranks); with speculative decoding too (the stage verifies and

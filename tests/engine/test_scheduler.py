@@ -251,8 +251,14 @@ def test_long_prefill_threshold_caps_each_prompts_tokens_per_step(seed: int) -> 
     rng = random.Random(seed)
     chunk, budget = rng.choice([1, 3, 5, 8]), rng.choice([8, 12, 16])
     sim = Sim(256, 4, 4, budget, chunk=chunk)
-    reqs = [req(str(i), [rng.randrange(5) for _ in range(rng.randint(1, 30))],
-                max_tokens=rng.randint(1, 5)) for i in range(10)]  # fmt: skip
+    reqs = [
+        req(
+            str(i),
+            [rng.randrange(5) for _ in range(rng.randint(1, 30))],
+            max_tokens=rng.randint(1, 5),
+        )
+        for i in range(10)
+    ]
     steps = 0
     while reqs or sim.s.has_work():
         if reqs and rng.random() < 0.4:

@@ -147,11 +147,14 @@ def _watch_history(runner: StageRunner, engine: Engine, seen: list[int]) -> None
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"max_num_batched_tokens": 8},  # chunked prefill beside verify runs
-     {"num_blocks": 40, "block_size": 4},  # preemption: too few blocks for four requests
-     {"max_num_seqs": 2}],  # continuous batching: requests admitted while others verify
+    [
+        {},
+        {"max_num_batched_tokens": 8},  # chunked prefill beside verify runs
+        {"num_blocks": 40, "block_size": 4},  # preemption: too few blocks for four requests
+        {"max_num_seqs": 2},
+    ],  # continuous batching: requests admitted while others verify
     ids=["plain", "chunked", "preempting", "admitting"],
-)  # fmt: skip
+)
 def test_greedy_with_speculation_equals_without(runner: StageRunner, kw: dict) -> None:
     prompts = _prompts(runner, 6, seed=len(kw))
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for _ in prompts]
@@ -177,10 +180,9 @@ def test_greedy_with_speculation_equals_without(runner: StageRunner, kw: dict) -
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"max_num_batched_tokens": 8}, {"num_blocks": 40, "block_size": 4},
-     {"max_num_seqs": 2}],
+    [{}, {"max_num_batched_tokens": 8}, {"num_blocks": 40, "block_size": 4}, {"max_num_seqs": 2}],
     ids=["plain", "chunked", "preempting", "admitting"],
-)  # fmt: skip
+)
 def test_overlap_with_speculation_equals_greedy_without(runner: StageRunner, kw: dict) -> None:
     """Overlap scheduling with n-gram drafts looked up on the stage: step N+1 is launched before
     the host reads step N, a run behind a verify run in flight starts where every draft of it
@@ -211,8 +213,10 @@ def test_seeded_sampling_draws_the_same_tokens(runner: StageRunner) -> None:
     """A seeded row's noise is keyed by its output index, and a verify run samples output i
     from the same logits as decoding does: the drawn tokens are the same."""
     prompts = _prompts(runner, 4, seed=7)
-    params = [SamplingParams(max_tokens=24, temperature=0.3, top_p=0.95, seed=11 + i,
-                             ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.3, top_p=0.95, seed=11 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     want = _run(_engine(runner, None), prompts, params)
     for overlap in (False, True):  # a seeded request speculates synchronously
         engine = _engine(runner, SpecConfig(3), overlap=overlap)
@@ -243,8 +247,12 @@ def test_two_stages_with_speculation_answer_as_one_without() -> None:
 
     spec = '{"method": "ngram", "num_speculative_tokens": 4}'
     prompt = "The capital of Bribrinu is Mokmok. The capital of Bribrinu is Mokmok. The capital"
-    body = {"prompt": [prompt, "12 + 7 = 19. 12 + 7 = 19. 12 +"], "max_tokens": 16,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "prompt": [prompt, "12 + 7 = 19. 12 + 7 = 19. 12 +"],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     texts = {}
     for name, flags in {"plain": (), "pp2": ("--speculative-config", spec, "-pp", "2")}.items():
         with running_server("--dtype", "float32", "--max-model-len", "256", *flags) as base:
@@ -259,8 +267,11 @@ def test_two_stages_with_speculation_answer_as_one_without() -> None:
                     if x.startswith("engramrt:spec_decode_num_accepted_tokens_total")
                 )
                 assert float(line.split()[-1]) > 0
-                per_pos = [float(x.split()[-1]) for x in m.splitlines() if x.startswith(
-                    "engramrt:spec_decode_num_accepted_tokens_per_pos_total{")]  # fmt: skip
+                per_pos = [
+                    float(x.split()[-1])
+                    for x in m.splitlines()
+                    if x.startswith("engramrt:spec_decode_num_accepted_tokens_per_pos_total{")
+                ]
                 assert len(per_pos) == 4 and sum(per_pos) == float(line.split()[-1])
     assert texts["pp2"] == texts["plain"]
 
@@ -272,12 +283,29 @@ def test_generate_with_speculation_over_two_stages() -> None:
     import subprocess
     import sys
 
-    args = ["generate", "--model", str(GQA_MODEL_DIR), "--prompt",
-            "12 + 7 = 19. 12 + 7 = 19. 12 + 7 = 19. 12 +",
-            "--max-tokens", "16", "--device", "cpu", "--dtype", "float32"]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        str(GQA_MODEL_DIR),
+        "--prompt",
+        "12 + 7 = 19. 12 + 7 = 19. 12 + 7 = 19. 12 +",
+        "--max-tokens",
+        "16",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
     spec = ["--speculative-config", '{"num_speculative_tokens": 3}', "-pp", "2"]
-    outs = [subprocess.run([sys.executable, "-m", "engramrt", *args, *extra], text=True,
-                           capture_output=True, timeout=180) for extra in ([], spec)]  # fmt: skip
+    outs = [
+        subprocess.run(
+            [sys.executable, "-m", "engramrt", *args, *extra],
+            text=True,
+            capture_output=True,
+            timeout=180,
+        )
+        for extra in ([], spec)
+    ]
     assert all(o.returncode == 0 for o in outs), outs[1].stderr
     assert outs[0].stdout.strip() and outs[0].stdout == outs[1].stdout
 
@@ -297,8 +325,9 @@ def test_verify_graphs_give_the_output_without_speculation() -> None:
         r.capture_graphs(8, 256, k)
         replays, real = [], r.graphs.replay
         r.graphs.replay = lambda h, s, c: replays.append(s) or real(h, s, c)
-        return build_engine(r, 256, 8, 8, 256, overlap=overlap, speculative=spec,
-                            allocate=False), replays  # fmt: skip
+        return build_engine(
+            r, 256, 8, 8, 256, overlap=overlap, speculative=spec, allocate=False
+        ), replays
 
     runner = StageRunner.load(GQA_MODEL_DIR, 1, 64, "cpu", num_blocks=0)
     prompts = _prompts(runner, 6, seed=2)

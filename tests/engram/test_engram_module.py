@@ -341,8 +341,9 @@ def test_gated_engram_load_wkv_wrong_weight_shape():
     wb = np.zeros((WKV_OUT, WKV_IN + 32), dtype=np.uint8)
     sb = np.full((7, 4), 127, dtype=np.uint8)
     with pytest.raises(ValueError, match=r"expected \[200, 80\].*got \[200, 112\]"):
-        mod.load_wkv(fp8_dequant(torch.from_numpy(wb).view(torch.float8_e4m3fn),
-                                 torch.from_numpy(sb)))  # fmt: skip
+        mod.load_wkv(
+            fp8_dequant(torch.from_numpy(wb).view(torch.float8_e4m3fn), torch.from_numpy(sb))
+        )
 
 
 @pytest.mark.parametrize("shape", [(7, 2), (6, 3), (200, 80), (3, 7)])
@@ -350,6 +351,8 @@ def test_gated_engram_load_wkv_wrong_scale_shape(shape):
     """A block scale that is not [ceil(out/32), ceil(in/32)] raises ValueError naming it."""
     wb, _ = fp8_wkv(21)
     with pytest.raises(ValueError, match=r"\[7, 3\]") as err:
-        fp8_dequant(torch.from_numpy(wb).view(torch.float8_e4m3fn),
-                    torch.full(shape, 127, dtype=torch.uint8))  # fmt: skip
+        fp8_dequant(
+            torch.from_numpy(wb).view(torch.float8_e4m3fn),
+            torch.full(shape, 127, dtype=torch.uint8),
+        )
     assert str(list(shape)) in str(err.value)

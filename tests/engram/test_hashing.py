@@ -73,9 +73,12 @@ class Setup:
 
     def hasher(self, num_slots: int = NUM_SLOTS, mm_pad_start: int | None = None) -> EngramHasher:
         return EngramHasher(
-            self.layout, self.token_map, num_slots, mm_pad_start=mm_pad_start,
+            self.layout,
+            self.token_map,
+            num_slots,
+            mm_pad_start=mm_pad_start,
             kernels=self.kernels,
-        )  # fmt: skip
+        )
 
     def expect(
         self, seq: list[int], positions: Iterable[int], mm_pad_start: int | None = None

@@ -105,8 +105,13 @@ def test_loading_streams_into_the_mapping(tmp_path) -> None:
     weight = torch.randint(0, 255, (rows, dim), dtype=torch.uint8).view(torch.float8_e4m3fn)
     scale = torch.randint(100, 140, (rows, dim // 32), dtype=torch.uint8)
     f = tmp_path / "t.safetensors"
-    save_file({"layers.0.engram.embed.weight": weight,
-               "layers.0.engram.embed.scale": scale.view(torch.float8_e8m0fnu)}, f)  # fmt: skip
+    save_file(
+        {
+            "layers.0.engram.embed.weight": weight,
+            "layers.0.engram.embed.scale": scale.view(torch.float8_e8m0fnu),
+        },
+        f,
+    )
     del weight, scale
     script = textwrap.dedent(f"""
         import resource, torch
@@ -124,8 +129,13 @@ def test_loading_streams_into_the_mapping(tmp_path) -> None:
         print((peak - before) * 1024, same)
     """)
     root = str(Path(__file__).resolve().parents[2])
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": root},
+    )
     grew, same = out.stdout.split()
     size = rows * dim + rows * dim // 32
     assert same == "True"
@@ -164,13 +174,17 @@ def test_placement_flags_and_vllms_engram_config() -> None:
     assert engram_table_memory(_args("--engram-table-memory", "host")) == "host"
     assert engram_table_memory(_args("--engram-config", '{"cpu_offload": true}')) == "host"
     assert engram_table_memory(_args("--engram-config", '{"cpu_offload": false}')) == "device"
-    for bad, msg in [('{"cpu_offload": true, "x": 1}', "takes"), ("[1]", "takes"),
-                     ("{", "not JSON")]:  # fmt: skip
+    for bad, msg in [
+        ('{"cpu_offload": true, "x": 1}', "takes"),
+        ("[1]", "takes"),
+        ("{", "not JSON"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             engram_table_memory(_args("--engram-config", bad))
     with pytest.raises(ValueError, match="contradicts"):
-        engram_table_memory(_args("--engram-table-memory", "device", "--engram-config",
-                                  '{"cpu_offload": true}'))  # fmt: skip
+        engram_table_memory(
+            _args("--engram-table-memory", "device", "--engram-config", '{"cpu_offload": true}')
+        )
     assert choose_placement("auto", 10**15, "cpu") == "device"  # off GPU: RAM either way
     assert choose_placement("host", 0, "cpu") == "host"
     with pytest.raises(ValueError, match="auto, device or host"):
@@ -184,8 +198,7 @@ def test_the_start_up_self_test_passes_and_fails_loudly(monkeypatch) -> None:
     from engramrt.kernels import engram_gather
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: a registered mapping
-    runner = StageRunner.load(GQA_MODEL_DIR, 1, 16, device, "float32",
-                              table_memory="host")  # fmt: skip
+    runner = StageRunner.load(GQA_MODEL_DIR, 1, 16, device, "float32", table_memory="host")
     table = _tables(runner)[0]
     host_memory.check_reads(table, device)  # the real kernel reads the mapping
     real = engram_gather.gather

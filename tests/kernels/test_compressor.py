@@ -29,8 +29,11 @@ def test_pool_norm_is_the_restatement() -> None:
     for t in range(len(inside)):
         pa, ps = (a[t - 1], s[t - 1]) if inside[t] else (tail[slot[t], 0], tail[slot[t], 1])
         e0, e1 = ([math.exp(v) for v in x.tolist()] for x in (ps, s[t]))
-        pooled = torch.tensor([(pa[c] * e0[c] + a[t, c] * e1[c]) / (e0[c] + e1[c])
-                               for c in range(d)]).to(dtype).float()  # fmt: skip
+        pooled = (
+            torch.tensor([(pa[c] * e0[c] + a[t, c] * e1[c]) / (e0[c] + e1[c]) for c in range(d)])
+            .to(dtype)
+            .float()
+        )
         want = pooled / (pooled.square().mean() + eps).sqrt() * w.float()
         tol = 1e-5 if dtype == torch.float32 else 2**-7
         torch.testing.assert_close(

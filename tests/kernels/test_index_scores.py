@@ -40,8 +40,10 @@ def test_index_scores_are_the_restatement(ratio: int, extra: int, monkeypatch) -
         assert torch.isneginf(got[t, seen:]).all()
         if not seen:
             continue
-        rows = [int(table[req[t], c * ratio // BS]) * per + (c * ratio % BS) // ratio
-                for c in range(seen)]  # fmt: skip
+        rows = [
+            int(table[req[t], c * ratio // BS]) * per + (c * ratio % BS) // ratio
+            for c in range(seen)
+        ]
         s = (q[t] @ keys[rows].T).to(dtype).relu()  # [H, seen]: the torch path's roundings
         want = (s * w[t, :, None]).sum(0)
         tol = 1e-5 if dtype == torch.float32 else 2**-7

@@ -151,19 +151,27 @@ def test_hash_kernel_matches_reference_over_random_steps(n: int, heads: int) -> 
         assert torch.equal(ker.history.table[:slots_n].cpu(), ref.history.table[:slots_n])
 
     def both(method: str, *args, **kw) -> None:
-        same(getattr(ker, method)(*(a.to(DEV) for a in args), **kw),
-             getattr(ref, method)(*args, **kw))  # fmt: skip
+        same(
+            getattr(ker, method)(*(a.to(DEV) for a in args), **kw),
+            getattr(ref, method)(*args, **kw),
+        )
 
     def toks(count: int) -> torch.Tensor:
-        return torch.tensor([IMAGE if rng.random() < 0.05 else rng.randrange(V)
-                             for _ in range(count)])  # fmt: skip
+        return torch.tensor(
+            [IMAGE if rng.random() < 0.05 else rng.randrange(V) for _ in range(count)]
+        )
 
     for _ in range(4):
         req = rng.sample(range(slots_n), 6)
         runs = [rng.choice([0, 1, 5, 40, 70]) for _ in req]
         starts = [lengths[s] for s in req]
-        both("extend", toks(sum(runs) + 3), torch.tensor(req), torch.tensor(runs),
-             torch.tensor(starts))  # fmt: skip
+        both(
+            "extend",
+            toks(sum(runs) + 3),
+            torch.tensor(req),
+            torch.tensor(runs),
+            torch.tensor(starts),
+        )
         for s, r in zip(req, runs, strict=True):
             lengths[s] += r
         live = rng.sample(range(slots_n), 5)
@@ -172,8 +180,10 @@ def test_hash_kernel_matches_reference_over_random_steps(n: int, heads: int) -> 
         for num_real in (5, torch.tensor(5)):
             nr = num_real.to(DEV) if isinstance(num_real, torch.Tensor) else num_real
             t = toks(7)
-            same(ker.decode(t.to(DEV), torch.tensor(rows).to(DEV), pos.to(DEV), num_real=nr),
-                 ref.decode(t, torch.tensor(rows), pos, num_real=num_real))  # fmt: skip
+            same(
+                ker.decode(t.to(DEV), torch.tensor(rows).to(DEV), pos.to(DEV), num_real=nr),
+                ref.decode(t, torch.tensor(rows), pos, num_real=num_real),
+            )
             for s in live:
                 lengths[s] += 1
             pos = torch.tensor([lengths[s] for s in rows])

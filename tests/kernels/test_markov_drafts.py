@@ -25,10 +25,14 @@ def restated(logits, tokens, embed, head, limit, targets):
     for b, row in enumerate(logits):
         prev, out = int(tokens[b]), []
         for i, pos in enumerate(row):
-            bias = [sum(w * e for w, e in zip(head[v].tolist(), embed[prev].tolist(), strict=True))
-                    for v in range(len(pos))]  # fmt: skip
-            pos[:] = [x + y if limit is None or v < limit else -math.inf
-                      for v, (x, y) in enumerate(zip(pos, bias, strict=True))]  # fmt: skip
+            bias = [
+                sum(w * e for w, e in zip(head[v].tolist(), embed[prev].tolist(), strict=True))
+                for v in range(len(pos))
+            ]
+            pos[:] = [
+                x + y if limit is None or v < limit else -math.inf
+                for v, (x, y) in enumerate(zip(pos, bias, strict=True))
+            ]
             out.append(max(range(len(pos)), key=lambda v, pos=pos: (pos[v], -v)))
             prev = out[-1] if targets is None else int(targets[b, i])
         drafts.append(out)
@@ -77,9 +81,14 @@ def test_kernel_is_the_restatement(case) -> None:
     (logits, tokens, head, limit, forced), (want_logits, want) = prepared(case)
     on = logits.to(DEVICE)
     with torch.no_grad():
-        got = markov_drafts(on, tokens.to(DEVICE), head.embed.weight.to(DEVICE),
-                            head.head.weight.to(DEVICE), limit,
-                            None if forced is None else forced.to(DEVICE))  # fmt: skip
+        got = markov_drafts(
+            on,
+            tokens.to(DEVICE),
+            head.embed.weight.to(DEVICE),
+            head.head.weight.to(DEVICE),
+            limit,
+            None if forced is None else forced.to(DEVICE),
+        )
     assert got.cpu().tolist() == want
     assert torch.equal(on.cpu().double(), want_logits)
 

@@ -29,15 +29,18 @@ def test_paged_decode_attention_matches_sdpa(heads, kv_heads, dim, bs) -> None:
     max_blocks = int(-(-lens.max() // bs))
     tables = perm[: batch * max_blocks].view(batch, max_blocks)
     q = torch.randn(batch, heads, dim, generator=g)
-    got = paged_decode_attention(q.to(DEV), k_cache.to(DEV), v_cache.to(DEV), tables.to(DEV),
-                                 lens.to(DEV), bs).cpu()  # fmt: skip
+    got = paged_decode_attention(
+        q.to(DEV), k_cache.to(DEV), v_cache.to(DEV), tables.to(DEV), lens.to(DEV), bs
+    ).cpu()
     for b in range(batch):
         pos = torch.arange(int(lens[b]))
         rows = tables[b][pos // bs] * bs + pos % bs
         want = F.scaled_dot_product_attention(
-            q[b][:, None], k_cache[rows].transpose(0, 1), v_cache[rows].transpose(0, 1),
+            q[b][:, None],
+            k_cache[rows].transpose(0, 1),
+            v_cache[rows].transpose(0, 1),
             enable_gqa=True,
-        )[:, 0]  # fmt: skip
+        )[:, 0]
         torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
 
 
@@ -65,9 +68,11 @@ def _reference(q, k_cache, v_cache, tables, lens, bs) -> torch.Tensor:
         rows = tables[b][pos // bs] * bs + pos % bs
         if n:
             out[b] = F.scaled_dot_product_attention(
-                q[b].float()[:, None], k_cache[rows].float().transpose(0, 1),
-                v_cache[rows].float().transpose(0, 1), enable_gqa=True,
-            )[:, 0]  # fmt: skip
+                q[b].float()[:, None],
+                k_cache[rows].float().transpose(0, 1),
+                v_cache[rows].float().transpose(0, 1),
+                enable_gqa=True,
+            )[:, 0]
     return out
 
 
@@ -76,9 +81,15 @@ def _run_decode(q, k_cache, v_cache, tables, lens, bs, splits):
 
     width = torch.tensor([tables.shape[1]], device=DEV)  # a device scalar, as graphs pass it
     return paged_decode_attention(
-        q.to(DEV), k_cache.to(DEV), v_cache.to(DEV), tables.to(DEV), lens.to(DEV), bs, width,
+        q.to(DEV),
+        k_cache.to(DEV),
+        v_cache.to(DEV),
+        tables.to(DEV),
+        lens.to(DEV),
+        bs,
+        width,
         splits=splits,
-    ).cpu()  # fmt: skip
+    ).cpu()
 
 
 def _tol(dtype) -> dict:
@@ -143,8 +154,15 @@ def test_split_count_rule() -> None:
     )
 
     assert [splits_for(b, 8, 132) for b in (1, 2, 4, 8, 16, 32, 64, 256)] == [
-        64, 32, 16, 8, 4, 2, 1, 1,
-    ]  # fmt: skip
+        64,
+        32,
+        16,
+        8,
+        4,
+        2,
+        1,
+        1,
+    ]
     assert splits_for(1, 1, 132) == MAX_SPLITS
     assert splits_for(3, 8, 132) == 16  # ceil(264 / 24) = 11 -> 16
     assert decode_splits(1, 8, "cpu") == decode_splits(256, 1, "cpu") == INTERPRETER_SPLITS
@@ -179,10 +197,12 @@ def _prefill_reference(q, k_cache, v_cache, tables, run_lens, start_pos, bs) -> 
         pos = torch.arange(p0 + n)
         rows = tables[b][pos // bs] * bs + pos % bs
         out[at : at + n] = F.scaled_dot_product_attention(
-            q[at : at + n].float().transpose(0, 1), k_cache[rows].float().transpose(0, 1),
-            v_cache[rows].float().transpose(0, 1), attn_mask=pos <= pos[p0:, None],
+            q[at : at + n].float().transpose(0, 1),
+            k_cache[rows].float().transpose(0, 1),
+            v_cache[rows].float().transpose(0, 1),
+            attn_mask=pos <= pos[p0:, None],
             enable_gqa=True,
-        ).transpose(0, 1)  # fmt: skip
+        ).transpose(0, 1)
         at += n
     return out
 
@@ -193,8 +213,9 @@ def _run_prefill(q, k_cache, v_cache, tables, run_lens, start_pos, bs, config):
 
     lens = torch.tensor(run_lens)
     qstart = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
-    tile_req, tile_m0 = (torch.tensor(v, dtype=torch.int64)
-                         for v in prefill_tiles(run_lens, start_pos))  # fmt: skip
+    tile_req, tile_m0 = (
+        torch.tensor(v, dtype=torch.int64) for v in prefill_tiles(run_lens, start_pos)
+    )
     args = (q, k_cache, v_cache, tables, qstart, torch.tensor(start_pos), tile_req, tile_m0)
     return paged_prefill_attention(*(a.to(DEV) for a in args), bs, config=config).cpu()
 
@@ -265,5 +286,4 @@ def test_prefill_config_checked() -> None:
         assert cfg["BLOCK_M"] == pa.PREFILL_TILE and kv_tile <= 16384
     for bad in ({"BLOCK_M": 2 * pa.PREFILL_TILE}, {"BLOCK_M": 48}, {"BLOCK_N": 8}):
         with pytest.raises(ValueError, match="power of two"):
-            _run_prefill(*_prefill_case(2, 1, 16, 4, [3], [0], torch.float32, 0), [3], [0], 4,
-                         bad)  # fmt: skip
+            _run_prefill(*_prefill_case(2, 1, 16, 4, [3], [0], torch.float32, 0), [3], [0], 4, bad)

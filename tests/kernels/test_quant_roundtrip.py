@@ -41,8 +41,10 @@ def adversarial(kind: int, dtype: torch.dtype) -> torch.Tensor:
     vals = torch.cat([vals, -vals])
     pieces = list(vals.split(block - 1))
     pieces[-1] = torch.cat([pieces[-1], torch.zeros(block - 1 - len(pieces[-1]))])
-    blocks = [torch.cat([p, torch.tensor([top])]) * 2.0 ** torch.randint(-6, 6, (1,), generator=g)
-              for p in pieces]  # fmt: skip
+    blocks = [
+        torch.cat([p, torch.tensor([top])]) * 2.0 ** torch.randint(-6, 6, (1,), generator=g)
+        for p in pieces
+    ]
     blocks += [torch.zeros(block), torch.linspace(-1e6, 1e6, block)]
     if len(blocks) % 2:
         blocks.append(torch.zeros(block))
@@ -53,8 +55,10 @@ def adversarial(kind: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("kind", [ACT, FP4_POW2, FP4_E4M3])
 def test_roundtrip_is_bitwise_the_torch_path(kind: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(7)
-    wide = (torch.randn(33, 3 * BLOCK_OF[kind], generator=g)
-            * 10.0 ** torch.randint(-5, 5, (33, 1), generator=g)).to(dtype)  # fmt: skip
+    wide = (
+        torch.randn(33, 3 * BLOCK_OF[kind], generator=g)
+        * 10.0 ** torch.randint(-5, 5, (33, 1), generator=g)
+    ).to(dtype)
     for x in (wide, adversarial(kind, dtype)):
         want = TORCH[kind](x)
         got = roundtrip(x.to(DEVICE), kind).cpu()

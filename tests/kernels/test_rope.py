@@ -30,8 +30,12 @@ def oracle(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return out
 
 
-CASES = [(1, 24, 128, torch.bfloat16), (5, 3, 64, torch.float32), (17, 8, 48, torch.float32),
-         (9, 2, 32, torch.bfloat16)]  # fmt: skip
+CASES = [
+    (1, 24, 128, torch.bfloat16),
+    (5, 3, 64, torch.float32),
+    (17, 8, 48, torch.float32),
+    (9, 2, 32, torch.bfloat16),
+]
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, max_pos: int) -> None:

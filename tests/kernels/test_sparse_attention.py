@@ -23,8 +23,10 @@ def restated(q, kv, ring, comp, picks, sink, scale, ring_len=W):
     for p0, n, slot in RUNS:
         for i in range(n):
             p = p0 + i
-            rows = [kv[t - i + (u - p0)] if u >= p0 else ring[slot * ring_len + u % ring_len]
-                    for u in range(max(0, p - W + 1), p + 1)]  # fmt: skip
+            rows = [
+                kv[t - i + (u - p0)] if u >= p0 else ring[slot * ring_len + u % ring_len]
+                for u in range(max(0, p - W + 1), p + 1)
+            ]
             rows += [comp[r] for r in picks[t].tolist() if r >= 0]
             rows = torch.stack(rows).double()
             s = q[t].double() @ rows.T * scale  # [H, R]
@@ -35,8 +37,9 @@ def restated(q, kv, ring, comp, picks, sink, scale, ring_len=W):
     return out
 
 
-@pytest.mark.parametrize("dtype,ring_len", [(torch.float32, W), (torch.bfloat16, W),
-                                            (torch.float32, W + 3)])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,ring_len", [(torch.float32, W), (torch.bfloat16, W), (torch.float32, W + 3)]
+)
 def test_sparse_attention_is_the_restatement(dtype: torch.dtype, ring_len: int) -> None:
     """``ring_len`` > W: rings with room for a verify run's drafts (speculative decoding)."""
     if dtype == torch.bfloat16 and DEVICE == "cpu":

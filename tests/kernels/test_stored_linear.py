@@ -15,9 +15,13 @@ pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 SHAPES = [  # (fp4, M, N, K): partial N and K tiles, split K (few rows, long K), many rows
-    (False, 1, 70, 96), (False, 3, 40, 1024), (False, 37, 96, 160),
-    (True, 1, 48, 128), (True, 2, 64, 1088), (True, 33, 40, 64),
-]  # fmt: skip
+    (False, 1, 70, 96),
+    (False, 3, 40, 1024),
+    (False, 37, 96, 160),
+    (True, 1, 48, 128),
+    (True, 2, 64, 1088),
+    (True, 33, 40, 64),
+]
 
 
 @pytest.mark.parametrize(("fp4", "m", "n", "k"), SHAPES)
@@ -34,8 +38,9 @@ def test_stored_linear_is_the_exact_product_up_to_sum_order(fp4, m, n, k) -> Non
     assert got.dtype == torch.float32
     assert bool(((got.double() - exact).abs() <= bound).all())
     if DEVICE == "cuda":  # bf16 activations: the torch path's bf16 output, to one ulp
-        got16 = stored_linear(a.to(DEVICE, torch.bfloat16), stored.to(DEVICE),
-                              scale.to(DEVICE), fp4).cpu()  # fmt: skip
+        got16 = stored_linear(
+            a.to(DEVICE, torch.bfloat16), stored.to(DEVICE), scale.to(DEVICE), fp4
+        ).cpu()
         want16 = quant.quantized_linear(a.bfloat16(), dequant(stored, scale, torch.bfloat16))
         torch.testing.assert_close(got16, want16, rtol=2**-7, atol=1e-6)
 
@@ -49,13 +54,17 @@ def test_a_wrong_scale_or_nibble_order_is_seen() -> None:
     base = stored_linear(a.to(DEVICE), stored.to(DEVICE), scale.to(DEVICE), True).cpu()
     b = stored.view(torch.uint8)
     swapped = ((b << 4) | (b >> 4)).view(torch.int8)
-    assert not torch.equal(stored_linear(a.to(DEVICE), swapped.to(DEVICE), scale.to(DEVICE),
-                                         True).cpu(), base)  # fmt: skip
+    assert not torch.equal(
+        stored_linear(a.to(DEVICE), swapped.to(DEVICE), scale.to(DEVICE), True).cpu(), base
+    )
     bumped = scale.view(torch.uint8).clone()
     bumped[5, 1] += 1
-    assert not torch.equal(stored_linear(a.to(DEVICE), stored.to(DEVICE),
-                                         bumped.view(torch.float8_e8m0fnu).to(DEVICE),
-                                         True).cpu(), base)  # fmt: skip
+    assert not torch.equal(
+        stored_linear(
+            a.to(DEVICE), stored.to(DEVICE), bumped.view(torch.float8_e8m0fnu).to(DEVICE), True
+        ).cpu(),
+        base,
+    )
 
 
 @pytest.mark.parametrize("bm", [1, 4, 16])
@@ -96,6 +105,8 @@ def test_grouped_stored_linear_is_each_rows_expert_product(fp4, rows) -> None:
     got = grouped_stored_linear(a.to(DEVICE), w, s, fp4, counts.to(DEVICE)).cpu().double()
     full = [dequant(*st, torch.float64) for st in stored]
     exact = torch.stack([a[i].double() @ full[x].T for i, x in enumerate(expert.tolist())])
-    bound = torch.stack([a[i].double().abs() @ full[x].abs().T
-                         for i, x in enumerate(expert.tolist())]) * 2**-16  # fmt: skip
+    bound = (
+        torch.stack([a[i].double().abs() @ full[x].abs().T for i, x in enumerate(expert.tolist())])
+        * 2**-16
+    )
     assert bool(((got - exact).abs() <= bound).all())

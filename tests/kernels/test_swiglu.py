@@ -22,8 +22,12 @@ def _check(out: torch.Tensor, gate_up: torch.Tensor) -> None:
     assert ((out.double().cpu() - ref).abs() <= tol * (1 + ref.abs())).all()
 
 
-CASES = [(1, 8192, torch.bfloat16), (7, 96, torch.float32), (3, 1500, torch.float32),
-         (33, 40, torch.bfloat16)]  # fmt: skip
+CASES = [
+    (1, 8192, torch.bfloat16),
+    (7, 96, torch.float32),
+    (3, 1500, torch.float32),
+    (33, 40, torch.bfloat16),
+]
 
 
 @pytest.mark.parametrize("tokens,inter,dtype", CASES)

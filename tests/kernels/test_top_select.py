@@ -21,8 +21,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def brute(scores, seen, k, allowed=None, block=1) -> list[list[int]]:
     out = []
     for i, row in enumerate(scores.float().tolist()):
-        s = [v if allowed is None or allowed[i, c // block] else -math.inf
-             for c, v in enumerate(row)]  # fmt: skip
+        s = [
+            v if allowed is None or allowed[i, c // block] else -math.inf for c, v in enumerate(row)
+        ]
         order = sorted(range(int(seen[i])), key=lambda c: (-s[c], c))[:k]
         out.append(sorted(order) + [-1] * (k - len(order)))
     return out

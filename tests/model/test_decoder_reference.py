@@ -347,9 +347,12 @@ def test_reference_attention_groups_runs_like_one_per_request() -> None:
     runs, starts, bs = [5, 5, 0, 12, 5, 1, 1], [0, 37, 4, 3, 11, 60, 0], 4
     q, k_cache, v_cache, tables = _prefill_case(6, 2, 16, bs, runs, starts, torch.float32, 5)
     ctx = SimpleNamespace(  # the cache already holds every position: nothing to write
-        slot_mapping=torch.full((sum(runs),), -1), run_lens=runs, start_pos=starts,
-        block_table=tables, kv=SimpleNamespace(block_size=bs),
-    )  # fmt: skip
+        slot_mapping=torch.full((sum(runs),), -1),
+        run_lens=runs,
+        start_pos=starts,
+        block_table=tables,
+        kv=SimpleNamespace(block_size=bs),
+    )
     unused = torch.zeros(sum(runs), 2, 16)
     got = _torch_attention(q, unused, unused, k_cache, v_cache, ctx)
     want = _prefill_reference(q, k_cache, v_cache, tables, runs, starts, bs)

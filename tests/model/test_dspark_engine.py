@@ -148,9 +148,12 @@ def test_drafts_on_the_last_pipeline_stage_equal_one_stage(v41_small: Path, runn
     its drafts after a prefill and after a verify step equal the one-stage runner's, bitwise."""
     from engramrt.runner.batch import StepBatch
 
-    stages = [StageRunner.load(v41_small, num_slots=1, max_len=256, dtype="float32",
-                               layer_ids=ids, dspark=ids[-1] == 5)
-              for ids in ([0, 1, 2], [3, 4, 5])]  # fmt: skip
+    stages = [
+        StageRunner.load(
+            v41_small, num_slots=1, max_len=256, dtype="float32", layer_ids=ids, dspark=ids[-1] == 5
+        )
+        for ids in ([0, 1, 2], [3, 4, 5])
+    ]
     assert stages[1].model.embed is not None and not stages[1].is_first
     for r in (runner, *stages):
         r.allocate_kv(1, 256, 4, 64, slack=K)
@@ -161,17 +164,26 @@ def test_drafts_on_the_last_pipeline_stage_equal_one_stage(v41_small: Path, runn
     def both(batch: StepBatch):
         whole = runner.run(batch)
         carry = stages[0].compute(batch)
-        split = stages[1].run(StepBatch(None, batch.slots, batch.run_lens, batch.start_pos,
-                                        drafts=batch.drafts, draft_tokens=batch.draft_tokens),
-                              carry)  # fmt: skip
+        split = stages[1].run(
+            StepBatch(
+                None,
+                batch.slots,
+                batch.run_lens,
+                batch.start_pos,
+                drafts=batch.drafts,
+                draft_tokens=batch.draft_tokens,
+            ),
+            carry,
+        )
         assert split.tokens == whole.tokens and split.drafts == whole.drafts
         return whole
 
     first = both(StepBatch(p, [0], [len(p)], [0], **prefill))
     bonus, drafts = first.tokens[0], first.drafts[0][:K]
     right = drafts[:1] + [(t + 1) % 1000 for t in drafts[1:]]  # the first may be accepted
-    verify = both(StepBatch([bonus, *right], [0], [1 + K], [len(p)], drafts=[K],
-                            draft_tokens=right))  # fmt: skip
+    verify = both(
+        StepBatch([bonus, *right], [0], [1 + K], [len(p)], drafts=[K], draft_tokens=right)
+    )
     assert len(verify.tokens) == 1 + K
 
 
@@ -193,8 +205,9 @@ def test_dspark_under_preemption(v41_small: Path) -> None:
         engine = build_engine(runner, 256, 4, max_num_seqs=4, num_blocks=64)
         engine.add_request("x", p, params)
         alone.append(drain(engine)["x"].ids)
-    engine = build_engine(runner, 256, 4, max_num_seqs=4, num_blocks=40,
-                          speculative=SpecConfig(K, method="dspark"))  # fmt: skip
+    engine = build_engine(
+        runner, 256, 4, max_num_seqs=4, num_blocks=40, speculative=SpecConfig(K, method="dspark")
+    )
     assert _run(engine, prompts, [params] * len(prompts)) == alone
     stats = engine.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
@@ -252,11 +265,18 @@ def test_an_engine_refuses_a_cache_without_room_for_its_drafts(runner) -> None:
     let a rejected draft's ring row be read: the engine refuses it, naming the rule."""
     runner.allocate_kv(1, 256, 4, 64)
     with pytest.raises(ValueError, match=r"rings of window \+ 3 rows"):
-        build_engine(runner, 256, 1, max_num_seqs=1, allocate=False,
-                     speculative=SpecConfig(K, method="dspark"))  # fmt: skip
+        build_engine(
+            runner,
+            256,
+            1,
+            max_num_seqs=1,
+            allocate=False,
+            speculative=SpecConfig(K, method="dspark"),
+        )
     runner.allocate_kv(1, 256, 4, 64, slack=K)
-    build_engine(runner, 256, 1, max_num_seqs=1, allocate=False,
-                 speculative=SpecConfig(K, method="dspark"))  # fmt: skip
+    build_engine(
+        runner, 256, 1, max_num_seqs=1, allocate=False, speculative=SpecConfig(K, method="dspark")
+    )
 
 
 def test_drafts_without_the_confidence_head_are_the_same_drafts(v41_small: Path) -> None:

@@ -42,9 +42,16 @@ from tests.model.test_v41_reference import (
 
 BF16, STEPS = torch.bfloat16, 12
 # each a semantic detail of the draft the comparison must see (``test_mutants_are_caught``)
-MUTANTS = ("causal block", "window without p", "no window", "block rotated from p",
-           "YaRN rotation", "model norm", "Markov bias of tok only",
-           "confidence on normed y")  # fmt: skip
+MUTANTS = (
+    "causal block",
+    "window without p",
+    "no window",
+    "block rotated from p",
+    "YaRN rotation",
+    "model norm",
+    "Markov bias of tok only",
+    "confidence on normed y",
+)
 
 
 class DSparkReference(Reference):
@@ -64,8 +71,13 @@ class DSparkReference(Reference):
         self.dring = [torch.zeros(self.win, self.hd, dtype=BF16) for _ in range(self.stages)]
         for s in range(self.stages):  # Reference.moe reads layers.{i}.ffn.*: the stage's there
             pf = f"mtp.{s}."
-            W.update({f"layers.{self.L + s}.{k[len(pf) :]}": v for k, v in list(W.items())
-                      if k.startswith(pf)})  # fmt: skip
+            W.update(
+                {
+                    f"layers.{self.L + s}.{k[len(pf) :]}": v
+                    for k, v in list(W.items())
+                    if k.startswith(pf)
+                }
+            )
         self.feats: list[torch.Tensor] = []
 
     def mixes(self, h, pf):
@@ -79,8 +91,11 @@ class DSparkReference(Reference):
         if i < self.L:
             return super().moe(i, x)
         c = self.c
-        self.c = {**c, "n_routed_experts": c["dspark_n_routed_experts"],
-                  "num_experts_per_tok": c["dspark_n_activated_experts"]}  # fmt: skip
+        self.c = {
+            **c,
+            "n_routed_experts": c["dspark_n_routed_experts"],
+            "num_experts_per_tok": c["dspark_n_activated_experts"],
+        }
         try:
             return super().moe(i, x)
         finally:
@@ -187,13 +202,23 @@ def drafts(model_dir):
         ref.forward(toks, pos)
         p, tok = pos + len(toks) - 1, int(got[-1].argmax())
         rings = [eng.kv.window[ref.L + s][0].clone() for s in range(ref.stages)]
-        d = dspark.draft(eng.model, eng.kv, *ends_of(batch), torch.tensor([tok]),
-                         eng.sampler.token_limit)  # fmt: skip
-        steps.append({"p": p, "tok": tok, "eng": (d.tokens[0], d.logits[0], d.confidence[0]),
-                      "ref": ref.draft(tok, p), "unbiased": ref.rec["unbiased"],
-                      "rings_before_draft": rings,
-                      "rings": ([eng.kv.window[ref.L + s][0].clone() for s in range(ref.stages)],
-                                [r.clone() for r in ref.dring])})  # fmt: skip
+        d = dspark.draft(
+            eng.model, eng.kv, *ends_of(batch), torch.tensor([tok]), eng.sampler.token_limit
+        )
+        steps.append(
+            {
+                "p": p,
+                "tok": tok,
+                "eng": (d.tokens[0], d.logits[0], d.confidence[0]),
+                "ref": ref.draft(tok, p),
+                "unbiased": ref.rec["unbiased"],
+                "rings_before_draft": rings,
+                "rings": (
+                    [eng.kv.window[ref.L + s][0].clone() for s in range(ref.stages)],
+                    [r.clone() for r in ref.dring],
+                ),
+            }
+        )
         pos, toks = pos + len(toks), [tok]
         batch = StepBatch(toks, [0], [1], [pos])
     return eng, ref, steps

@@ -142,10 +142,12 @@ def test_generate_greedy_is_deterministic(capsys: pytest.CaptureFixture) -> None
 
 def test_generate_sampling_reproducible_by_seed(capsys: pytest.CaptureFixture) -> None:
     runs = {
-        seed: [_generate(capsys, "--temperature", "1.0", "--top-p", "0.9", "--seed", seed)
-               for _ in range(2)]
+        seed: [
+            _generate(capsys, "--temperature", "1.0", "--top-p", "0.9", "--seed", seed)
+            for _ in range(2)
+        ]
         for seed in ("1", "2")
-    }  # fmt: skip
+    }
     assert runs["1"][0] == runs["1"][1] and runs["2"][0] == runs["2"][1]
     assert runs["1"][0] != runs["2"][0]
 

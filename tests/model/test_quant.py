@@ -84,8 +84,11 @@ def around(values) -> list[float]:
     out = set()
     for p in pts:
         p32 = f32(p)
-        out |= {float(p32), float(np.nextafter(p32, f32(np.inf))),
-                float(np.nextafter(p32, f32(-np.inf)))}  # fmt: skip
+        out |= {
+            float(p32),
+            float(np.nextafter(p32, f32(np.inf))),
+            float(np.nextafter(p32, f32(-np.inf))),
+        }
     return sorted(out)
 
 
@@ -310,8 +313,11 @@ def test_weight_quantisers_write_what_a_checkpoint_writer_would() -> None:
             block = w[bi * 32 : bi * 32 + 32, bj * 32 : bj * 32 + 32]
             want = ceil_pow2(fr(block.abs().max()) / 448)
             assert Fraction(2) ** (int(scale.view(torch.uint8)[bi, bj]) - 127) == want
-            for x, got in zip(block.flatten().tolist(), values[bi * 32 : bi * 32 + 32,
-                              bj * 32 : bj * 32 + 32].flatten().tolist(), strict=True):  # fmt: skip
+            for x, got in zip(
+                block.flatten().tolist(),
+                values[bi * 32 : bi * 32 + 32, bj * 32 : bj * 32 + 32].flatten().tolist(),
+                strict=True,
+            ):
                 assert got == oracle_e4m3(float(fr(x) / want)), (bi, bj, x)
     packed, scale = quant.fp4_weight(w[:, :64])
     codes = quant.unpack_e2m1(packed)

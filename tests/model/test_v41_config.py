@@ -18,22 +18,32 @@ FLASH = json.loads(FLASH_CONFIG.read_text())["text_config"]
 
 # the reference's inference/config.json spelling of the same fields
 REFERENCE_NAMES = {
-    "hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
-    "qk_rope_head_dim": "rope_head_dim", "sliding_window": "window_size",
-    "kv_source_layer_ids": "kv_source_layers", "index_source_layer_ids": "index_source_layers",
-    "candidate_source_layer_id": "candidate_source_layer", "rms_norm_eps": "norm_eps",
-    "num_nextn_predict_layers": "n_mtp_layers", "num_experts_per_tok": "n_activated_experts",
-    "moe_intermediate_size": "moe_inter_dim", "scoring_func": "score_func",
+    "hidden_size": "dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "qk_rope_head_dim": "rope_head_dim",
+    "sliding_window": "window_size",
+    "kv_source_layer_ids": "kv_source_layers",
+    "index_source_layer_ids": "index_source_layers",
+    "candidate_source_layer_id": "candidate_source_layer",
+    "rms_norm_eps": "norm_eps",
+    "num_nextn_predict_layers": "n_mtp_layers",
+    "num_experts_per_tok": "n_activated_experts",
+    "moe_intermediate_size": "moe_inter_dim",
+    "scoring_func": "score_func",
     "routed_scaling_factor": "route_scale",
-}  # fmt: skip
+}
 
 
 def reference_spelling(hf: dict) -> dict:
     out = {REFERENCE_NAMES.get(k, k): v for k, v in hf.items() if k != "rope_scaling"}
     rope = hf["rope_scaling"]
-    out.update(original_seq_len=rope["original_max_position_embeddings"],
-               rope_factor=rope["factor"], beta_fast=rope["beta_fast"],
-               beta_slow=rope["beta_slow"])  # fmt: skip
+    out.update(
+        original_seq_len=rope["original_max_position_embeddings"],
+        rope_factor=rope["factor"],
+        beta_fast=rope["beta_fast"],
+        beta_slow=rope["beta_slow"],
+    )
     return out
 
 
@@ -46,8 +56,10 @@ def test_flash_in_both_spellings() -> None:
 
 def test_flash_layer_roles_are_the_documented_ones() -> None:
     cfg = v41_config(FLASH)
-    kinds = {kind: [r.layer for r in cfg.roles if r.kind == kind]
-             for kind in (WINDOW, SOURCE, REINDEX, REUSE)}  # fmt: skip
+    kinds = {
+        kind: [r.layer for r in cfg.roles if r.kind == kind]
+        for kind in (WINDOW, SOURCE, REINDEX, REUSE)
+    }
     assert kinds[WINDOW] == [0, 1]
     assert kinds[SOURCE] == [2, 8, 14, 20]
     assert kinds[REINDEX] == [24, 28, 32, 36]
@@ -75,10 +87,16 @@ def _random_config(rng: random.Random) -> dict:
     for _ in range(rng.randint(0, 3)):
         index.append(len(ratios))
         ratios += [1] * rng.randint(1, 3)
-    cfg = dict(FLASH, num_hidden_layers=len(ratios), compress_ratios=ratios,
-               kv_source_layer_ids=kv, index_source_layer_ids=sorted(kv + index),
-               candidate_source_layer_id=cand, num_nextn_predict_layers=0,
-               engram_layer_ids=[0])  # fmt: skip
+    cfg = dict(
+        FLASH,
+        num_hidden_layers=len(ratios),
+        compress_ratios=ratios,
+        kv_source_layer_ids=kv,
+        index_source_layer_ids=sorted(kv + index),
+        candidate_source_layer_id=cand,
+        num_nextn_predict_layers=0,
+        engram_layer_ids=[0],
+    )
     return cfg
 
 
@@ -109,8 +127,11 @@ def test_legal_cuts_equal_a_brute_force_restatement() -> None:
 
 BAD = [
     ("spellings", {"dim": 4096}, "'dim'"),
-    ("kv_not_index", {"index_source_layer_ids": [8, 14, 20, 24, 28, 32, 36]},
-     "kv_source_layer_ids"),
+    (
+        "kv_not_index",
+        {"index_source_layer_ids": [8, 14, 20, 24, 28, 32, 36]},
+        "kv_source_layer_ids",
+    ),
     ("candidate_ratio", {"candidate_source_layer_id": 14}, "candidate_source_layer_id"),
     ("reindex_early", {"index_source_layer_ids": [2, 8, 10, 14, 20]}, "re-indexes"),
     ("index_on_window", {"index_source_layer_ids": [1, 2, 8, 14, 20]}, "index_source_layer_ids"),
@@ -125,7 +146,7 @@ BAD = [
     ("score", {"scoring_func": "softmax"}, "scoring_func"),
     ("missing", {"q_lora_rank": None}, "q_lora_rank"),
     ("unsorted", {"kv_source_layer_ids": [8, 2, 14, 20]}, "kv_source_layer_ids"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("change", "needle"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])

@@ -56,13 +56,23 @@ def run_steps(runner: StageRunner, runs: list[list[tuple[int, list[int]]]]) -> l
         slots = [s for s, _ in step]
         lens = [len(t) for _, t in step]
         starts = [pos.get(s, 0) for s in slots]
-        new = [blocks_for(s, p + n)[-(-p // BLOCK) if p else 0 :]
-               for s, p, n in zip(slots, starts, lens, strict=True)]  # fmt: skip
-        new = [b if not p or (p + n - 1) // BLOCK >= -(-p // BLOCK) else []
-               for b, p, n in zip(new, starts, lens, strict=True)]  # fmt: skip
+        new = [
+            blocks_for(s, p + n)[-(-p // BLOCK) if p else 0 :]
+            for s, p, n in zip(slots, starts, lens, strict=True)
+        ]
+        new = [
+            b if not p or (p + n - 1) // BLOCK >= -(-p // BLOCK) else []
+            for b, p, n in zip(new, starts, lens, strict=True)
+        ]
         tokens = [t for _, ts in step for t in ts]
-        batch = StepBatch(tokens, slots, lens, starts, new_blocks=new,
-                          block_starts=[-(-p // BLOCK) for p in starts])  # fmt: skip
+        batch = StepBatch(
+            tokens,
+            slots,
+            lens,
+            starts,
+            new_blocks=new,
+            block_starts=[-(-p // BLOCK) for p in starts],
+        )
         out.append(runner.compute(batch, last_only=True))
         for s, n in zip(slots, lens, strict=True):
             pos[s] = pos.get(s, 0) + n
@@ -102,8 +112,10 @@ def test_batched_runs_equal_runs_alone(runner: StageRunner) -> None:
     alone in slot 0."""
     a, b = prompt(37, 2), prompt(22, 3)
     alone = [run_steps(runner, [[(0, p[:-2])], [(0, p[-2:-1])], [(0, p[-1:])]]) for p in (a, b)]
-    both = run_steps(runner, [[(1, a[:-2]), (2, b[:-2])], [(2, b[-2:-1]), (1, a[-2:-1])],
-                              [(1, a[-1:]), (2, b[-1:])]])  # fmt: skip
+    both = run_steps(
+        runner,
+        [[(1, a[:-2]), (2, b[:-2])], [(2, b[-2:-1]), (1, a[-2:-1])], [(1, a[-1:]), (2, b[-1:])]],
+    )
     for step in range(3):
         got = dict(zip([[1, 2], [2, 1], [1, 2]][step], both[step], strict=True))
         torch.testing.assert_close(got[1], alone[0][step][0], rtol=1e-5, atol=1e-5)
@@ -139,8 +151,9 @@ def turns(engine, first: list[int], rest: list[int], params: SamplingParams) -> 
 
 
 @pytest.mark.parametrize("snapshots, hits_b, hits_c", [(None, 56, 44), (3, 56, 0), (1, 0, 0)])
-def test_prefix_hits_restore_the_window_and_equal_cold_runs(runner, snapshots, hits_b,
-                                                            hits_c) -> None:  # fmt: skip
+def test_prefix_hits_restore_the_window_and_equal_cold_runs(
+    runner, snapshots, hits_b, hits_c
+) -> None:
     """A second turn that repeats the first's prompt and outputs hits the blocks up to the
     last boundary the first computed (its decode steps left a window snapshot there) and
     generates what a cold engine does; a repeat of the first prompt hits up to its last full
@@ -180,11 +193,18 @@ def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys
         ({"partition": [2, 4]}, ["layer 2", "legal cuts", "[1, 3]"]),
         ({"partition": [1, 1, 4]}, ["layer 2", "legal cuts"]),
         ({"block_size": 5}, ["--block-size", "even"]),
-        ({"speculative_config": '{"method": "dspark", "num_speculative_tokens": 6}'},
-         ["num_speculative_tokens 6", "block (5"]),
-        ({"speculative_config": '{"method": "dspark", "num_speculative_tokens": 2}',
-          "dist": DistConfig(tp_size=2)}, ["dspark", "-tp 1"]),
-    ]:  # fmt: skip
+        (
+            {"speculative_config": '{"method": "dspark", "num_speculative_tokens": 6}'},
+            ["num_speculative_tokens 6", "block (5"],
+        ),
+        (
+            {
+                "speculative_config": '{"method": "dspark", "num_speculative_tokens": 2}',
+                "dist": DistConfig(tp_size=2),
+            },
+            ["dspark", "-tp 1"],
+        ),
+    ]:
         with pytest.raises(ValueError) as err:
             check(EngineOptions(**{**base, **bad}))
         assert all(w in str(err.value) for w in words), err.value
@@ -245,8 +265,9 @@ def test_released_format_loads_and_broken_tensors_are_named(v41_small: Path, tmp
     missing or misshaped tensor is an error naming it."""
     model = load_model(v41_small, "float32")
     state = load_file(v41_small / "model.safetensors")
-    wo_a = quant.dequant_fp8_weight(state["layers.2.attn.wo_a.weight"],
-                                    state["layers.2.attn.wo_a.scale"], torch.float32)  # fmt: skip
+    wo_a = quant.dequant_fp8_weight(
+        state["layers.2.attn.wo_a.weight"], state["layers.2.attn.wo_a.scale"], torch.float32
+    )
     assert torch.equal(model.layers["2"].attn.wo_a.weight, wo_a)
     stored = model.layers["2"].ffn.experts[0].w1
     assert stored.weight.dtype == torch.int8 and stored.scale.dtype == torch.float8_e8m0fnu
@@ -265,9 +286,16 @@ def test_released_format_loads_and_broken_tensors_are_named(v41_small: Path, tmp
         (out / "model.safetensors.index.json").write_text(json.dumps(index))
         return out
 
-    extra = variant("extra", lambda t: t.update({
-        "mtp.0.attn.wq_a.weight": torch.zeros(2, 2), "vision.blocks.0.norm1.weight": torch.ones(4),
-        "layers.0.ffn.gate.bias_vl": torch.zeros(8)}))  # fmt: skip
+    extra = variant(
+        "extra",
+        lambda t: t.update(
+            {
+                "mtp.0.attn.wq_a.weight": torch.zeros(2, 2),
+                "vision.blocks.0.norm1.weight": torch.ones(4),
+                "layers.0.ffn.gate.bias_vl": torch.zeros(8),
+            }
+        ),
+    )
     load_model(extra, "float32")
     err = capsys.readouterr().err
     assert "DSpark" in err and "vision tower" in err and "routing biases" in err

@@ -53,8 +53,9 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
         fin = torch.isfinite(want)
         scale = want[fin].float().abs().max()
         tol = 1e-5 if want.dtype == torch.float32 else 2**-7  # one bf16 rounding, another order
-        torch.testing.assert_close(got[fin].float() / scale, want[fin].float() / scale, rtol=0,
-                                   atol=tol)  # fmt: skip
+        torch.testing.assert_close(
+            got[fin].float() / scale, want[fin].float() / scale, rtol=0, atol=tol
+        )
 
     def both(self, q, kv, comp, rows, step, cache):
         monkeypatch.setattr(v41_attention, "use_triton", lambda device: True)
@@ -85,8 +86,15 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
     monkeypatch.setattr(cls, "_index", both_index)
     monkeypatch.setattr(v41_attention.Indexer, "select", keep)
     a, b = prompt(45, 11), prompt(30, 12)
-    run_steps(runner, [[(0, a[:13])], [(0, a[13:40]), (1, b[:21])],
-                       [(1, b[21:22]), (0, a[40:41])], [(0, a[41:44]), (1, b[22:23])]])  # fmt: skip
+    run_steps(
+        runner,
+        [
+            [(0, a[:13])],
+            [(0, a[13:40]), (1, b[:21])],
+            [(1, b[21:22]), (0, a[40:41])],
+            [(0, a[41:44]), (1, b[22:23])],
+        ],
+    )
     kinds = {kind for kind, _ in calls}
     assert len(kinds) == 6 and all(
         any(p for k, p in calls if k == kind)  # every role; real
@@ -103,8 +111,10 @@ def test_graphs_replay_the_eager_steps(v41_small: Path) -> None:
     row writes only the spare ring slot, never an unused slot's."""
     from engramrt.runner.batch import StepBatch
 
-    runners = [StageRunner.load(v41_small, num_slots=4, max_len=128, device="cuda",
-                                dtype="float32") for _ in range(2)]  # fmt: skip
+    runners = [
+        StageRunner.load(v41_small, num_slots=4, max_len=128, device="cuda", dtype="float32")
+        for _ in range(2)
+    ]
     for r in runners:
         r.allocate_kv(4, 128, 16, 32)
     runners[1].capture_graphs(4, 64)
@@ -114,8 +124,15 @@ def test_graphs_replay_the_eager_steps(v41_small: Path) -> None:
     prompts = [prompt(n, 20 + n) for n in (33, 9, 20)]
     late = prompt(19, 40)
     blocks = [list(range(8 * s, 8 * s + 8)) for s in range(4)]
-    steps = [StepBatch([t for p in prompts for t in p], [0, 2, 3], [len(p) for p in prompts],
-                       [0, 0, 0], new_blocks=[blocks[s] for s in (0, 2, 3)])]  # fmt: skip
+    steps = [
+        StepBatch(
+            [t for p in prompts for t in p],
+            [0, 2, 3],
+            [len(p) for p in prompts],
+            [0, 0, 0],
+            new_blocks=[blocks[s] for s in (0, 2, 3)],
+        )
+    ]
     pos = [len(p) for p in prompts]
     for n in range(9):
         out = [r.compute(steps[-1], last_only=True) for r in runners]
@@ -154,8 +171,7 @@ def test_prefix_hits_after_graph_steps_equal_cold_runs(v41_small: Path) -> None:
     from tests.model.test_v41_engine import turns
     from tests.support.engine_factory import build_engine
 
-    runner = StageRunner.load(v41_small, num_slots=4, max_len=256, device="cuda",
-                              dtype="float32")  # fmt: skip
+    runner = StageRunner.load(v41_small, num_slots=4, max_len=256, device="cuda", dtype="float32")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     outs, hits = [], []
     for caching in (False, True):
@@ -184,8 +200,7 @@ def test_expert_warm_up_covers_every_row_count(v41_small: Path) -> None:
     kernel = stored_linear._stored_linear_kernel
     if not count_compilations() or not hasattr(kernel, "device_caches"):
         pytest.skip("this Triton has no post-compile hook or per-device kernel caches")
-    runner = StageRunner.load(v41_small, num_slots=2, max_len=64, device="cuda",
-                              dtype="bfloat16")  # fmt: skip
+    runner = StageRunner.load(v41_small, num_slots=2, max_len=64, device="cuda", dtype="bfloat16")
     moe = next(m for m in runner.model.modules() if isinstance(m, V41MoE))
     start = compilations()
     kernel.device_caches.clear()
@@ -213,8 +228,9 @@ def test_verify_graphs_replay_the_eager_verify_steps(v41_small: Path) -> None:
     from tests.support.engine_factory import build_engine
 
     k = 4
-    runner = StageRunner.load(v41_small, num_slots=1, max_len=256, device="cuda",
-                              dtype="float32", num_blocks=0)  # fmt: skip
+    runner = StageRunner.load(
+        v41_small, num_slots=1, max_len=256, device="cuda", dtype="float32", num_blocks=0
+    )
     runner.allocate_kv(1, 256, 4, 64, slack=k)
     runner.speculate(k, (4, 2))
     runner.capture_graphs(1, 64, verify=k)
@@ -247,8 +263,9 @@ def test_draft_kernels_equal_the_torch_path(v41_small: Path, monkeypatch) -> Non
     logits within the kernels' tolerance (float32: a bf16 near-tie could flip a draft)."""
     from engramrt.runner.batch import StepBatch
 
-    runner = StageRunner.load(v41_small, num_slots=2, max_len=128, device=DEVICE,
-                              dtype="float32", dspark=True)  # fmt: skip
+    runner = StageRunner.load(
+        v41_small, num_slots=2, max_len=128, device=DEVICE, dtype="float32", dspark=True
+    )
     runner.allocate_kv(2, 128, 16, 16)
     a, b = prompt(21, 5), prompt(9, 6)
     runner.compute(StepBatch(a + b, [0, 1], [21, 9], [0, 0], new_blocks=[[0, 1], [8]]))
@@ -260,8 +277,11 @@ def test_draft_kernels_equal_the_torch_path(v41_small: Path, monkeypatch) -> Non
     for kernels in (True, False):  # the attention, the fused mHC and the Markov loop
         for module in (v41_attention, mhc, dspark):
             monkeypatch.setattr(module, "use_triton", lambda device, k=kernels: k)
-        drafts.append(dspark.draft(runner.model, runner.kv, ends, slots, tokens,
-                                   limit=runner.model.cfg.vocab_size - 5))  # fmt: skip
+        drafts.append(
+            dspark.draft(
+                runner.model, runner.kv, ends, slots, tokens, limit=runner.model.cfg.vocab_size - 5
+            )
+        )
     got, want = drafts
     scale = want.logits[want.logits.isfinite()].abs().max()
     torch.testing.assert_close(got.logits / scale, want.logits / scale, rtol=0, atol=1e-4)
@@ -278,23 +298,31 @@ def test_the_step_after_the_sampler_replays_its_eager_run(v41_small: Path) -> No
     from engramrt.runner.batch import StepBatch
 
     k = 3
-    runner = StageRunner.load(v41_small, num_slots=4, max_len=128, device="cuda",
-                              dtype="float32", dspark=True)  # fmt: skip
+    runner = StageRunner.load(
+        v41_small, num_slots=4, max_len=128, device="cuda", dtype="float32", dspark=True
+    )
     runner.allocate_kv(4, 128, 16, 32, slack=k)
     runner.speculate(k)
     runner.capture_graphs(4, 64)
     v = runner.verifier
     assert sorted(v.graphs) == [(1, 0), (1, k), (2, 0), (2, k), (4, 0), (4, k)]
     prompts = [prompt(n, 50 + n) for n in (21, 9, 30)]
-    runner.compute(StepBatch([t for p in prompts for t in p], [0, 2, 3], [21, 9, 30], [0, 0, 0],
-                             new_blocks=[[0, 1], [8], [12, 13]]))  # fmt: skip
+    runner.compute(
+        StepBatch(
+            [t for p in prompts for t in p],
+            [0, 2, 3],
+            [21, 9, 30],
+            [0, 0, 0],
+            new_blocks=[[0, 1], [8], [12, 13]],
+        )
+    )
     batch = StepBatch(None, [0, 2, 3], [1 + k] * 3, [21, 9, 30], drafts=[k] * 3)
     with torch.inference_mode():
         for slot, start, first in ((0, 21, 6), (2, 9, 16), (3, 30, 26)):  # the drafts verified
-            v.rows[slot, start + 1 : start + 1 + k] = torch.arange(first, first + k,
-                                                                  device="cuda")  # fmt: skip
-    samples = torch.tensor([6, 7, 1, 2] + [9] * 4 + [26, 3, 4, 5],
-                           device="cuda")  # accepted: 2, 0, 1  # fmt: skip
+            v.rows[slot, start + 1 : start + 1 + k] = torch.arange(first, first + k, device="cuda")
+    samples = torch.tensor(
+        [6, 7, 1, 2] + [9] * 4 + [26, 3, 4, 5], device="cuda"
+    )  # accepted: 2, 0, 1
     state = [v.rows, v.rejected, runner.hasher.history.table]
     with torch.inference_mode():  # as the stage runs it (its tensors are inference tensors)
         before = [t.clone() for t in state]
@@ -322,8 +350,15 @@ def test_over_a_pipeline_the_graph_after_the_sampler_takes_the_host_drafts(v41_s
     from engramrt.runner.carry import Carry
 
     k = 3
-    runner = StageRunner.load(v41_small, num_slots=4, max_len=128, device="cuda",
-                              dtype="float32", layer_ids=[3, 4, 5], dspark=True)  # fmt: skip
+    runner = StageRunner.load(
+        v41_small,
+        num_slots=4,
+        max_len=128,
+        device="cuda",
+        dtype="float32",
+        layer_ids=[3, 4, 5],
+        dspark=True,
+    )
     runner.allocate_kv(4, 128, 16, 32, slack=k)
     runner.speculate(k)
     runner.capture_graphs(4, 64)
@@ -332,13 +367,16 @@ def test_over_a_pipeline_the_graph_after_the_sampler_takes_the_host_drafts(v41_s
     with torch.inference_mode():  # the rings seeded from a prefill of random streams
         carry = Carry.empty(runner.model, 60, torch.zeros)
         carry.x.normal_(generator=torch.Generator("cuda").manual_seed(0))
-        runner.compute(StepBatch(None, [0, 2, 3], [21, 9, 30], [0, 0, 0],
-                                 new_blocks=[[0, 1], [8], [12, 13]]), carry)  # fmt: skip
+        runner.compute(
+            StepBatch(None, [0, 2, 3], [21, 9, 30], [0, 0, 0], new_blocks=[[0, 1], [8], [12, 13]]),
+            carry,
+        )
     samples = torch.tensor([6, 7, 1, 2] + [9] * 4 + [26, 3, 4, 5], device="cuda")
     outs = []
     for host in ([6, 7, 8, 16, 17, 18, 26, 27, 28], [6, 0, 0, 9, 9, 9, 26, 3, 4]):
-        batch = StepBatch(None, [0, 2, 3], [1 + k] * 3, [21, 9, 30], drafts=[k] * 3,
-                          draft_tokens=host)  # accepted: 2, 0, 1; then 1, 3, 3
+        batch = StepBatch(
+            None, [0, 2, 3], [1 + k] * 3, [21, 9, 30], drafts=[k] * 3, draft_tokens=host
+        )  # accepted: 2, 0, 1; then 1, 3, 3
         with torch.inference_mode():
             replayed = v.after(batch, samples).clone()
             graphs, v.graphs = v.graphs, {}

@@ -21,9 +21,17 @@ E, K, DIM, INTER, LIMIT = 8, 3, 64, 96, 0.75
 
 def small_moe(seed: int, image_bias: bool = False) -> V41MoE:
     flash = json.loads(FLASH_CONFIG.read_text())["text_config"]
-    cfg = v41_config(dict(flash, n_routed_experts=E, num_experts_per_tok=K,
-                          moe_intermediate_size=INTER, hidden_size=DIM, q_lora_rank=64,
-                          swiglu_limit=LIMIT))  # fmt: skip
+    cfg = v41_config(
+        dict(
+            flash,
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            moe_intermediate_size=INTER,
+            hidden_size=DIM,
+            q_lora_rank=64,
+            swiglu_limit=LIMIT,
+        )
+    )
     moe = V41MoE(cfg, image_bias)
     g = torch.Generator().manual_seed(seed)
     moe.gate.weight.copy_(torch.randn(E, DIM, generator=g) * 0.2)

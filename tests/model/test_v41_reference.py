@@ -161,9 +161,10 @@ class Reference:
             "ring": {i: torch.zeros(self.win, self.hd, dtype=BF) for i in range(len(self.ratios))},
             "comp": {i: torch.zeros(n, self.hd, dtype=BF) for i in self.kv_src},
             "keys": {i: torch.zeros(n, c["index_head_dim"], dtype=BF) for i in self.kv_src},
-            "kv_state": torch.zeros(2, self.hd), "score_state": torch.full((2, self.hd), -INF),
+            "kv_state": torch.zeros(2, self.hd),
+            "score_state": torch.full((2, self.hd), -INF),
             "shared": {},  # shared_attn: compress_kv / index_k source layer, topk, candidates
-        }  # fmt: skip
+        }
         self.rec: dict = {}  # what the last step computed, for the tests
         self.forced: dict = {}  # ("attn" | "ffn", layer) -> an input also run, without effects
 
@@ -367,11 +368,13 @@ def run(model_dir):
 
     for name, blk in eng.model.layers.items():
         i, attn, ffn = int(name), blk.attn, blk.ffn
-        hooks += [attn.register_forward_pre_hook(keep(("attn_in", i))),
-                  attn.register_forward_hook(keep(("attn_out", i))),
-                  attn.wq_b.register_forward_hook(keep(("q", i))),
-                  ffn.register_forward_pre_hook(keep(("ffn_in", i))),
-                  ffn.register_forward_hook(keep(("ffn_out", i)))]  # fmt: skip
+        hooks += [
+            attn.register_forward_pre_hook(keep(("attn_in", i))),
+            attn.register_forward_hook(keep(("attn_out", i))),
+            attn.wq_b.register_forward_hook(keep(("q", i))),
+            ffn.register_forward_pre_hook(keep(("ffn_in", i))),
+            ffn.register_forward_hook(keep(("ffn_out", i))),
+        ]
         indexers[id(attn.indexer)] = i
     cls = type(eng.model.layers["1"].attn.indexer)
 

@@ -57,9 +57,17 @@ def _cli(*args: str, env: dict | None = None, timeout: float = 180) -> subproces
 
 @pytest.mark.parametrize(
     ("layers", "pp", "want"),
-    [(3, 2, [2, 1]), (4, 3, [1, 2, 1]), (5, 3, [2, 2, 1]), (22, 4, [5, 6, 6, 5]),
-     (61, 4, [15, 15, 16, 15]), (40, 2, [20, 20]), (40, 3, [13, 14, 13]), (6, 1, [6])],
-)  # fmt: skip
+    [
+        (3, 2, [2, 1]),
+        (4, 3, [1, 2, 1]),
+        (5, 3, [2, 2, 1]),
+        (22, 4, [5, 6, 6, 5]),
+        (61, 4, [15, 15, 16, 15]),
+        (40, 2, [20, 20]),
+        (40, 3, [13, 14, 13]),
+        (6, 1, [6]),
+    ],
+)
 def test_default_split_matches_vllm(layers: int, pp: int, want: list[int]) -> None:
     """vLLM's get_pp_indices: remainder to the stages before the last, from the back."""
     assert default_partition(layers, pp) == want == resolve_partition(layers, pp)
@@ -106,8 +114,19 @@ def test_more_stages_than_layers_names_the_rule() -> None:
 
 
 def test_cli_rejects_bad_partition(capsys: pytest.CaptureFixture) -> None:
-    code = main(["generate", "--model", str(GQA_MODEL_DIR), "--prompt", "x", "-pp", "2",
-                 "--pp-layer-partition", "4,0"])  # fmt: skip
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(GQA_MODEL_DIR),
+            "--prompt",
+            "x",
+            "-pp",
+            "2",
+            "--pp-layer-partition",
+            "4,0",
+        ]
+    )
     assert code == 2 and "empty stage" in capsys.readouterr().err
 
 
@@ -143,8 +162,9 @@ def _stage_of(model, layers: list[int]):
     from engramrt.model.decoder import EngramMHCModel
 
     stage = EngramMHCModel(model.cfg, model.dtype, layers)
-    stage.load_state_dict({k: v for k, v in model.state_dict().items() if k in stage.state_dict()},
-                          strict=False)  # fmt: skip
+    stage.load_state_dict(
+        {k: v for k, v in model.state_dict().items() if k in stage.state_dict()}, strict=False
+    )
     for i in layers:
         if stage.layers[str(i)].engram is not None:
             stage.layers[str(i)].engram.embed = model.layers[str(i)].engram.embed
@@ -218,8 +238,10 @@ def test_check_pp_on_default_model_passes_and_catches_a_skipped_engram(tmp_path)
     assert bad.returncode == 1, bad.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert not report["ok"] and [r["partition"] for r in report["partitions"]] == [
-        [1, 3], [2, 2], [3, 1]
-    ]  # fmt: skip
+        [1, 3],
+        [2, 2],
+        [3, 1],
+    ]
     assert [r["ok"] for r in report["partitions"]] == [False, False, True]
     rows = {line.split()[0]: line for line in bad.stdout.splitlines()[1:-1]}
     assert "MISMATCH" in rows["1,3"] and "MISMATCH" in rows["2,2"]  # stage 1 starts on Engram
@@ -235,8 +257,12 @@ def test_flip_gap_bounds_rounding_flips(eps: float) -> None:
     ref = [torch.randn(5, 40, generator=g) for _ in range(6)]
     noisy = [r + (torch.rand(r.shape, generator=g) * 2 - 1) * eps for r in ref]
     want, got = ([x.argmax(-1).tolist() for x in xs] for xs in (ref, noisy))
-    gaps = [float(r[i, w[i]] - r[i, o[i]]) for r, w, o in zip(ref, want, got, strict=True)
-            for i in range(5) if w[i] != o[i]]  # fmt: skip
+    gaps = [
+        float(r[i, w[i]] - r[i, o[i]])
+        for r, w, o in zip(ref, want, got, strict=True)
+        for i in range(5)
+        if w[i] != o[i]
+    ]
     gap = _flip_gap(got, want, ref)
     assert gap == (max(gaps) if gaps else None)
     assert gap is None or 0 < gap <= 2 * eps
@@ -260,10 +286,13 @@ def test_check_pp_in_process_reports_a_raising_stage(monkeypatch: pytest.MonkeyP
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("stages", "fault", "partitions"),
-    [(2, "0@2,2", [[1, 3], [2, 2], [3, 1]]), (2, "1@2,2", [[1, 3], [2, 2], [3, 1]]),
-     (3, "1@1,2,1", [[1, 1, 2], [1, 2, 1], [2, 1, 1]]),
-     (2, "1@1,3@load", [[1, 3], [2, 2], [3, 1]])],
-)  # fmt: skip
+    [
+        (2, "0@2,2", [[1, 3], [2, 2], [3, 1]]),
+        (2, "1@2,2", [[1, 3], [2, 2], [3, 1]]),
+        (3, "1@1,2,1", [[1, 1, 2], [1, 2, 1], [2, 1, 1]]),
+        (2, "1@1,3@load", [[1, 3], [2, 2], [3, 1]]),
+    ],
+)
 def test_check_pp_reports_a_raising_stage_and_goes_on(
     tmp_path: Path, stages: int, fault: str, partitions: list[list[int]]
 ) -> None:
@@ -272,8 +301,14 @@ def test_check_pp_reports_a_raising_stage_and_goes_on(
     and the JSON; the stages still running are not left waiting, the check goes on with the
     next partitions, which pass, and exits 1, with no traceback."""
     stage, failing, *load = fault.split("@")
-    out = _cli("check-pp", "--stages", str(stages), "--json", str(tmp_path / "r.json"),
-               env={RAISE_ENV: fault})  # fmt: skip
+    out = _cli(
+        "check-pp",
+        "--stages",
+        str(stages),
+        "--json",
+        str(tmp_path / "r.json"),
+        env={RAISE_ENV: fault},
+    )
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stdout + out.stderr, out.stderr
     report = json.loads((tmp_path / "r.json").read_text())
@@ -325,14 +360,43 @@ def test_torchrun_runs_the_same_flags(flag: str) -> None:
     """Two ranks under torchrun: two stages, or one stage of two TP ranks."""
     torchrun = Path(sys.executable).with_name("torchrun")
     run = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "engramrt", "generate",
-         "--model", str(GQA_MODEL_DIR), "--prompt", "The quick brown fox", "--max-tokens", "5",
-         flag, "2", "--device", "cpu", "--dtype", "float32"],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "engramrt",
+            "generate",
+            "--model",
+            str(GQA_MODEL_DIR),
+            "--prompt",
+            "The quick brown fox",
+            "--max-tokens",
+            "5",
+            flag,
+            "2",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0, run.stderr
-    single = _cli("generate", "--prompt", "The quick brown fox", "--max-tokens", "5",
-                  "--device", "cpu", "--dtype", "float32")  # fmt: skip
+    single = _cli(
+        "generate",
+        "--prompt",
+        "The quick brown fox",
+        "--max-tokens",
+        "5",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    )
     assert run.stdout == single.stdout
 
 
@@ -342,14 +406,23 @@ def test_a_dead_stage_ends_the_others_quickly() -> None:
     step. Rank 0 must exit with an error within seconds, not wait out its 600 s timeout."""
     script = Path(__file__).parents[1] / "support" / "pp_stage_dies.py"
     port = str(free_port())
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
-           "PYTHONPATH": str(Path(__file__).parents[2])}  # fmt: skip
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "WORLD_SIZE": "2",
+        "PYTHONPATH": str(Path(__file__).parents[2]),
+    }
     start = time.monotonic()
     procs = [
-        subprocess.Popen([sys.executable, str(script), "600"], env={**env, "RANK": str(r),
-                         "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, str(script), "600"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         for r in range(2)
-    ]  # fmt: skip
+    ]
     codes = [p.wait(timeout=120) for p in procs]
     elapsed = time.monotonic() - start
     assert codes[1] == 3 and codes[0] != 0

@@ -25,9 +25,15 @@ from engramrt.tensor_parallel import TensorParallel
 from tests.support.model_factory import make_model, save_model
 
 PROMPTS = ["The capital of Bribrinu is", "12 + 7 =", "x"]
-MOE = {"ffn_type": "moe", "n_routed_experts": 4, "num_experts_per_tok": 2,
-       "n_shared_experts": 1, "moe_intermediate_size": 32, "num_hidden_layers": 2,
-       "engram_layer_ids": [0, 1]}  # fmt: skip
+MOE = {
+    "ffn_type": "moe",
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "engram_layer_ids": [0, 1],
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +43,9 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _ranks(model_dir: Path, size: int, **kw) -> list:
-    return [load_model(model_dir, torch.float32, tp=TensorParallel(r, size), **kw)
-            for r in range(size)]  # fmt: skip
+    return [
+        load_model(model_dir, torch.float32, tp=TensorParallel(r, size), **kw) for r in range(size)
+    ]
 
 
 # --- the slices (in process: loading needs no process group) ---------------------------------
@@ -46,9 +53,15 @@ def _ranks(model_dir: Path, size: int, **kw) -> list:
 
 @pytest.mark.parametrize(
     ("which", "size", "tables"),
-    [("default", 2, "device"), ("default", 4, "device"), ("default", 2, "host"),
-     ("moe", 2, "device"), ("moe", 2, "host"), ("v41", 2, "device")],
-)  # fmt: skip
+    [
+        ("default", 2, "device"),
+        ("default", 4, "device"),
+        ("default", 2, "host"),
+        ("moe", 2, "device"),
+        ("moe", 2, "host"),
+        ("v41", 2, "device"),
+    ],
+)
 def test_rank_slices_reassemble_the_model(
     which: str, size: int, tables: str, moe_dir, v41_small
 ) -> None:
@@ -131,8 +144,11 @@ def test_tp2_matches_one_process(which: str, stages: int, moe_dir: Path, v41_sma
     PP = 1: greedy tokens identical over a prefill and 6 decode steps, logits within 1e-3;
     every Engram layer ran on its stage."""
     model_dir = {"default": GQA_MODEL_DIR, "moe": moe_dir, "v41": v41_small}[which]
-    report = check_pp(CheckOptions(model_dir, stages=stages, prompts=PROMPTS, decode_steps=6,
-                                   dist=DistConfig(tp_size=2)))  # fmt: skip
+    report = check_pp(
+        CheckOptions(
+            model_dir, stages=stages, prompts=PROMPTS, decode_steps=6, dist=DistConfig(tp_size=2)
+        )
+    )
     assert report["tensor_parallel_size"] == 2 and report["partitions"]
     for row in report["partitions"]:
         assert row["error"] is None and row["greedy_tokens_identical"] and row["engram_runs_ok"]
@@ -145,14 +161,23 @@ def test_a_dead_tp_rank_ends_the_group_quickly() -> None:
     """Two TP ranks of one stage started as torchrun would; the follower dies after one step.
     The leader must exit with an error within seconds, not wait out its 600 s timeout."""
     script = Path(__file__).parents[1] / "support" / "pp_stage_dies.py"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2", "PYTHONPATH": str(Path(__file__).parents[2])}  # fmt: skip
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+        "PYTHONPATH": str(Path(__file__).parents[2]),
+    }
     start = time.monotonic()
     procs = [
-        subprocess.Popen([sys.executable, str(script), "600", "tp"], env={**env, "RANK": str(r),
-                         "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, str(script), "600", "tp"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         for r in range(2)
-    ]  # fmt: skip
+    ]
     codes = [p.wait(timeout=120) for p in procs]
     assert codes[1] == 3 and codes[0] != 0
     assert time.monotonic() - start < 60
@@ -180,8 +205,14 @@ def test_nccl_collectives_replay_in_cuda_graphs(monkeypatch) -> None:
     calls: dict[str, int] = {}
     for name in ("all_reduce", "all_gather_into_tensor", "broadcast"):
         real = getattr(dist, name)
-        monkeypatch.setattr(tensor_parallel.dist, name, lambda *a, _r=real, _n=name, **k: (
-            calls.__setitem__(_n, calls.get(_n, 0) + 1), _r(*a, **k))[1])  # fmt: skip
+        monkeypatch.setattr(
+            tensor_parallel.dist,
+            name,
+            lambda *a, _r=real, _n=name, **k: (
+                calls.__setitem__(_n, calls.get(_n, 0) + 1),
+                _r(*a, **k),
+            )[1],
+        )
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model_dir, slots = GQA_MODEL_DIR, 9
@@ -198,8 +229,9 @@ def test_nccl_collectives_replay_in_cuda_graphs(monkeypatch) -> None:
         rng = random.Random(7)
         picked = rng.sample(range(1, slots), 5)
         prompts = [[rng.randrange(6, 1000) for _ in range(rng.randint(2, 9))] for _ in picked]
-        first = StepBatch([t for p in prompts for t in p], picked, [len(p) for p in prompts],
-                          [0] * len(picked))  # fmt: skip
+        first = StepBatch(
+            [t for p in prompts for t in p], picked, [len(p) for p in prompts], [0] * len(picked)
+        )
         for r in (eager, graphed):
             r.compute(first)
         pos = [len(p) for p in prompts]
@@ -220,8 +252,9 @@ def test_nccl_collectives_replay_in_cuda_graphs(monkeypatch) -> None:
 def test_tp2_over_nccl_matches_one_gpu() -> None:
     """Two GPUs, NCCL, decode steps in CUDA graphs: TP = 2 gives one GPU's greedy tokens."""
     two = DistConfig(tp_size=2, device="cuda")
-    report = check_pp(CheckOptions(GQA_MODEL_DIR, stages=1, prompts=PROMPTS,
-                                   decode_steps=6, dist=two))  # fmt: skip
+    report = check_pp(
+        CheckOptions(GQA_MODEL_DIR, stages=1, prompts=PROMPTS, decode_steps=6, dist=two)
+    )
     assert report["partitions"] and report["ok"]
     for row in report["partitions"]:
         assert row["error"] is None and row["greedy_tokens_identical"] and row["engram_runs_ok"]

@@ -58,9 +58,15 @@ def test_padded_decode_equals_unpadded(model, pad_to: int) -> None:
         want = plain.compute(StepBatch(nxt, slots, [1] * 3, pos))
         padded.slots.advance(StepBatch(nxt, slots, [1] * 3, pos))  # the rows it reads from
         ctx = ForwardContext.for_runs(
-            slots, [1] * 3, pos, padded.kv, padded.slots.blocks, "cpu",
-            width=padded.slots.blocks.per_seq, pad=GraphShape(True, pad_to, pad_to),
-        )  # fmt: skip
+            slots,
+            [1] * 3,
+            pos,
+            padded.kv,
+            padded.slots.blocks,
+            "cpu",
+            width=padded.slots.blocks.per_seq,
+            pad=GraphShape(True, pad_to, pad_to),
+        )
         got = padded.forward(ctx, None)
         assert got.shape[0] == pad_to and ctx.engram_ran == [0, 2]
         torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
@@ -83,9 +89,15 @@ def assert_padding_left_no_trace(padded: StageRunner, plain: StageRunner, layers
         assert not padded.kv.k[i][slot0].any() and not padded.kv.v[i][slot0].any()
 
 
-@pytest.mark.parametrize(("tokens", "requests", "kernel"),
-                         [(16, 4, False), (32, 16, False), (24, 5, False),
-                          pytest.param(16, 4, True, marks=pytest.mark.triton)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("tokens", "requests", "kernel"),
+    [
+        (16, 4, False),
+        (32, 16, False),
+        (24, 5, False),
+        pytest.param(16, 4, True, marks=pytest.mark.triton),
+    ],
+)
 def test_padded_mixed_step_equals_unpadded(model, tokens: int, requests: int, kernel) -> None:
     """A mixed step (a prompt chunk beside decode rows) padded to a
     mixed graph's shape: the unpadded step's logits at each run's last token (the rows sampling
@@ -115,9 +127,16 @@ def test_padded_mixed_step_equals_unpadded(model, tokens: int, requests: int, ke
         torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)
         padded.slots.advance(batch)
         ctx = ForwardContext.for_runs(
-            slots, lens, pos, padded.kv, padded.slots.blocks, "cpu",
-            padded.slots.blocks.per_seq, shape, last_rows=True,
-        )  # fmt: skip
+            slots,
+            lens,
+            pos,
+            padded.kv,
+            padded.slots.blocks,
+            "cpu",
+            padded.slots.blocks.per_seq,
+            shape,
+            last_rows=True,
+        )
         assert ctx.positions.numel() == tokens and ctx.tiles[0].numel() == shape.tiles
         got = padded.forward(ctx, None)
         assert got.shape[0] == requests and ctx.engram_ran == [0, 2]
@@ -152,18 +171,28 @@ def test_graph_shape_bounds_every_runs_tiles() -> None:
 def test_padding_rejects_prefill_runs(model) -> None:
     s = new_session(model, 2)
     with pytest.raises(ValueError, match="one-token runs"):
-        ForwardContext.for_runs([0], [2], [0], s.kv, s.slots.blocks, "cpu",
-                                pad=GraphShape(True, 4, 4))  # fmt: skip
+        ForwardContext.for_runs(
+            [0], [2], [0], s.kv, s.slots.blocks, "cpu", pad=GraphShape(True, 4, 4)
+        )
     with pytest.raises(ValueError, match="at most 4 tokens"):
-        ForwardContext.for_runs([0], [5], [0], s.kv, s.slots.blocks, "cpu",
-                                pad=GraphShape(False, 4, 2))  # fmt: skip
+        ForwardContext.for_runs(
+            [0], [5], [0], s.kv, s.slots.blocks, "cpu", pad=GraphShape(False, 4, 2)
+        )
 
 
 # --- Triton attention against torch, through the model's own context ----------------------
 
 
-def _attention_case(seed: int, run_lens: list[int], start_pos: list[int], heads=4, kv_heads=2,
-                    dim=16, bs=4, pad: GraphShape | None = None):  # fmt: skip
+def _attention_case(
+    seed: int,
+    run_lens: list[int],
+    start_pos: list[int],
+    heads=4,
+    kv_heads=2,
+    dim=16,
+    bs=4,
+    pad: GraphShape | None = None,
+):
     g = torch.Generator().manual_seed(seed)
     n = len(run_lens)
     kv = KVCache([0], 64, bs, kv_heads, dim, torch.float32, "cpu", 48, num_slots=n)
@@ -173,8 +202,9 @@ def _attention_case(seed: int, run_lens: list[int], start_pos: list[int], heads=
     tables = [perm[i * 12 : (i + 1) * 12] for i in range(n)]
     blocks = kv.fixed_tables()
     blocks.set(list(range(n)), None, tables)
-    ctx = ForwardContext.for_runs(list(range(n)), run_lens, start_pos, kv, blocks, "cpu",
-                                  width=12 if pad else None, pad=pad)  # fmt: skip
+    ctx = ForwardContext.for_runs(
+        list(range(n)), run_lens, start_pos, kv, blocks, "cpu", width=12 if pad else None, pad=pad
+    )
     t = ctx.positions.numel()
     q = torch.randn(t, heads, dim, generator=g)
     k = torch.randn(t, kv_heads, dim, generator=g)
@@ -306,9 +336,17 @@ def test_padded_verify_step_equals_unpadded(model, requests: int, drafts: int) -
     want = plain.compute(StepBatch(nxt, slots, lens, pos, drafts=[drafts] * 3), last_only=True)
     padded.slots.advance(StepBatch(nxt, slots, lens, pos))
     ctx = ForwardContext.for_runs(
-        slots, lens, pos, padded.kv, padded.slots.blocks, "cpu", padded.slots.blocks.per_seq,
-        shape, last_rows=True, drafts=[drafts] * 3,
-    )  # fmt: skip
+        slots,
+        lens,
+        pos,
+        padded.kv,
+        padded.slots.blocks,
+        "cpu",
+        padded.slots.blocks.per_seq,
+        shape,
+        last_rows=True,
+        drafts=[drafts] * 3,
+    )
     assert shape.fits(lens) and not shape.fits([1, *lens[1:]])
     got = padded.forward(ctx, None)
     assert want.shape[0] == sum(lens) and got.shape[0] == shape.tokens
@@ -475,32 +513,46 @@ def test_kv_budget_from_a_profiled_forward(model, monkeypatch) -> None:
     from engramrt.runner.kv_budget import blocks_from_profile, kv_block_bytes, stages_per_gpu
 
     gib = 2**30
-    fake = {"total": 80 * gib, "free": 70 * gib, "reserved": 6 * gib, "allocated": 5 * gib,
-            "peak": 9 * gib}  # fmt: skip
+    fake = {
+        "total": 80 * gib,
+        "free": 70 * gib,
+        "reserved": 6 * gib,
+        "allocated": 5 * gib,
+        "peak": 9 * gib,
+    }
     cuda = torch.cuda
     for name, value in [
-        ("empty_cache", lambda: None), ("reset_peak_memory_stats", lambda d=None: None),
+        ("empty_cache", lambda: None),
+        ("reset_peak_memory_stats", lambda d=None: None),
         ("synchronize", lambda d=None: None),
         ("max_memory_allocated", lambda d=None: fake["peak"]),
         ("mem_get_info", lambda d=None: (fake["free"], fake["total"])),
         ("memory_reserved", lambda d=None: fake["reserved"]),
         ("memory_allocated", lambda d=None: fake["allocated"]),
-    ]:  # fmt: skip
+    ]:
         monkeypatch.setattr(cuda, name, value)
     s = new_session(model, 4)
     profile = s.profile_memory(tokens=40, max_len=16, block_size=8, rows=4)
-    per_block = kv_block_bytes(8, model.cfg.num_kv_heads, model.cfg.head_dim, 4,
-                               len(model.layer_ids))  # fmt: skip
+    per_block = kv_block_bytes(
+        8, model.cfg.num_kv_heads, model.cfg.head_dim, 4, len(model.layer_ids)
+    )
     share = stages_per_gpu(local_world_size=3, gpus=2)  # 3 stages on 2 GPUs: 2 share one
-    blocks = blocks_from_profile(profile, 0.9, per_block, share, graph_rows=4,
-                                 graph_outputs=3 * gib)  # fmt: skip
+    blocks = blocks_from_profile(
+        profile, 0.9, per_block, share, graph_rows=4, graph_outputs=3 * gib
+    )
     cache = 40 // 16 + 1  # runs of 16, 16, 8 tokens, each with its own 2 blocks
     per_layer_block = 8 * model.cfg.num_kv_heads * model.cfg.head_dim * 4  # fp32
     cache_bytes = cache * 2 * per_layer_block * 2 * len(model.layer_ids)
     activations = fake["peak"] - cache_bytes - fake["allocated"]
     outside = fake["total"] - fake["free"] - fake["reserved"]
-    budget = int(fake["total"] * 0.9 / 2 - outside - fake["allocated"] - activations
-                 - activations * 4 / 40 - 3 * gib)  # fmt: skip
+    budget = int(
+        fake["total"] * 0.9 / 2
+        - outside
+        - fake["allocated"]
+        - activations
+        - activations * 4 / 40
+        - 3 * gib
+    )
     assert share == 2 and blocks == budget // (per_layer_block * 2 * len(model.layer_ids))
     assert s.kv is None and not s.hasher.history.table.any()
     with pytest.raises(ValueError, match="leaves no room"):

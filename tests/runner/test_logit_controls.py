@@ -72,14 +72,15 @@ def test_apply_and_count_equal_the_restatement(seed) -> None:
 
 
 def test_validation_names_the_field() -> None:
-    for bad, field in [(Controls(presence_penalty=3), "presence_penalty"),
-                       (Controls(repetition_penalty=0), "repetition_penalty"),
-                       (Controls(min_tokens=-1), "min_tokens"),
-                       (Controls(allowed_token_ids=[]), "allowed_token_ids"),
-                       (Controls(logit_bias={V: 1.0}), "outside the vocabulary"),
-                       (Controls(allowed_token_ids=[3], banned_ids=[3]), "bad_words"),
-                       (Controls(allowed_token_ids=[1, 3], min_tokens=2, min_tokens_ids=[1, 3]),
-                        "min_tokens")]:  # fmt: skip
+    for bad, field in [
+        (Controls(presence_penalty=3), "presence_penalty"),
+        (Controls(repetition_penalty=0), "repetition_penalty"),
+        (Controls(min_tokens=-1), "min_tokens"),
+        (Controls(allowed_token_ids=[]), "allowed_token_ids"),
+        (Controls(logit_bias={V: 1.0}), "outside the vocabulary"),
+        (Controls(allowed_token_ids=[3], banned_ids=[3]), "bad_words"),
+        (Controls(allowed_token_ids=[1, 3], min_tokens=2, min_tokens_ids=[1, 3]), "min_tokens"),
+    ]:
         with pytest.raises(ValueError, match=field):
             bad.validate(V)
 
@@ -123,17 +124,28 @@ def test_engine_tokens_are_argmax_of_the_restated_logits(session, monkeypatch, o
     KV blocks one is preempted and re-registers with its outputs so far. Every sampled token
     of a controlled request is the argmax of the sampler's logits re-stated with the request's
     tokens at that point."""
-    engine = build_engine(session, MAX_LEN, SLOTS, max_num_seqs=3, max_num_batched_tokens=64,
-                          block_size=4, num_blocks=22, overlap=overlap)  # fmt: skip
+    engine = build_engine(
+        session,
+        MAX_LEN,
+        SLOTS,
+        max_num_seqs=3,
+        max_num_batched_tokens=64,
+        block_size=4,
+        num_blocks=22,
+        overlap=overlap,
+    )
     seen = _recording(session, monkeypatch, engine)
     rng = random.Random(3)
     vocab = engine.vocab_size
     kinds = {
         "pen": {"presence_penalty": 0.8, "frequency_penalty": 0.6, "repetition_penalty": 1.7},
-        "bias": {"logit_bias": {7: 3.0, 11: -100.0, 12: 2.5}, "min_tokens": 6,
-                 "allowed_token_ids": rng.sample(range(13, vocab), 40) + [7, 12]},
+        "bias": {
+            "logit_bias": {7: 3.0, 11: -100.0, 12: 2.5},
+            "min_tokens": 6,
+            "allowed_token_ids": rng.sample(range(13, vocab), 40) + [7, 12],
+        },
         "plain": {},
-    }  # fmt: skip
+    }
     params, prompts = {}, {}
     for rid, extra in kinds.items():
         params[rid] = SamplingParams(max_tokens=24, temperature=0, **extra)

@@ -37,18 +37,40 @@ def test_admission_reaches_every_keeper_and_rows_carry_the_step() -> None:
     history, state = History(), Recording()
     table = SlotTable(torch.device("cpu"), history, samples=True)
     table.states.append(state)
-    rows = {s: SampleRow(rng.uniform(0.1, 2), rng.uniform(0.5, 1), rng.randrange(5),
-                         rng.uniform(0, 0.2), rng.randrange(100)) for s in (0, 3, 9)}  # fmt: skip
-    admitted = [NewRequest(s, [1, 2, 3, 4, 5], 3, 2 + s % 3, sampling=row,
-                           controls=Controls(presence_penalty=0.5) if s == 3 else None)
-                for s, row in rows.items()]  # fmt: skip
+    rows = {
+        s: SampleRow(
+            rng.uniform(0.1, 2),
+            rng.uniform(0.5, 1),
+            rng.randrange(5),
+            rng.uniform(0, 0.2),
+            rng.randrange(100),
+        )
+        for s in (0, 3, 9)
+    }
+    admitted = [
+        NewRequest(
+            s,
+            [1, 2, 3, 4, 5],
+            3,
+            2 + s % 3,
+            sampling=row,
+            controls=Controls(presence_penalty=0.5) if s == 3 else None,
+        )
+        for s, row in rows.items()
+    ]
     admitted.append(NewRequest(5, [7, 8], 2, 0))  # greedy: nothing kept
     table.admit(admitted, vocab=16)
     assert state.seen == admitted
     assert history.rows == {a.slot: a.tokens[: a.num_computed] for a in admitted}
     assert set(table.controls.live) == {3}
-    batch = StepBatch(None, [9, 5, 0, 3, 7], [1] * 5, [0] * 5, sample_index=[4, 0, 1, 0, 2],
-                      final=[True, True, False, True, True])  # fmt: skip
+    batch = StepBatch(
+        None,
+        [9, 5, 0, 3, 7],
+        [1] * 5,
+        [0] * 5,
+        sample_index=[4, 0, 1, 0, 2],
+        final=[True, True, False, True, True],
+    )
     got = table.rows(batch)
     for b, slot in enumerate(batch.slots):
         want = rows.get(slot, GREEDY)
@@ -111,8 +133,17 @@ def test_token_rows_and_block_tables_follow_a_list_oracle() -> None:
                 grown[b], new_blocks[b] = keep, add
             else:
                 grown[b] = len(blocks[s])
-        batch = StepBatch(flat, slots, lens, starts, new_blocks=new_blocks, block_starts=grown,
-                          admitted=admitted, token_counts=counts, final=final)  # fmt: skip
+        batch = StepBatch(
+            flat,
+            slots,
+            lens,
+            starts,
+            new_blocks=new_blocks,
+            block_starts=grown,
+            admitted=admitted,
+            token_counts=counts,
+            final=final,
+        )
         table.admit(admitted, vocab=1000)
         table.advance(batch)
         ctx = ForwardContext.for_runs(slots, lens, starts, kv, table.blocks, "cpu")

@@ -40,8 +40,13 @@ def test_ngram_drafts_equal_the_host_lookup_padded() -> None:
             assert got[b].tolist() == want, (tokens, k, hi, lo)
 
 
-KERNELS = pytest.param(True, marks=[pytest.mark.triton, pytest.mark.skipif(
-    not triton_runs(), reason="needs Triton (GPU or TRITON_INTERPRET=1)")])  # fmt: skip
+KERNELS = pytest.param(
+    True,
+    marks=[
+        pytest.mark.triton,
+        pytest.mark.skipif(not triton_runs(), reason="needs Triton (GPU or TRITON_INTERPRET=1)"),
+    ],
+)
 
 
 @pytest.mark.parametrize("kernels", [False, KERNELS])
@@ -119,8 +124,12 @@ def test_the_bookkeeping_kernels_equal_the_torch_statement(seed: int) -> None:
     k, slots_n, width = 4, 6, 30
     mode = seed % 4
     n = int(rng.integers(2 if mode == 3 else 1, slots_n + 1))
-    drafts = [[k] * n, rng.integers(0, k + 1, n).tolist(), [0] * n,
-              rng.integers(0, k + 1, n).tolist()][mode]  # fmt: skip
+    drafts = [
+        [k] * n,
+        rng.integers(0, k + 1, n).tolist(),
+        [0] * n,
+        rng.integers(0, k + 1, n).tolist(),
+    ][mode]
     rows = torch.from_numpy(rng.integers(0, 10, (slots_n + 1, width))).int()
     rejected = torch.from_numpy(rng.integers(0, k + 1, slots_n + 1))
     slots = rng.permutation(slots_n)[:n].tolist()
@@ -143,8 +152,7 @@ def test_the_bookkeeping_kernels_equal_the_torch_statement(seed: int) -> None:
         samples.append(int(rng.integers(0, 10)) if run_lens[b] else -1)
     size = n + int(rng.integers(0, 3))  # graph padding past the batch
     width_ = max(drafts)
-    x = Verifier(slots_n, k, _propose, None, None, torch.device("cpu"))._inputs(batch, size,
-                                                                               width_)  # fmt: skip
+    x = Verifier(slots_n, k, _propose, None, None, torch.device("cpu"))._inputs(batch, size, width_)
     pad = torch.tensor(samples + [0] * ((size - n) * (1 + width_)), dtype=torch.int64)
     results = []
     for kernels in (False, True):
@@ -156,8 +164,14 @@ def test_the_bookkeeping_kernels_equal_the_torch_statement(seed: int) -> None:
         v.rejected.copy_(rejected)
         run = v._run_kernels if kernels else v._run
         out = run(x.to(dev), pad.to(dev), width_)
-        results.append((out[:n].cpu(), table.tokens[:slots_n].cpu(), v.rejected[:slots_n].cpu(),
-                        sorted(hasher.made)))  # fmt: skip
+        results.append(
+            (
+                out[:n].cpu(),
+                table.tokens[:slots_n].cpu(),
+                v.rejected[:slots_n].cpu(),
+                sorted(hasher.made),
+            )
+        )
     (d0, r0, j0, c0), (d1, r1, j1, c1) = results
     assert torch.equal(d0, d1) and torch.equal(r0, r1) and torch.equal(j0, j1) and c0 == c1
     assert c0 or not any(d and f for d, f in zip(drafts, final, strict=True))

@@ -25,16 +25,23 @@ def _tiles(tokens: int, k: int) -> tuple:
 
 @pytest.mark.parametrize(
     "max_tokens,slots,max_len",
-    [(8192, 256, 4096), (96, 8, 512), (2048, 1, 2048), (20, 64, 256), (3, 2, 8), (2048, 8, 64),
-     (2048, 3, 40), (512, 200, 2)],
-)  # fmt: skip
+    [
+        (8192, 256, 4096),
+        (96, 8, 512),
+        (2048, 1, 2048),
+        (20, 64, 256),
+        (3, 2, 8),
+        (2048, 8, 64),
+        (2048, 3, 40),
+        (512, 200, 2),
+    ],
+)
 def test_warm_up_plan_covers_every_compile_time_variant(max_tokens, slots, max_len) -> None:
     """Every mixed step (2 or more tokens, not all runs of one) selects mHC tiles by its token
     count and the hash kernel's REQ_PAD by its request count (a power of two): the plan's steps
     reach every value a step within the limits can, and each is itself a valid mixed step."""
     plan = warm_up_plan(max_tokens, slots, max_len)
-    assert all(sum(r) <= max_tokens and len(r) <= slots and 1 < max(r) <= max_len
-               for r in plan)  # fmt: skip
+    assert all(sum(r) <= max_tokens and len(r) <= slots and 1 < max(r) <= max_len for r in plan)
     for k in (4 * 64, 4 * 3072, 4 * 7168):
         reachable = {_tiles(t, k) for t in range(2, min(max_tokens, slots * max_len) + 1)}
         assert {_tiles(sum(r), k) for r in plan} == reachable
@@ -53,8 +60,9 @@ def test_step_buffer_views_are_16_byte_aligned() -> None:
         tables = kv.fixed_tables()
         tables.set(slots, None, [list(range(s * 8, s * 8 + 3)) for s in slots])
         pad = rng.choice([None, GraphShape(False, sum(runs) + rng.randint(0, 9), 8)])
-        ctx = ForwardContext.for_runs(slots, runs, [0] * n, kv, tables, "cpu", pad=pad,
-                                      last_rows=rng.random() < 0.5)  # fmt: skip
+        ctx = ForwardContext.for_runs(
+            slots, runs, [0] * n, kv, tables, "cpu", pad=pad, last_rows=rng.random() < 0.5
+        )
         views = [getattr(ctx, f) for f in ctx.__dataclass_fields__]
         views += list(ctx.tiles or ())
         for v in views:
@@ -64,8 +72,14 @@ def test_step_buffer_views_are_16_byte_aligned() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("spec", [None, '{"method": "dspark", "num_speculative_tokens": 5}',
-                                  '{"method": "ngram", "num_speculative_tokens": 4}'])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        None,
+        '{"method": "dspark", "num_speculative_tokens": 5}',
+        '{"method": "ngram", "num_speculative_tokens": 4}',
+    ],
+)
 def test_serving_after_warm_up_compiles_nothing(spec: str | None) -> None:
     from engramrt.commands.bench_throughput import add_arguments, local_engine
     from engramrt.engine.request import SamplingParams
@@ -76,9 +90,19 @@ def test_serving_after_warm_up_compiles_nothing(spec: str | None) -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
     # a fixed KV budget: the GPU's free memory depends on the tests before this one
-    args = p.parse_args(["--device", "cuda", "--max-num-seqs", "8",
-                         "--max-num-batched-tokens", "96", "--kv-cache-memory-bytes", str(2**28)]
-                        + (["--speculative-config", spec] if spec else []))  # fmt: skip
+    args = p.parse_args(
+        [
+            "--device",
+            "cuda",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "96",
+            "--kv-cache-memory-bytes",
+            str(2**28),
+        ]
+        + (["--speculative-config", spec] if spec else [])
+    )
     engine = local_engine(args, 512)  # loads, profiles, warms up, captures graphs
     before = compilations()
     rng = random.Random(1)
@@ -86,9 +110,17 @@ def test_serving_after_warm_up_compiles_nothing(spec: str | None) -> None:
     for wave in range(2):
         for i, n in enumerate(rng.sample(lens, len(lens))):
             prompt = [rng.randrange(6, engine.vocab_size) for _ in range(n)]
-            engine.add_request(f"{wave}-{i}", prompt,
-                               SamplingParams(max_tokens=rng.randint(1, 9), temperature=0.7,
-                                              top_p=0.9, seed=i, ignore_eos=True))  # fmt: skip
+            engine.add_request(
+                f"{wave}-{i}",
+                prompt,
+                SamplingParams(
+                    max_tokens=rng.randint(1, 9),
+                    temperature=0.7,
+                    top_p=0.9,
+                    seed=i,
+                    ignore_eos=True,
+                ),
+            )
         while engine.has_work():
             engine.step()
     assert (engine.spec_draft_tokens > 0) == (spec is not None)  # speculation did run

@@ -29,8 +29,9 @@ class _Stub:
 def test_schema_states_what_the_server_answers() -> None:
     schema = app_mod.create_app(_Stub()).openapi()
     text = json.dumps(schema)
-    assert "422" not in json.dumps({p: list(o) for p, ops in schema["paths"].items()
-                                   for o in ops.values()})  # fmt: skip
+    assert "422" not in json.dumps(
+        {p: list(o) for p, ops in schema["paths"].items() for o in ops.values()}
+    )
     assert "HTTPValidationError" not in text
     for path in ("/v1/completions", "/v1/chat/completions"):
         op = schema["paths"][path]["post"]["responses"]
@@ -67,10 +68,25 @@ fuzz_server = server_fixture("--max-model-len", "192", "--max-num-seqs", "8")
 
 @pytest.mark.slow
 def test_fuzzing_finds_no_server_error_and_no_schema_mismatch(fuzz_server: str, tmp_path) -> None:
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{fuzz_server}/openapi.json",
-           "--phases", "coverage,fuzzing", "--max-examples", "12", "--seed", "1",
-           "--checks", "not_a_server_error,status_code_conformance,content_type_conformance,"
-           "response_schema_conformance", "--request-timeout", "60", "--no-color"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        f"{fuzz_server}/openapi.json",
+        "--phases",
+        "coverage,fuzzing",
+        "--max-examples",
+        "12",
+        "--seed",
+        "1",
+        "--checks",
+        "not_a_server_error,status_code_conformance,content_type_conformance,"
+        "response_schema_conformance",
+        "--request-timeout",
+        "60",
+        "--no-color",
+    ]
     # from a scratch folder: schemathesis keeps a cache in the current directory
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     out = run.stdout + run.stderr

@@ -38,8 +38,13 @@ class Stream(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        body = {"prompt": "Hello", "max_tokens": self.max_tokens, "ignore_eos": True,
-                "stream": True, "temperature": 0}  # fmt: skip
+        body = {
+            "prompt": "Hello",
+            "max_tokens": self.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0,
+        }
         try:
             with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
@@ -172,9 +177,15 @@ def test_engine_death_exits_1() -> None:
     /health to 503 and makes the server return exit status 1, instead of serving 503s for
     ever; the same path a lost stage takes."""
     model_dir = GQA_MODEL_DIR
-    opts = ServeOptions(model_dir, [4], max_model_len=256, dtype="float32",
-                        served_model_name=["m"], port=free_port(),
-                        disable_uvicorn_access_log=True)  # fmt: skip
+    opts = ServeOptions(
+        model_dir,
+        [4],
+        max_model_len=256,
+        dtype="float32",
+        served_model_name=["m"],
+        port=free_port(),
+        disable_uvicorn_access_log=True,
+    )
     _, engine = build_stage(opts)
 
     def broken(batch):
@@ -210,8 +221,10 @@ def test_serve_under_torchrun_answers_as_one_process_and_stops_on_a_signal() -> 
     flags = ("--dtype", "float32", "--max-model-len", "256")
     body = {"prompt": "The capital of Bribrinu is", "max_tokens": 8, "temperature": 0}
     answers = []
-    for launcher, extra in ((None, ()), ([torchrun, "--standalone", "--nproc-per-node", "2"],
-                                         ("-pp", "2"))):  # fmt: skip
+    for launcher, extra in (
+        (None, ()),
+        ([torchrun, "--standalone", "--nproc-per-node", "2"], ("-pp", "2")),
+    ):
         base, proc = start_server(*flags, *extra, launcher=launcher)
         try:
             r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)

@@ -416,8 +416,9 @@ def test_echo_loglikelihood_token_ids(server: str) -> None:
     for a, b in zip(only.logprobs.token_logprobs[1:], lp.token_logprobs[1:-1], strict=True):
         assert math.isclose(a, b, abs_tol=1e-4)
     assert bare.usage.completion_tokens == 0 and bare.usage.prompt_tokens == len(ids)
-    stream = list(c.completions.create(model=model, prompt=ids, max_tokens=0, echo=True,
-                                       stream=True))  # fmt: skip
+    stream = list(
+        c.completions.create(model=model, prompt=ids, max_tokens=0, echo=True, stream=True)
+    )
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == only.text
     wait_idle(server)
 
@@ -503,8 +504,17 @@ def test_echo_text_offsets_index_the_text(bos_server: str, kind: str, stream: bo
     characters, for several prompts times n, streamed or not, and the same in both."""
     ids = [[BOS, *TOK.encode(p).ids] for p in OFFSET_PROMPTS]
     prompt = OFFSET_PROMPTS if kind == "text" else ids
-    body = {"prompt": prompt, "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 7,
-            "ignore_eos": True, "logprobs": 2, "echo": True, "stream": stream}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "n": 2,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 7,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "echo": True,
+        "stream": stream,
+    }
     got = _by_choice(bos_server, {**body, "return_tokens_as_token_ids": True})
     assert sorted(got) == [0, 1, 2, 3]
     for index, (text, lp) in got.items():
@@ -561,8 +571,15 @@ def test_logprobs_zero_is_the_sampled_token(fp32_server: str, oracle, echo: bool
     sampled token, next to the k most likely ones. Sampled at temperature 1, so the sampled
     token is often not the most likely; every value is the oracle's."""
     for k in (0, 2):
-        body = {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 1.0, "seed": 3,
-                "ignore_eos": True, "logprobs": k, "echo": echo}  # fmt: skip
+        body = {
+            "prompt": PROMPTS[2],
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "seed": 3,
+            "ignore_eos": True,
+            "logprobs": k,
+            "echo": echo,
+        }
         (ch,) = complete(fp32_server, **body, return_tokens_as_token_ids=True)["choices"]
         lp = ch["logprobs"]
         ids = _ids(lp["tokens"])
@@ -573,8 +590,14 @@ def test_logprobs_zero_is_the_sampled_token(fp32_server: str, oracle, echo: bool
         first = 1 if echo else len(prompt)  # the first prompt token has no logprob
         if echo:
             assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-        rows = list(zip(ids[first - len(full) :], lp["token_logprobs"][first - len(full) :],
-                        lp["top_logprobs"][first - len(full) :], strict=True))  # fmt: skip
+        rows = list(
+            zip(
+                ids[first - len(full) :],
+                lp["token_logprobs"][first - len(full) :],
+                lp["top_logprobs"][first - len(full) :],
+                strict=True,
+            )
+        )
         assert len(rows) == len(full) - first
         for p, (t, value, top) in enumerate(rows, start=first - 1):
             assert value == pytest.approx(float(want[p, t]), abs=1e-4), (p, k)
@@ -585,8 +608,9 @@ def test_logprobs_zero_is_the_sampled_token(fp32_server: str, oracle, echo: bool
                 assert top[f"token_id:{i}"] == pytest.approx(float(want[p, i]), abs=1e-4)
         named = complete(fp32_server, **body)["choices"][0]["logprobs"]  # tokens by their text
         assert named["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)
-        for top, t in zip(named["top_logprobs"][first - len(full) :], ids[first - len(full) :],
-                          strict=True):  # fmt: skip
+        for top, t in zip(
+            named["top_logprobs"][first - len(full) :], ids[first - len(full) :], strict=True
+        ):
             assert TOK.decode([t], skip_special_tokens=False) in top
 
 
@@ -595,8 +619,15 @@ def test_chat_logprobs_without_top(fp32_server: str, oracle, top: int | None) ->
     """Chat with ``logprobs: true`` and no (or zero) ``top_logprobs``: each token's own logprob
     (the oracle's) and an empty top list, as OpenAI and vLLM answer."""
     messages = [{"role": "user", "content": "Tell me about gardens."}]
-    body = {"messages": messages, "max_tokens": 6, "temperature": 1.0, "seed": 5,
-            "ignore_eos": True, "logprobs": True, "return_tokens_as_token_ids": True}  # fmt: skip
+    body = {
+        "messages": messages,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 5,
+        "ignore_eos": True,
+        "logprobs": True,
+        "return_tokens_as_token_ids": True,
+    }
     if top is not None:
         body["top_logprobs"] = top
     content = post(fp32_server, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
@@ -792,29 +823,53 @@ BAD_COMPLETIONS = [
     ),
     ("unknown_model", {"prompt": "hi", "model": "no-such-model"}, 404, ["no-such-model"]),
     # what the server does not do is refused, never accepted and ignored
-    ("format_type", {"prompt": "hi", "response_format": {"type": "yaml"}}, 400,
-     ["response_format", "yaml"]),
-    ("schema_missing", {"prompt": "hi", "response_format": {"type": "json_schema"}}, 400,
-     ["json_schema.schema"]),
-    ("two_grammars", {"prompt": "hi", "guided_regex": "a+", "guided_choice": ["x"]}, 400,
-     ["one of"]),
+    (
+        "format_type",
+        {"prompt": "hi", "response_format": {"type": "yaml"}},
+        400,
+        ["response_format", "yaml"],
+    ),
+    (
+        "schema_missing",
+        {"prompt": "hi", "response_format": {"type": "json_schema"}},
+        400,
+        ["json_schema.schema"],
+    ),
+    (
+        "two_grammars",
+        {"prompt": "hi", "guided_regex": "a+", "guided_choice": ["x"]},
+        400,
+        ["one of"],
+    ),
     ("bad_regex", {"prompt": "hi", "guided_regex": "(a"}, 400, ["regex"]),
     ("bad_schema", {"prompt": "hi", "guided_json": {"type": "no-such-type"}}, 400, ["json"]),
-    ("tools", {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     ["tools", "not supported"]),
+    (
+        "tools",
+        {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        ["tools", "not supported"],
+    ),
     ("suffix", {"prompt": "hi", "suffix": "end"}, 400, ["suffix"]),
     ("best_of", {"prompt": "hi", "best_of": 3}, 400, ["best_of"]),
     ("bias_key", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, ["logit_bias", "abc"]),
     ("bias_digit_like", {"prompt": "hi", "logit_bias": {"²": 1}}, 400, ["logit_bias"]),
-    ("allowed_all_stop", {"prompt": "hi", "allowed_token_ids": [1], "min_tokens": 2}, 400,
-     ["min_tokens"]),
+    (
+        "allowed_all_stop",
+        {"prompt": "hi", "allowed_token_ids": [1], "min_tokens": 2},
+        400,
+        ["min_tokens"],
+    ),
     ("bias_id", {"prompt": "hi", "logit_bias": {str(VOCAB): 1}}, 400, [str(VOCAB), "vocab"]),
     ("allowed_id", {"prompt": "hi", "allowed_token_ids": [VOCAB + 3]}, 400, [str(VOCAB + 3)]),
     ("penalty_range", {"prompt": "hi", "presence_penalty": 2.5}, 400, ["presence_penalty"]),
     ("repetition_zero", {"prompt": "hi", "repetition_penalty": 0}, 400, ["repetition_penalty"]),
-    ("min_over_max", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400,
-     ["min_tokens", "max_tokens"]),
-]  # fmt: skip
+    (
+        "min_over_max",
+        {"prompt": "hi", "max_tokens": 2, "min_tokens": 5},
+        400,
+        ["min_tokens", "max_tokens"],
+    ),
+]
 
 
 @pytest.mark.parametrize(
@@ -849,14 +904,29 @@ BAD_CHAT = [
         ["gpt-4"],
     ),
     # OpenAI's and vLLM's answers where engramrt once differed
-    ("top_logprobs_without_logprobs",
-     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
-     ["top_logprobs needs logprobs"]),
-    ("image_part", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400,
-     ["messages[0].content[1]", "image_url", "text only"]),
-]  # fmt: skip
+    (
+        "top_logprobs_without_logprobs",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+        ["top_logprobs needs logprobs"],
+    ),
+    (
+        "image_part",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    ],
+                }
+            ]
+        },
+        400,
+        ["messages[0].content[1]", "image_url", "text only"],
+    ),
+]
 
 
 @pytest.mark.parametrize(
@@ -871,23 +941,35 @@ def test_errors_name_their_field_without_pydantics_prefix(server: str) -> None:
     for path, body, param in [
         ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                  "top_logprobs": 1}, "top_logprobs"),
-        ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
-         "messages[0].content[0]"),
-    ]:  # fmt: skip
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 1},
+            "top_logprobs",
+        ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+            "messages[0].content[0]",
+        ),
+    ]:
         err = assert_error(httpx.post(f"{server}{path}", json=body, timeout=30), 400)
         assert err["param"] == param, err
         assert not err["message"].startswith("Value error"), err
 
 
 def test_tools_with_tool_choice_none_are_accepted_and_ignored(server: str) -> None:
-    chat = {"messages": [{"role": "user", "content": "What is the capital of Bribrinu?"}],
-            "max_tokens": 8, "temperature": 0}  # fmt: skip
+    chat = {
+        "messages": [{"role": "user", "content": "What is the capital of Bribrinu?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     plain = httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=60).json()
-    r = httpx.post(f"{server}/v1/chat/completions", timeout=60,
-                   json={**chat, "tools": tools, "tool_choice": "none"})  # fmt: skip
+    r = httpx.post(
+        f"{server}/v1/chat/completions",
+        timeout=60,
+        json={**chat, "tools": tools, "tool_choice": "none"},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"] == plain["choices"][0]["message"]
 
@@ -896,8 +978,12 @@ def test_developer_messages_speak_as_the_system(server: str) -> None:
     """OpenAI's ``developer`` role reaches the chat template as ``system``, never dropped."""
 
     def ids(role: str) -> list[int]:
-        body = {"messages": [{"role": role, "content": "Answer in one word."},
-                             {"role": "user", "content": "hi"}]}  # fmt: skip
+        body = {
+            "messages": [
+                {"role": role, "content": "Answer in one word."},
+                {"role": "user", "content": "hi"},
+            ]
+        }
         return httpx.post(f"{server}/tokenize", json=body, timeout=30).json()["tokens"]
 
     assert ids("developer") == ids("system") != ids("user")
@@ -928,10 +1014,12 @@ def test_malformed_json(server: str, path: str) -> None:
 
 @pytest.mark.parametrize(
     ("path", "raw"),
-    [("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}'),
-     ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}'),
-     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\ud800"}]}')],
-)  # fmt: skip
+    [
+        ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}'),
+        ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\ud800"}]}'),
+    ],
+)
 def test_lone_surrogate_is_a_400(server: str, path: str, raw: bytes) -> None:
     """JSON can spell a lone UTF-16 surrogate, which no tokenizer takes: a 400 naming the
     field, and the connection and server keep serving."""
@@ -945,8 +1033,12 @@ def test_lone_surrogate_is_a_400(server: str, path: str, raw: bytes) -> None:
 def test_non_api_errors_have_the_openai_shape(server: str) -> None:
     """A body that is not UTF-8, an unknown route and a wrong method answer in OpenAI's error
     shape with their own status."""
-    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "\xff\xfe"}',
-                   headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+    r = httpx.post(
+        f"{server}/v1/completions",
+        content=b'{"prompt": "\xff\xfe"}',
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert_error(r, 400)
     assert_error(httpx.get(f"{server}/v1/nothing-here", timeout=30), 404)
     for path in ("/v1/embeddings", "/v1/responses", "/v1/audio/speech"):
@@ -991,8 +1083,11 @@ def test_start_line_access_log_and_request_log() -> None:
         port = busy.getsockname()[1]
         run = subprocess.run(
             [sys.executable, "-m", "engramrt", "serve", "--port", str(port), "--device", "cpu"],
-            cwd=REPO, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert run.returncode != 0 and "engramrt: serving" not in run.stdout + run.stderr
 
 
@@ -1008,8 +1103,12 @@ def test_request_body_limit() -> None:
             raw = json.dumps(big).encode()
             yield from (raw[i : i + 500] for i in range(0, len(raw), 500))
 
-        r = httpx.post(f"{base}/v1/completions", content=chunks(), timeout=30,
-                       headers={"content-type": "application/json"})  # fmt: skip
+        r = httpx.post(
+            f"{base}/v1/completions",
+            content=chunks(),
+            timeout=30,
+            headers={"content-type": "application/json"},
+        )
         assert "content-length" not in r.request.headers  # sent chunked
         assert_error(r, 413, "2000")
         still_serves(base)
@@ -1059,14 +1158,20 @@ def test_return_tokens_as_token_ids(server: str) -> None:
     assert [TOK.decode([i], skip_special_tokens=False) for i in ids] == plain["tokens"]
     assert lp["token_logprobs"] == plain["token_logprobs"]
     assert lp["text_offset"] == plain["text_offset"]
-    for t, mine, theirs in zip(ids[1:], lp["top_logprobs"][1:], plain["top_logprobs"][1:],
-                               strict=True):  # fmt: skip
+    for t, mine, theirs in zip(
+        ids[1:], lp["top_logprobs"][1:], plain["top_logprobs"][1:], strict=True
+    ):
         assert all(k.startswith("token_id:") for k in mine)
         assert f"token_id:{t}" in mine and len(mine) in (5, 6)  # the token, then the top 5
         texts = {TOK.decode([int(k[9:])], skip_special_tokens=False): v for k, v in mine.items()}
         assert texts.keys() == theirs.keys()  # fewer keys in the plain one when texts collide
-    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
-            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    chat = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     a = post(server, "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
     b = post(server, "/v1/chat/completions", {**chat, "return_tokens_as_token_ids": True})
     b = b["choices"][0]["logprobs"]["content"]
@@ -1094,8 +1199,9 @@ def test_empty_string_prompt(server: str) -> None:
     """An empty string is no prompt when the tokenizer config adds no BOS: a 400, as an empty
     list of ids is."""
     assert not ids_of("")
-    assert_error(httpx.post(f"{server}/v1/completions", json={"prompt": ""}, timeout=30), 400,
-                 "empty")  # fmt: skip
+    assert_error(
+        httpx.post(f"{server}/v1/completions", json={"prompt": ""}, timeout=30), 400, "empty"
+    )
     still_serves(server)
 
 
@@ -1106,34 +1212,74 @@ def test_logit_controls_are_applied(server: str) -> None:
     base = complete(server, prompt=PROMPTS[0], max_tokens=8, temperature=0)
     first = TOK.encode(base["choices"][0]["text"]).ids[0]
     forced = 500 if first != 500 else 501
-    r = complete(server, prompt=PROMPTS[0], max_tokens=6, temperature=0,
-                 logit_bias={str(forced): 100}, return_tokens_as_token_ids=True,
-                 logprobs=0)  # fmt: skip
+    r = complete(
+        server,
+        prompt=PROMPTS[0],
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(forced): 100},
+        return_tokens_as_token_ids=True,
+        logprobs=0,
+    )
     ids = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
     assert ids == [forced] * 6
-    r = complete(server, prompt=PROMPTS[0], max_tokens=1, temperature=0,
-                 logit_bias={str(first): -100}, logprobs=0,
-                 return_tokens_as_token_ids=True)  # fmt: skip
+    r = complete(
+        server,
+        prompt=PROMPTS[0],
+        max_tokens=1,
+        temperature=0,
+        logit_bias={str(first): -100},
+        logprobs=0,
+        return_tokens_as_token_ids=True,
+    )
     assert int(r["choices"][0]["logprobs"]["tokens"][0].split(":")[1]) != first
     allowed = [40, 41, 300, 301, 302]
-    r = complete(server, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, seed=3,
-                 allowed_token_ids=allowed, logprobs=0,
-                 return_tokens_as_token_ids=True)  # fmt: skip
+    r = complete(
+        server,
+        prompt=PROMPTS[1],
+        max_tokens=12,
+        temperature=1.0,
+        seed=3,
+        allowed_token_ids=allowed,
+        logprobs=0,
+        return_tokens_as_token_ids=True,
+    )
     ids = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
     assert ids and set(ids) <= set(allowed)
     stop = 77
-    r = complete(server, prompt=PROMPTS[1], max_tokens=20, temperature=0, min_tokens=5,
-                 logit_bias={str(stop): 100}, stop_token_ids=[stop], logprobs=0,
-                 return_tokens_as_token_ids=True)  # fmt: skip
+    r = complete(
+        server,
+        prompt=PROMPTS[1],
+        max_tokens=20,
+        temperature=0,
+        min_tokens=5,
+        logit_bias={str(stop): 100},
+        stop_token_ids=[stop],
+        logprobs=0,
+        return_tokens_as_token_ids=True,
+    )
     ids = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
     assert len(ids) == 5 + (r["choices"][0]["finish_reason"] == "stop")
     assert stop not in ids[:5]
-    r = complete(server, prompt=PROMPTS[2], max_tokens=24, temperature=0,
-                 repetition_penalty=2.0, presence_penalty=2.0, logprobs=0,
-                 return_tokens_as_token_ids=True)  # fmt: skip
+    r = complete(
+        server,
+        prompt=PROMPTS[2],
+        max_tokens=24,
+        temperature=0,
+        repetition_penalty=2.0,
+        presence_penalty=2.0,
+        logprobs=0,
+        return_tokens_as_token_ids=True,
+    )
     ids = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
-    plain = complete(server, prompt=PROMPTS[2], max_tokens=24, temperature=0, logprobs=0,
-                     return_tokens_as_token_ids=True)  # fmt: skip
+    plain = complete(
+        server,
+        prompt=PROMPTS[2],
+        max_tokens=24,
+        temperature=0,
+        logprobs=0,
+        return_tokens_as_token_ids=True,
+    )
     plain_ids = [int(t.split(":")[1]) for t in plain["choices"][0]["logprobs"]["tokens"]]
     assert ids != plain_ids  # the penalties change the greedy path, and repeat no more
     assert len(ids) - len(set(ids)) <= len(plain_ids) - len(set(plain_ids))
@@ -1145,8 +1291,14 @@ def test_stream_holds_chunks_without_text(server: str, path: str) -> None:
     chunk: their text and logprobs go out with the token that completes the character, and the
     stream still adds up to the plain response, token for token."""
     chat = path.startswith("chat")
-    body = {"max_tokens": 14, "temperature": 1.0, "seed": 11, "allowed_token_ids": [133, 108],
-            "logprobs": True if chat else 0, "return_tokens_as_token_ids": True}  # fmt: skip
+    body = {
+        "max_tokens": 14,
+        "temperature": 1.0,
+        "seed": 11,
+        "allowed_token_ids": [133, 108],
+        "logprobs": True if chat else 0,
+        "return_tokens_as_token_ids": True,
+    }
     body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
     full = post(server, f"/v1/{path}", body)["choices"][0]
     r = httpx.post(f"{server}/v1/{path}", json=body | {"stream": True}, timeout=60)
@@ -1169,21 +1321,29 @@ def test_stream_holds_chunks_without_text(server: str, path: str) -> None:
 
 STRUCTURED = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12},
-                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-                   "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
     "required": ["name", "tags", "n"],
     "additionalProperties": False,
-}  # fmt: skip
+}
 
 
 def _valid(obj) -> bool:
     """``STRUCTURED``, checked by hand."""
-    return (isinstance(obj, dict) and set(obj) == {"name", "tags", "n"}
-            and isinstance(obj["name"], str) and len(obj["name"]) <= 12
-            and isinstance(obj["tags"], list) and len(obj["tags"]) <= 3
-            and set(obj["tags"]) <= {"a", "b"} and isinstance(obj["n"], int)
-            and 0 <= obj["n"] <= 99)  # fmt: skip
+    return (
+        isinstance(obj, dict)
+        and set(obj) == {"name", "tags", "n"}
+        and isinstance(obj["name"], str)
+        and len(obj["name"]) <= 12
+        and isinstance(obj["tags"], list)
+        and len(obj["tags"]) <= 3
+        and set(obj["tags"]) <= {"a", "b"}
+        and isinstance(obj["n"], int)
+        and 0 <= obj["n"] <= 99
+    )
 
 
 def _json_object_prefix(text: str) -> bool:
@@ -1207,8 +1367,9 @@ def test_structured_outputs_parse_whatever_the_model_writes(server: str, seed: i
     c, model = client(server), model_name(server)
     msgs = [{"role": "user", "content": "Describe a person."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": STRUCTURED}}
-    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=200, seed=seed,
-                                  temperature=1.0, response_format=fmt)  # fmt: skip
+    r = c.chat.completions.create(
+        model=model, messages=msgs, max_tokens=200, seed=seed, temperature=1.0, response_format=fmt
+    )
     assert r.choices[0].finish_reason == "stop" and _valid(json.loads(r.choices[0].message.content))
     chunks = c.chat.completions.create(
         model=model,
@@ -1221,18 +1382,36 @@ def test_structured_outputs_parse_whatever_the_model_writes(server: str, seed: i
     )
     streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert streamed == r.choices[0].message.content
-    r = complete(server, prompt="{", max_tokens=150, seed=seed, temperature=1.0,
-                 response_format={"type": "json_object"})  # fmt: skip
+    r = complete(
+        server,
+        prompt="{",
+        max_tokens=150,
+        seed=seed,
+        temperature=1.0,
+        response_format={"type": "json_object"},
+    )
     text = r["choices"][0]["text"]
     if r["choices"][0]["finish_reason"] == "stop":
         assert isinstance(json.loads(text), dict)
     else:  # a model may write a string longer than max_tokens: the text must still be a prefix
         assert _json_object_prefix(text)
-    r = complete(server, prompt="Code:", max_tokens=30, seed=seed, temperature=1.0,
-                 guided_regex="[A-F]{3}-[0-9]{2}")  # fmt: skip
+    r = complete(
+        server,
+        prompt="Code:",
+        max_tokens=30,
+        seed=seed,
+        temperature=1.0,
+        guided_regex="[A-F]{3}-[0-9]{2}",
+    )
     assert re.fullmatch("[A-F]{3}-[0-9]{2}", r["choices"][0]["text"])
-    r = complete(server, prompt="Pick:", max_tokens=30, seed=seed, temperature=1.0,
-                 structured_outputs={"choice": ["red", "green", "blue"]})  # fmt: skip
+    r = complete(
+        server,
+        prompt="Pick:",
+        max_tokens=30,
+        seed=seed,
+        temperature=1.0,
+        structured_outputs={"choice": ["red", "green", "blue"]},
+    )
     assert r["choices"][0]["text"] in {"red", "green", "blue"}
 
 
@@ -1240,16 +1419,25 @@ def test_a_grammar_the_engine_cannot_follow_is_an_error_the_client_sees(server: 
     """Refused up front where llguidance can tell; failing mid-way (a bias steers the model onto
     the branch that breaks a limit) a 400 unstreamed and an error event with the same status
     in a stream, never a 200 with finish_reason 'stop'."""
-    r = httpx.post(f"{server}/v1/completions", timeout=60,
-                   json={"prompt": "hi", "guided_regex": "a{1000}{1000}"})  # fmt: skip
+    r = httpx.post(
+        f"{server}/v1/completions",
+        timeout=60,
+        json={"prompt": "hi", "guided_regex": "a{1000}{1000}"},
+    )
     assert_error(r, 400, "cannot be followed")
     a = load_tokenizer(GQA_MODEL_DIR).token_to_id("a")
-    body = {"prompt": "hi", "max_tokens": 20, "temperature": 0, "logit_bias": {str(a): 100},
-            "guided_regex": "b|a{1000}{1000}"}  # fmt: skip
+    body = {
+        "prompt": "hi",
+        "max_tokens": 20,
+        "temperature": 0,
+        "logit_bias": {str(a): 100},
+        "guided_regex": "b|a{1000}{1000}",
+    }
     r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
     assert_error(r, 400, "cannot be followed")
-    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True},
-                      timeout=60) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
         events = sse_events(r)
     assert events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
@@ -1262,9 +1450,11 @@ def test_a_prompt_too_long_by_its_length_alone_is_refused_before_tokenisation(se
     """The bound's own message (characters, not tokens): the text was never tokenised."""
     k = PromptEncoder.load(GQA_MODEL_DIR).max_token_bytes
     text = "x" * (k * MAX_LEN + 1)
-    for path, body in [("/v1/completions", {"prompt": text}), ("/tokenize", {"prompt": text}),
-                       ("/v1/chat/completions",
-                        {"messages": [{"role": "user", "content": text}]})]:  # fmt: skip
+    for path, body in [
+        ("/v1/completions", {"prompt": text}),
+        ("/tokenize", {"prompt": text}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+    ]:
         r = httpx.post(f"{server}{path}", json=body, timeout=60)
         assert_error(r, 400, "characters", str(MAX_LEN))
     still_serves(server)
@@ -1287,9 +1477,13 @@ def test_api_key(keyed_server: str) -> None:
     base = keyed_server
     good = {"Authorization": f"Bearer {API_KEY}"}
     same_length = "Bearer " + API_KEY[:-1] + ("x" if API_KEY[-1] != "x" else "y")
-    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
-                    {"Authorization": same_length},
-                    {"Authorization": "Bearer é".encode()}):  # fmt: skip
+    for headers in (
+        None,
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": API_KEY},
+        {"Authorization": same_length},
+        {"Authorization": "Bearer é".encode()},
+    ):
         for path in ("/tokenizer_info",):
             assert_error(httpx.get(f"{base}{path}", headers=headers), 401)
         r = httpx.post(f"{base}/tokenize", json={"prompt": "hi"}, headers=headers, timeout=30)
@@ -1514,8 +1708,9 @@ def test_prompt_scores_do_not_depend_on_what_follows(fp32_server: str) -> None:
     ids = ids_of(PROMPTS[2])
 
     def scores(prompt: list[int]) -> list[float | None]:
-        out = c.completions.create(model=model, prompt=prompt, max_tokens=1, logprobs=1,
-                                   echo=True, temperature=0)  # fmt: skip
+        out = c.completions.create(
+            model=model, prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0
+        )
         return out.choices[0].logprobs.token_logprobs
 
     whole, half = scores(ids), len(ids) // 2

@@ -22,8 +22,14 @@ BYTES = [TOK.token_to_id(c) for c in ("\u00e2", "\u0124", "\u00ac", "\u00e4", "\
 
 def _random_ids(rng: random.Random, n: int) -> list[int]:
     pick = [rng.random() for _ in range(n)]
-    return [rng.choice(BYTES) if p < 0.3 else rng.choice(SPECIALS) if p < 0.4
-            else rng.randrange(TOK.get_vocab_size()) for p in pick]  # fmt: skip
+    return [
+        rng.choice(BYTES)
+        if p < 0.3
+        else rng.choice(SPECIALS)
+        if p < 0.4
+        else rng.randrange(TOK.get_vocab_size())
+        for p in pick
+    ]
 
 
 def _in_chunks(offsets: TextOffsets, ids: list[int], rng: random.Random) -> list[int]:
@@ -45,8 +51,9 @@ def test_offsets_follow_the_decoded_text(specials: bool) -> None:
         ids, start = _random_ids(rng, rng.randint(1, 40)), rng.randint(0, 5)
         text = TOK.decode(ids, skip_special_tokens=not specials)
         offsets = _in_chunks(TextOffsets(TOK, start, specials=specials), ids, rng)
-        check_text_offsets(TOK, "x" * start + text, offsets, [([], "x" * start, True),
-                           (ids, text, specials)])  # fmt: skip
+        check_text_offsets(
+            TOK, "x" * start + text, offsets, [([], "x" * start, True), (ids, text, specials)]
+        )
 
 
 @pytest.mark.parametrize(

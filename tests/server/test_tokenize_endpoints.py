@@ -29,8 +29,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 NAME = "tiny-bos"
 MAX_LEN = 512
 TEXTS = ["The quick brown fox", "", " leading space", "naïve café ☕ 日本", "a<｜User｜>b\n\tc"]
-ADDED_BOS = {"content": "<｜begin▁of▁sentence｜>", "lstrip": False, "normalized": False,
-             "rstrip": False, "single_word": False, "special": True}  # fmt: skip
+ADDED_BOS = {
+    "content": "<｜begin▁of▁sentence｜>",
+    "lstrip": False,
+    "normalized": False,
+    "rstrip": False,
+    "single_word": False,
+    "special": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +86,11 @@ def text_ids(tok: Tokenizer, text: str, special: bool = True) -> list[int]:
 
 def rendered(config: dict, messages: list[dict], generation_prompt: bool = True) -> str:
     return jinja2.Template(config["chat_template"]).render(
-        messages=messages, add_generation_prompt=generation_prompt,
-        bos_token=ADDED_BOS["content"], eos_token=config["eos_token"],
-    )  # fmt: skip
+        messages=messages,
+        add_generation_prompt=generation_prompt,
+        bos_token=ADDED_BOS["content"],
+        eos_token=config["eos_token"],
+    )
 
 
 def test_tokenize_text(base: str, tok: Tokenizer) -> None:
@@ -119,8 +127,10 @@ def test_tokenize_chat(base: str, tok: Tokenizer, config: dict) -> None:
     chat = post(base, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
     assert chat["usage"]["prompt_tokens"] == len(want)
     plain = post(base, "/tokenize", {"messages": messages, "add_generation_prompt": False})
-    assert plain["tokens"] == tok.encode(rendered(config, messages, False),
-                                         add_special_tokens=False).ids  # fmt: skip
+    assert (
+        plain["tokens"]
+        == tok.encode(rendered(config, messages, False), add_special_tokens=False).ids
+    )
     assert plain["tokens"] != want
     # specials on top of the template: the text-prompt rule, here a BOS in front
     special = post(base, "/tokenize", {"messages": messages, "add_special_tokens": True})
@@ -166,18 +176,23 @@ BAD = [
     ("/detokenize", {}, 400, "tokens"),
     ("/detokenize", {"tokens": [1], "model": "nope"}, 404, "nope"),
     ("/tokenize", {}, 400, "exactly one of prompt"),
-    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400,
-     "exactly one"),
+    (
+        "/tokenize",
+        {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+        400,
+        "exactly one",
+    ),
     ("/tokenize", {"prompt": 3}, 400, "prompt"),
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "nope"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("path", "body", "status", "needle"), BAD)
-def test_bad_requests(base: str, tok: Tokenizer, path: str, body: dict, status: int,
-                      needle: str) -> None:  # fmt: skip
+def test_bad_requests(
+    base: str, tok: Tokenizer, path: str, body: dict, status: int, needle: str
+) -> None:
     assert tok.get_vocab_size(with_added_tokens=True) == VOCAB
     assert_error(httpx.post(f"{base}{path}", json=body, headers=AUTH, timeout=30), status, needle)
 

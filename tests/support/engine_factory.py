@@ -33,10 +33,16 @@ def build_engine(
         slack = 0 if speculative is None else speculative.num_speculative_tokens
         session.allocate_kv(slots, max_len, block_size, num_blocks, slack=slack)
     opts = EngineOptions(
-        Path(), [len(session.model.layer_ids)], max_len, max_num_seqs, max_num_batched_tokens,
-        session.kv.block_size, enable_prefix_caching=prefix_caching, async_scheduling=overlap,
+        Path(),
+        [len(session.model.layer_ids)],
+        max_len,
+        max_num_seqs,
+        max_num_batched_tokens,
+        session.kv.block_size,
+        enable_prefix_caching=prefix_caching,
+        async_scheduling=overlap,
         speculative_config=None if speculative is None else speculative.to_json(),
-    )  # fmt: skip
+    )
     engine = engine_for(Pipeline(session), opts, session.model.cfg, max_len)
     return with_text(engine)
 

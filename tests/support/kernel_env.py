@@ -29,8 +29,11 @@ def kernel_device() -> str:
 # the engine tests that run on the CPU, and with ``-m gpu`` on CUDA too
 ENGINE_DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    ]),
-]  # fmt: skip
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]

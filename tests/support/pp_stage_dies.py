@@ -37,5 +37,7 @@ def worker(rank: int, world: int) -> None:
 
 if __name__ == "__main__":
     tp = sys.argv[2:] == ["tp"]
-    launch(DistConfig(pp_size=1 if tp else 2, tp_size=2 if tp else 1,
-                      timeout_s=float(sys.argv[1])), worker)  # fmt: skip
+    launch(
+        DistConfig(pp_size=1 if tp else 2, tp_size=2 if tp else 1, timeout_s=float(sys.argv[1])),
+        worker,
+    )
