@@ -26,10 +26,11 @@ from pathlib import Path
 
 from engramrt.bundled import DEFAULT_MODEL_DIR
 from engramrt.bundled.prose import austen
-from engramrt.config import load_json, model_config
+from engramrt.config import load_json
 from engramrt.engine.build import EngineOptions, build_stage
 from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams
+from engramrt.models import model_config
 from engramrt.parallel.launch import DistConfig
 from engramrt.prompts import PromptEncoder
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from engramrt.model import dspark
+from engramrt.models.deepseek_v41 import dspark
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 

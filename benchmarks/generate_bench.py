@@ -12,8 +12,9 @@ import torch
 
 from engramrt.bundled import resolve_model_dir
 from engramrt.commands.generate import GenerateOptions, generate
-from engramrt.config import load_json, model_config
+from engramrt.config import load_json
 from engramrt.engine.build import build_stage
+from engramrt.models import model_config
 from engramrt.parallel.launch import DistConfig
 from engramrt.prompts import PromptEncoder
 

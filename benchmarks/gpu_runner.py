@@ -230,7 +230,9 @@ def prefill_flops(engine: Engine, tokens: int) -> float:
         for n, p in model.named_parameters()
         if p.dim() == 2 and not n.startswith("embed.")
     )
-    attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) / 2
+    attn = (
+        2 * 2 * cfg.num_layers * cfg.body.num_heads * cfg.body.head_dim * tokens * (tokens + 1) / 2
+    )
     return 2 * matmul * tokens + attn
 
 

@@ -26,7 +26,7 @@ from engramrt.bundled import DEFAULT_MODEL_DIR
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.request import SamplingParams
 from engramrt.engram import load_tokenizer
-from engramrt.model.context import ForwardContext, KVCache
+from engramrt.model.context import ForwardContext, PagedCache
 from engramrt.runner.batch import DeviceResult, StepBatch, StepResult
 from engramrt.runner.slots import SlotTable
 
@@ -37,7 +37,7 @@ class StubPipeline:
     """Stands where the pipeline stands; runs no model. With ``kv`` it also builds the step's
     ``ForwardContext`` on the host, as the first stage's runner does before any kernel runs."""
 
-    def __init__(self, kv: KVCache | None = None, overlap: bool = False):
+    def __init__(self, kv: PagedCache | None = None, overlap: bool = False):
         self.kv, self.build_ms, self.can_overlap = kv, 0.0, overlap
         self.slots = SlotTable(torch.device("cpu"), None, samples=False, first=True)
         if kv is not None:
@@ -80,7 +80,7 @@ def measure(
         eos_token_id=1,
         async_scheduling=overlap,
     )
-    kv = KVCache([], cfg.num_blocks, block, 1, 1, torch.float32, "cpu", max_len, requests)
+    kv = PagedCache(cfg.num_blocks, block, max_len, requests)
     stub = StubPipeline(kv, overlap)
     engine = Engine(stub, tok, cfg)
     rng = random.Random(0)

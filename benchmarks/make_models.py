@@ -30,10 +30,11 @@ from safetensors import safe_open
 from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.bundled.v41_presets import V41_PRESETS, v41_preset_config
 from engramrt.bundled.weights import _init, seeded_v41_state
-from engramrt.config import engram_config, load_json, model_config
+from engramrt.config import engram_config, load_json
 from engramrt.engram.layout import search_primes
 from engramrt.model.checkpoint import INDEX, save_state
 from engramrt.model.decoder import EngramMHCModel
+from engramrt.models import model_config
 
 PRESETS = {  # hidden, layers, heads, kv heads, ffn, engram layers, prime search start
     "tiny": (64, 3, 4, 2, 128, [0, 2], 128),

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from engramrt.model import dspark
+from engramrt.models.deepseek_v41 import dspark
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 

@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.hash_bench import copy_bandwidth_gbs, median_us
 from engramrt.kernels.stored_linear import SMS, _launch, stored_linear
-from engramrt.model import quant
+from engramrt.models.deepseek_v41 import quant
 
 SHAPES = {  # name: (N, K, fp4) at V4.1-Flash's widths
     "wq_a": (1280, 5120, False),

@@ -25,7 +25,7 @@ from benchmarks.stored_linear_bench import graph_us
 from engramrt.kernels.index_scores import index_scores
 from engramrt.kernels.sparse_attention import sparse_attention
 from engramrt.kernels.top_select import top_select
-from engramrt.model.v41_attention import sorted_picks
+from engramrt.models.deepseek_v41.attention import sorted_picks
 
 HEADS, D, WINDOW, TOPK = 64, 512, 128, 512  # V4.1-Flash (bundled config)
 INDEX_HEADS, INDEX_D, RATIO, BLOCK = 32, 128, 2, 16

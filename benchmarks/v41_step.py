@@ -30,10 +30,10 @@ import torch
 
 from benchmarks.hash_bench import copy_bandwidth_gbs
 from engramrt.kernels import FORCE_TORCH_ENV
-from engramrt.model.quant import StoredLinear
+from engramrt.models.deepseek_v41.config import REINDEX, SOURCE
+from engramrt.models.deepseek_v41.quant import StoredLinear
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
-from engramrt.v41_config import REINDEX, SOURCE
 
 BLOCK = 16
 
@@ -261,7 +261,7 @@ def main() -> None:
     report["stored_linear_bytes"] = stored
     report["decode"] = {}
     for bs in map(int, args.batches.split(",")):
-        reached = min(cfg.n_routed_experts, bs * cfg.num_experts_per_tok)
+        reached = min(cfg.body.n_routed_experts, bs * cfg.body.n_activated_experts)
         floor_ms = weight_bytes(gpu, reached) / (bw * 1e9) * 1e3
         row = report["decode"][bs] = {"floor_ms": floor_ms, "experts_reached": reached}
         paths = ("graphs", "kernels", "torch") if args.torch_too else ("graphs", "kernels")

@@ -1,4 +1,6 @@
-"""Model configuration read from a HF-style ``config.json``.
+"""The configuration every model family shares, read from a HF-style ``config.json``: the
+Engram's fields and the skeleton's (vocabulary, widths, mHC). A family's own fields are its
+``body`` (``engramrt.models``).
 
 DeepSeek-V4.1 nests the language-model fields under ``text_config`` while smaller models keep
 them flat; both are accepted so one loader serves released checkpoints and test models alike.
@@ -10,10 +12,12 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engramrt.config_base import ConfigError, text_config
-from engramrt.v41_config import V41Config, v41_config
+
+if TYPE_CHECKING:
+    from engramrt.model.family import ModelFamily
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class EngramConfig:
         return len(self.layer_ids)
 
 
-def _get(cfg: Mapping[str, Any], name: str, *aliases: str) -> Any:
+def get_field(cfg: Mapping[str, Any], name: str, *aliases: str) -> Any:
     for key in (name, *aliases):
         if key in cfg:
             return cfg[key]
@@ -50,7 +54,7 @@ def _get(cfg: Mapping[str, Any], name: str, *aliases: str) -> Any:
 
 
 def _int_list(cfg: Mapping[str, Any], name: str) -> tuple[int, ...]:
-    value = _get(cfg, name)
+    value = get_field(cfg, name)
     if isinstance(value, int):
         value = [value]
     if not isinstance(value, list | tuple) or not all(isinstance(v, int) for v in value):
@@ -58,8 +62,8 @@ def _int_list(cfg: Mapping[str, Any], name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _int(cfg: Mapping[str, Any], name: str, *aliases: str) -> int:
-    value = _get(cfg, name, *aliases)
+def int_field(cfg: Mapping[str, Any], name: str, *aliases: str) -> int:
+    value = get_field(cfg, name, *aliases)
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"config field {name!r} must be an integer, got {value!r}")
     return value
@@ -68,19 +72,19 @@ def _int(cfg: Mapping[str, Any], name: str, *aliases: str) -> int:
 def engram_config(raw: Mapping[str, Any]) -> EngramConfig:
     """Read and validate the Engram fields; every failure names the offending field."""
     cfg = text_config(raw)
-    eps = float(_get(cfg, "rms_norm_eps", "norm_eps"))
+    eps = float(get_field(cfg, "rms_norm_eps", "norm_eps"))
     image = cfg.get("image_token_id")
     out = EngramConfig(
         layer_ids=_int_list(cfg, "engram_layer_ids"),
         num_embeddings=_int_list(cfg, "engram_num_embeddings"),
-        max_ngram_size=_int(cfg, "engram_max_ngram_size"),
-        n_heads=_int(cfg, "engram_n_heads"),
-        head_dim=_int(cfg, "engram_head_dim"),
-        vocab_size=_int(cfg, "engram_vocab_size"),
-        pad_token_id=_int(cfg, "engram_pad_token_id", "engram_pad_id"),
-        compressed_vocab_size=_int(cfg, "engram_compressed_vocab_size"),
-        hidden_size=_int(cfg, "hidden_size", "dim"),
-        hc_mult=_int(cfg, "hc_mult"),
+        max_ngram_size=int_field(cfg, "engram_max_ngram_size"),
+        n_heads=int_field(cfg, "engram_n_heads"),
+        head_dim=int_field(cfg, "engram_head_dim"),
+        vocab_size=int_field(cfg, "engram_vocab_size"),
+        pad_token_id=int_field(cfg, "engram_pad_token_id", "engram_pad_id"),
+        compressed_vocab_size=int_field(cfg, "engram_compressed_vocab_size"),
+        hidden_size=int_field(cfg, "hidden_size", "dim"),
+        hc_mult=int_field(cfg, "hc_mult"),
         rms_norm_eps=eps,
         image_token_id=None if image is None else int(image),
     )
@@ -128,135 +132,67 @@ def load_json(model_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid JSON: {exc}") from None
 
 
-V41 = "v41"  # DeepSeek-V4.1's own attention (``engramrt.v41_config``)
-ATTENTION_TYPES = ("gqa", V41)
-FFN_TYPES = ("dense", "moe")
-
-
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the decoder needs; built only for configs engramrt can run exactly."""
+    """What every model family shares. ``body`` holds the family's own fields and ``family``
+    its code: the face the engine, runner and commands see (``engramrt.model.family``); both
+    come from the registry (``engramrt.models.model_config``), built only for configs that
+    engramrt can run exactly."""
 
+    family: ModelFamily
+    body: Any
     vocab_size: int
     hidden_size: int
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rope_theta: float
     rms_norm_eps: float
     max_position_embeddings: int
     hc_mult: int
     hc_sinkhorn_iters: int
     hc_eps: float
-    attention_type: str
-    ffn_type: str
     engram: EngramConfig
-    n_routed_experts: int = 0
-    num_experts_per_tok: int = 0
-    n_shared_experts: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
-    v41: V41Config | None = None  # V4.1's attention and MoE fields (attention_type "v41")
 
     @property
     def hc_mix_dim(self) -> int:
         return (2 + self.hc_mult) * self.hc_mult
 
 
-def model_config(raw: Mapping[str, Any]) -> ModelConfig:
+def shared_config(
+    raw: Mapping[str, Any],
+    family: ModelFamily,
+    body: Any,
+    hidden_size: int,
+    num_layers: int,
+    rms_norm_eps: float,
+    max_position_embeddings: int,
+) -> ModelConfig:
+    """The shared fields around a family's ``body``; a family gives the widths it read in its
+    own spelling."""
     cfg = text_config(raw)
-    attention = cfg.get("attention_type", V41 if "compress_ratios" in cfg else None)
-    if attention not in ATTENTION_TYPES:
-        raise ConfigError(
-            f"attention_type must be one of {list(ATTENTION_TYPES)} (DeepSeek-V4.1's configs give "
-            f"none and have compress_ratios), got {attention!r}"
-        )
-    if attention == V41:
-        return _v41_model_config(raw, cfg)
-    ffn = cfg.get("ffn_type")
-    if ffn not in FFN_TYPES:
-        raise ConfigError(f"ffn_type must be one of {list(FFN_TYPES)}, got {ffn!r}")
     eos = cfg.get("eos_token_id")
     out = ModelConfig(
-        vocab_size=_int(cfg, "vocab_size"),
-        hidden_size=_int(cfg, "hidden_size", "dim"),
-        num_layers=_int(cfg, "num_hidden_layers", "n_layers"),
-        num_heads=_int(cfg, "num_attention_heads", "n_heads"),
-        num_kv_heads=_int(cfg, "num_key_value_heads"),
-        head_dim=_int(cfg, "head_dim"),
-        intermediate_size=_int(cfg, "intermediate_size") if ffn == "dense" else 0,
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(_get(cfg, "rms_norm_eps", "norm_eps")),
-        max_position_embeddings=_int(cfg, "max_position_embeddings"),
-        hc_mult=_int(cfg, "hc_mult"),
-        hc_sinkhorn_iters=_int(cfg, "hc_sinkhorn_iters"),
-        hc_eps=float(_get(cfg, "hc_eps")),
-        attention_type=attention,
-        ffn_type=ffn,
+        family=family,
+        body=body,
+        vocab_size=int_field(cfg, "vocab_size"),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        rms_norm_eps=rms_norm_eps,
+        max_position_embeddings=max_position_embeddings,
+        hc_mult=int_field(cfg, "hc_mult"),
+        hc_sinkhorn_iters=int_field(cfg, "hc_sinkhorn_iters"),
+        hc_eps=float(get_field(cfg, "hc_eps")),
         engram=engram_config(raw),
-        n_routed_experts=_int(cfg, "n_routed_experts") if ffn == "moe" else 0,
-        num_experts_per_tok=_int(cfg, "num_experts_per_tok") if ffn == "moe" else 0,
-        n_shared_experts=int(cfg.get("n_shared_experts", 0)) if ffn == "moe" else 0,
-        moe_intermediate_size=_int(cfg, "moe_intermediate_size") if ffn == "moe" else 0,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         torch_dtype=str(cfg.get("torch_dtype", "bfloat16")),
     )
     _validate_model(out)
-    return out
-
-
-def _v41_model_config(raw: Mapping[str, Any], cfg: dict[str, Any]) -> ModelConfig:
-    """A V4.1 config: its attention and MoE fields (``v41``, both spellings), the rest as for
-    any model; one shared latent of ``head_dim`` is the KV (one KV head)."""
-    v = v41_config(raw)
-    eos = cfg.get("eos_token_id")
-    out = ModelConfig(
-        vocab_size=_int(cfg, "vocab_size"),
-        hidden_size=v.dim,
-        num_layers=v.n_layers,
-        num_heads=v.n_heads,
-        num_kv_heads=1,
-        head_dim=v.head_dim,
-        intermediate_size=0,
-        rope_theta=v.rope_theta,
-        rms_norm_eps=v.norm_eps,
-        max_position_embeddings=_int(cfg, "max_position_embeddings", "max_seq_len"),
-        hc_mult=_int(cfg, "hc_mult"),
-        hc_sinkhorn_iters=_int(cfg, "hc_sinkhorn_iters"),
-        hc_eps=float(_get(cfg, "hc_eps")),
-        attention_type=V41,
-        ffn_type="moe",
-        engram=engram_config(raw),
-        n_routed_experts=v.n_routed_experts,
-        num_experts_per_tok=v.n_activated_experts,
-        n_shared_experts=v.n_shared_experts,
-        moe_intermediate_size=v.moe_inter_dim,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        torch_dtype=str(cfg.get("torch_dtype", "bfloat16")),
-        v41=v,
-    )
-    _validate_model(out)
-    if v.n_shared_experts != 1:
-        raise ConfigError(f"n_shared_experts must be 1 for V4.1, got {v.n_shared_experts}")
     return out
 
 
 def _validate_model(c: ModelConfig) -> None:
-    if c.num_heads % c.num_kv_heads:
-        raise ConfigError(
-            f"num_attention_heads ({c.num_heads}) must be a multiple of num_key_value_heads "
-            f"({c.num_kv_heads})"
-        )
-    if c.head_dim % 2:
-        raise ConfigError(f"head_dim must be even for rotary embeddings, got {c.head_dim}")
     if max(c.engram.layer_ids) >= c.num_layers:
         raise ConfigError(
             f"engram_layer_ids {list(c.engram.layer_ids)} must be < num_hidden_layers "
@@ -264,10 +200,5 @@ def _validate_model(c: ModelConfig) -> None:
         )
     if c.engram.hidden_size != c.hidden_size or c.engram.hc_mult != c.hc_mult:
         raise ConfigError("hidden_size/hc_mult disagree between the model and its Engram")
-    if c.ffn_type == "moe" and not 0 < c.num_experts_per_tok <= c.n_routed_experts:
-        raise ConfigError(
-            f"num_experts_per_tok must lie in [1, n_routed_experts={c.n_routed_experts}], "
-            f"got {c.num_experts_per_tok}"
-        )
     if c.hc_sinkhorn_iters < 1:
         raise ConfigError(f"hc_sinkhorn_iters must be >= 1, got {c.hc_sinkhorn_iters}")

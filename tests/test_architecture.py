@@ -70,13 +70,16 @@ LAYERS = [
     ["engramrt.parallel"],
     ["engramrt.runner"],
     ["engramrt.prompts"],
+    # generic checkpoint loading reads a config through the family registry
+    ["engramrt.model.checkpoint"],
+    ["engramrt.models"],
     ["engramrt.model"],
     ["engramrt.engram"],
     ["engramrt.kernels"],
     [
         "engramrt.config",
         "engramrt.config_base",
-        "engramrt.v41_config",
+        "engramrt.models.deepseek_v41.config",
         "engramrt.transfer",
         "engramrt.tensor_parallel",
     ],
@@ -173,3 +176,53 @@ def test_tests_mirror_the_package() -> None:
     packages = {p.name for p in ROOT.iterdir() if p.is_dir() and any(p.glob("*.py"))}
     assert folders - {"support"} <= packages, folders - {"support"} - packages
     assert len(folders) > 5
+
+
+FAMILIES = ROOT / "models"
+REGISTRY = "engramrt.models"
+
+
+def family_of(module: str) -> str | None:
+    """The family package a module belongs to (``engramrt.models.<family>``), if any."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if len(parts) > 2 and parts[1] == "models" else None
+
+
+def family_leaks(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of a family's modules from outside that family (the registry excepted)."""
+    return sorted(
+        (a, b)
+        for a, targets in graph.items()
+        for b in targets
+        if family_of(b) and a != REGISTRY and family_of(a) != family_of(b)
+    )
+
+
+def test_only_the_registry_imports_a_family() -> None:
+    """The engine, runner, commands and bundled code see a family only as ``cfg.family``; a
+    family does not reach into another."""
+    graph = import_graph()
+    families = {p.name for p in FAMILIES.iterdir() if (p / "__init__.py").is_file()}
+    assert {"gqa", "deepseek_v41"} <= families
+    assert family_leaks(graph) == []
+    # the checker sees a planted leak, and lets the registry and a family's own imports pass
+    planted = {
+        **graph,
+        "engramrt.runner.stage": {"engramrt.models.deepseek_v41.moe"},
+        "engramrt.models.gqa": {"engramrt.models.gqa.ffn"},
+    }
+    assert family_leaks(planted) == [("engramrt.runner.stage", "engramrt.models.deepseek_v41.moe")]
+
+
+def test_no_v41_reads_outside_its_package() -> None:
+    """No ``.v41`` attribute read outside the V4.1 package: a family's branch lives in its
+    package, never behind a flag read elsewhere (vLLM's ``is_v32``)."""
+    own = FAMILIES / "deepseek_v41"
+    found = []
+    for path in ROOT.rglob("*.py"):
+        if own in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "v41":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} .v41")
+    assert found == []

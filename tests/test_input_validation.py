@@ -10,10 +10,11 @@ import torch
 
 from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.commands.generate import prompt_tokens
-from engramrt.config import load_json, model_config
+from engramrt.config import load_json
 from engramrt.engine.request import check_context_length
 from engramrt.engram import load_hasher
 from engramrt.engram.token_map import load_tokenizer
+from engramrt.models import model_config
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import (

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.make_models import preset_config
-from engramrt.config import model_config
+from engramrt.models import model_config
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 
@@ -42,8 +42,9 @@ def test_tiny_preset_loads_and_runs(tmp_path: Path) -> None:
 def test_preset_sizes(preset: str, low: float, high: float) -> None:
     c = model_config(preset_config(preset))
     d, e, hc = c.hidden_size, c.engram, c.hc_mult
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    dense = c.num_layers * (2 * d * q + 2 * d * kv + 3 * d * c.intermediate_size)
+    g = c.body  # the GQA family's own fields
+    q, kv = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+    dense = c.num_layers * (2 * d * q + 2 * d * kv + 3 * d * g.intermediate_size)
     dense += e.num_layers * (hc + 1) * d * e.n_hash_cols * e.head_dim + 2 * c.vocab_size * d
     assert low < dense < high
     table_gib = [rows * (e.head_dim + e.head_dim // 32) / 2**30 for rows in e.num_embeddings]

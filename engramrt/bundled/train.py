@@ -38,14 +38,13 @@ import torch.nn.functional as F
 from engramrt.bundled import DEFAULT_MODEL_DIR
 from engramrt.bundled.prose import PACKAGE, austen
 from engramrt.bundled.weights import kept_fp32, seeded_model, seeded_v41_model
-from engramrt.config import load_json, model_config
+from engramrt.config import load_json
 from engramrt.engram import load_hasher
 from engramrt.engram.table import EngramTable, dequantize_rows, quantize_rows
 from engramrt.kernels import FORCE_TORCH_ENV
-from engramrt.model import dspark, v41_attention
 from engramrt.model.checkpoint import load_model, save_checkpoint
 from engramrt.model.context import ForwardContext
-from engramrt.model.quant import StoredLinear, round_masters
+from engramrt.models import FAMILIES, model_config
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
@@ -53,9 +52,6 @@ from engramrt.runner.stage import StageRunner
 SEED = 4242
 STEPS = 512
 MAX_WINDOWS = 1024  # windows a step (hasher slots)
-# V4.1's torch attention forms the scores of this many queries at once: a whole training step
-# (a python loop over 256-query chunks, the serving default, dominated a step's time on a GPU)
-TRAIN_QUERY_CHUNK = 1 << 16
 _SYLLABLES = "ka lo mi ve tar zun pel qua dor bri sen mok fal gir hob nu ze ti ras pol".split()
 
 
@@ -155,8 +151,8 @@ CONFIDENCE_WEIGHT = 0.1
 def draft_block(runner: StageRunner) -> int:
     """Tokens a window needs past its prefill for the draft loss: the sampled one and the
     block it drafts (0 without DSpark stages)."""
-    mtp = runner.model.mtp
-    return 0 if mtp is None else 1 + runner.model.cfg.v41.dspark_block_size
+    cfg = runner.model.cfg
+    return 0 if runner.model.mtp is None else 1 + cfg.family.draft_block(cfg)
 
 
 def loss_of(runner: StageRunner, windows: list[list[int]], ends: list[int] | None = None) -> Losses:
@@ -166,9 +162,7 @@ def loss_of(runner: StageRunner, windows: list[list[int]], ends: list[int] | Non
     then anchors at its last prefilled position, its block teacher-forced by the window's next
     tokens (``draft_block`` of them). Trainable FP8/FP4 weights are rounded from their masters
     first."""
-    round_masters(
-        [m for m in runner.model.modules() if isinstance(m, StoredLinear) and m.master is not None]
-    )
+    runner.model.cfg.family.round_masters(runner.model)
     n = len(windows)
     ends = ends or [len(w) - max(1, draft_block(runner)) for w in windows]
     block = 16
@@ -197,7 +191,7 @@ def loss_of(runner: StageRunner, windows: list[list[int]], ends: list[int] | Non
             [w[e : e + 1 + k] for w, e in zip(windows, ends, strict=True)], device=dev
         )
         ends_t = torch.tensor(ends, device=dev) - 1
-        drafts = dspark.draft(
+        drafts = runner.model.cfg.family.draft(
             runner.model,
             runner.kv,
             ends_t,
@@ -242,15 +236,14 @@ def build(
     cfg = model_config(raw)
     torch.manual_seed(seed)
     if init is not None:
-        model = load_model(init, torch.float32, dspark=cfg.v41 is not None)
+        model = load_model(init, torch.float32, dspark=bool(cfg.family.draft_stages(cfg)))
         for block in model.layers.values():
             if block.engram is not None:
                 table = block.engram.embed
                 block.engram.embed = EngramTable(dequantize_rows(table.weight, table.scale))
-        for m in model.modules():
-            if isinstance(m, StoredLinear):
-                m.make_trainable()
-    elif cfg.v41 is None:
+        for m in cfg.family.stored_linears(model):
+            m.make_trainable()
+    elif not cfg.family.stored_formats:
         model = seeded_model(cfg, seed, torch.float32, fp8_tables=False)
     else:
         model = seeded_v41_model(raw, seed)
@@ -295,15 +288,17 @@ def train(
 def training_mode(deterministic: bool = True) -> Iterator[None]:
     """What training steps run under, restored after: the torch reference kernels (the Triton
     ones have no backward), deterministic algorithms (or not: ``benchmarks/train_step.py``
-    compares) and a whole step's queries scored at once (``TRAIN_QUERY_CHUNK``)."""
+    compares) and each family's own (``ModelFamily.training``: V4.1 scores a whole step's
+    queries at once)."""
     saved, was = os.environ.get(FORCE_TORCH_ENV), torch.are_deterministic_algorithms_enabled()
     os.environ[FORCE_TORCH_ENV] = "1"
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
-    chunk, v41_attention.QUERY_CHUNK = v41_attention.QUERY_CHUNK, TRAIN_QUERY_CHUNK
     try:
-        yield
+        with contextlib.ExitStack() as families:
+            for family in FAMILIES.values():
+                families.enter_context(family.training())
+            yield
     finally:
-        v41_attention.QUERY_CHUNK = chunk
         torch.use_deterministic_algorithms(was)
         if saved is None:
             os.environ.pop(FORCE_TORCH_ENV, None)
@@ -372,8 +367,8 @@ def save(
     """The checkpoint in the served format (bf16 weights, FP8/FP4 linears as stored, fp8
     tables), ``model_dir``'s config and tokenizer, and the held-out task files beside it."""
     model = runner.model.eval().requires_grad_(False).cpu()
-    for m in model.modules():
-        if isinstance(m, StoredLinear) and m.master is not None:
+    for m in model.cfg.family.stored_linears(model):
+        if m.master is not None:
             m.store()
     for name, p in model.named_parameters():  # the served dtypes, as the seeded weights have
         if not kept_fp32(name):

@@ -12,12 +12,11 @@ import math
 
 import torch
 
-from engramrt.config import ModelConfig, model_config
+from engramrt.config import ModelConfig
 from engramrt.engram.table import EngramTable, quantize_rows
-from engramrt.model import quant
 from engramrt.model.checkpoint import _dequantise_at_load
 from engramrt.model.decoder import EngramMHCModel
-from engramrt.model.quant import StoredLinear
+from engramrt.models import model_config
 
 SEED = 10007
 
@@ -75,7 +74,7 @@ def seeded_v41_state(raw: dict, device: str = "cpu", seed: int = 0) -> dict[str,
     stages' (``mtp.*``) too."""
     cfg = model_config(raw)
     with torch.device("meta"):
-        model = EngramMHCModel(cfg, torch.bfloat16, dspark=bool(cfg.v41.dspark_stages))
+        model = EngramMHCModel(cfg, torch.bfloat16, dspark=bool(cfg.family.draft_stages(cfg)))
     meta = model.state_dict()
     gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)
@@ -88,7 +87,7 @@ def seeded_v41_state(raw: dict, device: str = "cpu", seed: int = 0) -> dict[str,
         if fp8 or t.dtype == torch.int8:
             shape = (t.shape[0], t.shape[1] * (2 if t.dtype == torch.int8 else 1))
             w = torch.randn(shape, generator=gen, device=device) * shape[1] ** -0.5
-            pair = quant.fp8_weight(w) if fp8 else quant.fp4_weight(w)
+            pair = cfg.family.stored_weight(w, fp4=not fp8)
             state[name], state[scale_name] = (x.cpu() for x in pair)
             continue
         if name.endswith(("norm.weight", "_scale", "_base", "_fn")):
@@ -108,7 +107,7 @@ def seeded_v41_model(raw: dict, seed: int = SEED) -> EngramMHCModel:
     every FP8/FP4 linear with a trainable master (``StoredLinear.make_trainable``), the Engram
     tables fp32 normals (quantised when saved)."""
     cfg = model_config(raw)
-    model = EngramMHCModel(cfg, torch.float32, dspark=bool(cfg.v41.dspark_stages))
+    model = EngramMHCModel(cfg, torch.float32, dspark=bool(cfg.family.draft_stages(cfg)))
     state = seeded_v41_state(raw, "cpu", seed)
     held = model.state_dict()
     for scale in [n for n in state if n.endswith(".scale") and n not in held]:  # held dequantised
@@ -120,7 +119,6 @@ def seeded_v41_model(raw: dict, seed: int = SEED) -> EngramMHCModel:
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or any(".engram.embed." not in n for n in missing):
         raise ValueError(f"seeded V4.1 state: missing {missing}, unexpected {unexpected}")
-    for m in model.modules():
-        if isinstance(m, StoredLinear):
-            m.make_trainable()
+    for m in cfg.family.stored_linears(model):
+        m.make_trainable()
     return model

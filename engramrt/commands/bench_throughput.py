@@ -19,7 +19,6 @@ from engramrt.commands.flags import options_from_args
 from engramrt.engine.build import EngineOptions, build_stage
 from engramrt.engine.engine import Engine
 from engramrt.engine.request import SamplingParams
-from engramrt.model import v41_cache
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,11 +102,7 @@ def _decode_bytes(engine: Engine, batch: int, context: int) -> int:
         for n, t in model.state_dict().items()
         if ".engram.embed." not in n
     )
-    kv_item = model.dtype.itemsize  # the cache's dtype
-    if cfg.v41 is not None:  # window, picked rows and the index keys scanned
-        kv = batch * v41_cache.read_bytes(cfg.v41, model.layer_ids, context, kv_item)
-    else:
-        kv = batch * context * len(model.layer_ids) * 2 * model.kv_heads * cfg.head_dim * kv_item
+    kv = batch * cfg.family.decode_read_bytes(model, context)
     rows = 0
     for i in model.engram_layer_ids:
         engram = model.layers[str(i)].engram

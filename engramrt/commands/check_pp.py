@@ -23,7 +23,8 @@ import torch.distributed as dist
 from engramrt import tensor_parallel
 from engramrt.bundled import resolve_model_dir
 from engramrt.commands.flags import DEVICES, DTYPES, add_dist_flags, add_model_flag, dist_config
-from engramrt.config import load_json, model_config
+from engramrt.config import load_json
+from engramrt.models import model_config
 from engramrt.parallel.faults import inject_stage_faults
 from engramrt.parallel.launch import DistConfig, launch, stage_device
 from engramrt.parallel.partition import all_partitions, stage_layers
@@ -92,7 +93,7 @@ def check_pp(opts: CheckOptions) -> dict | None:
     cfg = model_config(load_json(opts.model_dir))
     if not 1 <= opts.stages <= cfg.num_layers:
         raise ValueError(f"--stages must lie in [1, {cfg.num_layers}], got {opts.stages}")
-    cuts = cfg.v41.legal_cuts() if cfg.v41 is not None else None
+    cuts = cfg.family.legal_cuts(cfg)
     partitions = choose_partitions(
         cfg.num_layers, opts.stages, list(cfg.engram.layer_ids), opts.max_partitions, cuts
     )

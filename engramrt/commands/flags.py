@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
-from engramrt.config import load_json, model_config
+from engramrt.config import load_json
 from engramrt.engine.build import EngineOptions
+from engramrt.models import model_config
 from engramrt.parallel.launch import DistConfig
 from engramrt.parallel.partition import resolve_partition
 

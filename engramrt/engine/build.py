@@ -9,7 +9,6 @@ or in ``Engine.new_request`` and nowhere else.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -18,15 +17,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engramrt.config import ModelConfig, load_json, model_config
+from engramrt.config import ModelConfig, load_json
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.speculative import SpecConfig
 from engramrt.engram import load_tokenizer
 from engramrt.kernels import compiles
 from engramrt.kernels.compiles import compilations, count_compilations
-from engramrt.model import v41_cache
 from engramrt.model.checkpoint import check_layer_count, default_dtype
-from engramrt.model.decoder import check_dspark, check_v41_stage
+from engramrt.models import model_config
 from engramrt.parallel.faults import inject_stage_faults
 from engramrt.parallel.launch import DistConfig, stage_device
 from engramrt.parallel.partition import stage_layers
@@ -37,7 +35,6 @@ from engramrt.runner.kv_budget import (
     CPU_KV_BYTES,
     blocks_from_bytes,
     blocks_from_profile,
-    kv_block_bytes,
     stages_per_gpu,
 )
 from engramrt.runner.stage import StageRunner
@@ -124,8 +121,8 @@ def check(opts: EngineOptions) -> tuple[ModelConfig, int]:
             "ids past it have no embedding row (a tokenizer of another model?)"
         )
     check_layer_count(opts.model_dir, cfg)
-    if cfg.v41 is not None:
-        _check_v41(opts, cfg)
+    stages = [stage_layers(opts.partition, r) for r in range(len(opts.partition))]
+    cfg.family.check_options(cfg, opts.block_size, stages)
     if opts.dspark:
         _check_dspark(opts, cfg)
     return cfg, max_len
@@ -134,28 +131,17 @@ def check(opts: EngineOptions) -> tuple[ModelConfig, int]:
 def _check_dspark(opts: EngineOptions, cfg: ModelConfig) -> None:
     """DSpark drafts need its stages, at most a block of drafts, and the target layers on the
     last pipeline stage (which drafts)."""
-    check_dspark(cfg, stage_layers(opts.partition, len(opts.partition) - 1))
+    cfg.family.check_drafting(cfg, stage_layers(opts.partition, len(opts.partition) - 1))
     if opts.dist.tp_size > 1:  # its followers would have to draft beside it, in its collectives
         raise ValueError(
             "--speculative-config method 'dspark' runs without tensor parallelism "
             "for now (-tp 1): the last stage's TP followers do not draft"
         )
-    v, k = cfg.v41, opts.speculative.num_speculative_tokens
-    if k > v.dspark_block_size:
+    k, block = opts.speculative.num_speculative_tokens, cfg.family.draft_block(cfg)
+    if k > block:
         raise ValueError(
-            f"num_speculative_tokens {k} exceeds the DSpark block "
-            f"({v.dspark_block_size} drafts a pass)"
+            f"num_speculative_tokens {k} exceeds the DSpark block ({block} drafts a pass)"
         )
-
-
-def _check_v41(opts: EngineOptions, cfg: ModelConfig) -> None:
-    """What the V4.1 torch path does not run yet is an error before anything loads."""
-    if opts.block_size % 2:
-        raise ValueError(
-            f"--block-size must be even for V4.1 (ratio-2 groups), got {opts.block_size}"
-        )
-    for rank in range(len(opts.partition)):  # every stage starts and ends at a legal cut
-        check_v41_stage(cfg, stage_layers(opts.partition, rank))
 
 
 SLOT_STATE_BYTES = 4 << 30  # per-slot state (token rows, block tables) all slots may take
@@ -187,20 +173,14 @@ def kv_blocks(runner: StageRunner, opts: EngineOptions, cfg: ModelConfig, max_le
     split it."""
     if opts.num_gpu_blocks_override is not None:
         return opts.num_gpu_blocks_override
-    model = runner.model  # the cache's own dtype, as loaded
-    size = model.dtype.itemsize
+    model, family = runner.model, cfg.family  # the cache's own dtype, as loaded
 
     def per_block(layers: list[int]) -> int:
-        if cfg.v41 is not None:  # compressed KV and index keys: a fraction of a row a token
-            return max(1, math.ceil(opts.block_size * v41_cache.entry_bytes(cfg.v41, layers, size)))
-        return kv_block_bytes(opts.block_size, model.kv_heads, cfg.head_dim, size, len(layers))
+        return family.block_bytes(model, layers, opts.block_size)
 
-    def fixed(layers: list[int]) -> int:  # V4.1's rings and tails: per slot, not per block
-        if cfg.v41 is None:
-            return 0
-        return v41_cache.fixed_bytes(
-            cfg.v41, layers, size, opts.max_num_seqs, snapshots_for(opts), opts.verify_drafts
-        )
+    def fixed(layers: list[int]) -> int:  # per slot, not per block (V4.1's rings and tails)
+        slots, snaps = opts.max_num_seqs, snapshots_for(opts, cfg)
+        return family.slot_bytes(model, layers, slots, snaps, opts.verify_drafts)
 
     if runner.device.type != "cuda" or opts.kv_cache_memory_bytes is not None:
         cap = opts.max_num_seqs * -(-max_len // opts.block_size)
@@ -266,7 +246,12 @@ def build_stage(
             log("--engram off: every Engram layer is skipped (an ablation)")
     blocks = _agree(kv_blocks(runner, opts, cfg, max_len), device)
     runner.allocate_kv(
-        opts.max_num_seqs, max_len, opts.block_size, blocks, snapshots_for(opts), opts.verify_drafts
+        opts.max_num_seqs,
+        max_len,
+        opts.block_size,
+        blocks,
+        snapshots_for(opts, cfg),
+        opts.verify_drafts,
     )
     if driver and device.type == "cuda":
         gib = runner.kv.nbytes / 2**30
@@ -300,15 +285,8 @@ def engine_for(pipe: Pipeline, opts: EngineOptions, cfg: ModelConfig, max_len: i
     """The engine over a pipeline whose driving stage has its KV cache."""
     kv = pipe.runner.kv
     k = opts.verify_drafts
-    if (
-        cfg.v41 is not None
-        and k
-        and (kv.ring_len < cfg.v41.window_size + k or kv.tail_rows < k // 2 + 1)
-    ):
-        raise ValueError(
-            f"a V4.1 cache for {k} drafts a step needs rings of window + {k} rows "
-            "and tails of K / 2 + 1 (allocate_kv's slack)"
-        )
+    if k:
+        cfg.family.check_cache(cfg, kv, k)
     if k and pipe.runner.verifier is None and pipe.runner.graphs is None:
         speculate(pipe.runner, opts)  # a runner set up by hand (tests, benchmarks)
     if k and pipe.can_overlap and pipe.runner.verifier is None:
@@ -318,7 +296,7 @@ def engine_for(pipe: Pipeline, opts: EngineOptions, cfg: ModelConfig, max_len: i
         )
     snapshots = kv.num_snapshots
     prefix_caching = opts.enable_prefix_caching
-    if cfg.v41 is not None and prefix_caching and not snapshots:
+    if prefix_caching and not snapshots and cfg.family.default_snapshots(opts.max_num_seqs):
         log("prefix caching is off: this V4.1 cache keeps no window snapshots")
         prefix_caching = False
     config = EngineConfig(
@@ -335,7 +313,7 @@ def engine_for(pipe: Pipeline, opts: EngineOptions, cfg: ModelConfig, max_len: i
         opts.speculative,
         uniform_drafts=pipe.runner.graphs is not None,
         # V4.1 is served text-only (no vision tower): its image token is refused in prompts
-        text_only_image_token=cfg.engram.image_token_id if cfg.v41 is not None else None,
+        text_only_image_token=cfg.engram.image_token_id if cfg.family.refuses_images() else None,
         window_snapshots=snapshots,
     )
     return Engine(pipe, pipe.runner.tokenizer, config)
@@ -348,9 +326,9 @@ def speculate(runner: StageRunner, opts: EngineOptions) -> None:
     runner.speculate(spec.num_speculative_tokens, lookup)
 
 
-def snapshots_for(opts: EngineOptions) -> int:
-    """V4.1's window snapshots: prefix caching's, none without it (GQA caches ignore it)."""
-    return v41_cache.default_snapshots(opts.max_num_seqs) if opts.enable_prefix_caching else 0
+def snapshots_for(opts: EngineOptions, cfg: ModelConfig) -> int:
+    """The per-request snapshots prefix caching needs (V4.1's windows); none without it."""
+    return cfg.family.default_snapshots(opts.max_num_seqs) if opts.enable_prefix_caching else 0
 
 
 def log(line: str) -> None:

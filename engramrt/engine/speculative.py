@@ -1,5 +1,5 @@
 """Speculative decoding, vLLM's ``--speculative-config``: n-gram (prompt-lookup) drafts, or
-DeepSeek-V4.1's DSpark stages (``engramrt.model.dspark``).
+DeepSeek-V4.1's DSpark stages (``engramrt.models.deepseek_v41.dspark``).
 
 ``ngram``: a decoding request whose last ``n`` tokens (``prompt_lookup_max`` down to
 ``prompt_lookup_min``) occurred earlier in its own tokens proposes the ``k`` tokens that followed

@@ -1,5 +1,6 @@
 """DeepSeek-V4.1's ratio-2 compressor pooling and its norm in one launch
-(``engramrt.model.v41_attention.Compressor``; the torch path takes about fifteen): each token's
+(``engramrt.models.deepseek_v41.attention.Compressor``; the torch path takes about fifteen): each
+token's
 group of two, the previous row of its run or, for a run's first token, a row of its slot's tail
 (the group's first token from an earlier step), softmax-weighted per channel by their gate
 scores in fp32, rounded to the activation dtype, then RMS-normalised. The tail is written after

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt.kernels.paged_attention import _dot, _interpreted
+from engramrt.kernels.common import dot_f32, interpreted
 
 BLOCK_N, CHUNK = 64, 1024
 
@@ -64,7 +64,7 @@ def _index_scores_kernel(
         block = tl.load(table_ptr + req * TW + p // BS, mask=ok, other=0).to(tl.int64)
         rows = block * (BS // R) + (p % BS) // R
         k = tl.load(keys_ptr + rows[:, None] * DI + d[None, :], mask=ok[:, None], other=0)
-        s = _dot(q, tl.trans(k), F32).to(q.dtype).to(tl.float32)  # [BLOCK_H, BLOCK_N]
+        s = dot_f32(q, tl.trans(k), F32).to(q.dtype).to(tl.float32)  # [BLOCK_H, BLOCK_N]
         s = (tl.maximum(s, 0.0) * w[:, None]).to(q.dtype).to(tl.float32)
         total = tl.sum(s, axis=0)
         tl.store(out_ptr + t * C + c, tl.where(ok, total, float("-inf")).to(q.dtype), mask=c < hi)
@@ -106,6 +106,6 @@ def index_scores(
         BLOCK_H=max(16, triton.next_power_of_2(h)),
         BLOCK_N=BLOCK_N,
         CHUNK=CHUNK,
-        F32=q.dtype == torch.float32 or _interpreted(),
+        F32=q.dtype == torch.float32 or interpreted(),
     )
     return out

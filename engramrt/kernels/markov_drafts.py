@@ -1,5 +1,6 @@
 """DSpark's Markov loop in Triton: position by position, the previous token's Markov logits
-added to the block's logits and their argmax taken (``engramrt.model.dspark.draft``'s torch
+added to the block's logits and their argmax taken (``engramrt.models.deepseek_v41.dspark.draft``'s
+torch
 loop: an embedding, a GEMV, an add and an argmax a position, ~5 graph nodes each, where a node
 costs the GPU ~1 us at bs 1).
 

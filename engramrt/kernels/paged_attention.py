@@ -20,31 +20,19 @@ the causal mask on absolute positions, and none go past its last query. The host
 (``engramrt.kernels.tiles``) hold ``PREFILL_TILE`` queries, most keys first; a launch with a
 smaller ``BLOCK_M`` runs several programs per tile. Rows the caller marks as padding (cache
 slot -1, context length 0) write nothing and read nothing (decode stores zeros for them). Both
-match the torch path (``engramrt.model.attention``) within floating-point reordering.
+match the torch path (``engramrt.models.gqa.attention``) within floating-point reordering.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from engramrt.kernels.common import dot_f32, interpreted
 from engramrt.kernels.tiles import PREFILL_TILE
-
-
-@triton.jit
-def _dot(a, b, F32: tl.constexpr):
-    """``a @ b`` accumulated in fp32. ``F32``: in fp32 at full precision, for fp32 operands, and
-    for bf16 ones under Triton's interpreter, whose ``tl.dot`` multiplies bf16 bit patterns as
-    integers; bf16 values are exact in fp32, so the result is the tensor-core one's."""
-    if F32:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        c = tl.dot(a, b)
-    return c
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
@@ -97,14 +85,14 @@ def _decode_split_kernel(
         kt = tl.load(
             k_ptr + rows[None, :] * D + d[:, None], mask=valid[None, :] & dm[:, None], other=0
         )
-        scores = tl.where(valid[None, :], _dot(q, kt, F32) * scale, float("-inf"))  # [G, N]
+        scores = tl.where(valid[None, :], dot_f32(q, kt, F32) * scale, float("-inf"))  # [G, N]
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         v = tl.load(
             v_ptr + rows[:, None] * D + d[None, :], mask=valid[:, None] & dm[None, :], other=0
         )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
+        acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, F32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]  # no keys: zeros
@@ -201,7 +189,7 @@ def _prefill_steps(
         rows = (block * BS + kpos % BS) * KVH + kvh
         offs = rows[:, None] * D + d[None, :]
         k = _load(k_ptr + offs, dm[None, :], EVEN_D)
-        s = _dot(q, tl.trans(k), F32)  # [M, N]
+        s = dot_f32(q, tl.trans(k), F32)  # [M, N]
         if DIAG:
             causal = (start + tl.arange(0, BLOCK_N))[None, :] <= qpos[:, None]
             s = tl.where(causal, s, float("-inf"))
@@ -210,7 +198,7 @@ def _prefill_steps(
         p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         v = _load(v_ptr + offs, dm[None, :], EVEN_D)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32)
+        acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, F32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     return acc, m_i, l_i
@@ -365,10 +353,6 @@ def splits_for(batch: int, kv_heads: int, sms: int) -> int:
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(want)))
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _group(heads: int, kv_heads: int) -> int:
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not group over {kv_heads} KV heads")
@@ -432,7 +416,7 @@ def paged_decode_attention(
         BS=block_size,
         BLOCK_N=decode_keys_per_step(block_d),
         DIRECT=splits == 1,
-        F32=k_cache.dtype == torch.float32 or _interpreted(),
+        F32=k_cache.dtype == torch.float32 or interpreted(),
         num_warps=4,
         num_stages=2,  # H200, 4B shapes: 3 stages ran 10-35% slower
     )
@@ -524,7 +508,7 @@ def paged_prefill_attention(
         BLOCK_N=cfg["BLOCK_N"],
         SUB=sub,
         EVEN_D=block_d == dim,
-        F32=k_cache.dtype == torch.float32 or _interpreted(),
+        F32=k_cache.dtype == torch.float32 or interpreted(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's block round trips (``engramrt.model.quant``'s ``act_roundtrip`` and
+"""DeepSeek-V4.1's block round trips (``engramrt.models.deepseek_v41.quant``'s ``act_roundtrip`` and
 ``fp4_roundtrip``) in one launch each: the torch path takes some twenty elementwise launches per
 call, and a V4.1 step makes hundreds of calls.
 
@@ -22,7 +22,7 @@ NB = 32  # blocks a program
 
 
 @triton.jit
-def _round_to_grid(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
+def round_to_grid(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
     """``v`` rounded to nearest even with ``MBITS`` mantissa bits, subnormal below ``2**EMIN``."""
     mag = tl.abs(v)
     e = ((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
@@ -42,7 +42,7 @@ def _pow2_ceil(amax, INV: tl.constexpr):
 
 
 @triton.jit
-def _scales(amax, KIND: tl.constexpr):
+def block_scales(amax, KIND: tl.constexpr):
     """(scale, its reciprocal; the E4M3-scaled kind divides) of blocks whose amax is ``amax``."""
     if KIND == 0:  # E4M3 values, power-of-two scale of amax / 448
         scale, inv = _pow2_ceil(tl.maximum(amax, 1e-4), 0.002232142857142857)
@@ -50,22 +50,22 @@ def _scales(amax, KIND: tl.constexpr):
         scale, inv = _pow2_ceil(tl.maximum(amax, 6.0 * 2.0**-126), 0.16666666666666666)
     else:  # E2M1 values, E4M3 scale of amax / 6
         s = tl.div_rn(tl.maximum(amax, 6.0 * 2.0**-9), tl.full(amax.shape, 6.0, tl.float32))
-        scale = _round_to_grid(tl.minimum(s, 448.0), 3, -6)
+        scale = round_to_grid(tl.minimum(s, 448.0), 3, -6)
         inv = scale
     return scale, inv
 
 
 @triton.jit
-def _on_grid(g, scale, inv, KIND: tl.constexpr):
+def on_grid(g, scale, inv, KIND: tl.constexpr):
     """Values ``g`` [blocks, n] (fp32) quantised with their block's ``scale`` and back."""
     if KIND == 0:
         v = tl.minimum(tl.maximum(g * inv[:, None], -448.0), 448.0)
-        q = _round_to_grid(v, 3, -6)
+        q = round_to_grid(v, 3, -6)
     elif KIND == 1:
-        q = _round_to_grid(tl.minimum(tl.maximum(g * inv[:, None], -6.0), 6.0), 1, 0)
+        q = round_to_grid(tl.minimum(tl.maximum(g * inv[:, None], -6.0), 6.0), 1, 0)
     else:
         v = tl.div_rn(g, tl.broadcast_to(scale[:, None], g.shape))
-        q = _round_to_grid(tl.minimum(tl.maximum(v, -6.0), 6.0), 1, 0)
+        q = round_to_grid(tl.minimum(tl.maximum(v, -6.0), 6.0), 1, 0)
     return q * scale[:, None]
 
 
@@ -77,8 +77,8 @@ def _roundtrip_kernel(
     offs = blk[:, None].to(tl.int64) * B + tl.arange(0, B)[None, :]
     mask = blk[:, None] < n_blocks
     g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale, inv = _scales(tl.max(tl.abs(g), axis=1), KIND)
-    tl.store(out_ptr + offs, _on_grid(g, scale, inv, KIND).to(out_ptr.dtype.element_ty), mask=mask)
+    scale, inv = block_scales(tl.max(tl.abs(g), axis=1), KIND)
+    tl.store(out_ptr + offs, on_grid(g, scale, inv, KIND).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def roundtrip(x: torch.Tensor, kind: int) -> torch.Tensor:

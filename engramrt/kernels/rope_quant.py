@@ -1,5 +1,6 @@
 """DeepSeek-V4.1's RoPE, FP8/FP4 round trip and cache write of one projection in one launch
-(``engramrt.model.v41_attention.rope_quant``; the torch path rotates in about ten elementwise
+(``engramrt.models.deepseek_v41.attention.rope_quant``; the torch path rotates in about ten
+elementwise
 launches, round-trips in another and scatters in a third, five times a layer).
 
 A program takes one row of ``D`` values (a token's head): its pairs of adjacent values loaded as
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt.kernels.quant_roundtrip import BLOCK_OF, _on_grid, _round_to_grid, _scales
+from engramrt.kernels.quant_roundtrip import BLOCK_OF, block_scales, on_grid, round_to_grid
 
 NONE = -1  # no round trip; else quant_roundtrip's ACT, FP4_POW2, FP4_E4M3
 # (mantissa bits, least normal exponent) of a 16-bit input dtype; fp32 needs no rounding
@@ -58,14 +59,14 @@ def _rope_quant_kernel(
     re = tl.where(tail, e * c - o * s, e)
     im = tl.where(tail, e * s + o * c, o)
     if MBITS:  # rounded to the input's dtype by bits (the interpreter's casts truncate)
-        re, im = _round_to_grid(re, MBITS, EMIN), _round_to_grid(im, MBITS, EMIN)
+        re, im = round_to_grid(re, MBITS, EMIN), round_to_grid(im, MBITS, EMIN)
     if KIND >= 0:  # block b holds pairs b * B / 2 .. (b + 1) * B / 2 - 1
         re2 = tl.reshape(re, (D // B, B // 2))
         im2 = tl.reshape(im, (D // B, B // 2))
         amax = tl.maximum(tl.max(tl.abs(re2), axis=1), tl.max(tl.abs(im2), axis=1))
-        scale, inv = _scales(amax, KIND)
-        re = tl.reshape(_on_grid(re2, scale, inv, KIND), (D // 2,))
-        im = tl.reshape(_on_grid(im2, scale, inv, KIND), (D // 2,))
+        scale, inv = block_scales(amax, KIND)
+        re = tl.reshape(on_grid(re2, scale, inv, KIND), (D // 2,))
+        im = tl.reshape(on_grid(im2, scale, inv, KIND), (D // 2,))
     tl.store(out_ptr + r * D + 2 * j, re.to(dtype))
     tl.store(out_ptr + r * D + 2 * j + 1, im.to(dtype))
     if WRITE:

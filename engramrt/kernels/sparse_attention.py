@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt.kernels.paged_attention import _dot, _interpreted
+from engramrt.kernels.common import dot_f32, interpreted
 
 NO_SCORE = tl.constexpr(-1e30)  # the running max before any row: exp(-inf - it) is 0, not NaN
 
@@ -26,11 +26,11 @@ NO_SCORE = tl.constexpr(-1e30)  # the running max before any row: exp(-inf - it)
 @triton.jit
 def _softmax_step(acc, m_i, l_i, q, rows, valid, scale, F32: tl.constexpr):
     """One block of ``rows`` [N, D] (``valid`` [N]) into the running (acc, max, sum)."""
-    s = tl.where(valid[None, :], _dot(q, tl.trans(rows), F32) * scale, float("-inf"))
+    s = tl.where(valid[None, :], dot_f32(q, tl.trans(rows), F32) * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
-    acc = acc * alpha[:, None] + _dot(p.to(rows.dtype), rows, F32)
+    acc = acc * alpha[:, None] + dot_f32(p.to(rows.dtype), rows, F32)
     return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
@@ -144,6 +144,6 @@ def sparse_attention(
         RING=ring_len or window,
         BLOCK_H=block_h,
         BLOCK_N=64 if d <= 128 else 32,
-        F32=q.dtype == torch.float32 or _interpreted(),
+        F32=q.dtype == torch.float32 or interpreted(),
     )
     return out

@@ -1,6 +1,7 @@
 """DeepSeek-V4.1's top-k selection in Triton: each row's ``k`` best entries among its first
 ``seen``, equal scores going to the lower position, returned in position order with ``-1`` past
-the last pick (``engramrt.model.v41_attention.top_by_position``, whose torch path sorts). No
+the last pick (``engramrt.models.deepseek_v41.attention.top_by_position``, whose torch path sorts).
+No
 sort: the picks are wanted in position order, so it is enough to find the k-th best value. A
 program takes one row; scores become unsigned keys that order as the floats do (``-0.0`` as
 ``+0.0``, as a sort compares them), and a radix select finds the k-th best key a byte a pass (a

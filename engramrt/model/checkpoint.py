@@ -24,11 +24,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engramrt.config import ModelConfig, load_json, model_config
+from engramrt.config import ModelConfig, load_json
 from engramrt.engram.host_memory import HostMapping, mapping_bytes
 from engramrt.engram.table import EngramTable
-from engramrt.model import quant
 from engramrt.model.decoder import EngramMHCModel
+from engramrt.model.fp8 import dequant_fp8_weight
+from engramrt.models import model_config
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 
 INDEX = "model.safetensors.index.json"
@@ -101,47 +102,23 @@ def engram_table_bytes(model_dir: str | Path, layer_ids: list[int] | None = None
 
 def _optional_scales(model: EngramMHCModel) -> set[str]:
     """Scales a checkpoint may give for weights the model holds dequantised: the Engram's, and
-    V4.1's grouped output projection ``wo_a`` (FP8 as released, bf16 in memory)."""
+    its family's (``ModelFamily.optional_scales``)."""
     engram = {
         f"layers.{i}.engram.{part}.scale"
         for i in model.engram_layer_ids
         for part in ("embed", "wkv")
     }
-    if model.cfg.v41 is None:
-        return engram
-    stages = {f"mtp.{s}.attn.wo_a.scale" for s in range(len(model.mtp or []))}
-    return engram | stages | {f"layers.{i}.attn.wo_a.scale" for i in model.layer_ids}
+    return engram | model.cfg.family.optional_scales(model)
 
 
-# tensors of a V4.1 checkpoint that text-only serving does not run: DSpark stages (unless it
-# drafts with them), the vision tower and its image-span pieces, and the image-span routing bias
-DSPARK = "DSpark draft stages (mtp.*): no --speculative-config method 'dspark'"
-UNRUN = {
-    "mtp.": DSPARK,
-    "vision.": "the vision tower: text-only serving",
-    "aligner.": "the vision tower: text-only serving",
-    "image_": "the vision tower: text-only serving",
-    ".ffn.gate.bias_vl": "image-span routing biases: text-only serving",
-}
-
-
-def _skip_unrun(where: dict[str, Path], shapes: dict[str, list[int]], dspark: bool) -> None:
-    """Drop the tensors text-only serving does not run, one log line per kind; the DSpark
-    stages' copies of the shared embedding and head (``mtp.i.embed``, ``mtp.i.head``: the
-    reference registers them, its converter skips them) always."""
+def _skip_unrun(
+    where: dict[str, Path], shapes: dict[str, list[int]], cfg: ModelConfig, dspark: bool
+) -> None:
+    """Drop the tensors the family does not run (``ModelFamily.unrun_reason``), one log line
+    per kind."""
     skipped: dict[str, int] = {}
     for name in list(shapes):
-        why = next(
-            (
-                w
-                for key, w in UNRUN.items()
-                if (name.startswith(key) or (key[0] == "." and key in name))
-                and not (dspark and w == DSPARK)
-            ),
-            None,
-        )
-        if name.startswith("mtp.") and name.split(".")[2] in ("embed", "head"):
-            why = "the DSpark stages' copies of the shared embedding and head"
+        why = cfg.family.unrun_reason(name, dspark)
         if why is not None:
             skipped[why] = skipped.get(why, 0) + 1
             del shapes[name]
@@ -160,7 +137,7 @@ def _dequantise_at_load(state: dict[str, torch.Tensor], scale: str) -> None:
             f"tensor {scale} is given but {name} is {weight.dtype}, not float8_e4m3fn"
         )
     try:
-        state[name] = quant.dequant_fp8_weight(weight, state.pop(scale), torch.float32)
+        state[name] = dequant_fp8_weight(weight, state.pop(scale), torch.float32)
     except ValueError as exc:
         raise CheckpointError(f"tensor {scale}: {exc}") from None
 
@@ -225,8 +202,7 @@ def load_model(
     known = set(full.state_dict()) | _optional_scales(full)  # other stages' tensors are skipped
     where = _files(model_dir)
     shapes = _shapes(where)
-    if cfg.v41 is not None:
-        _skip_unrun(where, shapes, dspark)
+    _skip_unrun(where, shapes, cfg, dspark)
     unindexed = sorted(set(shapes) - set(where))
     if unindexed:
         raise CheckpointError(f"tensor {unindexed[0]} is stored but missing from {INDEX}")

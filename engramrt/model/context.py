@@ -49,39 +49,32 @@ class GraphShape:
             )
 
 
-class KVCache:
-    """Paged K/V for the layers one process owns: ``[num_blocks * block_size, kv, hd]`` per layer,
-    sized for ``num_slots`` sequences of up to ``max_len`` tokens (which blocks each holds is
-    the ``SlotTable``'s: ``engramrt.model.block_tables``)."""
+class PagedCache:
+    """What every family's cache shares: paged blocks of ``block_size`` tokens for ``num_slots``
+    sequences of up to ``max_len`` tokens (which blocks each holds is the ``SlotTable``'s:
+    ``engramrt.model.block_tables``). A family's cache adds its tensors and ``nbytes``."""
 
     num_snapshots = 0  # per-request state kept apart from the blocks (V4.1's window snapshots)
 
     def __init__(
-        self,
-        layer_ids: list[int],
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        max_len: int,
-        num_slots: int | None = None,
+        self, num_blocks: int, block_size: int, max_len: int, num_slots: int | None = None
     ):
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.num_blocks, self.block_size, self.max_len = num_blocks, block_size, max_len
-        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
-        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         per = -(-max_len // block_size)
         self.num_slots = max(1, num_blocks // per if num_slots is None else num_slots)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        return 0
 
     def fixed_tables(self) -> BlockTables:
         """Block tables for this cache with each slot on its fixed blocks (``BlockTables``)."""
         return BlockTables(self.num_slots, self.num_blocks, self.block_size, self.max_len)
+
+    def save_windows(self, saves: list[tuple[int, int]]) -> None:
+        """(slot, snapshot) pairs: per-request state a prefix hit restores (none here)."""
+        if saves:
+            raise ValueError("this cache keeps no snapshots")
 
 
 @dataclass
@@ -94,7 +87,7 @@ class ForwardContext:
     slots: list[int]
     run_lens: list[int]
     start_pos: list[int]
-    kv: KVCache
+    kv: PagedCache
     flat: torch.Tensor  # every tensor below, int64, back to back
     slot_ids: torch.Tensor  # [B] history slots
     positions: torch.Tensor  # [T]
@@ -137,7 +130,7 @@ class ForwardContext:
         slots: list[int],
         run_lens: list[int],
         start_pos: list[int],
-        kv: KVCache,
+        kv: PagedCache,
         tables: BlockTables,
         device: torch.device | str,
         width: int | None = None,

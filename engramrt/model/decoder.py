@@ -1,4 +1,5 @@
-"""The DeepSeek-V4.1 decoder with lagged mHC.
+"""The decoder every family shares: the Engram + lagged-mHC skeleton around each layer's
+attention and FFN, which its family supplies (``cfg.family``).
 
 Every block does the same thing whatever fed it: its Engram first, if it owns one,
 then attention collapsed with the pre-mix of the sublayer before it, then the FFN collapsed with
@@ -14,13 +15,9 @@ from engramrt.config import ModelConfig
 from engramrt.engram import prefetch
 from engramrt.engram.module import Engram
 from engramrt.engram.table import EngramTable
-from engramrt.model.attention import Attention
 from engramrt.model.context import ForwardContext
-from engramrt.model.dspark import DSparkAttention, stage_parts
-from engramrt.model.layers import MLP, MoE, RMSNorm
+from engramrt.model.layers import RMSNorm
 from engramrt.model.mhc import PreMix, collapse_norm, first_pre, mhc_post, mhc_pre
-from engramrt.model.v41_attention import V41Attention
-from engramrt.model.v41_moe import V41MoE
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 
 
@@ -32,21 +29,6 @@ def _hc_params(cfg: ModelConfig) -> tuple[nn.Parameter, nn.Parameter, nn.Paramet
         nn.Parameter(torch.zeros(mix)),
         nn.Parameter(torch.ones(3)),
     )
-
-
-def _ffn(cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
-    if cfg.ffn_type == "moe":
-        return MoE(
-            cfg.hidden_size,
-            cfg.moe_intermediate_size,
-            cfg.n_routed_experts,
-            cfg.num_experts_per_tok,
-            cfg.n_shared_experts,
-            cfg.norm_topk_prob,
-            dtype,
-            tp,
-        )
-    return MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
 
 
 class Block(nn.Module):
@@ -64,17 +46,9 @@ class Block(nn.Module):
             self.engram.embed = EngramTable(rows, row_start=lo)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        # the DSpark stages (past the backbone) keep the target features of these layers
+        # the draft stages (past the backbone) keep the target features of these layers
         self.dspark_target = False
-        if cfg.v41 is not None and layer_id >= cfg.num_layers:  # a DSpark stage
-            self.attn: nn.Module = DSparkAttention(cfg.v41, cfg.v41.role(layer_id), dtype, tp)
-            self.ffn: nn.Module = V41MoE(cfg.v41.stage_moe(), tp=tp)
-        elif cfg.v41 is not None:  # V4.1's own attention and MoE
-            self.attn = V41Attention(cfg.v41, cfg.v41.roles[layer_id], dtype, tp)
-            self.ffn = V41MoE(cfg.v41, tp=tp)
-        else:
-            self.attn = Attention(cfg, layer_id, dtype, tp)
-            self.ffn = _ffn(cfg, dtype, tp)
+        self.attn, self.ffn = cfg.family.layer(cfg, layer_id, dtype, tp)
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _hc_params(cfg)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_params(cfg)
         self.hc, self.iters, self.hc_eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps
@@ -154,8 +128,7 @@ class EngramMHCModel(nn.Module):
         super().__init__()
         self.cfg, self.dtype, self.tp = cfg, dtype, tp
         ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
-        if cfg.v41 is not None:
-            check_v41_stage(cfg, ids)
+        cfg.family.check_stage(cfg, ids)
         self.layer_ids = ids
         v0, v1, _ = tp.padded_span(cfg.vocab_size)
         self.vocab_start = v0
@@ -164,8 +137,7 @@ class EngramMHCModel(nn.Module):
         self.embed = nn.Embedding(v1 - v0, d, dtype=dtype) if 0 in ids or dspark else None
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, dtype, tp) for i in ids})
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if last else None
-        # V4.1 keeps its head fp32, as its reference does (logits straight out in fp32)
-        head_dtype = torch.float32 if cfg.v41 is not None else dtype
+        head_dtype = cfg.family.head_dtype(dtype)
         self.head = nn.Linear(d, v1 - v0, bias=False, dtype=head_dtype) if last else None
         self.shards = {}
         if tp.size > 1:
@@ -177,7 +149,7 @@ class EngramMHCModel(nn.Module):
         self.mtp: nn.ModuleList | None = None
         if dspark:
             self.mtp = dspark_stages(cfg, ids, dtype, tp)
-            for i in cfg.v41.dspark_target_layer_ids:
+            for i in cfg.family.draft_targets(cfg):
                 self.layers[str(i)].dspark_target = True
 
     def checkpoint_slices(self) -> dict[str, tuple[int, int, int]]:
@@ -192,7 +164,8 @@ class EngramMHCModel(nn.Module):
     @property
     def cache_layer_ids(self) -> list[int]:
         """The layers whose caches this stage holds: its own and its DSpark stages'."""
-        return self.layer_ids + (self.cfg.v41.dspark_stages if self.mtp is not None else [])
+        stages = self.cfg.family.draft_stages(self.cfg) if self.mtp is not None else []
+        return self.layer_ids + stages
 
     @property
     def kv_heads(self) -> int:
@@ -257,47 +230,14 @@ class EngramMHCModel(nn.Module):
 def dspark_stages(
     cfg: ModelConfig, layer_ids: list[int], dtype: torch.dtype, tp: TensorParallel
 ) -> nn.ModuleList:
-    """The DSpark stages, on the stage that holds the last layer (``check_dspark``)."""
-    check_dspark(cfg, layer_ids)
+    """The draft stages, on the stage that holds the last layer (``check_drafting``)."""
+    cfg.family.check_drafting(cfg, layer_ids)
     stages = nn.ModuleList()
-    for s, layer in enumerate(cfg.v41.dspark_stages):
+    for s, layer in enumerate(cfg.family.draft_stages(cfg)):
         block = Block(cfg, layer, dtype, tp)
-        stage_parts(block, cfg, s, dtype)
+        cfg.family.finish_draft_stage(block, cfg, s, dtype)
         stages.append(block)
     return stages
-
-
-def check_dspark(cfg: ModelConfig, layer_ids: list[int]) -> None:
-    """A model with DSpark stages, drafting on the last pipeline stage, which must hold the
-    target layers (their features feed the stages' rings in the same forward)."""
-    v = cfg.v41
-    if v is None or not v.dspark_stages:
-        raise ValueError(
-            "--speculative-config method 'dspark' needs a V4.1 model with DSpark "
-            "stages (num_nextn_predict_layers, dspark_block_size in its config)"
-        )
-    need = sorted({*v.dspark_target_layer_ids, cfg.num_layers - 1} - set(layer_ids))
-    if need:
-        raise ValueError(
-            f"DSpark drafts on the last pipeline stage, which must hold its target "
-            f"layers {list(v.dspark_target_layer_ids)}: this one lacks layers "
-            f"{need} (cut after layer {min(v.dspark_target_layer_ids)} at the "
-            "latest)"
-        )
-
-
-def check_v41_stage(cfg: ModelConfig, layer_ids: list[int]) -> None:
-    """A V4.1 stage starts and ends where a pipeline may cut (``V41Config.legal_cuts``: no later
-    layer reads a cache, index keys, candidates or top-k an earlier stage wrote)."""
-    legal = [0, *cfg.v41.legal_cuts(), cfg.num_layers]
-    for edge in (layer_ids[0], layer_ids[-1] + 1):
-        if edge not in legal:
-            raise ValueError(
-                f"a pipeline stage of this V4.1 model cannot start or end at layer {edge}: a "
-                "stage boundary must lie where no later layer reads a compressed cache, index "
-                "keys, candidate blocks or top-k written before it; legal cuts are before "
-                f"layers {cfg.v41.legal_cuts()}"
-            )
 
 
 def head_logits(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

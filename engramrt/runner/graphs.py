@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from engramrt.model.block_tables import BlockTables
-from engramrt.model.context import ForwardContext, GraphShape, KVCache
+from engramrt.model.context import ForwardContext, GraphShape, PagedCache
 from engramrt.runner.carry import Carry
 from engramrt.transfer import pinned
 
@@ -90,7 +90,7 @@ class StepGraphs:
     def __init__(
         self,
         forward: Forward,
-        kv: KVCache,
+        kv: PagedCache,
         tables: BlockTables,
         device: torch.device,
         max_batch: int,

@@ -11,13 +11,6 @@ from dataclasses import dataclass
 CPU_KV_BYTES = 256 * 2**20  # the budget where there is no GPU memory to size it from
 
 
-def kv_block_bytes(
-    block_size: int, num_kv_heads: int, head_dim: int, itemsize: int, layers: int
-) -> int:
-    """K and V of one block in ``layers`` layers."""
-    return block_size * num_kv_heads * head_dim * 2 * itemsize * layers
-
-
 def blocks_from_bytes(budget: int, per_block: int, cap: int) -> int:
     """At least one block, at most ``cap`` (what the longest sequences could ever use)."""
     return max(1, min(cap, budget // per_block))

@@ -32,7 +32,7 @@ import torch
 
 from engramrt.engram.hashing import EngramHasher
 from engramrt.model.block_tables import BlockTables
-from engramrt.model.context import KVCache
+from engramrt.model.context import PagedCache
 from engramrt.runner.batch import NewRequest, SampleRow, StepBatch
 from engramrt.runner.logit_controls import LogitControls
 from engramrt.transfer import to_device
@@ -65,7 +65,7 @@ class SlotTable:
         self.controls = LogitControls(device)
         self.states: list[SlotState] = []
 
-    def size_for(self, kv: KVCache, slack: int = 0) -> None:
+    def size_for(self, kv: PagedCache, slack: int = 0) -> None:
         """Block tables and token rows for a new cache (slots on their fixed blocks); the cache
         replaces every state kept for the old cache's slots in ``states`` if it keeps per-slot
         state. ``slack``: drafts a run may verify."""

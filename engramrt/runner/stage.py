@@ -25,13 +25,10 @@ from engramrt.engram import load_hasher, load_tokenizer, prefetch
 from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.host_memory import check_reads, choose_placement, describe
 from engramrt.kernels import use_triton
-from engramrt.model import dspark, v41_cache
 from engramrt.model.checkpoint import engram_table_bytes, load_model
-from engramrt.model.context import ForwardContext, KVCache
+from engramrt.model.context import ForwardContext, PagedCache
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.model.trace import Tracer
-from engramrt.model.v41_cache import V41Cache
-from engramrt.model.v41_moe import V41MoE
 from engramrt.runner.batch import DeviceResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
 from engramrt.runner.graphs import StepGraphs, batch_sizes
@@ -51,9 +48,9 @@ def new_kv_cache(
     num_blocks: int | None = None,
     snapshots: int | None = None,
     slack: int = 0,
-) -> KVCache:
+) -> PagedCache:
     """Enough blocks for ``num_slots`` sequences of ``max_len`` unless ``num_blocks`` says;
-    ``snapshots``: V4.1's window snapshots for prefix caching (default: two a slot);
+    ``snapshots``: V4.1's window snapshots for prefix caching (default: the family's);
     ``slack``: the drafts a verify run may carry (V4.1's rings and tails make room for them)."""
     cfg = model.cfg
     max_len = max_len or cfg.max_position_embeddings
@@ -64,40 +61,14 @@ def new_kv_cache(
         )
     if num_blocks is None:
         num_blocks = num_slots * -(-max_len // block_size)
-    device = next(model.parameters()).device
-    if cfg.v41 is not None:
-        if snapshots is None:
-            snapshots = v41_cache.default_snapshots(num_slots)
-        return V41Cache(
-            cfg.v41,
-            model.cache_layer_ids,
-            num_blocks,
-            block_size,
-            model.dtype,
-            device,
-            max_len,
-            num_slots,
-            snapshots,
-            slack,
-        )
-    return KVCache(
-        model.layer_ids,
-        num_blocks,
-        block_size,
-        model.kv_heads,
-        cfg.head_dim,
-        model.dtype,
-        device,
-        max_len,
-        num_slots,
-    )
+    return cfg.family.new_cache(model, num_blocks, block_size, max_len, num_slots, snapshots, slack)
 
 
 @dataclass
 class StageRunner:
     model: EngramMHCModel
     hasher: EngramHasher | None  # the first stage's: hashing and the history table
-    kv: KVCache | None
+    kv: PagedCache | None
     tokenizer: Tokenizer | None = None
     seed: int = 0  # drives the sampled rows that carry no seed of their own
     tracer: Tracer | None = None
@@ -219,10 +190,10 @@ class StageRunner:
             return
         rows = self.slots.tokens if self.keeps_samples else None
         if self.model.mtp is not None:
-            limit = self.sampler.token_limit
+            limit, family = self.sampler.token_limit, self.model.cfg.family
 
             def propose(last, slots, bonus):
-                return dspark.draft(
+                return family.draft(
                     self.model, self.kv, last, slots, bonus, limit, confidence=False
                 ).tokens
         elif rows is not None and lookup is not None:
@@ -238,21 +209,12 @@ class StageRunner:
 
     def capture_graphs(self, max_batch: int, max_tokens: int = 0, verify: int = 0) -> None:
         """Capture decode steps up to ``max_batch`` requests, mixed steps up to ``max_tokens``
-        tokens and verify steps of ``verify`` drafts a run (``StepGraphs``; CUDA only). The
-        stand-in MoE routes with data-dependent shapes, so those models stay eager; V4.1's
-        experts run grouped (graph-safe) up to ``V41MoE.grouped_tokens`` a step."""
-        cfg = self.model.cfg
-        if cfg.ffn_type == "moe" and cfg.v41 is None:
-            print("engramrt: MoE routing is not graph-capturable yet; decoding eagerly", flush=True)
+        tokens and verify steps of ``verify`` drafts a run (``StepGraphs``; CUDA only), within
+        the family's ``capture_limit``."""
+        limit = self.model.cfg.family.capture_limit(self.model, max_tokens)
+        if limit is None:
             return
-        moe = [m.grouped_tokens for m in self.model.modules() if isinstance(m, V41MoE)]
-        if moe and max_tokens > min(moe):  # a larger step's experts run as GEMMs, eagerly
-            max_tokens = min(moe)
-            print(
-                f"engramrt: V4.1 mixed steps of more than {max_tokens} tokens run eagerly (their "
-                "experts run as GEMMs)",
-                flush=True,
-            )
+        max_tokens = limit
         if not use_triton(self.device):  # the torch reference attention is not capturable
             print("engramrt: CUDA graphs need the Triton kernels; decoding eagerly", flush=True)
             return
@@ -326,9 +288,8 @@ class StageRunner:
         """Compile, before the first request, every kernel variant a mixed step can need: Triton
         compiles on first use (~0.5 s a variant, paid by whichever request meets it), and the
         launch parameters depend on the step only through a few buckets (``warm_up_plan``);
-        decode sizes are covered by graph capture, V4.1's per-expert row counts by
-        ``V41MoE.warm_up``. Leaves no history behind (its KV rows are in
-        blocks the engine has not handed out yet)."""
+        decode sizes are covered by graph capture, the rest by the family's ``warm_up``. Leaves
+        no history behind (its KV rows are in blocks the engine has not handed out yet)."""
         if self.device.type != "cuda" or self.kv is None:
             return
         block = self.kv.block_size
@@ -345,9 +306,7 @@ class StageRunner:
             fake = [self.model.cfg.bos_token_id or 0] * tokens if self.is_first else None
             slots = list(range(len(runs)))
             self.compute(StepBatch(fake, slots, runs, [0] * len(runs), new_blocks=tables), carry)
-        for moe in self.model.modules():
-            if isinstance(moe, V41MoE):
-                moe.warm_up(self.model.dtype)
+        self.model.cfg.family.warm_up(self.model)
         torch.cuda.synchronize(self.device)
         if self.hasher is not None:
             self.hasher.history.table.zero_()
@@ -452,7 +411,7 @@ class StageRunner:
         prefetch.join_all(ctx)
         ctx.trace("stage_exit", self.model.layer_ids[-1], x)
         if self.model.mtp is not None:  # the step's target features into the DSpark rings
-            dspark.seed(self.model, ctx)
+            self.model.cfg.family.seed_drafts(self.model, ctx)
         if self.model.head is not None:
             if ctx.logits_rows is not None:
                 x, pre = x[ctx.logits_rows], pre[ctx.logits_rows]

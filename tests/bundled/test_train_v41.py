@@ -13,8 +13,8 @@ import torch
 
 from engramrt.bundled import GQA_MODEL_DIR, prose
 from engramrt.bundled import train as recipe
-from engramrt.model import dspark, quant
-from engramrt.model.quant import StoredLinear, round_masters
+from engramrt.models.deepseek_v41 import dspark, quant
+from engramrt.models.deepseek_v41.quant import StoredLinear, round_masters
 from engramrt.runner.stage import StageRunner
 
 

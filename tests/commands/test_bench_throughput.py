@@ -68,13 +68,14 @@ def test_decode_bytes_match_a_count_from_the_config() -> None:
     engine = local_engine(args, 64)
     c = engine.pipeline.runner.model.cfg
     d, e, hc = c.hidden_size, c.engram, c.hc_mult
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    g = c.body  # the GQA family's own fields
+    q, kv = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
     mix = (2 + hc) * hc
     w = engine.pipeline.runner.model.dtype.itemsize  # the dtype it runs in (float32 on a CPU)
     weights = w * (
         2 * c.vocab_size * d
         + d
-        + c.num_layers * (2 * d * q + 2 * d * kv + 2 * d + 3 * d * c.intermediate_size)
+        + c.num_layers * (2 * d * q + 2 * d * kv + 2 * d + 3 * d * g.intermediate_size)
         + e.num_layers * ((hc + 1) * d * e.n_hash_cols * e.head_dim + 2 * hc * d)
     )
     fp32 = 4 * c.num_layers * 2 * (mix * hc * d + mix + 3)
@@ -115,7 +116,8 @@ def test_tensor_parallel_ranks_run_the_benchmark() -> None:
 def test_on_a_cpu_engines_compute_in_float32_unless_told() -> None:
     """The bundled config says bfloat16; an engine built on a CPU without --dtype computes in
     float32 (``checkpoint.default_dtype``), with --dtype in what it says."""
-    from engramrt.config import load_json, model_config
+    from engramrt.config import load_json
+    from engramrt.models import model_config
 
     assert model_config(load_json(GQA_MODEL_DIR)).torch_dtype == "bfloat16"
     for flags, want in (([], torch.float32), (["--dtype", "bfloat16"], torch.bfloat16)):

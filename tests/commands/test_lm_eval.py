@@ -20,7 +20,8 @@ import torch
 from tokenizers import Tokenizer
 
 from engramrt.bundled import GQA_MODEL_DIR
-from engramrt.config import load_json, model_config
+from engramrt.config import load_json
+from engramrt.models import model_config
 from engramrt.runner.batch import NewRequest, StepBatch
 from engramrt.runner.stage import StageRunner
 from tests.support.server_fixture import running_server

@@ -15,7 +15,7 @@ import torch
 from engramrt.config import EngramConfig
 from engramrt.engram.module import Engram, engram_gate, gate_from_dot
 from engramrt.engram.table import EngramTable
-from engramrt.model import quant
+from engramrt.models.deepseek_v41 import quant
 from tests.support.fp8_oracle import e4m3_value
 
 CLAMP = 1e-6  # hard-coded gate clamp

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from engramrt.model.dspark import MarkovHead, markov_loop
+from engramrt.models.deepseek_v41.dspark import MarkovHead, markov_loop
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -191,7 +191,7 @@ def _prefill_case(heads, kv_heads, dim, bs, run_lens, start_pos, dtype, seed, sp
 
 def _prefill_reference(q, k_cache, v_cache, tables, run_lens, start_pos, bs) -> torch.Tensor:
     """Per request: fp32 SDPA of its queries over its gathered positions, causal on absolute
-    positions (``engramrt.model.attention._torch_attention``'s rule)."""
+    positions (``engramrt.models.gqa.attention._torch_attention``'s rule)."""
     out, at = torch.zeros(q.shape), 0
     for b, (n, p0) in enumerate(zip(run_lens, start_pos, strict=True)):
         pos = torch.arange(p0 + n)

@@ -1,5 +1,5 @@
 """The one-launch round trips (``engramrt.kernels.quant_roundtrip``) bit for bit against
-``engramrt.model.quant``'s torch path (itself tested against Fraction oracles in
+``engramrt.models.deepseek_v41.quant``'s torch path (itself tested against Fraction oracles in
 ``tests/model/test_quant.py``): random values over a wide range, zero blocks, every grid point
 and every midpoint between two (ties to even), values past saturation, bf16 and fp32."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engramrt.kernels.quant_roundtrip import ACT, BLOCK_OF, FP4_E4M3, FP4_POW2, roundtrip
-from engramrt.model import quant
+from engramrt.models.deepseek_v41 import quant
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,6 +1,8 @@
 """V4.1's fused RoPE + round trip + cache write (``engramrt.kernels.rope_quant``) bit for bit
-against the torch path of ``engramrt.model.v41_attention.rope_quant`` (``rotate_tail``, then
-``engramrt.model.quant``'s round trip, then ``index_copy_``): every kind, the inverse rotation,
+against the torch path of ``engramrt.models.deepseek_v41.attention.rope_quant`` (``rotate_tail``,
+then
+``engramrt.models.deepseek_v41.quant``'s round trip, then ``index_copy_``): every kind, the inverse
+rotation,
 one and several heads, a rotated tail narrower than the row, bf16 and fp32, values over a wide
 range so that round trips saturate and blocks' scales differ; rows of -1 write nothing."""
 
@@ -12,8 +14,8 @@ import torch
 from engramrt.kernels import quant_roundtrip as rt
 from engramrt.kernels.rope_quant import NONE
 from engramrt.kernels.rope_quant import rope_quant as fused
-from engramrt.model import quant
-from engramrt.model.v41_attention import ACT, rope_quant
+from engramrt.models.deepseek_v41 import quant
+from engramrt.models.deepseek_v41.attention import ACT, rope_quant
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

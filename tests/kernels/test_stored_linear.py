@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engramrt.kernels.stored_linear import group_tiles, grouped_stored_linear, stored_linear
-from engramrt.model import quant
+from engramrt.models.deepseek_v41 import quant
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engramrt.model.layers import MLP, silu_mul
+from engramrt.model.layers import silu_mul
+from engramrt.models.gqa.ffn import GQAMLP
 from tests.support.kernel_env import kernel_device, triton_runs
 
 
@@ -52,7 +53,7 @@ def test_stacked_projection_keeps_checkpoint_names_and_equals_separate_ones() ->
     """The state dict names w1/w3 (as checkpoints do) and loading them stacks w1 above w3: the
     MLP equals w2(silu(w1 x) * w3 x) with the two loaded separately."""
     g = torch.Generator().manual_seed(3)
-    mlp = MLP(16, 24, torch.float32)
+    mlp = GQAMLP(16, 24, torch.float32)
     w1, w2, w3 = (torch.randn(s, generator=g) for s in [(24, 16), (16, 24), (24, 16)])
     mlp.load_state_dict({"w1.weight": w1, "w2.weight": w2, "w3.weight": w3})
     assert sorted(mlp.state_dict()) == ["w1.weight", "w2.weight", "w3.weight"]

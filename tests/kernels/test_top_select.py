@@ -13,7 +13,7 @@ import torch
 
 from engramrt.kernels import top_select as kernel
 from engramrt.kernels.top_select import top_select
-from engramrt.model.v41_attention import top_by_position
+from engramrt.models.deepseek_v41.attention import top_by_position
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -21,14 +21,15 @@ from safetensors.torch import load_file, save_file
 
 from engramrt.bundled import DEFAULT_MODEL_DIR, GQA_MODEL_DIR, resolve_model_dir
 from engramrt.bundled.train import SEED, corpus
-from engramrt.config import ConfigError, engram_config, load_json, model_config
+from engramrt.config import ConfigError, engram_config, load_json
 from engramrt.engram import load_hasher
 from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.layout import EngramLayout
 from engramrt.model.checkpoint import INDEX, CheckpointError, load_model
 from engramrt.model.context import ForwardContext
 from engramrt.model.decoder import EngramMHCModel
-from engramrt.model.quant import StoredLinear
+from engramrt.models import model_config
+from engramrt.models.deepseek_v41.quant import StoredLinear
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner, new_kv_cache
 from tests.support.fp8_oracle import e4m3_value

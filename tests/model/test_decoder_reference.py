@@ -171,15 +171,19 @@ def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 def attention(x: torch.Tensor, p: dict, prefix: str, cfg) -> torch.Tensor:
     """Causal GQA: query head h reads kv head h // (heads / kv_heads); softmax(QK^T/sqrt(hd))V."""
-    tokens, hd = x.shape[0], cfg.head_dim
-    q = rope((x @ p[f"{prefix}attn.wq.weight"].T).view(tokens, cfg.num_heads, hd), cfg.rope_theta)
-    k = rope(
-        (x @ p[f"{prefix}attn.wk.weight"].T).view(tokens, cfg.num_kv_heads, hd), cfg.rope_theta
+    tokens, hd = x.shape[0], cfg.body.head_dim
+    q = rope(
+        (x @ p[f"{prefix}attn.wq.weight"].T).view(tokens, cfg.body.num_heads, hd),
+        cfg.body.rope_theta,
     )
-    v = (x @ p[f"{prefix}attn.wv.weight"].T).view(tokens, cfg.num_kv_heads, hd)
-    group = cfg.num_heads // cfg.num_kv_heads
-    out = torch.zeros(tokens, cfg.num_heads, hd, dtype=F64)
-    for h in range(cfg.num_heads):
+    k = rope(
+        (x @ p[f"{prefix}attn.wk.weight"].T).view(tokens, cfg.body.num_kv_heads, hd),
+        cfg.body.rope_theta,
+    )
+    v = (x @ p[f"{prefix}attn.wv.weight"].T).view(tokens, cfg.body.num_kv_heads, hd)
+    group = cfg.body.num_heads // cfg.body.num_kv_heads
+    out = torch.zeros(tokens, cfg.body.num_heads, hd, dtype=F64)
+    for h in range(cfg.body.num_heads):
         kvh = h // group
         for t in range(tokens):
             scores = torch.stack([q[t, h] @ k[s, kvh] for s in range(t + 1)]) / math.sqrt(hd)
@@ -194,12 +198,12 @@ def moe(x: torch.Tensor, p: dict, prefix: str, cfg) -> torch.Tensor:
     scores = torch.softmax(x @ p[f"{prefix}ffn.gate.weight"].T, dim=-1)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
-        order = sorted(range(cfg.n_routed_experts), key=lambda e: -float(scores[t, e]))
-        chosen = order[: cfg.num_experts_per_tok]
+        order = sorted(range(cfg.body.n_routed_experts), key=lambda e: -float(scores[t, e]))
+        chosen = order[: cfg.body.num_experts_per_tok]
         total = sum(scores[t, e] for e in chosen)
         for e in chosen:
             out[t] += scores[t, e] / total * swiglu(x[t], p, f"{prefix}ffn.experts.{e}")
-    if cfg.n_shared_experts:
+    if cfg.body.n_shared_experts:
         out = out + swiglu(x, p, f"{prefix}ffn.shared_experts")
     return out
 
@@ -229,7 +233,7 @@ def reference_logits(
         m = mixes(x, p[pf + "hc_ffn_fn"], eps)
         f_pre, f_post, f_comb = split(m, p[pf + "hc_ffn_scale"], p[pf + "hc_ffn_base"], *hc_args)
         y = rms_norm(collapse(x, a_pre if lagged else f_pre), p[pf + "ffn_norm.weight"], eps)
-        f = moe(y, p, pf, cfg) if cfg.ffn_type == "moe" else swiglu(y, p, pf + "ffn")
+        f = moe(y, p, pf, cfg) if cfg.body.ffn_type == "moe" else swiglu(y, p, pf + "ffn")
         x = expand(f, x, f_post, f_comb, transposed)
         pre_in = f_pre
     y = rms_norm(collapse(x, pre_in), p["norm.weight"], eps)
@@ -329,7 +333,7 @@ def test_moe_decoder_matches_reference() -> None:
         num_hidden_layers=2,
         engram_layer_ids=[1],
     )
-    assert model.cfg.norm_topk_prob
+    assert model.cfg.body.norm_topk_prob
     ids = reference_hash_ids(raw, TOKENS)
     want = reference_logits(model, ids, TOKENS)
     assert max_rel_diff(engramrt_logits(model, raw, TOKENS), want) < 1e-4
@@ -341,7 +345,7 @@ def test_reference_attention_groups_runs_like_one_per_request() -> None:
     longest), a run of 0, a run alone in its length, and a padded graph row (slot -1)."""
     from types import SimpleNamespace
 
-    from engramrt.model.attention import _torch_attention
+    from engramrt.models.gqa.attention import _torch_attention
     from tests.kernels.test_paged_attention import _prefill_case, _prefill_reference
 
     runs, starts, bs = [5, 5, 0, 12, 5, 1, 1], [0, 37, 4, 3, 11, 60, 0], 4

@@ -284,7 +284,7 @@ def test_drafts_without_the_confidence_head_are_the_same_drafts(v41_small: Path)
     drafts and logits as the full pass, bitwise, after a prefill of two requests; no scores."""
     import torch
 
-    from engramrt.model import dspark
+    from engramrt.models.deepseek_v41 import dspark
     from engramrt.runner.batch import StepBatch
 
     runner = StageRunner.load(v41_small, num_slots=2, max_len=64, dtype="float32", dspark=True)

@@ -1,7 +1,8 @@
 """DeepSeek-V4.1's DSpark draft (``Transformer.forward_spec``: ``DSparkBlock``,
 ``DSparkAttention``, ``DSparkMarkovHead``, ``DSparkConfidenceHead``) restated from its semantics
 on top of the backbone restatement of ``test_v41_reference``, against engramrt's drafts on the
-``v41-small`` preset. Imports nothing from ``engramrt.model`` or ``engramrt.v41_config``.
+``v41-small`` preset. Imports nothing from ``engramrt.model`` or
+``engramrt.models.deepseek_v41.config``.
 
 The reference drafts only at decode steps, after writing the step's ``main_kv`` into the stage's
 ring; engramrt also drafts right after the prefill (at the prompt's last position, the ring
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engramrt.model import dspark
+from engramrt.models.deepseek_v41 import dspark
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 from tests.model.test_v41_engine import ends_of

@@ -1,4 +1,5 @@
-"""V4.1's rounding points (``engramrt.model.quant``) against an independent restatement: every
+"""V4.1's rounding points (``engramrt.models.deepseek_v41.quant``) against an independent
+restatement: every
 format's value set built from its bit fields, nearest-even rounding done in exact rational
 arithmetic (``fractions.Fraction``), fp32 steps done by numpy's float32. Inputs cover every
 representable value, every midpoint and its fp32 neighbours, +-0, subnormals and saturation;
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from engramrt.model import quant
+from engramrt.models.deepseek_v41 import quant
 
 # --- the formats, from their bit fields ---------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""V4.1's configuration (``engramrt.v41_config``): Flash's released config read in both
+"""V4.1's configuration (``engramrt.models.deepseek_v41.config``): Flash's released config read in
+both
 spellings gives the same fields and the layer roles of V41-ARCH.md's table 1.2; the legal
 pipeline cuts equal a brute-force restatement on random configurations (a cut is legal when no
 later layer reads what an earlier one wrote); every inconsistency is an error naming its field."""
@@ -12,7 +13,7 @@ import pytest
 
 from engramrt.bundled import FLASH_CONFIG
 from engramrt.config import ConfigError
-from engramrt.v41_config import REINDEX, REUSE, SOURCE, WINDOW, v41_config
+from engramrt.models.deepseek_v41.config import REINDEX, REUSE, SOURCE, WINDOW, v41_config
 
 FLASH = json.loads(FLASH_CONFIG.read_text())["text_config"]
 

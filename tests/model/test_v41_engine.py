@@ -15,13 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engramrt.config import load_json, model_config
+from engramrt.config import load_json
 from engramrt.engine.block_manager import BlockManager
 from engramrt.engine.build import EngineOptions, check, kv_blocks
 from engramrt.engine.request import SamplingParams
-from engramrt.model import quant, v41_cache
 from engramrt.model.checkpoint import CheckpointError, load_model
-from engramrt.model.decoder import check_dspark
+from engramrt.models import model_config
+from engramrt.models.deepseek_v41 import cache as v41_cache
+from engramrt.models.deepseek_v41 import quant
 from engramrt.parallel.launch import DistConfig
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
@@ -84,7 +85,7 @@ def caches(runner: StageRunner, slot: int, n: int) -> dict[str, torch.Tensor]:
     kv, out = runner.kv, {}
     table = torch.tensor(blocks_for(slot, n))
     for layer, comp in kv.compressed.items():
-        r = runner.model.cfg.v41.roles[layer].ratio
+        r = runner.model.cfg.body.roles[layer].ratio
         rows = kv.entry_rows(table[None], torch.tensor([0]), torch.arange(n // r), r)
         out[f"compressed.{layer}"] = comp[rows]
         out[f"index_keys.{layer}"] = kv.index_keys[layer][rows]
@@ -209,7 +210,8 @@ def test_engine_refuses_what_the_torch_path_does_not_run(v41_small: Path, capsys
             check(EngineOptions(**{**base, **bad}))
         assert all(w in str(err.value) for w in words), err.value
     with pytest.raises(ValueError, match=r"last pipeline stage.*\[3, 4, 5\].*lacks layers \[3\]"):
-        check_dspark(model_config(load_json(v41_small)), [4, 5])  # (no legal cut of v41-small)
+        cfg = model_config(load_json(v41_small))
+        cfg.family.check_drafting(cfg, [4, 5])  # (no legal cut of v41-small)
     runner = StageRunner.load(v41_small, num_slots=2, max_len=64, dtype="float32")
     runner.allocate_kv(2, 64, 4, 32, snapshots=0)
     engine = build_engine(runner, 64, 2, max_num_seqs=2, allocate=False)
@@ -311,7 +313,7 @@ def test_released_format_loads_and_broken_tensors_are_named(v41_small: Path, tmp
 def test_decode_read_bytes_counted_by_hand(runner) -> None:
     """What a decode token at context 100 reads on v41-small (ratios [0, 2, 2, 1, 1, 1], window
     16, top-k 8, 64-wide latents and index keys; indexers at layers 1 (ratio 2), 3 and 5)."""
-    cfg = runner.model.cfg.v41
+    cfg = runner.model.cfg.body
     window = 6 * 16 * 64
     picked = 5 * 8 * 64
     scanned = 50 * 64 + 100 * 64 + 100 * 64

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engramrt.model import dspark, mhc, v41_attention
+from engramrt.model import mhc
+from engramrt.models.deepseek_v41 import attention as v41_attention
+from engramrt.models.deepseek_v41 import dspark
 from engramrt.runner.stage import StageRunner
 from tests.model.test_v41_engine import ends_of, prompt, run_steps
 
@@ -70,7 +72,7 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
 
     from engramrt.kernels import rope_quant as fused
     from engramrt.kernels.quant_roundtrip import ACT, FP4_E4M3, FP4_POW2
-    from engramrt.model.quant import E4M3_SCALE, POW2_SCALE
+    from engramrt.models.deepseek_v41.quant import E4M3_SCALE, POW2_SCALE
 
     names = {fused.NONE: None, ACT: v41_attention.ACT, FP4_POW2: POW2_SCALE, FP4_E4M3: E4M3_SCALE}
 
@@ -194,8 +196,8 @@ def test_expert_warm_up_covers_every_row_count(v41_small: Path) -> None:
     few rows of a long step."""
     from engramrt.kernels import stored_linear
     from engramrt.kernels.compiles import compilations, count_compilations, recent
-    from engramrt.model.quant import STORED_KERNEL_ROWS
-    from engramrt.model.v41_moe import V41MoE
+    from engramrt.models.deepseek_v41.moe import V41MoE
+    from engramrt.models.deepseek_v41.quant import STORED_KERNEL_ROWS
 
     kernel = stored_linear._stored_linear_kernel
     if not count_compilations() or not hasattr(kernel, "device_caches"):

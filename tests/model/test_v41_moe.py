@@ -1,4 +1,5 @@
-"""V4.1's MoE (``engramrt.model.v41_moe``) against a restatement written token by token from the
+"""V4.1's MoE (``engramrt.models.deepseek_v41.moe``) against a restatement written token by token
+from the
 reference's semantics, in float64 where the reference has no rounding of its own: the experts
 chosen (ties to the lower id), their weights, and the output with the SwiGLU clamps in force;
 the image-span bias routes image tokens."""
@@ -12,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from engramrt.bundled import FLASH_CONFIG
-from engramrt.model import quant
-from engramrt.model.v41_moe import V41MoE
-from engramrt.v41_config import v41_config
+from engramrt.models.deepseek_v41 import quant
+from engramrt.models.deepseek_v41.config import v41_config
+from engramrt.models.deepseek_v41.moe import V41MoE
 
 E, K, DIM, INTER, LIMIT = 8, 3, 64, 96, 0.75
 

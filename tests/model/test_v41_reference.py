@@ -1,7 +1,8 @@
 """DeepSeek-V4.1's reference forward (``inference/model.py`` and its kernels; batch 1, one prefill
 at position 0, then one token a step) restated from its semantics, against engramrt on the
 ``v41-small`` preset. The restatement reads the checkpoint with safetensors and imports nothing
-from ``engramrt.model`` or ``engramrt.v41_config`` (only the Engram hasher, tested elsewhere).
+from ``engramrt.model`` or ``engramrt.models.deepseek_v41.config`` (only the Engram hasher, tested
+elsewhere).
 Top-k ties (the reference's ``topk(sorted=False)`` leaves them open): the lower position wins.
 One deliberate departure, kept switchable: ``literal_index_slot`` (see the last test).
 """
@@ -464,7 +465,7 @@ def test_selection_drops_positions_and_engramrt_picks_the_same(run):
             for t in range(len(got)):
                 assert set(got[t][got[t] >= 0].tolist()) == set(want[t][want[t] < lens[t]].tolist())
         want = s["rec"]["cand", 3]  # per entry; engramrt's per block of candidate_block_size
-        got = s["cap"]["cand", 3].repeat_interleave(eng.model.cfg.v41.candidate_block_size, -1)
+        got = s["cap"]["cand", 3].repeat_interleave(eng.model.cfg.body.candidate_block_size, -1)
         assert torch.equal(got[:, : want.shape[-1]], want), n
 
 

@@ -12,9 +12,10 @@ import torch
 
 from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.engram import load_hasher
-from engramrt.model.attention import _torch_attention
-from engramrt.model.context import ForwardContext, GraphShape, KVCache
+from engramrt.model.context import ForwardContext, GraphShape
 from engramrt.model.layers import apply_rope, rope_tables
+from engramrt.models.gqa.attention import _torch_attention
+from engramrt.models.gqa.cache import GQACache
 from engramrt.runner.batch import SampleRow, StepBatch
 from engramrt.runner.sampler import sample_tokens
 from engramrt.runner.stage import StageRunner, new_kv_cache
@@ -195,7 +196,7 @@ def _attention_case(
 ):
     g = torch.Generator().manual_seed(seed)
     n = len(run_lens)
-    kv = KVCache([0], 64, bs, kv_heads, dim, torch.float32, "cpu", 48, num_slots=n)
+    kv = GQACache([0], 64, bs, kv_heads, dim, torch.float32, "cpu", 48, num_slots=n)
     kv.k[0].normal_(generator=g)  # earlier positions (a prefix-cache hit) are already there
     kv.v[0].normal_(generator=g)
     perm = torch.randperm(64, generator=g).tolist()
@@ -215,7 +216,7 @@ def _attention_case(
 def _both_paths(ctx, q, k, v):
     """The torch path rotates q and k and attends; the Triton path takes the stacked
     projection and does the same (rotation fused with the cache write)."""
-    from engramrt.model.attention import _triton_attention
+    from engramrt.models.gqa.attention import _triton_attention
 
     dev = kernel_device()
     kc, vc = ctx.kv.k[0].clone(), ctx.kv.v[0].clone()
@@ -510,7 +511,7 @@ def test_kv_budget_from_a_profiled_forward(model, monkeypatch) -> None:
     """The profile's arithmetic against a restatement with fake GPU memory figures: total x
     utilisation / stages per GPU, minus memory outside torch, weights, activations and the
     graph-pool estimate; the profile leaves no cache and no history behind."""
-    from engramrt.runner.kv_budget import blocks_from_profile, kv_block_bytes, stages_per_gpu
+    from engramrt.runner.kv_budget import blocks_from_profile, stages_per_gpu
 
     gib = 2**30
     fake = {
@@ -533,15 +534,13 @@ def test_kv_budget_from_a_profiled_forward(model, monkeypatch) -> None:
         monkeypatch.setattr(cuda, name, value)
     s = new_session(model, 4)
     profile = s.profile_memory(tokens=40, max_len=16, block_size=8, rows=4)
-    per_block = kv_block_bytes(
-        8, model.cfg.num_kv_heads, model.cfg.head_dim, 4, len(model.layer_ids)
-    )
+    per_block = model.cfg.family.block_bytes(model, model.layer_ids, 8)
     share = stages_per_gpu(local_world_size=3, gpus=2)  # 3 stages on 2 GPUs: 2 share one
     blocks = blocks_from_profile(
         profile, 0.9, per_block, share, graph_rows=4, graph_outputs=3 * gib
     )
     cache = 40 // 16 + 1  # runs of 16, 16, 8 tokens, each with its own 2 blocks
-    per_layer_block = 8 * model.cfg.num_kv_heads * model.cfg.head_dim * 4  # fp32
+    per_layer_block = 8 * model.cfg.body.num_kv_heads * model.cfg.body.head_dim * 4  # fp32
     cache_bytes = cache * 2 * per_layer_block * 2 * len(model.layer_ids)
     activations = fake["peak"] - cache_bytes - fake["allocated"]
     outside = fake["total"] - fake["free"] - fake["reserved"]

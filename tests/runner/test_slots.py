@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from engramrt.model.context import ForwardContext, KVCache
+from engramrt.model.context import ForwardContext
+from engramrt.models.gqa.cache import GQACache
 from engramrt.runner.batch import NewRequest, SampleRow, StepBatch
 from engramrt.runner.logit_controls import Controls
 from engramrt.runner.slots import GREEDY, SlotTable
@@ -95,7 +96,7 @@ def test_token_rows_and_block_tables_follow_a_list_oracle() -> None:
     ``ForwardContext`` and the tables equal a per-slot list kept by hand."""
     rng = random.Random(1)
     slots_n, max_len, block = 6, 40, 4
-    kv = KVCache([0], 80, block, 1, 2, torch.float32, "cpu", max_len, num_slots=slots_n)
+    kv = GQACache([0], 80, block, 1, 2, torch.float32, "cpu", max_len, num_slots=slots_n)
     table = SlotTable(torch.device("cpu"), None, samples=False, first=True)
     table.size_for(kv)
     rows: dict[int, list[int]] = {}  # slot -> tokens the row holds (the oracle)
@@ -163,7 +164,7 @@ def test_token_rows_and_block_tables_follow_a_list_oracle() -> None:
 
 
 def test_token_deltas_are_checked() -> None:
-    kv = KVCache([0], 16, 4, 1, 2, torch.float32, "cpu", 16, num_slots=2)
+    kv = GQACache([0], 16, 4, 1, 2, torch.float32, "cpu", 16, num_slots=2)
     table = SlotTable(torch.device("cpu"), None, samples=False, first=True)
     table.size_for(kv)
     for batch, msg in [

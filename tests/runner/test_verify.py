@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from engramrt.engine.speculative import SpecConfig
-from engramrt.model.context import ForwardContext, GraphShape, KVCache
+from engramrt.model.context import ForwardContext, GraphShape
+from engramrt.models.gqa.cache import GQACache
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.slots import SlotTable
 from engramrt.runner.verify import Verifier, ngram_drafts
@@ -61,7 +62,7 @@ def test_a_lagging_run_moves_back_to_its_true_start(pad, kernels) -> None:
 
     rng = np.random.default_rng(1)
     dev = kernel_device() if kernels else "cpu"
-    kv = KVCache([0], 96, 4, 1, 8, torch.float32, dev, 48, 8)
+    kv = GQACache([0], 96, 4, 1, 8, torch.float32, dev, 48, 8)
     tables = kv.fixed_tables()
     n = pad.requests - 1 if pad is not None else 5
     run = 1 if pad is not None and pad.decode else 5

@@ -14,7 +14,8 @@ import torch
 import triton
 
 from engramrt.kernels.mhc_fused import mixes_plan, post_block_d
-from engramrt.model.context import ForwardContext, GraphShape, KVCache
+from engramrt.model.context import ForwardContext, GraphShape
+from engramrt.models.gqa.cache import GQACache
 from engramrt.runner.stage import warm_up_plan
 
 
@@ -52,7 +53,7 @@ def test_warm_up_plan_covers_every_compile_time_variant(max_tokens, slots, max_l
 
 def test_step_buffer_views_are_16_byte_aligned() -> None:
     rng = random.Random(0)
-    kv = KVCache([0], 512, 4, 2, 8, torch.float32, "cpu", 256, num_slots=8)
+    kv = GQACache([0], 512, 4, 2, 8, torch.float32, "cpu", 256, num_slots=8)
     for _ in range(50):
         n = rng.randint(1, 8)
         slots = rng.sample(range(8), n)

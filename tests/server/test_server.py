@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from engramrt.bundled import GQA_MODEL_DIR
-from engramrt.config import load_json, model_config
+from engramrt.config import load_json
 from engramrt.engram.token_map import load_tokenizer
+from engramrt.models import model_config
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import NewRequest, StepBatch
 from engramrt.runner.stage import StageRunner

@@ -9,10 +9,11 @@ import torch
 
 from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.bundled.weights import seeded_model
-from engramrt.config import engram_config, load_json, model_config
+from engramrt.config import engram_config, load_json
 from engramrt.engram.layout import search_primes
 from engramrt.model.checkpoint import save_checkpoint
 from engramrt.model.decoder import EngramMHCModel
+from engramrt.models import model_config
 
 
 def make_raw_config(**overrides) -> dict:

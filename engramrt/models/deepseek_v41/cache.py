@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's caches for the layers one stage owns (``../shared/V41-ARCH.md`` 1.3).
+"""DeepSeek-V4.1's caches for the layers one stage owns.
 
 - **Compressed KV and index keys** (KV sources only): paged like the GQA cache, through the
   same block tables. Entry ``j`` stands for positions ``j*r .. j*r + r - 1`` and lives in the
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engramrt.model.context import KVCache
-from engramrt.v41_config import REINDEX, SOURCE, V41Config
+from engramrt.model.context import PagedCache
+from engramrt.models.deepseek_v41.config import REINDEX, SOURCE, V41Config
 
 if TYPE_CHECKING:
     from engramrt.runner.batch import NewRequest
@@ -108,8 +108,9 @@ def fixed_bytes(
     )
 
 
-class V41Cache(KVCache):
-    """A stage's V4.1 caches; ``k``/``v`` (the GQA cache) stay empty."""
+class V41Cache(PagedCache):
+    """A stage's V4.1 caches: window rings (and their snapshots), compressed rows, index keys
+    and compressor tails."""
 
     def __init__(
         self,
@@ -132,9 +133,7 @@ class V41Cache(KVCache):
             raise ValueError(
                 f"--block-size must be even for V4.1 (ratio-2 groups), got {block_size}"
             )
-        super().__init__(
-            [], num_blocks, block_size, 1, cfg.head_dim, dtype, device, max_len, num_slots
-        )
+        super().__init__(num_blocks, block_size, max_len, num_slots)
         roles = [cfg.role(i) for i in layer_ids]  # DSpark stages: rings only
         slots, w, d = self.num_slots, cfg.window_size + slack, cfg.head_dim
         self.ring_len, self.tail_rows = w, tail_rows(slack)

@@ -1,4 +1,5 @@
-"""DeepSeek-V4.1's DSpark draft stages (``mtp.*``; ``../shared/V41-ARCH.md`` 3): a block of
+"""DeepSeek-V4.1's DSpark draft stages (``mtp.*``; restated in
+``tests/model/test_dspark_reference.py``): a block of
 ``dspark_block_size`` tokens drafted in one pass from the target's own features.
 
 - **Features.** Each target forward keeps, at the input of each ``dspark_target_layer_ids``
@@ -17,7 +18,7 @@
 
 Rollback needs nothing: a verify run writes ring rows at positions past the accepted one, which
 no later draft's window reaches before they are written again (rings of ``window + K`` rows,
-``engramrt.model.v41_cache``).
+``engramrt.models.deepseek_v41.cache``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from torch import nn
 from engramrt.kernels import use_triton
 from engramrt.model.layers import RMSNorm
 from engramrt.model.mhc import collapse_norm, hc_pre
-from engramrt.model.quant import StoredLinear
-from engramrt.model.v41_attention import StepRuns, V41Attention, angles_at
-from engramrt.model.v41_cache import V41Cache
+from engramrt.models.deepseek_v41.attention import StepRuns, V41Attention, angles_at
+from engramrt.models.deepseek_v41.cache import V41Cache
+from engramrt.models.deepseek_v41.quant import StoredLinear
 
 
 @dataclass
@@ -128,7 +129,7 @@ class ConfidenceHead(nn.Module):
 def stage_parts(block: nn.Module, cfg, stage: int, dtype: torch.dtype) -> None:
     """A stage's pieces beside its block: the first's feature projection, the last's norm,
     Markov and confidence heads (checkpoint names ``mtp.{s}.main_proj`` ...)."""
-    v = cfg.v41
+    v = cfg.body
     if stage == 0:
         block.main_proj = StoredLinear(v.dim, v.dim * len(v.dspark_target_layer_ids))
         block.main_norm = RMSNorm(v.dim, v.norm_eps, dtype)
@@ -143,7 +144,7 @@ def seed(model, ctx) -> None:
     (``ctx.step_cache["features"]``)."""
     feats = ctx.step_cache["features"]
     first = model.mtp[0]
-    hidden = torch.cat([feats[i] for i in model.cfg.v41.dspark_target_layer_ids], dim=-1)
+    hidden = torch.cat([feats[i] for i in model.cfg.body.dspark_target_layer_ids], dim=-1)
     main_x = first.main_norm(first.main_proj(hidden))
     step = StepRuns.of(ctx)
     for stage in model.mtp:
@@ -166,7 +167,7 @@ def draft(
     ``targets`` [B, block] (training, teacher forcing): the true tokens the drafts stand for,
     which the Markov head takes as the previous tokens in place of the drafts. ``confidence``:
     score each draft (training; the verifier reads only the tokens)."""
-    v = model.cfg.v41
+    v = model.cfg.body
     b, k, dev = len(tokens), v.dspark_block_size, tokens.device
     const = block_constants(b, k, v.dspark_noise_token_id, dev)
     ids = torch.cat([tokens[:, None], const.noise], dim=1)

@@ -2,7 +2,8 @@
 ``inference/config.json`` keys and the HF ``text_config`` names), and the role of every layer
 derived from it: what each layer computes and whose caches it reads.
 
-Roles (``../shared/V41-ARCH.md`` 1.2; Flash's layers in brackets):
+Roles (Flash's layers in brackets; ``tests/model/test_v41_config.py`` reads them from Flash's
+released config):
 
 - ``window``: ratio 0, its own sliding window only [0, 1; the DSpark stages];
 - ``source``: a KV source, ratio 2 or 1: a compressor (gated at ratio 2) writing a compressed
@@ -145,7 +146,8 @@ class V41Config:
     route_scale: float
     swiglu_limit: float
     roles: tuple[LayerRole, ...] = ()
-    # DSpark (``engramrt.model.dspark``): a block of ``dspark_block_size`` drafts a pass
+    # DSpark (``engramrt.models.deepseek_v41.dspark``): a block of ``dspark_block_size`` drafts a
+    pass
     dspark_block_size: int = 0
     dspark_noise_token_id: int = 0
     dspark_target_layer_ids: tuple[int, ...] = ()

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engramrt.kernels import use_triton
+from engramrt.model.fp8 import decode_e8m0, dequant_fp8_weight
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -45,16 +46,6 @@ _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 _E2M1_TIES_UP = torch.tensor([False, True, False, True, False, True, False])
 
 E4M3_SCALE, POW2_SCALE = "e4m3", "pow2"  # the two FP4 scale kinds
-
-
-def decode_e8m0(raw: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes (uint8, or a ``float8_e8m0fnu`` tensor) as fp32 powers of two; 255 is NaN."""
-    b = raw.view(torch.uint8).to(torch.int32)
-    # 2**(b - 127) from the bits: b is the fp32 exponent field, except byte 0 (2**-127, which
-    # fp32 holds as a subnormal: mantissa bit 22)
-    bits = torch.where(b == 0, torch.full_like(b, 1 << 22), b << 23)
-    out = bits.view(torch.float32)
-    return torch.where(b == 255, torch.full_like(out, float("nan")), out)
 
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
@@ -171,21 +162,6 @@ def fp4_roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:
 # --- weights as the checkpoint stores them ------------------------------------------------------
 
 
-def dequant_fp8_weight(
-    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """A dense FP8 weight ``[out, in]`` (E4M3) with its E8M0 block scales ``[ceil(out / 32),
-    ceil(in / 32)]`` as ``dtype`` values: exact in bf16 (an E4M3 value times a power of two)."""
-    out_f, in_f = weight.shape
-    want = (-(-out_f // 32), -(-in_f // 32))
-    if tuple(scale.shape) != want:
-        raise ValueError(
-            f"an FP8 weight [{out_f}, {in_f}] needs scales {list(want)}, got {list(scale.shape)}"
-        )
-    s = decode_e8m0(scale).repeat_interleave(32, 0)[:out_f].repeat_interleave(32, 1)[:, :in_f]
-    return (weight.float() * s).to(dtype)
-
-
 def dequant_fp4_weight(
     weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -240,7 +216,7 @@ def fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # rows up to which a CUDA step reads the weight as stored in the Triton kernel (GEMV-like: the
 # bytes set the pace); above, a bf16 GEMM on the tensor cores over a dequantised copy of the one
 # weight, freed after the call (the kernel decodes each weight tile once per row tile, and was
-# slower than that from 64 rows on: BENCHMARKS.md, issue 34)
+# slower than that from 64 rows on, H200, 2026-11)
 STORED_KERNEL_ROWS = 64
 
 

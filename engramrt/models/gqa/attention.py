@@ -1,4 +1,4 @@
-"""Grouped-query attention with RoPE over the paged KV cache.
+"""The GQA family's attention: grouped query heads with RoPE over the paged KV cache.
 
 Tokens arrive as runs, one per request; each run writes its K/V at its positions (through its
 block table) and attends causally over its cached positions. On CUDA the Triton kernels do both
@@ -19,6 +19,7 @@ from engramrt.config import ModelConfig
 from engramrt.kernels import use_triton
 from engramrt.model.context import ForwardContext
 from engramrt.model.layers import StackedLinear, apply_rope
+from engramrt.models.gqa.config import GQAConfig
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 
 
@@ -36,7 +37,7 @@ def kv_head_span(kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
     return head, head + 1
 
 
-class Attention(nn.Module):
+class GQAAttention(nn.Module):
     """With tensor parallelism a rank holds its query heads and their KV heads (``shards``:
     the checkpoint rows and columns it reads); its output projection's partial sums are
     all-reduced."""
@@ -46,11 +47,12 @@ class Attention(nn.Module):
     ):
         super().__init__()
         self.layer_id, self.tp = layer_id, tp
-        q0, q1 = tp.span(cfg.num_heads, "num_attention_heads")
-        k0, k1 = kv_head_span(cfg.num_kv_heads, tp)
-        self.heads, self.kv_heads, self.head_dim = q1 - q0, k1 - k0, cfg.head_dim
-        self.theta = cfg.rope_theta
-        d, hd = cfg.hidden_size, cfg.head_dim
+        g: GQAConfig = cfg.body
+        q0, q1 = tp.span(g.num_heads, "num_attention_heads")
+        k0, k1 = kv_head_span(g.num_kv_heads, tp)
+        self.heads, self.kv_heads, self.head_dim = q1 - q0, k1 - k0, g.head_dim
+        self.theta = g.rope_theta
+        d, hd = cfg.hidden_size, g.head_dim
         q_dim, kv_dim = self.heads * hd, self.kv_heads * hd
         self.wqkv = StackedLinear(self, "wqkv", d, {"wq": q_dim, "wk": kv_dim, "wv": kv_dim}, dtype)
         self.wo = nn.Linear(q_dim, d, bias=False, dtype=dtype)

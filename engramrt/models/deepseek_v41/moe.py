@@ -1,6 +1,6 @@
-"""DeepSeek-V4.1's MoE, as its reference computes it (``../shared/V41-ARCH.md`` 2): the torch
-path, on weights kept in their stored formats (routed experts FP4, the shared expert FP8) and
-dequantised per use.
+"""DeepSeek-V4.1's MoE, as its reference computes it (restated in ``tests/model/test_v41_moe.py``):
+the torch path, on weights kept in their stored formats (routed experts FP4, the shared expert
+FP8) and dequantised per use.
 
 - Router: logits of the fp32 input against the gate weight (fp32), scores ``sqrt(softplus)``;
   experts chosen by score + bias (the image-span bias for image tokens where the checkpoint has
@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engramrt.kernels import use_triton
-from engramrt.model import quant
 from engramrt.model.layers import take_rows
-from engramrt.model.quant import StoredLinear
+from engramrt.models.deepseek_v41 import quant
+from engramrt.models.deepseek_v41.config import V41Config
+from engramrt.models.deepseek_v41.quant import StoredLinear
 from engramrt.tensor_parallel import SINGLE, TensorParallel
-from engramrt.v41_config import V41Config
 
 
 def clamped_swiglu(

@@ -1,9 +1,10 @@
-"""DeepSeek-V4.1's sparse latent attention, the torch path (``../shared/V41-ARCH.md`` 1.4).
+"""DeepSeek-V4.1's sparse latent attention, the torch path (restated
+independently from the reference's semantics in ``tests/model/test_v41_reference.py``).
 
 One 512-d latent ``kv_norm(wkv x)`` is both K and V for every query head. A query attends over
 its sliding window of latents and, in layers of ratio > 0, over the compressed entries its
 layer's top-k picked (``topk`` per run), with a learned per-head sink in the softmax's
-denominator only. Per layer role (``engramrt.v41_config``):
+denominator only. Per layer role (``engramrt.models.deepseek_v41.config``):
 
 - a **source** compresses groups of ``ratio`` tokens into its compressed cache (at ratio 2 a
   gated softmax over each pair, a group split across steps or chunks carried in the tail),
@@ -16,7 +17,8 @@ Tokens come as runs, one per request (``ForwardContext``): projections run on th
 the window, compressor, indexer and attention run per run, so a request's numbers do not depend
 on its batch. Top-k ties (bf16 scores tie often) go to the lower position, always. A source
 scores its own index keys at every step (the reference's code scores the last publisher's on a
-step where its ratio-2 group stays open: README, "DeepSeek-V4.1 models").
+step where its ratio-2 group stays open: the one deliberate departure, kept switchable and
+tested as ``literal_index_slot`` in ``tests/model/test_v41_reference.py``).
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engramrt.kernels import use_triton
-from engramrt.model import quant
 from engramrt.model.context import ForwardContext
 from engramrt.model.layers import RMSNorm, take_rows
-from engramrt.model.quant import StoredLinear
-from engramrt.model.v41_cache import V41Cache
+from engramrt.models.deepseek_v41 import quant
+from engramrt.models.deepseek_v41.cache import V41Cache
+from engramrt.models.deepseek_v41.config import REINDEX, SOURCE, WINDOW, LayerRole, V41Config
+from engramrt.models.deepseek_v41.quant import StoredLinear
 from engramrt.tensor_parallel import SINGLE, TensorParallel
-from engramrt.v41_config import REINDEX, SOURCE, WINDOW, LayerRole, V41Config
 
 QUERY_CHUNK = 256  # queries whose scores are formed at once (bounds a long prefill's memory)
 NO_SCORE = -1e30  # the running max of a query that sees nothing: its output is 0, not NaN
