@@ -4,6 +4,8 @@ independent count from the config."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +59,35 @@ def test_latency_mode_reports_bandwidth(capsys: pytest.CaptureFixture) -> None:
     for key in ("Decode tokens/s:", "Bytes per decode step (MB):", "Achieved bandwidth (GB/s):"):
         assert key in out
     assert "3 requests, 24 prompt + 15 generated tokens" in out
+
+
+def test_profile_and_output_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--profile runs the requests again under the profiler and prints a step's costliest
+    operators (kernels on a GPU); --output-json saves what was printed, the profile too."""
+    out = tmp_path / "r.json"
+    argv = [
+        "bench",
+        "throughput",
+        "--model",
+        str(GQA_MODEL_DIR),
+        "--device",
+        "cpu",
+        "--batch-size",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--profile",
+        "--output-json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "engine steps under torch.profiler" in text and "operator" in text
+    saved = json.loads(out.read_text())
+    assert saved["requests"] == 2 and saved["output_tokens"] == 6
+    assert saved["profile"]["steps"] >= 3 and saved["profile"]["top"][0]["ms_a_step"] > 0
 
 
 def test_decode_bytes_match_a_count_from_the_config() -> None:
