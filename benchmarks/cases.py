@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engramrt.bundled import DEFAULT_MODEL_DIR, FLASH_CONFIG
+from engramrt.bundled import DEFAULT_MODEL_DIR, FLASH_CONFIG, GQA_MODEL_DIR
 from engramrt.bundled.prose import austen
 from engramrt.commands import bench_throughput
 from engramrt.config import engram_config
@@ -806,6 +806,11 @@ def random_prompts(seed: int, lens: list[int], vocab: int, kind: str = "random")
     return bench_throughput.random_prompts(random.Random(seed), lens, vocab, kind)
 
 
+def profile(engine: Any, prompts: list[list[int]], out_lens: list[int]) -> dict[str, Any]:
+    """``engramrt bench throughput --profile``: the requests again under torch.profiler."""
+    return bench_throughput.profile_run(engine, prompts, out_lens)
+
+
 def model_of(engine: Any) -> torch.nn.Module:
     return engine.pipeline.runner.model
 
@@ -879,7 +884,8 @@ def ensure_preset(name: str, models: Path, device: str) -> Path:
 
 # --- DSpark on a trained model -----------------------------------------------------------------
 
-BUNDLED_MODEL = DEFAULT_MODEL_DIR
+BUNDLED_MODEL = DEFAULT_MODEL_DIR  # the trained tiny V4.1
+GQA_MODEL = GQA_MODEL_DIR  # the tiny GQA fixture
 
 
 def held_out_prompts(model_dir: Path, tokenizer: Any, per_kind: int) -> list[list[int]]:
