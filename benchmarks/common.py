@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.table import fmt
+
 RESULTS = Path(__file__).parent / "results"
 # The vendor's datasheet (H200 SXM): leads only; every fraction a suite reports is of the
 # ceilings measured in the same run (``copy_gbs``, ``matmul_tflops``).
@@ -228,14 +230,6 @@ def ceilings(device: str, fp8: bool = False) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- results
-
-
-def fmt(value: float, digits: int | None = None) -> str:
-    """A number as the tables print it: three significant figures or so, thousands separated."""
-    if digits is None:
-        a = abs(value)
-        digits = 0 if a >= 100 else 1 if a >= 10 else 2 if a >= 1 else 3
-    return f"{value:,.{digits}f}"
 
 
 class Record:

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from benchmarks import cases
-from benchmarks.common import RESULTS, Record, ceilings, fmt, gpu_us
+from benchmarks.common import RESULTS, Record, ceilings, gpu_us
+from benchmarks.table import fmt
 
 
 def tensors(x: Any) -> list[torch.Tensor]:

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from benchmarks import cases, kernels
-from benchmarks.common import Record, ceilings, fmt
+from benchmarks.common import Record, ceilings
+from benchmarks.table import fmt
 
 
 @dataclass
@@ -304,7 +305,11 @@ def spec_verify(rec: Record, ctx: Context) -> bool:
     ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
     dspark_cfg = json.dumps({"method": "dspark", "num_speculative_tokens": 5})
     plans = [
-        ("4B GQA", ctx.preset("4b", cases.GQA_MODEL), {"n-gram K = 4": ngram}),
+        (
+            _label(ctx, "4B GQA", "tiny GQA"),
+            ctx.preset("4b", cases.GQA_MODEL),
+            {"n-gram K = 4": ngram},
+        ),
         (
             _label(ctx, "v41-wide", "tiny V4.1"),
             ctx.preset("v41-wide", cases.BUNDLED_MODEL),
@@ -316,7 +321,7 @@ def spec_verify(rec: Record, ctx: Context) -> bool:
     for label, model, arms in plans:
         steps = {}
         for arm, cfg in {"plain": None, **arms}.items():
-            flags = ["--max-num-seqs", "1", "--prompt-kind", "repeat"]
+            flags = ["--max-num-seqs", "1"]
             flags += ["--speculative-config", cfg] if cfg else []
             eng = cases.engine(cases.engine_args(model, ctx.device, *flags), in_len + out_len)
             prompts = cases.random_prompts(0, [in_len], eng.vocab_size, "repeat")
