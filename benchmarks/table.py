@@ -52,6 +52,10 @@ def newest(results: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
     return {suite: (path, data) for suite, (_, path, data) in found.items()}
 
 
+def _unit(unit: str) -> str:
+    return unit if unit == "x" else f" {unit}"
+
+
 def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -71,7 +75,7 @@ def rows(results: Path) -> list[dict[str, str]]:
             out.append(
                 {
                     "What": h["what"],
-                    "Number": f"{fmt(h['value'], h.get('digits'))} {h['unit']}",
+                    "Number": fmt(h["value"], h.get("digits")) + _unit(h["unit"]),
                     "Same-run comparison": h["comparison"],
                     "Date": h.get("date") or data["date"][:10],
                     "Device": h.get("device") or data["env"]["device"],
