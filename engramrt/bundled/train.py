@@ -294,8 +294,8 @@ def train(
 @contextlib.contextmanager
 def training_mode(deterministic: bool = True) -> Iterator[None]:
     """What training steps run under, restored after: the torch reference kernels (the Triton
-    ones have no backward), deterministic algorithms (or not: ``benchmarks/train_step.py``
-    compares) and a whole step's queries scored at once (``TRAIN_QUERY_CHUNK``)."""
+    ones have no backward), deterministic algorithms (or not: benchmarks/HISTORY.md compares
+    the two) and a whole step's queries scored at once (``TRAIN_QUERY_CHUNK``)."""
     saved, was = os.environ.get(FORCE_TORCH_ENV), torch.are_deterministic_algorithms_enabled()
     os.environ[FORCE_TORCH_ENV] = "1"
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
