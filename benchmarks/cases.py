@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -65,7 +66,9 @@ class Built:
     package's torch path on the same inputs (run inside ``torch_path``), equal bit for bit
     (``exact``) or within ``tol`` of relative L2 error; the bytes its work must move at least
     (each input read once, each output written once) and its FLOPs; ``baselines``, other ways
-    to the same result timed in the same run (a library's kernel, another launch setting)."""
+    to the same result timed in the same run (a library's kernel, another launch setting).
+    ``ref_graph``: False where the torch path cannot be captured in a CUDA graph (it copies a
+    constant to the device on each call): it is timed launched eagerly."""
 
     kernel: Callable[[], Any]
     reference: Callable[[], Any]
@@ -74,6 +77,7 @@ class Built:
     exact: bool = False
     tol: float = 1e-2
     baselines: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    ref_graph: bool = True
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,7 @@ def _stored_linear(p: dict, dev: str) -> Built:
         bytes=_nbytes(stored, scale, a) + m * n * a.element_size(),
         flops=2 * m * n * k,
         tol=1e-2 if dev == "cuda" else 1e-5,
+        ref_graph=False,  # act_quant's scale constant goes to the device each call
     )
     if dev == "cuda":  # cuBLAS reading twice FP8's bytes (four times FP4's)
         w16 = dequant(stored, scale, torch.bfloat16)
@@ -349,13 +354,14 @@ def _paged_decode(p: dict, dev: str) -> Built:
     k, v, tables = _paged_cache(bs, ctx, p, dev, g)
     q = torch.randn(bs, p["heads"], p["dim"], device=dev, generator=g).to(k.dtype)
     lens = torch.full((bs,), ctx, device=dev)
+    width = torch.tensor([tables.shape[1]], device=dev)  # on the device, as graphs pass it
 
     def reference() -> torch.Tensor:  # attention.py's torch path: the rows gathered, then SDPA
         kk, vv = (_gathered(c, tables, ctx, bsz) for c in (k, v))
         return F.scaled_dot_product_attention(q[:, :, None], kk, vv, enable_gqa=True)[:, :, 0]
 
     built = Built(
-        kernel=lambda: paged_decode_attention(q, k, v, tables, lens, bsz),
+        kernel=lambda: paged_decode_attention(q, k, v, tables, lens, bsz, width),
         reference=reference,
         bytes=2 * bs * ctx * p["kv_heads"] * p["dim"] * k.element_size() + 2 * _nbytes(q),
         flops=4 * bs * p["heads"] * p["dim"] * ctx,
@@ -363,7 +369,7 @@ def _paged_decode(p: dict, dev: str) -> Built:
     )
     if dev == "cuda":
         built.baselines["one split (no merge)"] = lambda: paged_decode_attention(
-            q, k, v, tables, lens, bsz, splits=1
+            q, k, v, tables, lens, bsz, width, splits=1
         )
     return built
 
@@ -588,6 +594,7 @@ def _act_roundtrip(p: dict, dev: str) -> Built:
         reference=lambda: quant.act_roundtrip(x),
         bytes=2 * _nbytes(x),
         exact=True,
+        ref_graph=False,  # act_quant's scale constant goes to the device each call
     )
 
 
@@ -873,12 +880,16 @@ def prefill_flops(engine: Any, tokens: int) -> float:
 
 
 def ensure_preset(name: str, models: Path, device: str) -> Path:
-    """``benchmarks/make_models.py``'s preset ``name`` under ``models``, written once."""
+    """``benchmarks/make_models.py``'s preset ``name`` under ``models``, written once (into a
+    folder renamed when complete: a run stopped halfway leaves no preset that looks whole)."""
     from benchmarks.make_models import preset_config, write_model
 
     out = Path(models) / name
-    if not (out / "config.json").is_file():
-        write_model(preset_config(name), out, device, 4 * 2**30)
+    if not out.is_dir():
+        partial = out.with_name(f"{name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        write_model(preset_config(name), partial, device, 4 * 2**30)
+        partial.rename(out)
     return out
 
 

@@ -171,13 +171,15 @@ def flushed_us(fn: Callable[[], Any], reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def gpu_us(fn: Callable[[], Any], reps: int = 20) -> tuple[float, str]:
-    """(us, how): from a CUDA graph when ``fn`` can be captured, else launched eagerly."""
-    try:
-        return graph_us(fn, reps), "graph"
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return flushed_us(fn, reps), "eager"
+def gpu_us(fn: Callable[[], Any], graph: bool = True, reps: int = 20) -> tuple[float, str]:
+    """(us, how): from a CUDA graph (``graph``, and its capture works), else launched eagerly
+    after the flush."""
+    if graph:
+        try:
+            return graph_us(fn, reps), "graph"
+        except RuntimeError:  # a capture refused: what it left on the device settles first
+            torch.cuda.synchronize()
+    return flushed_us(fn, reps), "eager"
 
 
 # --------------------------------------------------------------------------- ceilings

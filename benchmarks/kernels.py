@@ -81,7 +81,7 @@ def measure(built: cases.Built, ceil: dict[str, float]) -> dict[str, Any]:
     floor."""
     us, how = gpu_us(built.kernel)
     with cases.torch_path():
-        ref_us, ref_how = gpu_us(built.reference)
+        ref_us, ref_how = gpu_us(built.reference, built.ref_graph)
     row: dict[str, Any] = {"us": us, "how": how, "torch_us": ref_us, "torch_how": ref_how}
     row["baselines"] = {name: gpu_us(fn)[0] for name, fn in built.baselines.items()}
     byte_us = built.bytes / (ceil["copy_gbs"] * 1e3)

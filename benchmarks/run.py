@@ -58,7 +58,7 @@ def run_one(name: str, args: argparse.Namespace, device: str) -> str:
     if name != "kernels" and importlib.util.find_spec("msgspec") is None:
         return "skipped: msgspec (the engine's) not installed"
     ctx = Context(device, tiny=args.tiny, check=args.check, models=args.models, model=args.model)
-    out = None if args.check else args.out
+    out = args.out or (None if args.check or args.tiny else RESULTS)  # smoke runs: no file
     options = {"tiny": args.tiny, "check": args.check, "model": args.model}
     rec = Record(name, out, device, {k: v for k, v in options.items() if v})
     print(f"== {name}: {suite.about}", flush=True)
@@ -79,7 +79,8 @@ SKIPPED = 3  # a child's exit status when its suite could not run here
 def child(name: str, args: argparse.Namespace, device: str, timeout: float) -> str:
     """The suite in a process of its own, stopped after ``timeout`` seconds."""
     cmd = [sys.executable, "-m", "benchmarks.run", "--suite", name, "--no-isolate"]
-    cmd += ["--device", device, "--out", str(args.out), "--models", str(args.models)]
+    cmd += ["--device", device, "--models", str(args.models)]
+    cmd += ["--out", str(args.out)] if args.out else []
     cmd += ["--tiny"] * args.tiny + ["--check"] * args.check
     cmd += ["--model", str(args.model)] if args.model else []
     try:
@@ -92,7 +93,9 @@ def child(name: str, args: argparse.Namespace, device: str, timeout: float) -> s
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", default="all", help="a name, names joined by commas, or all")
-    ap.add_argument("--out", type=Path, default=RESULTS, help=f"results root (default {RESULTS})")
+    ap.add_argument(
+        "--out", type=Path, help=f"results root (default {RESULTS}; with --tiny or --check none)"
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     ap.add_argument("--tiny", action="store_true", help="the bundled models, tiny sizes")
     ap.add_argument("--check", action="store_true", help="kernels: correctness only, no file")
