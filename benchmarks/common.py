@@ -26,10 +26,14 @@ RESULTS = Path(__file__).parent / "results"
 # ceilings measured in the same run (``copy_gbs``, ``matmul_tflops``).
 DATASHEET = {"device": "NVIDIA H200", "hbm_gbs": 4800.0, "bf16_dense_tflops": 989.0}
 FLUSH_BYTES = 256 * 2**20  # more than the H200's 60 MB of L2
+DATE_ENV = "ENGRAMRT_BENCH_DATE"  # the runner's date, for the suites it starts
 
 
 def today() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    """The results' date folder: the runner's when it started this suite, else today (UTC)."""
+    return os.environ.get(DATE_ENV) or datetime.datetime.now(datetime.timezone.utc).strftime(
+        "%Y-%m-%d"
+    )
 
 
 def sync(device: str) -> None:

@@ -83,7 +83,12 @@ def measure(built: cases.Built, ceil: dict[str, float]) -> dict[str, Any]:
     with cases.torch_path():
         ref_us, ref_how = gpu_us(built.reference, built.ref_graph)
     row: dict[str, Any] = {"us": us, "how": how, "torch_us": ref_us, "torch_how": ref_how}
-    row["baselines"] = {name: gpu_us(fn)[0] for name, fn in built.baselines.items()}
+    row["baselines"] = {}
+    for name, fn in built.baselines.items():
+        try:
+            row["baselines"][name] = gpu_us(fn)[0]
+        except Exception as exc:  # a library's kernel that refuses the shape: said, not timed
+            row.setdefault("baseline_failures", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
     byte_us = built.bytes / (ceil["copy_gbs"] * 1e3)
     flop_us = built.flops / (ceil["matmul_tflops"] * 1e6)
     row.update(

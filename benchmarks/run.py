@@ -19,7 +19,10 @@ then rewrites BENCHMARKS.md's table from the newest results.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, Record
+from benchmarks.common import DATE_ENV, RESULTS, Record, today
 
 MIN_SUITE_S = 60  # a suite given less than this is not started
 
@@ -83,9 +86,16 @@ def child(name: str, args: argparse.Namespace, device: str, timeout: float) -> s
     cmd += ["--out", str(args.out)] if args.out else []
     cmd += ["--tiny"] * args.tiny + ["--check"] * args.check
     cmd += ["--model", str(args.model)] if args.model else []
+    proc = subprocess.Popen(cmd, start_new_session=True)  # its group: the server it starts too
     try:
-        rc = subprocess.run(cmd, timeout=timeout).returncode
+        rc = proc.wait(timeout)
     except subprocess.TimeoutExpired:
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(wait)
+                break
         return f"stopped after {timeout:.0f} s (its JSON keeps the rows it saved)"
     return {0: "ok", SKIPPED: "skipped (its output says why)"}.get(rc, f"failed (exit {rc})")
 
@@ -119,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     names = parse_suites(args.suite)
     isolate = args.isolate if args.isolate is not None else device == "cuda" and len(names) > 1
     start, status = time.monotonic(), {}
+    os.environ.setdefault(DATE_ENV, today())  # one date folder for the whole run
     for name in names:
         left = args.budget - (time.monotonic() - start)
         if isolate and left < MIN_SUITE_S:

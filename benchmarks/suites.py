@@ -527,7 +527,7 @@ SUITES: dict[str, Suite] = {
             "kernels",
             "each Triton kernel against its torch path and its floor",
             kernel_suite,
-            150,
+            180,
         ),
         Suite(
             "gqa-decode",
