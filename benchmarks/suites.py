@@ -323,6 +323,8 @@ def spec_verify(rec: Record, ctx: Context) -> bool:
         for arm, cfg in {"plain": None, **arms}.items():
             flags = ["--max-num-seqs", "1"]
             flags += ["--speculative-config", cfg] if cfg else []
+            if ctx.device == "cuda":  # engines one after the other: none needs the whole GPU
+                flags += ["--kv-cache-memory-bytes", str(8 * 2**30)]
             eng = cases.engine(cases.engine_args(model, ctx.device, *flags), in_len + out_len)
             prompts = cases.random_prompts(0, [in_len], eng.vocab_size, "repeat")
             r = cases.measure(eng, prompts, [out_len])
@@ -432,7 +434,10 @@ def serving(rec: Record, ctx: Context) -> bool:
     in_len, out_len = (16, 4) if ctx.tiny else (512, 128)
     max_len = 256 if ctx.tiny else 2048
     offline_n = 4 if ctx.tiny else 64
-    eng = cases.engine(cases.engine_args(model, ctx.device, "--max-num-seqs", str(top)), max_len)
+    flags = ["--max-num-seqs", str(top)]
+    if ctx.device == "cuda":  # a budget of its own: whatever it keeps, the server fits beside it
+        flags += ["--kv-cache-memory-bytes", str(16 * 2**30)]
+    eng = cases.engine(cases.engine_args(model, ctx.device, *flags), max_len)
     ins, outs = _offline_lengths(offline_n, ctx.tiny)
     offline = cases.measure(eng, cases.random_prompts(2, ins, eng.vocab_size), outs)
     rec.row(kind="offline", **offline)
