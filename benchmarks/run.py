@@ -109,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     ap.add_argument("--tiny", action="store_true", help="the bundled models, tiny sizes")
     ap.add_argument("--check", action="store_true", help="kernels: correctness only, no file")
-    ap.add_argument("--models", type=Path, default=Path("/tmp/engramrt-models"), help="presets")
+    ap.add_argument(
+        "--models",
+        type=Path,
+        default=Path("/tmp/engramrt-models"),
+        help="where the preset models are written, once (default %(default)s)",
+    )
     ap.add_argument("--model", type=Path, help="this model directory instead of the preset")
     ap.add_argument("--budget", type=float, default=570, help="seconds for several suites")
     ap.add_argument(
