@@ -11,7 +11,7 @@ likewise) and against the other ways to the same result the case names.
 ``--check`` runs each case's tiny shapes without timing: on a CPU in Triton's interpreter (CI).
 Timing: the call captured in a CUDA graph and replayed after an L2 flush (the median of 20
 replays), so the host's launch cost is not in it; a torch path that cannot be captured is timed
-launched eagerly after the flush (``ref_how``). The same as ``python -m benchmarks.run --suite
+launched eagerly after the flush (``torch_how``). The same as ``python -m benchmarks.run --suite
 kernels``.
 """
 

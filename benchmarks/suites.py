@@ -22,7 +22,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,6 @@ class Context:
     check: bool = False
     models: Path = Path("/tmp/engramrt-models")
     model: Path | None = None
-    options: dict[str, Any] = field(default_factory=dict)
 
     def preset(self, name: str, tiny_model: Path) -> Path:
         if self.model is not None:
@@ -59,7 +58,7 @@ class Suite:
     name: str
     about: str
     run: Callable[[Record, Context], bool]
-    timeout_s: int  # its share of ``--suite all``'s ten minutes
+    timeout_s: int  # its limit in a run of several suites (``--suite all``: ten minutes)
     needs: tuple[str, ...] = ()  # Python packages besides the engine's
     in_all: bool = True
 
