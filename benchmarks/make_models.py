@@ -142,7 +142,7 @@ def write_tables(raw: dict, path: Path, device: str, seed: int = 0) -> dict[str,
 def write_model(raw: dict, out: Path, device: str, max_shard_bytes: int) -> tuple[int, int]:
     """The whole checkpoint: the dense weights through ``save_checkpoint``, the tables
     streamed to their own file, one index over both. (dense parameters, table bytes)"""
-    if model_config(raw).v41 is not None:
+    if model_config(raw).family.stored_formats:  # V4.1: its released formats
         state = seeded_v41_state(raw, device)
     else:
         model = random_model(raw, device)

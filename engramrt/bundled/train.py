@@ -287,8 +287,8 @@ def train(
 @contextlib.contextmanager
 def training_mode(deterministic: bool = True) -> Iterator[None]:
     """What training steps run under, restored after: the torch reference kernels (the Triton
-    ones have no backward), deterministic algorithms (or not: ``benchmarks/train_step.py``
-    compares) and each family's own (``ModelFamily.training``: V4.1 scores a whole step's
+    ones have no backward), deterministic algorithms (or not: benchmarks/HISTORY.md compares
+    the two) and each family's own (``ModelFamily.training``: V4.1 scores a whole step's
     queries at once)."""
     saved, was = os.environ.get(FORCE_TORCH_ENV), torch.are_deterministic_algorithms_enabled()
     os.environ[FORCE_TORCH_ENV] = "1"

@@ -5,12 +5,14 @@ Throughput mode follows nano-vllm's protocol (256 requests, input and output len
 runs one batch of equal requests and reports decode tokens/s and the memory traffic a decode step
 must cause (every weight once, the batch's KV cache, the Engram rows it gathers) as achieved GB/s.
 With ``-tp``/``-pp`` the engine drives its ranks as ``serve`` does; the bytes are rank 0's (its
-layers, its slices): the traffic per GPU.
+layers, its slices): the traffic per GPU. ``--profile`` runs the same requests again under
+torch.profiler and prints where a step's time goes; ``--output-json`` saves the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 from pathlib import Path
@@ -56,6 +58,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "n-gram drafts can be right)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the requests again under torch.profiler: a step's wall time against its GPU "
+        "kernels' time, and the costliest kernels (operators on a CPU); the profiler slows the "
+        "host, so its wall times run high",
+    )
+    p.add_argument("--output-json", help="also write the results to this JSON file")
 
 
 def options(args: argparse.Namespace, max_len: int) -> EngineOptions:
@@ -78,21 +88,22 @@ def local_engine(args: argparse.Namespace, max_len: int) -> Engine:
     return build_stage(options(args, max_len))[1]
 
 
-def _run(engine: Engine, prompts: list[list[int]], outputs: list[int]) -> tuple[float, float]:
-    """Seconds until every request has its first token, and until all are done."""
+def _run(engine: Engine, prompts: list[list[int]], outputs: list[int]) -> tuple[float, float, int]:
+    """Seconds until every request has its first token, and until all are done; engine steps."""
     for i, (p, n) in enumerate(zip(prompts, outputs, strict=True)):
         engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    start, first, started = time.perf_counter(), None, set()
+    start, first, started, steps = time.perf_counter(), None, set(), 0
     while engine.has_work():
+        steps += 1
         for out in engine.step():
             started.add(out.request_id)
         if first is None and len(started) == len(prompts):
             first = time.perf_counter()
     end = time.perf_counter()
-    return (first or end) - start, end - start
+    return (first or end) - start, end - start, steps
 
 
-def _decode_bytes(engine: Engine, batch: int, context: int) -> int:
+def decode_bytes(engine: Engine, batch: int, context: int) -> int:
     """What one decode step must read: every weight but the Engram tables, the batch's K/V up to
     ``context`` tokens, and the Engram rows of the batch's tokens."""
     model = engine.pipeline.runner.model  # rank 0's layers and slices
@@ -127,7 +138,7 @@ def measure(engine: Engine, prompts: list[list[int]], out_lens: list[int]) -> di
     """One timed run (after a two-token warm-up): throughput, and the decode rate of a batch of
     equal requests (``decode_*``: the steps after every request's first token)."""
     _run(engine, prompts[:1], [2])  # warm-up (kernel compilation, allocator)
-    prefill_s, total_s = _run(engine, prompts, out_lens)
+    prefill_s, total_s, _ = _run(engine, prompts, out_lens)
     total_in, total_out = sum(map(len, prompts)), sum(out_lens)
     res = {
         "requests": len(prompts),
@@ -139,7 +150,7 @@ def measure(engine: Engine, prompts: list[list[int]], out_lens: list[int]) -> di
         "total_tok_s": (total_in + total_out) / total_s,
     }
     steps = max(out_lens[0] - 1, 1)
-    step_bytes = _decode_bytes(engine, len(prompts), len(prompts[0]) + out_lens[0] // 2)
+    step_bytes = decode_bytes(engine, len(prompts), len(prompts[0]) + out_lens[0] // 2)
     decode_s = max(total_s - prefill_s, 1e-9)
     res.update(
         decode_tok_s=len(prompts) * steps / decode_s,
@@ -148,6 +159,53 @@ def measure(engine: Engine, prompts: list[list[int]], out_lens: list[int]) -> di
         achieved_gb_s=step_bytes * steps / decode_s / 1e9,
     )
     return res
+
+
+def profile_run(
+    engine: Engine, prompts: list[list[int]], out_lens: list[int], top: int = 15
+) -> dict:
+    """The requests run again under torch.profiler: a step's wall time against the summed time
+    of its GPU kernels (graph replays included; on a CPU its operators' own time), and the
+    ``top`` costliest by name, each with its calls and ms a step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.pipeline.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        _, wall, steps = _run(engine, prompts, out_lens)
+    if cuda:  # kernels: what ran on the GPU, not the operators that launched it
+        costs = [
+            (e.key, e.count, e.self_device_time_total)
+            for e in prof.key_averages()
+            if e.self_device_time_total > 0 and not e.key.startswith(("aten::", "cuda"))
+        ]
+    else:
+        costs = [(e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages()]
+    costs.sort(key=lambda c: -c[2])
+    steps = max(steps, 1)
+    return {
+        "steps": steps,
+        "wall_ms_a_step": 1e3 * wall / steps,
+        "kernel_ms_a_step": sum(c[2] for c in costs) / 1e3 / steps if cuda else None,
+        "top": [
+            {"name": name, "calls_a_step": n / steps, "ms_a_step": us / 1e3 / steps}
+            for name, n, us in costs[:top]
+        ],
+    }
+
+
+def format_profile(prof: dict) -> str:
+    kernels = prof["kernel_ms_a_step"]
+    what = "kernel" if kernels is not None else "operator"
+    lines = [
+        f"Profile ({prof['steps']} engine steps under torch.profiler): a step "
+        f"{prof['wall_ms_a_step']:.3f} ms wall"
+        + (f", its GPU kernels {kernels:.3f} ms" if kernels is not None else ""),
+        f"{'ms a step':>10} {'calls a step':>13}  {what}",
+    ]
+    for t in prof["top"]:
+        lines.append(f"{t['ms_a_step']:>10.3f} {t['calls_a_step']:>13.1f}  {t['name'][:90]}")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,6 +234,7 @@ def _worker(rank: int, world: int, opts, args, rng, in_lens, out_lens) -> None:
     try:
         prompts = random_prompts(rng, in_lens, engine.vocab_size, args.prompt_kind)
         r = measure(engine, prompts, out_lens)
+        prof = profile_run(engine, prompts, out_lens) if args.profile else None
     finally:
         pipe.stop()
     prompts_n = len(in_lens)
@@ -207,3 +266,13 @@ def _worker(rank: int, world: int, opts, args, rng, in_lens, out_lens) -> None:
             f"({100 * taken / drafted:.1f}%); {1 + taken / runs:.2f} tokens a verify step; "
             f"accepted at each position: {' '.join(f'{a:.2f}' for a in per_pos)}"
         )
+    if prof is not None:
+        print(format_profile(prof))
+    if args.output_json:
+        out = {
+            "model": str(args.model or "bundled"),
+            "batch_size": args.batch_size,
+            **r,
+            "profile": prof,
+        }
+        Path(args.output_json).write_text(json.dumps({**out, "engine_stats": stats}, indent=1))

@@ -134,7 +134,7 @@ class GatherConfig:
     max_programs: int = 0
 
 
-# from `benchmarks/engram_kernels.py --sweep` on an H200 (BENCHMARKS.md). Device tables: small
+# from a sweep of launch shapes on an H200 (benchmarks/HISTORY.md, 2026-11-30). Device tables: small
 # tiles, about 16 programs per SM. Host tables: PCIe, not the SMs, bounds the reads, and a
 # program waiting on PCIe holds an SM that a GEMM running beside a read-ahead then cannot use
 # (measured: a 1 ms host gather beside a GEMM delays it by 0.6-1.1 ms). So few programs: 64 of

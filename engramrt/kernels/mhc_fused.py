@@ -262,7 +262,7 @@ def mixes_plan(tokens: int, k: int) -> MixesPlan:
     the token count alone, so a decode graph captures one plan per batch size. Each program's
     accumulator is block_t x 32 x block_k fp32. Few tokens: one per program and many chunks,
     to spread the read of ``fn`` over the GPU; more tokens: 16 per program, since every token
-    block re-reads ``fn`` (from L2). Chosen on an H200 at hidden 3072 (benchmarks/mhc_fused.py)."""
+    block re-reads ``fn`` (from L2). Chosen on an H200 at hidden 3072 (benchmarks/HISTORY.md)."""
     if tokens <= 2:
         block_t, block_k = 1, 64
     elif tokens <= 32:

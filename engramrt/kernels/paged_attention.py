@@ -441,9 +441,9 @@ def prefill_config(dim: int, dtype: torch.dtype) -> dict:
     and a V tile of 64 x 128 (16 KB each): 96 KB in all with 2 stages (P stays in registers as
     the second product's left operand), well inside an H100/H200's 227 KB; the fp32 accumulator
     (128 x 128). K/V tiles of about 16 KB each at any head dim and element size. 4 warps and 3
-    stages: on an H200 (2026-11-30, 4B shapes, one 8,192-token request, BENCHMARKS.md) they took
-    1.08 ms against 1.20 (4 warps, 2 stages), 1.26 (8, 2) and 1.38 (8, 3), although ptxas warns
-    that 3 stages serialise the wgmma (C7515)."""
+    stages: on an H200 (2026-11-30, 4B shapes, one 8,192-token request, benchmarks/HISTORY.md)
+    they took 1.08 ms against 1.20 (4 warps, 2 stages), 1.26 (8, 2) and 1.38 (8, 3), although
+    ptxas warns that 3 stages serialise the wgmma (C7515)."""
     block_d = max(16, triton.next_power_of_2(dim))
     size = torch.finfo(dtype).bits // 8
     block_n = max(16, min(64, 16384 // (block_d * size)))

@@ -209,10 +209,11 @@ def _launch(
 
 
 def _settings(rows: int, fp4: bool) -> tuple[int, int, int]:
-    """(rows a tile, output features a program, warps) for ``rows`` rows a weight, from
-    ``benchmarks/stored_linear_bench.py --sweep`` on an H200: an FP8 GEMV reads 128 features a
-    program with 8 warps (half the time of 64 with 4), an FP4 one 64 with 4; FP4 tiles stop at
-    16 rows (64-row tiles decode every weight for rows an expert mostly lacks: 2x slower)."""
+    """(rows a tile, output features a program, warps) for ``rows`` rows a weight, from a
+    sweep of launch settings on an H200 (benchmarks/HISTORY.md, 2026-12-01): an FP8 GEMV reads
+    128 features a program with 8 warps (half the time of 64 with 4), an FP4 one 64 with 4; FP4
+    tiles stop at 16 rows (64-row tiles decode every weight for rows an expert mostly lacks: 2x
+    slower)."""
     if rows == 1:
         return (1, 64, 4) if fp4 else (1, 128, 8)
     return (16, BN, 4) if rows <= 16 or fp4 else (64, BN, 4)

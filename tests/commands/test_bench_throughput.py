@@ -4,13 +4,15 @@ independent count from the config."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.cli import main
-from engramrt.commands.bench_throughput import _decode_bytes, add_arguments, local_engine
+from engramrt.commands.bench_throughput import add_arguments, decode_bytes, local_engine
 
 
 def test_throughput_mode(capsys: pytest.CaptureFixture) -> None:
@@ -59,6 +61,35 @@ def test_latency_mode_reports_bandwidth(capsys: pytest.CaptureFixture) -> None:
     assert "3 requests, 24 prompt + 15 generated tokens" in out
 
 
+def test_profile_and_output_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--profile runs the requests again under the profiler and prints a step's costliest
+    operators (kernels on a GPU); --output-json saves what was printed, the profile too."""
+    out = tmp_path / "r.json"
+    argv = [
+        "bench",
+        "throughput",
+        "--model",
+        str(GQA_MODEL_DIR),
+        "--device",
+        "cpu",
+        "--batch-size",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--profile",
+        "--output-json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "engine steps under torch.profiler" in text and "operator" in text
+    saved = json.loads(out.read_text())
+    assert saved["requests"] == 2 and saved["output_tokens"] == 6
+    assert saved["profile"]["steps"] >= 3 and saved["profile"]["top"][0]["ms_a_step"] > 0
+
+
 def test_decode_bytes_match_a_count_from_the_config() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -82,7 +113,7 @@ def test_decode_bytes_match_a_count_from_the_config() -> None:
     batch, context = 5, 40
     kv_bytes = batch * context * c.num_layers * 2 * kv * w
     rows = batch * e.num_layers * e.n_hash_cols * (e.head_dim + e.head_dim // 32)  # fp8 + e8m0
-    assert _decode_bytes(engine, batch, context) == weights + fp32 + kv_bytes + rows
+    assert decode_bytes(engine, batch, context) == weights + fp32 + kv_bytes + rows
 
 
 def test_tensor_parallel_ranks_run_the_benchmark() -> None:
