@@ -197,7 +197,8 @@ def docs_server() -> Iterator[str]:
 
 
 def _environment() -> dict[str, str]:
-    env = dict(os.environ, DOCS_PYTHON=sys.executable)
+    # the examples show CPU output; those that need CUDA are skipped
+    env = dict(os.environ, DOCS_PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
