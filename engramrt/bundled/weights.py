@@ -2,8 +2,9 @@
 (``engramrt.bundled.train``) and the models of tests and benchmarks.
 
 Scales are chosen so that every part matters: Engram tables and values of order one next to a
-unit-RMS stream (the update is a visible fraction of the stream, see the README), hc mixes near
-an even collapse and an identity-leaning comb, and the usual 1/sqrt(fan-in) for projections.
+unit-RMS stream (the update is a visible fraction of the stream: docs/models/bundled.md), hc
+mixes near an even collapse and an identity-leaning comb, and the usual 1/sqrt(fan-in) for
+projections.
 """
 
 from __future__ import annotations
