@@ -30,6 +30,7 @@ class GQA(ModelFamily):
     ) -> tuple[nn.Module, nn.Module]:
         g: GQAConfig = cfg.body
         d = cfg.hidden_size
+        attn = GQAAttention(cfg, layer_id, dtype, tp)
         if g.ffn_type == "moe":
             ffn: nn.Module = GQAMoE(
                 d,
@@ -43,7 +44,7 @@ class GQA(ModelFamily):
             )
         else:
             ffn = GQAMLP(d, g.intermediate_size, dtype, tp)
-        return GQAAttention(cfg, layer_id, dtype, tp), ffn
+        return attn, ffn
 
     def new_cache(self, model, num_blocks, block_size, max_len, num_slots, snapshots, slack):
         device = next(model.parameters()).device
