@@ -142,18 +142,7 @@ def graph_us(fn: Callable[[], Any], reps: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return _after_flush(graph.replay, reps)
 
 
 def flushed_us(fn: Callable[[], Any], reps: int = 20) -> float:
@@ -161,6 +150,12 @@ def flushed_us(fn: Callable[[], Any], reps: int = 20) -> float:
     CUDA events around it (its launches included)."""
     for _ in range(2):
         fn()
+    return _after_flush(fn, reps)
+
+
+def _after_flush(run: Callable[[], Any], reps: int) -> float:
+    """The median GPU time of ``run`` over ``reps`` calls, each after a write that flushes the
+    L2, CUDA events around it."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     times = []
     for _ in range(reps):
@@ -168,7 +163,7 @@ def flushed_us(fn: Callable[[], Any], reps: int = 20) -> float:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)

@@ -39,7 +39,7 @@ def hc_split_sinkhorn(
     pairs, so its last step makes columns sum to one: comb[j][k] sends copy j into copy k.
     On CUDA one Triton launch does all of it (``engramrt.kernels.mhc_sinkhorn``).
     """
-    if use_triton(mixes.device) and hc & (hc - 1) == 0:
+    if _fused(mixes.device, hc):
         from engramrt.kernels.mhc_sinkhorn import split_sinkhorn
 
         return split_sinkhorn(mixes, scale, base, hc, iters, eps)

@@ -15,6 +15,13 @@ from engramrt.cli import main
 from engramrt.commands.bench_throughput import add_arguments, decode_bytes, local_engine
 
 
+def latency_argv(batch: int, output_len: int) -> list[str]:
+    """``bench throughput``'s latency mode on the GQA fixture, on the CPU."""
+    model = ["--model", str(GQA_MODEL_DIR), "--device", "cpu"]
+    lens = ["--input-len", "8", "--output-len", str(output_len)]
+    return ["bench", "throughput", *model, "--batch-size", str(batch), *lens]
+
+
 def test_throughput_mode(capsys: pytest.CaptureFixture) -> None:
     argv = [
         "bench",
@@ -40,20 +47,7 @@ def test_throughput_mode(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_latency_mode_reports_bandwidth(capsys: pytest.CaptureFixture) -> None:
-    argv = [
-        "bench",
-        "throughput",
-        "--model",
-        str(GQA_MODEL_DIR),
-        "--device",
-        "cpu",
-        "--batch-size",
-        "3",
-        "--input-len",
-        "8",
-        "--output-len",
-        "5",
-    ]
+    argv = latency_argv(3, 5)
     assert main(argv) == 0
     out = capsys.readouterr().out
     for key in ("Decode tokens/s:", "Bytes per decode step (MB):", "Achieved bandwidth (GB/s):"):
@@ -66,18 +60,7 @@ def test_profile_and_output_json(tmp_path: Path, capsys: pytest.CaptureFixture) 
     operators (kernels on a GPU); --output-json saves what was printed, the profile too."""
     out = tmp_path / "r.json"
     argv = [
-        "bench",
-        "throughput",
-        "--model",
-        str(GQA_MODEL_DIR),
-        "--device",
-        "cpu",
-        "--batch-size",
-        "2",
-        "--input-len",
-        "8",
-        "--output-len",
-        "3",
+        *latency_argv(2, 3),
         "--profile",
         "--output-json",
         str(out),
@@ -122,18 +105,7 @@ def test_tensor_parallel_ranks_run_the_benchmark() -> None:
     import sys
 
     argv = [
-        "bench",
-        "throughput",
-        "--model",
-        str(GQA_MODEL_DIR),
-        "--device",
-        "cpu",
-        "--batch-size",
-        "3",
-        "--input-len",
-        "8",
-        "--output-len",
-        "5",
+        *latency_argv(3, 5),
         "-tp",
         "2",
     ]
