@@ -27,7 +27,12 @@ from engramrt.config import load_json
 from engramrt.models import model_config
 from engramrt.parallel.faults import inject_stage_faults
 from engramrt.parallel.launch import DistConfig, launch, stage_device
-from engramrt.parallel.partition import all_partitions, stage_layers
+from engramrt.parallel.partition import (
+    all_partitions,
+    parse_partition,
+    resolve_partition,
+    stage_layers,
+)
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import StepBatch, StepResult
@@ -79,6 +84,7 @@ class CheckOptions:
     model_dir: Path
     stages: int = 2
     max_partitions: int | None = None
+    partition: list[int] | None = None  # exactly this one (``--pp-layer-partition``)
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
     decode_steps: int = 8
     dtype: str = "float32"
@@ -93,10 +99,17 @@ def check_pp(opts: CheckOptions) -> dict | None:
     cfg = model_config(load_json(opts.model_dir))
     if not 1 <= opts.stages <= cfg.num_layers:
         raise ValueError(f"--stages must lie in [1, {cfg.num_layers}], got {opts.stages}")
-    cuts = cfg.family.legal_cuts(cfg)
-    partitions = choose_partitions(
-        cfg.num_layers, opts.stages, list(cfg.engram.layer_ids), opts.max_partitions, cuts
-    )
+    if opts.partition is not None:  # exactly this one, or the error generate and serve give
+        text = ",".join(map(str, opts.partition))
+        parts = resolve_partition(cfg.num_layers, opts.stages, text)
+        for rank in range(opts.stages):
+            cfg.family.check_stage(cfg, stage_layers(parts, rank))
+        partitions = [parts]
+    else:
+        cuts = cfg.family.legal_cuts(cfg)
+        partitions = choose_partitions(
+            cfg.num_layers, opts.stages, list(cfg.engram.layer_ids), opts.max_partitions, cuts
+        )
     encoder = PromptEncoder.load(opts.model_dir)
     prompts = [encoder.text(p) for p in opts.prompts]
     if opts.decode_steps < 0 or not all(prompts):
@@ -378,7 +391,11 @@ def format_report(report: dict) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_flag(p)
-    p.add_argument("--stages", type=int, default=2)
+    p.add_argument(
+        "--stages",
+        type=int,
+        help="check every partition into this many stages (default 2; also -pp N)",
+    )
     p.add_argument("--max-partitions", type=int, help="at most K (entry-on-Engram ones first)")
     p.add_argument("--prompts", metavar="FILE", help="one prompt per line")
     p.add_argument("--decode-steps", type=int, default=8)
@@ -397,6 +414,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dist_flags(p)
 
 
+def _asked_partition(args: argparse.Namespace) -> tuple[list[int] | None, int]:
+    """(the one partition ``--pp-layer-partition`` names, the stage count): ``--stages``,
+    ``-pp`` and the partition name the stages each; any two that disagree are an error, as is
+    ``--max-partitions`` beside one partition."""
+    partition = parse_partition(args.pp_layer_partition) if args.pp_layer_partition else None
+    asked = {
+        "--stages": args.stages,
+        "--pipeline-parallel-size": args.pipeline_parallel_size
+        if args.pipeline_parallel_size != 1
+        else None,
+        "--pp-layer-partition": None if partition is None else len(partition),
+    }
+    given = {flag: n for flag, n in asked.items() if n is not None}
+    if len(set(given.values())) > 1:
+        said = ", ".join(f"{flag} gives {n}" for flag, n in given.items())
+        raise ValueError(f"the number of pipeline stages is given twice and disagrees: {said}")
+    if partition is not None and args.max_partitions is not None:
+        raise ValueError("--max-partitions chooses among partitions: not with --pp-layer-partition")
+    return partition, next(iter(given.values()), 2)
+
+
 def run(args: argparse.Namespace) -> int:
     """Exit code 1 when any partition differs from PP = 1 or failed."""
     device = args.device or "cpu"
@@ -406,10 +444,12 @@ def run(args: argparse.Namespace) -> int:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
         if not prompts:
             raise ValueError(f"{args.prompts} holds no prompts (one per line)")
+    partition, stages = _asked_partition(args)
     opts = CheckOptions(
         model_dir=resolve_model_dir(args.model),
-        stages=args.stages,
+        stages=stages,
         max_partitions=args.max_partitions,
+        partition=partition,
         decode_steps=args.decode_steps,
         dtype=args.dtype,
         atol=args.atol,

@@ -230,6 +230,46 @@ def test_engram_at_first_and_last_layer_with_one_layer_stages(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+def test_check_pp_checks_exactly_the_partition_it_is_given(tmp_path) -> None:
+    """``--pp-layer-partition``: that partition alone, failing where it should; an illegal V4.1
+    cut is the one-line error ``generate`` gives; ``-pp`` is honoured; stage counts that
+    disagree, and ``--max-partitions`` beside one partition, are refused by name."""
+    report = tmp_path / "r.json"
+    one = _cli(
+        "check-pp", "--pp-layer-partition", "3,1", "--decode-steps", "2", "--json", str(report)
+    )
+    assert one.returncode == 0, one.stderr
+    assert [r["partition"] for r in json.loads(report.read_text())["partitions"]] == [[3, 1]]
+    bad = _cli(
+        "check-pp",
+        *("--pp-layer-partition", "2,2", "--decode-steps", "2"),
+        env={FAULT_ENV: "skip-entry-engram"},
+    )
+    assert bad.returncode == 1 and "2,2" in bad.stdout, bad.stderr
+    pp = _cli("check-pp", "-pp", "3", "--max-partitions", "1", "--decode-steps", "1")
+    assert pp.returncode == 0 and "1 partitions into 3 stages" in pp.stdout, pp.stderr
+
+    def default_model(*args: str) -> subprocess.CompletedProcess:  # the six-layer V4.1
+        cmd = [sys.executable, "-m", "engramrt", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+    illegal = default_model("check-pp", "--pp-layer-partition", "2,4")
+    generate = default_model(
+        "generate", "--prompt", "hi", "-pp", "2", "--pp-layer-partition", "2,4", "--max-tokens", "1"
+    )
+    assert illegal.returncode == generate.returncode == 2
+    why = [r.stderr.strip().splitlines()[-1].partition("error: ")[2] for r in (illegal, generate)]
+    assert why[0] == why[1] and "cannot start or end at layer 2" in why[0]
+    for flags, named in [
+        (("--stages", "3"), "--stages gives 3"),
+        (("-pp", "3"), "--pipeline-parallel-size gives 3"),
+        (("--max-partitions", "1"), "--max-partitions"),
+    ]:
+        refused = _cli("check-pp", "--pp-layer-partition", "2,2", *flags)
+        assert refused.returncode == 2 and named in refused.stderr, refused.stderr
+
+
+@pytest.mark.slow
 def test_check_pp_on_default_model_passes_and_catches_a_skipped_engram(tmp_path) -> None:
     good = _cli("check-pp")
     assert good.returncode == 0, good.stderr
