@@ -173,3 +173,33 @@ def test_a_float8_storage_dtype_runs_in_bfloat16_with_a_warning(tmp_path) -> Non
         "engramrt: warning: config field 'torch_dtype' is 'float8_e4m3fn', a storage dtype: "
         "using bfloat16" in run.stderr.splitlines()
     ), run.stderr
+
+
+def test_help_says_what_the_flags_do(capsys) -> None:
+    """``--speculative-config`` takes DSpark too; ``--stage-timeout`` watches the engine at
+    any -pp; ``benchmarks/make_models.py --help`` describes every option."""
+    for command in ("serve", "generate"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert '"method": "dspark"' in text or "DSpark" in text, command
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "with -pp > 1:" not in text and "no heartbeat" in text
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "make_models.py"), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())
+    for described in (
+        "} the model: tiny, pp8",
+        "--out OUT the model directory",
+        "--device DEVICE where the random weights are drawn",
+        "--max-shard-bytes MAX_SHARD_BYTES the largest safetensors shard",
+    ):
+        assert described in text, (described, run.stdout)
