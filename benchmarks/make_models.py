@@ -168,11 +168,26 @@ def write_model(raw: dict, out: Path, device: str, max_shard_bytes: int) -> tupl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", choices=sorted([*PRESETS, *V41_PRESETS]), required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--max-shard-bytes", type=int, default=4 * 2**30)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--preset",
+        choices=sorted([*PRESETS, *V41_PRESETS]),
+        required=True,
+        help="the model: tiny, pp8 (8 layers, for every 2-stage partition), 1b, 4b, "
+        "4b-bigtables (~64 GiB of tables), or a v41-* preset (DeepSeek-V4.1's own layers)",
+    )
+    ap.add_argument("--out", required=True, help="the model directory to write")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the random weights are drawn (default: cuda where there is one, else cpu)",
+    )
+    ap.add_argument(
+        "--max-shard-bytes",
+        type=int,
+        default=4 * 2**30,
+        help="the largest safetensors shard of the dense weights, in bytes (default: 4 GiB)",
+    )
     args = ap.parse_args()
     raw = preset_config(args.preset)
     params, tables = write_model(raw, Path(args.out), args.device, args.max_shard_bytes)

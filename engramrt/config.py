@@ -153,6 +153,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
+    notes: tuple[str, ...] = ()  # what the config said that is read as something else
 
     @property
     def hc_mix_dim(self) -> int:
@@ -172,6 +173,7 @@ def shared_config(
     own spelling."""
     cfg = text_config(raw)
     eos = cfg.get("eos_token_id")
+    torch_dtype, notes = _dtype(cfg)
     out = ModelConfig(
         family=family,
         body=body,
@@ -186,10 +188,49 @@ def shared_config(
         engram=engram_config(raw),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        torch_dtype=str(cfg.get("torch_dtype", "bfloat16")),
+        torch_dtype=torch_dtype,
+        notes=notes,
     )
     _validate_model(out)
+    _check_token_ids(cfg, out.vocab_size)
     return out
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# dtypes a quantised checkpoint may declare for its stored weights; engramrt computes in bfloat16
+STORAGE_DTYPES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+
+
+def _dtype(cfg: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """``torch_dtype`` (newer transformers write ``dtype``): a compute dtype as it is, a storage
+    dtype read as bfloat16 with a note saying so, anything else an error naming the field."""
+    name = "torch_dtype" if "torch_dtype" in cfg or "dtype" not in cfg else "dtype"
+    value = cfg.get(name, "bfloat16")
+    if value in COMPUTE_DTYPES:
+        return value, ()
+    if value in STORAGE_DTYPES:
+        return "bfloat16", (f"config field {name!r} is {value!r}, a storage dtype: using bfloat16",)
+    raise ConfigError(
+        f"config field {name!r} must be one of {list(COMPUTE_DTYPES + STORAGE_DTYPES)}, "
+        f"got {value!r}"
+    )
+
+
+def _check_token_ids(cfg: Mapping[str, Any], vocab_size: int) -> None:
+    """``eos_token_id`` (an id or a list of ids) and ``bos_token_id`` name tokens of the model's
+    vocabulary: an id past it could never be sampled, so generation would never stop on it."""
+    for name in ("bos_token_id", "eos_token_id"):
+        value = cfg.get(name)
+        for token in value if isinstance(value, list) else [value]:
+            if token is None:
+                continue
+            if not isinstance(token, int) or isinstance(token, bool):
+                raise ConfigError(f"config field {name!r} must be an integer, got {value!r}")
+            if not 0 <= token < vocab_size:
+                raise ConfigError(
+                    f"config field {name!r} is {token}, outside the vocabulary "
+                    f"[0, {vocab_size}) (vocab_size)"
+                )
 
 
 def _validate_model(c: ModelConfig) -> None:

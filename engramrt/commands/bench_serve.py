@@ -146,7 +146,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load_tokenizer(path: str | None) -> tuple[Any, str]:
-    from tokenizers import Tokenizer
+    from engramrt.engram.token_map import read_tokenizer
 
     if path is None:
         from engramrt.bundled import DEFAULT_MODEL_DIR
@@ -157,7 +157,7 @@ def _load_tokenizer(path: str | None) -> tuple[Any, str]:
         file = file / "tokenizer.json"
     if not file.is_file():
         raise ValueError(f"--tokenizer: no tokenizer.json at {path}")
-    return Tokenizer.from_file(str(file)), path
+    return read_tokenizer(file), path
 
 
 async def _first_model(client: Any, base_url: str, headers: dict[str, str]) -> str:

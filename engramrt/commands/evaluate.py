@@ -167,7 +167,7 @@ class LocalServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.seek(0)
-                tail = self.log.read()[-2000:]
+                tail = self.log.read()[-2000:].strip()
                 self.log.close()
                 raise RuntimeError(f"engramrt serve {shlex.join(flags)} exited: {tail}")
             try:

@@ -152,8 +152,10 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--speculative-config",
-        help='n-gram (prompt-lookup) speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+        help="speculative decoding, vLLM's JSON: n-gram (prompt-lookup) drafts, "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        "\"prompt_lookup_min\": 2}', or DeepSeek-V4.1's DSpark stages, "
+        '\'{"method": "dspark", "num_speculative_tokens": 2}\'',
     )
 
 

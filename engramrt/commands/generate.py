@@ -163,7 +163,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--engram-stats", action="store_true", help="print each Engram's update RMS and reach"
     )
     p.add_argument("--engram-trace", metavar="PATH", help="JSON lines of stage/Engram checksums")
-    p.add_argument("--speculative-config", help="n-gram drafts, as on serve (vLLM's JSON)")
+    p.add_argument(
+        "--speculative-config", help="n-gram or DSpark drafts, as on serve (vLLM's JSON)"
+    )
     add_dist_flags(p)
 
 

@@ -193,8 +193,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--stage-timeout",
         type=float,
         default=10.0,
-        help="with -pp > 1: seconds of silence after which a stage counts as hung; its "
-        "requests fail and the server exits 1",
+        help="seconds after which the engine counts as hung: no heartbeat from it, or requests "
+        "waiting and no step finished (with -pp or -tp > 1 also: a stage silent that long); "
+        "its requests fail with 503 and the server exits 1",
     )
 
 

@@ -90,10 +90,13 @@ class EngineOptions:
         return len(self.partition) == 1 and self.dist.tp_size == 1
 
 
-def check(opts: EngineOptions) -> tuple[ModelConfig, int]:
+def check(opts: EngineOptions, notes: bool = True) -> tuple[ModelConfig, int]:
     """Every engine option checked before any stage starts: the model's config and the
-    context length in force."""
+    context length in force; ``notes``: log what the config says that is read otherwise
+    (once, by the command: not again by each stage)."""
     cfg = model_config(load_json(opts.model_dir))
+    for note in cfg.notes if notes else ():
+        log(f"warning: {note}")
     max_len = cfg.max_position_embeddings if opts.max_model_len is None else opts.max_model_len
     if not 1 <= max_len <= cfg.max_position_embeddings:
         raise ValueError(
@@ -221,7 +224,7 @@ def build_stage(
     opts: EngineOptions, rank: int = 0, world: int = 1
 ) -> tuple[Pipeline, Engine | None]:
     """This rank's stage, and on the driving rank the engine that drives the pipeline."""
-    cfg, max_len = check(opts)
+    cfg, max_len = check(opts, notes=False)
     device = stage_device(opts.dist)
     layers = stage_layers(opts.partition, rank)
     runner = StageRunner.load(

@@ -59,4 +59,13 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
         raise ConfigError(f"{path} not found")
-    return Tokenizer.from_file(str(path))
+    return read_tokenizer(path)
+
+
+def read_tokenizer(path: str | Path) -> Tokenizer:
+    """``Tokenizer.from_file``, whose failures (a bare ``Exception``: "Model missing", a JSON
+    syntax error) are a ConfigError naming the file: the commands' one-line error, exit 2."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises nothing more specific
+        raise ConfigError(f"{path} is not a valid tokenizer file: {exc}") from None

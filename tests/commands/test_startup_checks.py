@@ -6,6 +6,9 @@ only answer 400."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +91,115 @@ def test_hostile_configs_and_flags_are_one_line_errors(tmp_path, capsys, argv, n
     assert len(err.splitlines()) == 1, err
     for needle in needles:
         assert needle in err, (needle, err)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``engramrt ARGS`` as a user runs it: a fresh process of this checkout's code."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "engramrt", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
+
+
+def _one_line_error(run: subprocess.CompletedProcess, *needles: str) -> None:
+    assert run.returncode == 2, run.stderr
+    err = run.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+COMMANDS = {
+    "generate": lambda m: ["generate", "--model", m, "--prompt", "hi", "--device", "cpu"],
+    "check-pp": lambda m: ["check-pp", "--model", m, "--device", "cpu"],
+    "serve": lambda m: ["serve", m, "--device", "cpu", "--port", "0"],
+    "eval": lambda m: [
+        "eval",
+        "--model",
+        m,
+        str(Path(GQA_MODEL_DIR) / "tasks" / "arithmetic.jsonl"),
+    ],
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_garbage_tokenizer_is_one_line_naming_the_file(tmp_path, command) -> None:
+    """The tokenizers library's bare ``Exception: Model missing`` was a traceback, exit 1."""
+    model = Path(_model(tmp_path))
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").write_text('{"version": "1.0"}')
+    _one_line_error(
+        _cli(*COMMANDS[command](str(model))), f"{model / 'tokenizer.json'}", "Model missing"
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "needles", "command"),
+    [
+        ({"eos_token_id": 1024}, ["'eos_token_id' is 1024", "vocab_size"], "serve"),
+        ({"eos_token_id": [1, -1]}, ["'eos_token_id' is -1"], "generate"),
+        ({"bos_token_id": 5000}, ["'bos_token_id' is 5000"], "generate"),
+        ({"torch_dtype": "bfloat61"}, ["'torch_dtype'", "'bfloat61'"], "serve"),
+        ({"dtype": "half"}, ["'dtype'", "'half'"], "generate"),
+    ],
+    ids=["eos", "eos-list", "bos", "torch_dtype", "dtype"],
+)
+def test_config_values_the_model_cannot_use_are_one_line_errors(
+    tmp_path, fields, needles, command
+) -> None:
+    """Each of these started the model without a word."""
+    model = _model(tmp_path, **fields)
+    if "dtype" in fields:  # newer transformers' spelling alone
+        cfg = json.loads(Path(model, "config.json").read_text())
+        del cfg["text_config"]["torch_dtype"]
+        Path(model, "config.json").write_text(json.dumps(cfg))
+    _one_line_error(_cli(*COMMANDS[command](model)), *needles)
+
+
+def test_a_float8_storage_dtype_runs_in_bfloat16_with_a_warning(tmp_path) -> None:
+    """A quantised checkpoint may declare its stored dtype: read as bfloat16, and said so."""
+    model = _model(tmp_path, torch_dtype="float8_e4m3fn")
+    run = _cli(*COMMANDS["generate"](model), "--max-tokens", "1")
+    assert run.returncode == 0, run.stderr
+    assert (
+        "engramrt: warning: config field 'torch_dtype' is 'float8_e4m3fn', a storage dtype: "
+        "using bfloat16" in run.stderr.splitlines()
+    ), run.stderr
+
+
+def test_help_says_what_the_flags_do(capsys) -> None:
+    """``--speculative-config`` takes DSpark too; ``--stage-timeout`` watches the engine at
+    any -pp; ``benchmarks/make_models.py --help`` describes every option."""
+    for command in ("serve", "generate"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert '"method": "dspark"' in text or "DSpark" in text, command
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "with -pp > 1:" not in text and "no heartbeat" in text
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "make_models.py"), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())
+    for described in (
+        "} the model: tiny, pp8",
+        "--out OUT the model directory",
+        "--device DEVICE where the random weights are drawn",
+        "--max-shard-bytes MAX_SHARD_BYTES the largest safetensors shard",
+    ):
+        assert described in text, (described, run.stdout)
