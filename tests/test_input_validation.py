@@ -282,11 +282,20 @@ def test_stop_string_split_across_a_multibyte_character_does_not_leak() -> None:
     assert hit and first + second == "z"
 
 
-def test_empty_stop_strings_are_ignored() -> None:
+def test_empty_stop_strings_and_stop_ids_outside_the_vocabulary_are_refused() -> None:
+    """An empty stop string would end every request at once and an id past the vocabulary can
+    never be sampled: each is an error naming its field (as vLLM), not quietly dropped."""
+    from engramrt.engine.request import SamplingParams
     from engramrt.server.protocol import CompletionRequest
 
-    assert CompletionRequest(prompt="x", stop="").stops() == []
-    assert CompletionRequest(prompt="x", stop=["", "b"]).stops() == ["b"]
+    for stop in ([""], ["b", ""]):
+        with pytest.raises(ValueError, match="^stop must not hold an empty string"):
+            SamplingParams(stop=stop).validate(100)
+    for ids, bad in (([100], 100), ([3, -1], -1)):
+        with pytest.raises(ValueError, match=rf"^stop_token_ids: token id {bad} is outside"):
+            SamplingParams(stop_token_ids=ids).validate(100)
+    SamplingParams(stop=["b"], stop_token_ids=[0, 99]).validate(100)
+    assert CompletionRequest(prompt="x", stop="b").stops() == ["b"]
     req = CompletionRequest(prompt="x", temperature=None, stream=None, top_p=None)
     assert req.temperature == 1.0 and req.stream is False and req.top_p == 1.0
 

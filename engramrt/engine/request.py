@@ -72,6 +72,13 @@ class SamplingParams:
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         self.row(0).validate()
+        if any(not s for s in self.stop):
+            # it would match at once, ending every request before its first token (vLLM: a 400)
+            raise ValueError("stop must not hold an empty string")
+        bad = [t for t in self.stop_token_ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            where = "" if vocab is None else f" [0, {vocab})"
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary{where}")
         if self.prompt_logprobs is not None:
             SampleRow(logprobs=self.prompt_logprobs).validate()
         controls = self.controls(eos_token_id)

@@ -4,9 +4,9 @@ a 400."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
 from engramrt.engine.grammar import GrammarSpec
 
@@ -53,33 +53,45 @@ def _check_text(value, path: str = "") -> None:
             _check_text(v, f"{path}[{i}]")
 
 
+def _whole(value):
+    """An integer-valued float (``8.0``, which clients send) as the int it is; else unchanged."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# Strict types, as the OpenAI API: a string or a boolean where a number is expected is a 400, not
+# coerced (``"8"`` -> 8, ``true`` -> 1); an int is a number, and so is a float with no fraction.
+Int = Annotated[int, Strict(), BeforeValidator(_whole)]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+
+
 class StreamOptions(_Base):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _Sampling(_Base):
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=-1)  # -1 or 0: off
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    n: int = Field(default=1, ge=1, le=16)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    temperature: Float = Field(default=1.0, ge=0)
+    top_p: Float = Field(default=1.0, gt=0, le=1)
+    top_k: Int = Field(default=0, ge=-1)  # -1 or 0: off
+    min_p: Float = Field(default=0.0, ge=0, le=1)
+    n: Int = Field(default=1, ge=1, le=16)
+    seed: Int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    stream: bool = False
+    stop_token_ids: list[Int] = Field(default_factory=list)
+    ignore_eos: Bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as a hint (OpenAI: for abuse monitoring)
-    return_tokens_as_token_ids: bool = False  # logprobs name tokens ``token_id:N`` (vLLM's)
+    return_tokens_as_token_ids: Bool = False  # logprobs name tokens ``token_id:N`` (vLLM's)
     # logit controls, applied in the sampler (engramrt.runner.logit_controls)
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, gt=0, le=2)
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, clamped to 100
-    min_tokens: int = Field(default=0, ge=0)
-    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
+    presence_penalty: Float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: Float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: Float = Field(default=1.0, gt=0, le=2)
+    logit_bias: dict[str, Float] | None = None  # token id (as a string) -> bias, clamped to 100
+    min_tokens: Int = Field(default=0, ge=0)
+    allowed_token_ids: list[Int] | None = Field(default=None, min_length=1)
     bad_words: list[str] = Field(default_factory=list)
     # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
@@ -157,17 +169,16 @@ class _Sampling(_Base):
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def stops(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return [s for s in stops if s]  # an empty stop string would end every request at once
+        return [self.stop] if isinstance(self.stop, str) else self.stop or []
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=0)  # 0: the echoed prompt alone, as vLLM
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(default=None, ge=0)  # 0: the echoed prompt alone, as vLLM
+    echo: Bool = False
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: Int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _refuse_completion_extras(self) -> CompletionRequest:
@@ -215,9 +226,9 @@ def _text_only(messages: list[ChatMessage] | None) -> None:
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
@@ -235,9 +246,9 @@ class TokenizeRequest(_Base):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: Bool | None = None
+    add_generation_prompt: Bool = True
+    return_token_strs: Bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -254,4 +265,4 @@ class TokenizeRequest(_Base):
 
 class DetokenizeRequest(_Base):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]

@@ -14,13 +14,16 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import httpx
 import openai
 import pytest
 import torch
+from pydantic import BaseModel
 
 from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.config import load_json
@@ -29,6 +32,12 @@ from engramrt.models import model_config
 from engramrt.prompts import PromptEncoder
 from engramrt.runner.batch import NewRequest, StepBatch
 from engramrt.runner.stage import StageRunner
+from engramrt.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from tests.support.offsets_oracle import check_text_offsets
 from tests.support.server_fixture import running_server, server_fixture, start_server, stop_server
 
@@ -862,6 +871,11 @@ BAD_COMPLETIONS = [
     ),
     ("bias_id", {"prompt": "hi", "logit_bias": {str(VOCAB): 1}}, 400, [str(VOCAB), "vocab"]),
     ("allowed_id", {"prompt": "hi", "allowed_token_ids": [VOCAB + 3]}, 400, [str(VOCAB + 3)]),
+    # inputs once quietly ignored: an empty stop string and a stop id that can never be sampled
+    ("stop_empty", {"prompt": "hi", "stop": [""]}, 400, ["stop", "empty string"]),
+    ("stop_empty_str", {"prompt": "hi", "stop": ["x", ""]}, 400, ["stop", "empty string"]),
+    ("stop_id", {"prompt": "hi", "stop_token_ids": [VOCAB]}, 400, ["stop_token_ids", str(VOCAB)]),
+    ("stop_id_negative", {"prompt": "hi", "stop_token_ids": [-1]}, 400, ["stop_token_ids"]),
     ("penalty_range", {"prompt": "hi", "presence_penalty": 2.5}, 400, ["presence_penalty"]),
     ("repetition_zero", {"prompt": "hi", "repetition_penalty": 0}, 400, ["repetition_penalty"]),
     (
@@ -904,6 +918,18 @@ BAD_CHAT = [
         404,
         ["gpt-4"],
     ),
+    (
+        "stop_empty",
+        {"messages": [{"role": "user", "content": "hi"}], "stop": ""},
+        400,
+        ["stop", "empty string"],
+    ),
+    (
+        "stop_id",
+        {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [VOCAB + 1]},
+        400,
+        ["stop_token_ids", str(VOCAB + 1)],
+    ),
     # OpenAI's and vLLM's answers where engramrt once differed
     (
         "top_logprobs_without_logprobs",
@@ -936,6 +962,91 @@ BAD_CHAT = [
 def test_bad_chat_request(server: str, body: dict, status: int, needles: list[str]) -> None:
     r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
     assert_error(r, status, *needles)
+
+
+# Strict types: every number and boolean field of every request model, found from the models
+# so that a new field cannot be missed. A string or a boolean where a number is expected, a number
+# where a boolean is, and a fraction where an integer is are each a 400 naming the field; an int is
+# a float, and an integer-valued float (clients send ``8.0``) an int.
+BAD_VALUES = {int: ["8", True, 8.5], float: ["1", True], bool: ["true", 1, 1.0]}
+GOOD_VALUES = {int: [1, 1.0], float: [1, 0.5], bool: [True, False]}
+STRINGS_TOO = {"prompt"}  # a list of strings is a prompt as well as a list of ids
+HI = [{"role": "user", "content": "hi"}]
+TYPED_MODELS = [
+    ("/v1/completions", CompletionRequest, {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", ChatCompletionRequest, {"messages": HI, "max_tokens": 2}),
+    ("/tokenize", TokenizeRequest, {"prompt": "hi"}),
+    ("/detokenize", DetokenizeRequest, {"tokens": [1]}),
+]
+
+
+def number_slots(ann, path: str) -> list[tuple[str, type, Callable[[Any], Any]]]:
+    """Where a JSON value of type ``ann`` holds a number or a boolean: (the path an error names,
+    the scalar type, how to build the field's value around one scalar)."""
+    origin, args = get_origin(ann), get_args(ann)
+    if origin is Annotated:
+        return number_slots(args[0], path)
+    if ann in (int, float, bool):
+        return [(path, ann, lambda v: v)]
+    if origin in (Union, UnionType):  # the first member that holds numbers (one is enough)
+        return next((s for a in args if (s := number_slots(a, path))), [])
+    if origin is list:
+        return [(p, t, lambda v, w=w: [w(v)]) for p, t, w in number_slots(args[0], path)]
+    if origin is dict:
+        return [(p, t, lambda v, w=w: {"1": w(v)}) for p, t, w in number_slots(args[1], path)]
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [
+            (p, t, lambda v, n=name, w=w: {n: w(v)})
+            for name, f in ann.model_fields.items()
+            for p, t, w in number_slots(f.annotation, f"{path}.{name}")
+        ]
+    return []
+
+
+TYPED_FIELDS = [
+    (route, base, name, path, kind, wrap)
+    for route, model, base in TYPED_MODELS
+    for name, f in model.model_fields.items()
+    for path, kind, wrap in number_slots(f.annotation, name)
+]
+
+
+def test_every_typed_field_is_found() -> None:
+    """The generator sees the fields it must (a guard against it quietly finding none)."""
+    found = {(route, path) for route, _, _, path, _, _ in TYPED_FIELDS}
+    for route, path in [
+        ("/v1/completions", "max_tokens"),
+        ("/v1/completions", "temperature"),
+        ("/v1/completions", "echo"),
+        ("/v1/completions", "prompt"),
+        ("/v1/completions", "logit_bias"),
+        ("/v1/chat/completions", "stream_options.include_usage"),
+        ("/v1/chat/completions", "logprobs"),
+        ("/v1/chat/completions", "top_logprobs"),
+        ("/detokenize", "tokens"),
+    ]:
+        assert (route, path) in found, (route, path)
+
+
+@pytest.mark.parametrize(
+    "route,base,name,path,kind,wrap",
+    TYPED_FIELDS,
+    ids=[f"{r.strip('/').replace('/', '_')}-{p}-{k.__name__}" for r, _, _, p, k, _ in TYPED_FIELDS],
+)
+def test_request_types_are_strict(
+    server: str, route: str, base: dict, name: str, path: str, kind: type, wrap: Callable
+) -> None:
+    extra = {"logprobs": True} if (route, name) == ("/v1/chat/completions", "top_logprobs") else {}
+    for value in BAD_VALUES[kind]:
+        if isinstance(value, str) and name in STRINGS_TOO:
+            continue
+        body = {**base, **extra, name: wrap(value)}
+        err = assert_error(httpx.post(f"{server}{route}", json=body, timeout=30), 400, path)
+        assert err["param"].startswith(name), err
+    for value in GOOD_VALUES[kind]:
+        body = {**base, **extra, name: wrap(value)}
+        r = httpx.post(f"{server}{route}", json=body, timeout=60)
+        assert r.status_code == 200, (body, r.text)
 
 
 def test_errors_name_their_field_without_pydantics_prefix(server: str) -> None:
