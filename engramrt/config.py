@@ -12,12 +12,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engramrt.config_base import ConfigError, text_config
-
-if TYPE_CHECKING:
-    from engramrt.model.family import ModelFamily
 
 
 @dataclass(frozen=True)
@@ -139,7 +136,7 @@ class ModelConfig:
     come from the registry (``engramrt.models.model_config``), built only for configs that
     engramrt can run exactly."""
 
-    family: ModelFamily
+    family: Any  # an ``engramrt.model.family.ModelFamily`` (that layer imports this one)
     body: Any
     vocab_size: int
     hidden_size: int
@@ -162,7 +159,7 @@ class ModelConfig:
 
 def shared_config(
     raw: Mapping[str, Any],
-    family: ModelFamily,
+    family: Any,
     body: Any,
     hidden_size: int,
     num_layers: int,

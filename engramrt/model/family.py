@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from engramrt.config import ModelConfig
-    from engramrt.model.context import ForwardContext, PagedCache
-    from engramrt.model.decoder import EngramMHCModel
-    from engramrt.tensor_parallel import TensorParallel
+from engramrt.config import ModelConfig
+from engramrt.model.context import ForwardContext, PagedCache
+from engramrt.tensor_parallel import TensorParallel
+
+EngramMHCModel = nn.Module  # the decoder (``engramrt.model.decoder``), which reads its family
 
 
 class ModelFamily:
