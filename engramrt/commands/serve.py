@@ -39,6 +39,7 @@ class ServeOptions(EngineOptions):
     max_request_bytes: int = 32 * 2**20
     shutdown_timeout: float = 20.0
     stage_timeout: float = 10.0
+    step_timeout: float = 60.0
     api_key: str | None = None
 
 
@@ -48,8 +49,8 @@ def check_serve(opts: ServeOptions) -> None:
         raise ValueError(f"--port must lie in [0, 65535], got {opts.port}")
     if opts.max_request_bytes < 1:
         raise ValueError("--max-request-bytes must be >= 1")
-    if opts.shutdown_timeout < 0 or opts.stage_timeout <= 0:
-        raise ValueError("--shutdown-timeout must be >= 0 and --stage-timeout > 0")
+    if opts.shutdown_timeout < 0 or opts.stage_timeout <= 0 or opts.step_timeout <= 0:
+        raise ValueError("--shutdown-timeout must be >= 0; --stage-timeout and --step-timeout > 0")
 
 
 def run_serve(opts: ServeOptions) -> None:
@@ -66,7 +67,6 @@ def run_serve(opts: ServeOptions) -> None:
     except EngineDead as exc:
         log(str(exc))
         raise SystemExit(1) from None
-    client.watch(opts.stage_timeout)  # a stopped or hung engine (stage 0) fails its requests
     code = _serve_http(opts, client, prompts)
     if code:
         raise SystemExit(code)
@@ -78,7 +78,6 @@ def _torchrun_worker(rank: int, world: int, opts: ServeOptions) -> None:
         serve_stage(pipe, opts)
         return
     client = EngineClient.in_thread(engine, engine.tokenizer, describe(pipe, engine, opts))
-    client.watch(opts.stage_timeout)  # its loop deadlocked: the beat thread beats on
     watch = StageWatch(opts.stage_timeout, client.fail) if world > 1 else None
     try:
         code = _serve_http(opts, client, PromptEncoder.load(opts.model_dir, engine.tokenizer))
@@ -95,12 +94,14 @@ def _torchrun_worker(rank: int, world: int, opts: ServeOptions) -> None:
 
 def _serve_http(opts: ServeOptions, client: EngineClient, prompts: PromptEncoder) -> int:
     """Serve until a signal (exit status 0) or the engine's death (1); the engine is stopped
-    on every way out (a failed start too: the port is taken, say)."""
+    on every way out (a failed start too: the port is taken, say). A stopped or hung engine
+    fails its requests (``EngineClient.watch``)."""
     import uvicorn
 
     from engramrt.server.app import Server, ServerConfig, create_app
     from engramrt.server.lifecycle import EngineServer
 
+    client.watch(opts.stage_timeout, opts.step_timeout)
     try:
         server = Server(
             client,
@@ -193,9 +194,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--stage-timeout",
         type=float,
         default=10.0,
-        help="seconds after which the engine counts as hung: no heartbeat from it, or requests "
-        "waiting and no step finished (with -pp or -tp > 1 also: a stage silent that long); "
-        "its requests fail with 503 and the server exits 1",
+        help="seconds of silence after which the engine counts as stopped or gone: no heartbeat "
+        "from its process (sent by a thread of its own, so a long step does not hold it up), or "
+        "with -pp or -tp > 1 from one of its stages; its requests fail with 503 and the server "
+        "exits 1",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        help="seconds one engine step may run, while its heartbeat goes on, before the engine "
+        "counts as hung (503s, exit 1); the bound grows to 4 times the longest step so far, so a "
+        "slow machine is not taken for a hung one (default 60, as vLLM's iteration timeout)",
     )
 
 
@@ -218,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
         stage_timeout=args.stage_timeout,
+        step_timeout=args.step_timeout,
         api_key=args.api_key
         or os.environ.get("ENGRAMRT_API_KEY")
         or os.environ.get("VLLM_API_KEY"),

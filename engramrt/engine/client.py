@@ -52,6 +52,12 @@ from engramrt.engine.request import Request, RequestLimits, SamplingParams
 # step. ENGRAMRT_SWITCH_INTERVAL (seconds) overrides it, for comparisons.
 SWITCH_INTERVAL = 0.0005
 
+# A step may run this many times the engine's longest step so far before the engine counts as
+# hung (when that is longer than --step-timeout). Every step's work is bounded (the token budget
+# and --max-num-seqs), so on one machine a legitimate step outlasts the longest seen mostly by
+# the load that has come beside it since.
+SLOW_STEP_FACTOR = 4.0
+
 
 class EngineDead(RuntimeError):
     pass
@@ -99,10 +105,8 @@ class EngineClient:
         self.closed = self._stopping = False
         self._send_lock = threading.Lock()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        # the engine's last beat: (when it came, steps finished, work waiting), and since when
-        # the step count has stood still with work waiting (``watch``)
-        self._beat = (time.monotonic(), 0, False)
-        self._still_since: float | None = None
+        # the engine's last beat and when it came (``watch``)
+        self._beat, self._beat_at = Beat(0.0, 0.0), time.monotonic()
         self._reader = threading.Thread(target=self._read, name="engramrt-outputs", daemon=True)
         self._reader.start()
 
@@ -235,27 +239,29 @@ class EngineClient:
         """Declare the engine dead from outside."""
         self._die(EngineDead(reason))
 
-    def watch(self, timeout: float) -> None:
+    def watch(self, timeout: float, step_timeout: float) -> None:
         """Declare the engine dead (``fail``) once it has sent no beat for ``timeout`` seconds
-        (its process stopped, wedged or gone without a word) or has beaten that long with work
-        waiting and no step finished (its loop deadlocked): running requests then fail with a
-        503 instead of hanging, and ``/health`` says so."""
+        (its process stopped, wedged or gone without a word: the beat comes from a thread of its
+        own, which a long step does not hold up), or once it has been on one step for longer
+        than both ``step_timeout`` and ``SLOW_STEP_FACTOR`` times its longest step so far (its
+        loop deadlocked: a slow step is no hang). Running requests then fail with a 503 instead
+        of hanging, and ``/health`` says so."""
 
         def run() -> None:
             while self.error is None and not self._stopping:
-                time.sleep(min(0.25, timeout / 4))
-                now = time.monotonic()
-                when, _, _ = self._beat
-                still = self._still_since
-                if now - when > timeout:
+                time.sleep(min(0.25, timeout / 4, step_timeout / 4))
+                beat, silent = self._beat, time.monotonic() - self._beat_at
+                bound = max(step_timeout, SLOW_STEP_FACTOR * beat.longest)
+                if silent > timeout:
                     self.fail(
                         f"the engine stopped answering: no heartbeat for {timeout:g} s "
                         "(--stage-timeout); its process is stopped or wedged"
                     )
-                elif still is not None and now - still > timeout:
+                elif beat.working > bound:
                     self.fail(
-                        f"the engine is hung: no step finished for {timeout:g} s with "
-                        "requests waiting (--stage-timeout)"
+                        f"the engine is hung: one step has run for {beat.working:.0f} s, past "
+                        f"--step-timeout {step_timeout:g} s and {SLOW_STEP_FACTOR:g} times its "
+                        f"longest step so far ({beat.longest:.1f} s)"
                     )
 
         threading.Thread(target=run, name="engramrt-engine-watch", daemon=True).start()
@@ -306,13 +312,7 @@ class EngineClient:
                 self._die(EngineDead(message.error))
                 return
             elif isinstance(message, Beat):
-                now = time.monotonic()
-                moved = message.steps != self._beat[1]
-                if not message.busy or moved:
-                    self._still_since = None
-                elif self._still_since is None:
-                    self._still_since = now
-                self._beat = (now, message.steps, message.busy)
+                self._beat, self._beat_at = message, time.monotonic()
 
     def _deliver_all(self, items: list[tuple[str, object]]) -> None:
         """One wake-up of each event loop for a whole step's outputs (a wake-up per output

@@ -20,7 +20,9 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 from typing import Protocol
 
@@ -72,12 +74,14 @@ class Died(msgspec.Struct, tag=True):
 
 
 class Beat(msgspec.Struct, tag=True):
-    """Sent every ``BEAT_S`` from a thread of the loop's process: a process that is stopped
-    (SIGSTOP) or gone sends none; ``steps`` (steps finished so far) and ``busy`` (work waiting)
-    tell the server a loop that beats but no longer finishes steps (a deadlock)."""
+    """Sent every ``BEAT_S`` from a thread of the loop's process, whatever the loop is doing: a
+    process that is stopped (SIGSTOP), wedged or gone sends none. ``working`` (seconds the loop
+    has spent on its current step; 0 while it waits for requests) and ``longest`` (its longest
+    step so far) tell the server a loop that no longer finishes steps (a deadlock) from one that
+    is merely slow (``EngineClient.watch``)."""
 
-    steps: int
-    busy: bool
+    working: float
+    longest: float
 
 
 ToEngine = Add | Abort | Stop
@@ -105,12 +109,14 @@ class Steps(Protocol):
 
 
 def run_core(engine: Steps, conn: Connection, description: str = "") -> None:
-    """Serve ``conn`` until the client says stop or goes away. Messages are applied between
-    steps; with nothing to run the loop sleeps in ``poll``. An exception is sent to the
-    client (``Died``) before it propagates. A thread beats (``Beat``) with the loop's
-    progress until the loop ends."""
+    """Serve ``conn`` until the client says stop or goes away. A step of the loop applies every
+    message waiting (all of them: validating and queueing a request costs microseconds, and a
+    server whose sends filled the connection then waits for one step at most), runs one engine
+    step when there is work and sends the outputs; with nothing to run the loop sleeps in
+    ``poll``. An exception is sent to the client (``Died``) before it propagates. A thread beats
+    (``Beat``) with the loop's progress until the loop ends."""
     send = _sender(conn)
-    progress = Beat(0, False)
+    progress = Progress()
     done = threading.Event()
     threading.Thread(
         target=_beat, args=(send, progress, done), name="engramrt-engine-beat", daemon=True
@@ -118,20 +124,19 @@ def run_core(engine: Steps, conn: Connection, description: str = "") -> None:
     try:
         send(Ready(engine.limits, description, _stats(engine)))
         while True:
-            progress.busy = engine.has_work()
-            idle = not progress.busy
+            if not engine.has_work():
+                conn.poll(None)  # nothing to run: sleep until a message comes
+            progress.since = time.monotonic()
             outputs: list[RequestOutput] = []
-            while conn.poll(None if idle and not outputs else 0):
+            while conn.poll(0):
                 message = TO_ENGINE.decode(conn.recv_bytes())
                 if isinstance(message, Stop):
                     return
                 outputs += _apply(engine, message, send)
-                idle = False
-            progress.busy = engine.has_work()
-            if progress.busy:
+            if engine.has_work():
                 outputs += engine.step()
-                progress.steps += 1
             send(Outputs(outputs, _stats(engine)))
+            progress.finished()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the client is gone: nobody to serve
     except BaseException as exc:
@@ -144,10 +149,27 @@ def run_core(engine: Steps, conn: Connection, description: str = "") -> None:
         done.set()
 
 
-def _beat(send, progress: Beat, done: threading.Event) -> None:
+@dataclass
+class Progress:
+    """The loop's progress, written by the loop and read by its beat (a float each: no lock)."""
+
+    since: float | None = None  # when the current step began; None: waiting for requests
+    longest: float = 0.0  # seconds
+
+    def finished(self) -> None:
+        since, self.since = self.since, None
+        if since is not None:
+            self.longest = max(self.longest, time.monotonic() - since)
+
+    def beat(self) -> Beat:
+        since = self.since
+        return Beat(0.0 if since is None else time.monotonic() - since, self.longest)
+
+
+def _beat(send, progress: Progress, done: threading.Event) -> None:
     while not done.wait(BEAT_S):
         try:
-            send(Beat(progress.steps, progress.busy))
+            send(progress.beat())
         except OSError:  # the client is gone
             return
 

@@ -10,39 +10,13 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 
 import pytest
 
 from engramrt.engine.client import EngineClient, EngineDead
 from engramrt.engine.engine import RequestOutput
-from engramrt.engine.request import Logprob, Request, RequestLimits, SamplingParams
-
-LIMITS = RequestLimits(100, None, 64, 16, 4, None)
-
-
-class Idle:
-    """An engine with nothing to step: outputs come only from the test."""
-
-    limits = LIMITS
-
-    def new_request(self, rid: str, prompt_ids: list[int], params) -> Request:
-        return Request(rid, prompt_ids, params)
-
-    def has_work(self) -> bool:
-        return False
-
-    def add(self, req) -> None:
-        pass
-
-    def abort(self, rid: str) -> None:
-        pass
-
-    def stats(self) -> dict[str, float]:
-        return {}
-
-    def step(self) -> list:
-        return []
+from engramrt.engine.request import Logprob, Request, SamplingParams
+from tests.support.stub_engines import Idle, Scripted, collect
 
 
 def outputs(rng: random.Random, n: int, finish: bool) -> list[RequestOutput]:
@@ -131,37 +105,6 @@ def test_shutdown_gives_back_the_switch_interval() -> None:
     assert sys.getswitchinterval() == before
 
 
-class Scripted(Idle):
-    """An engine whose steps give the outputs (or raise the errors) the test scripts."""
-
-    def __init__(self, script: list):
-        self.script, self.added = list(script), []
-
-    def add(self, req) -> None:
-        if req.id == "taken":
-            raise ValueError("request id 'taken' is already in use")
-        self.added.append(req)
-
-    def has_work(self) -> bool:
-        return bool(self.script) and bool(self.added)
-
-    def step(self) -> list:
-        item = self.script.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-
-async def _collect(client: EngineClient, rid: str) -> tuple[list, BaseException | None]:
-    got = []
-    try:
-        async for out in client.generate(Request(rid, [3, 4, 5], SamplingParams(max_tokens=2))):
-            got.append(out)
-    except Exception as exc:  # noqa: BLE001 - the test looks at it
-        return got, exc
-    return got, None
-
-
 def test_outputs_cross_the_connection_by_field_name() -> None:
     lp = Logprob(-0.5, [7, 8], [-0.5, -1.25])
     first = RequestOutput("r", [7], "seven", [lp], [None, lp], False, None, 3, 1)
@@ -169,7 +112,7 @@ def test_outputs_cross_the_connection_by_field_name() -> None:
     engine = Scripted([[first], [last]])
     client = EngineClient.in_thread(engine)
     try:
-        got, error = asyncio.run(_collect(client, "r"))
+        got, error = asyncio.run(collect(client, "r"))
         assert error is None
         assert [o.new_token_ids for o in got] in ([[7], [9]], [[7, 9]])
         merged = got[0] if len(got) == 1 else got[0].then(got[1])
@@ -186,9 +129,9 @@ def test_a_refused_request_is_a_value_error_and_the_engine_lives_on() -> None:
     engine = Scripted([[RequestOutput("r", [1], "a", finished=True, finish_reason="stop")]])
     client = EngineClient.in_thread(engine)
     try:
-        _, error = asyncio.run(_collect(client, "taken"))
+        _, error = asyncio.run(collect(client, "taken"))
         assert isinstance(error, ValueError) and "already in use" in str(error)
-        got, error = asyncio.run(_collect(client, "r"))
+        got, error = asyncio.run(collect(client, "r"))
         assert error is None and got[-1].finished and client.error is None
     finally:
         client.shutdown()
@@ -198,10 +141,10 @@ def test_a_refused_request_is_a_value_error_and_the_engine_lives_on() -> None:
 def test_an_engine_that_raises_fails_the_waiting_caller_and_reports_itself_dead() -> None:
     client = EngineClient.in_thread(Scripted([RuntimeError("step exploded")]))
     try:
-        _, error = asyncio.run(_collect(client, "r"))
+        _, error = asyncio.run(collect(client, "r"))
         assert isinstance(error, EngineDead) and "step exploded" in str(error)
         assert client.error is not None
-        _, late = asyncio.run(_collect(client, "late"))
+        _, late = asyncio.run(collect(client, "late"))
         assert isinstance(late, EngineDead) and "stopped" in str(late)
     finally:
         client.shutdown()
@@ -277,54 +220,6 @@ def test_an_engine_that_cannot_start_is_an_error_naming_why() -> None:
 
     with pytest.raises(EngineDead, match="no KV cache could be allocated"):
         EngineClient.in_thread(Unready())
-
-
-class Deadlocked(Scripted):
-    """A step that never returns (a lock taken twice, a receive nobody answers): the loop's
-    thread is stuck while its process, and its beat, live on."""
-
-    def __init__(self):
-        super().__init__([[]])
-        self.release = threading.Event()
-
-    def step(self) -> list:
-        self.release.wait()
-        return []
-
-
-def test_a_loop_that_beats_but_finishes_no_step_is_declared_hung() -> None:
-    """The watch fails the waiting caller (EngineDead, the server's 503) within the timeout
-    and a little, naming a hang; an idle engine that beats is never declared hung."""
-    idle = EngineClient.in_thread(Idle())
-    idle.watch(1.0)
-    time.sleep(2.0)
-    assert idle.error is None  # no work waiting: nothing to finish
-    idle.shutdown()
-    engine = Deadlocked()
-    client = EngineClient.in_thread(engine)
-    client.watch(1.0)
-    try:
-        start = time.monotonic()
-        _, error = asyncio.run(_collect(client, "r"))
-        assert isinstance(error, EngineDead) and "hung" in str(error), error
-        assert time.monotonic() - start < 1.0 + 3.0
-    finally:
-        engine.release.set()
-        client.shutdown()
-
-
-def test_a_silent_engine_is_declared_stopped(monkeypatch) -> None:
-    """No beat for the timeout (a stopped process sends none; here the loop's beat waits
-    longer than the test) fails the caller naming it."""
-    from engramrt.engine import core
-
-    monkeypatch.setattr(core, "BEAT_S", 60.0)
-    client = EngineClient.in_thread(Idle())
-    client.watch(0.5)
-    try:
-        deadline = time.monotonic() + 5
-        while client.error is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert isinstance(client.error, EngineDead) and "no heartbeat" in str(client.error)
-    finally:
-        client.shutdown()
+    for thread in threading.enumerate():  # its error is raised in this test, not a later one
+        if thread.name == "engramrt-engine":
+            thread.join(5)
