@@ -65,6 +65,7 @@ CASES = [
     ),
     ("max_num_seqs", lambda t: ["--max-num-seqs", "1000000000"], ["--max-num-seqs", "GiB"]),
     ("port", lambda t: ["--port", "99999"], ["--port", "65535"]),
+    ("step_timeout", lambda t: ["--step-timeout", "0"], ["--step-timeout", "> 0"]),
     ("blocks", lambda t: ["--num-gpu-blocks-override", "0"], ["--num-gpu-blocks-override"]),
     ("tokenizer", lambda t: [_bigger_tokenizer(t)], ["tokenizer", "vocab_size", "1064", "1024"]),
     (
@@ -187,6 +188,7 @@ def test_help_says_what_the_flags_do(capsys) -> None:
         main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "with -pp > 1:" not in text and "no heartbeat" in text
+    assert "4 times the longest step so far" in text  # a slow step is no hang (--step-timeout)
     run = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "make_models.py"), "--help"],
         capture_output=True,

@@ -1,7 +1,7 @@
 """The server's life with one and with two pipeline stages: a signal drains the running requests
 up to --shutdown-timeout, aborts the rest with finish reason "abort" and exits 0; a stage that
 stops answering fails the running requests within seconds and the server exits 1, as it does
-when the engine dies for any other reason."""
+when the engine dies for any other reason, and when a step stalls; a slow step is served."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.commands.serve import ServeOptions, _serve_http
 from engramrt.engine.build import build_stage
 from engramrt.engine.client import EngineClient
+from engramrt.engine.engine import Engine
 from engramrt.parallel.launch import free_port
 from engramrt.prompts import PromptEncoder
 from tests.support.server_fixture import start_server, stop_server
@@ -171,29 +172,11 @@ def test_a_stopped_engine_is_detected() -> None:
         stop_server(proc)
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_engine_death_exits_1() -> None:
-    """A step that raises (here injected) fails the request with a 503 naming the cause, turns
-    /health to 503 and makes the server return exit status 1, instead of serving 503s for
-    ever; the same path a lost stage takes."""
-    model_dir = GQA_MODEL_DIR
-    opts = ServeOptions(
-        model_dir,
-        [4],
-        max_model_len=256,
-        dtype="float32",
-        served_model_name=["m"],
-        port=free_port(),
-        disable_uvicorn_access_log=True,
-    )
-    _, engine = build_stage(opts)
-
-    def broken(batch):
-        raise RuntimeError("injected step failure")
-
-    engine.pipeline.step = engine.pipeline.launch = broken  # launch: overlap scheduling
+def _serve_in_thread(engine, opts: ServeOptions) -> tuple[str, threading.Thread, dict]:
+    """``engine`` served over HTTP as ``serve`` does (its loop on a thread, as under torchrun):
+    the base URL once /health answers, the server's thread and its exit status once it ends."""
     client = EngineClient.in_thread(engine, engine.tokenizer)
-    prompts = PromptEncoder.load(model_dir, engine.tokenizer)
+    prompts = PromptEncoder.load(opts.model_dir, engine.tokenizer)
     result: dict[str, int] = {}
     server = threading.Thread(target=lambda: result.update(code=_serve_http(opts, client, prompts)))
     server.start()
@@ -202,14 +185,86 @@ def test_engine_death_exits_1() -> None:
     while True:
         try:
             if httpx.get(f"{base}/health").status_code == 200:
-                break
+                return base, server, result
         except httpx.HTTPError:
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.1)
+
+
+def _engine(**flags) -> tuple[ServeOptions, Engine]:
+    opts = ServeOptions(
+        GQA_MODEL_DIR,
+        [4],
+        max_model_len=256,
+        dtype="float32",
+        served_model_name=["m"],
+        port=free_port(),
+        disable_uvicorn_access_log=True,
+        **flags,
+    )
+    return opts, build_stage(opts)[1]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_engine_death_exits_1() -> None:
+    """A step that raises (here injected) fails the request with a 503 naming the cause, turns
+    /health to 503 and makes the server return exit status 1, instead of serving 503s for
+    ever; the same path a lost stage takes."""
+    opts, engine = _engine()
+
+    def broken(batch):
+        raise RuntimeError("injected step failure")
+
+    engine.pipeline.step = engine.pipeline.launch = broken  # launch: overlap scheduling
+    base, server, result = _serve_in_thread(engine, opts)
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
     assert r.status_code == 503 and "injected step failure" in r.json()["error"]["message"]
     server.join(30)
     assert not server.is_alive() and result["code"] == 1
+
+
+def test_slow_steps_are_served_and_a_stalled_one_is_a_503(monkeypatch) -> None:
+    """Issue 51: a busy machine's slow steps are no hang. Served as ``serve`` serves, with
+    --stage-timeout 0.5 and --step-timeout 2: a request whose steps take 1 s each (asleep, then
+    spinning in Python with the GIL that the HTTP server, the beat and the watch share) gets
+    its 200; once a step blocks for good (its beat going on) the next request gets a 503
+    naming the hang within the bound (4 times the longest step, 1 s) and the server exits 1."""
+    from engramrt.engine import core
+
+    monkeypatch.setattr(core, "BEAT_S", 0.1)  # a --stage-timeout of 0.5 s sees five beats
+    opts, engine = _engine(stage_timeout=0.5, step_timeout=2.0)
+    slow, stall = ["sleep", "spin"], threading.Event()
+    release, step = threading.Event(), engine.step
+
+    def held_up() -> list:
+        end = time.monotonic() + 1.0
+        how = slow.pop(0) if slow else "stall" if stall.is_set() else None
+        if how == "sleep":
+            time.sleep(1.0)
+        while how == "spin" and time.monotonic() < end:
+            pass
+        if how == "stall":
+            release.wait()
+        return step()
+
+    engine.step = held_up
+    base, server, result = _serve_in_thread(engine, opts)
+    try:
+        body = {"prompt": "Hi", "max_tokens": 2, "ignore_eos": True}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        assert not slow  # both slow steps ran
+        stall.set()
+        stalled = time.monotonic()
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 503 and "hung" in message and "--step-timeout 2" in message
+        assert 4.0 <= time.monotonic() - stalled < 4.0 + 3.0
+        release.set()  # the loop ends, as a stopped engine's process does, before shutdown ends
+        server.join(30)
+        assert not server.is_alive() and result["code"] == 1
+    finally:
+        release.set()
 
 
 @pytest.mark.slow
