@@ -10,6 +10,7 @@ process is changes where the stream comes from and where it goes, never what a l
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from engramrt.engram import load_hasher, load_tokenizer, prefetch
 from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.host_memory import check_reads, choose_placement, describe
 from engramrt.kernels import use_triton
+from engramrt.kernels.row_invariant import row_invariant
 from engramrt.model.checkpoint import engram_table_bytes, load_model
 from engramrt.model.context import ForwardContext, PagedCache
 from engramrt.model.decoder import EngramMHCModel
@@ -323,18 +325,24 @@ class StageRunner:
         Where it ``keeps_samples``, they also go into the token rows, on the stream after the
         sampler; with speculation the verifier keeps what each run accepted and the next
         step's drafts, which the result carries too (``engramrt.runner.verify``)."""
-        v = self.verifier
-        if v is not None and self._shape(batch, not batch.full_logits) is None:
-            batch = v.settle(batch)  # an eager step: its runs' true starts, from the device
-        out = self.compute(batch, carry, last_only=not batch.full_logits)
-        if not self.is_last:
-            return out
-        pending, tokens = self.sampler.launch(out, batch)
-        if v is not None:
-            pending.add("drafts", v.after(batch, tokens))
-        elif self.keeps_samples:
-            self.slots.keep_samples(batch, tokens)
-        return pending
+        with self._invariant():
+            v = self.verifier
+            if v is not None and self._shape(batch, not batch.full_logits) is None:
+                batch = v.settle(batch)  # an eager step: its runs' true starts, from the device
+            out = self.compute(batch, carry, last_only=not batch.full_logits)
+            if not self.is_last:
+                return out
+            pending, tokens = self.sampler.launch(out, batch)
+            if v is not None:
+                pending.add("drafts", v.after(batch, tokens))
+            elif self.keeps_samples:
+                self.slots.keep_samples(batch, tokens)
+            return pending
+
+    def _invariant(self) -> contextlib.AbstractContextManager:
+        """On the CPU a token's numbers do not depend on its step's other tokens
+        (``engramrt.kernels.row_invariant``): speculation and batching keep greedy output."""
+        return row_invariant() if self.device.type == "cpu" else contextlib.nullcontext()
 
     def _shape(self, batch: StepBatch, last_only: bool):
         """The captured graph this step replays (None: it runs eagerly)."""
@@ -350,6 +358,10 @@ class StageRunner:
         """Logits ``[T, V]`` on the last stage (``last_only``: ``[B, V]``, at each run's last
         token, which is all sampling reads), else the ``Carry`` for the next stage. A step of a
         captured shape replays its graph; its outputs are then valid until the next step."""
+        with self._invariant():
+            return self._compute(batch, carry, last_only)
+
+    def _compute(self, batch: StepBatch, carry: Carry | None, last_only: bool):
         if self.kv is None:
             raise RuntimeError("this stage has no KV cache (allocate_kv first)")
         if carry is None and not self.is_first:

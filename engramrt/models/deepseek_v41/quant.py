@@ -220,10 +220,16 @@ def fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 STORED_KERNEL_ROWS = 64
 
 
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t`` is and how often it was written (inference tensors count no writes)."""
+    return t.data_ptr(), -1 if t.is_inference() else t._version
+
+
 class StoredLinear(nn.Module):
     """A linear layer's weight as the checkpoint stores it, kept so in memory: FP8 E4M3 with
     32 x 32 E8M0 block scales, or FP4 (I8, two E2M1 codes a byte) with an E8M0 scale per 32;
-    dequantised for each use (the torch path; kernels read it as stored)."""
+    dequantised for each use (the torch path; kernels read it as stored; a CPU keeps the decoded
+    copy until the stored bytes change)."""
 
     def __init__(
         self,
@@ -268,6 +274,7 @@ class StoredLinear(nn.Module):
         self.register_buffer("scale", scale.view(torch.float8_e8m0fnu))
         self.master: nn.Parameter | None = None
         self.rounded: torch.Tensor | None = None
+        self._kept: tuple[tuple, torch.Tensor] | None = None  # the CPU's decoded copy, by version
 
     def make_trainable(self) -> None:
         """Training (``engramrt.bundled.train``): an fp32 master copy of the weight, which
@@ -286,9 +293,14 @@ class StoredLinear(nn.Module):
             if self.rounded is None:
                 raise RuntimeError("a trainable StoredLinear needs round_masters before a forward")
             return self.rounded.to(dtype)
-        if self.fp4:
-            return dequant_fp4_weight(self.weight, self.scale, dtype)
-        return dequant_fp8_weight(self.weight, self.scale, dtype)
+        key = (dtype, *map(_stamp, (self.weight, self.scale)))
+        if self._kept is not None and self._kept[0] == key:
+            return self._kept[1]
+        decode = dequant_fp4_weight if self.fp4 else dequant_fp8_weight
+        w = decode(self.weight, self.scale, dtype)
+        if w.device.type == "cpu":  # a CPU runs small models: decoding each step was half its time
+            self._kept = (key, w)
+        return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not use_triton(x.device) or self.master is not None:
