@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -172,20 +173,33 @@ def test_a_stopped_engine_is_detected() -> None:
         stop_server(proc)
 
 
-def _serve_in_thread(engine, opts: ServeOptions) -> tuple[str, threading.Thread, dict]:
-    """``engine`` served over HTTP as ``serve`` does (its loop on a thread, as under torchrun):
-    the base URL once /health answers, the server's thread and its exit status once it ends."""
+@dataclass
+class Served:
+    """A server started by ``_serve_in_thread``: its URL, thread, engine client and, once the
+    thread has ended, its exit status."""
+
+    base: str
+    thread: threading.Thread
+    client: EngineClient
+    code: int | None = None
+
+
+def _serve_in_thread(engine, opts: ServeOptions) -> Served:
+    """``engine`` served over HTTP as ``serve`` does (its loop on a thread, as under torchrun),
+    once /health answers."""
     client = EngineClient.in_thread(engine, engine.tokenizer)
     prompts = PromptEncoder.load(opts.model_dir, engine.tokenizer)
-    result: dict[str, int] = {}
-    server = threading.Thread(target=lambda: result.update(code=_serve_http(opts, client, prompts)))
-    server.start()
-    base = f"http://127.0.0.1:{opts.port}"
+
+    def run() -> None:
+        served.code = _serve_http(opts, client, prompts)
+
+    served = Served(f"http://127.0.0.1:{opts.port}", threading.Thread(target=run), client)
+    served.thread.start()
     deadline = time.monotonic() + 30
     while True:
         try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                return base, server, result
+            if httpx.get(f"{served.base}/health").status_code == 200:
+                return served
         except httpx.HTTPError:
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.1)
@@ -216,11 +230,12 @@ def test_engine_death_exits_1() -> None:
         raise RuntimeError("injected step failure")
 
     engine.pipeline.step = engine.pipeline.launch = broken  # launch: overlap scheduling
-    base, server, result = _serve_in_thread(engine, opts)
-    r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+    served = _serve_in_thread(engine, opts)
+    body = {"prompt": "Hi", "max_tokens": 2}
+    r = httpx.post(f"{served.base}/v1/completions", json=body, timeout=30)
     assert r.status_code == 503 and "injected step failure" in r.json()["error"]["message"]
-    server.join(30)
-    assert not server.is_alive() and result["code"] == 1
+    served.thread.join(30)
+    assert not served.thread.is_alive() and served.code == 1
 
 
 def test_slow_steps_are_served_and_a_stalled_one_is_a_503(monkeypatch) -> None:
@@ -248,21 +263,21 @@ def test_slow_steps_are_served_and_a_stalled_one_is_a_503(monkeypatch) -> None:
         return step()
 
     engine.step = held_up
-    base, server, result = _serve_in_thread(engine, opts)
+    served = _serve_in_thread(engine, opts)
     try:
         body = {"prompt": "Hi", "max_tokens": 2, "ignore_eos": True}
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        r = httpx.post(f"{served.base}/v1/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
         assert not slow  # both slow steps ran
         stall.set()
         stalled = time.monotonic()
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        r = httpx.post(f"{served.base}/v1/completions", json=body, timeout=30)
         message = r.json()["error"]["message"]
         assert r.status_code == 503 and "hung" in message and "--step-timeout 2" in message
         assert 4.0 <= time.monotonic() - stalled < 4.0 + 3.0
         release.set()  # the loop ends, as a stopped engine's process does, before shutdown ends
-        server.join(30)
-        assert not server.is_alive() and result["code"] == 1
+        served.thread.join(30)
+        assert not served.thread.is_alive() and served.code == 1
     finally:
         release.set()
 
