@@ -1,10 +1,12 @@
 """The server's life with one and with two pipeline stages: a signal drains the running requests
 up to --shutdown-timeout, aborts the rest with finish reason "abort" and exits 0; a stage that
 stops answering fails the running requests within seconds and the server exits 1, as it does
-when the engine dies for any other reason, and when a step stalls; a slow step is served."""
+when the engine dies for any other reason, and when a step stalls; a slow step is served, and
+/health answers while a burst of requests waits on a long one."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -23,9 +25,11 @@ from engramrt.commands.serve import ServeOptions, _serve_http
 from engramrt.engine.build import build_stage
 from engramrt.engine.client import EngineClient
 from engramrt.engine.engine import Engine
+from engramrt.engine.request import RequestLimits
 from engramrt.parallel.launch import free_port
 from engramrt.prompts import PromptEncoder
 from tests.support.server_fixture import start_server, stop_server
+from tests.support.stub_engines import Held
 
 
 class Stream(threading.Thread):
@@ -280,6 +284,65 @@ def test_slow_steps_are_served_and_a_stalled_one_is_a_503(monkeypatch) -> None:
         assert not served.thread.is_alive() and served.code == 1
     finally:
         release.set()
+
+
+def test_health_answers_while_a_burst_waits_on_a_long_step() -> None:
+    """A burst of requests during a long step fills the connection to the engine, which reads
+    no message until the step ends: the event loop must not wait on that connection. Served as
+    ``serve`` serves, a stub engine holds its first step while 100 requests of 2,000 prompt
+    ids arrive (about 600 kB of messages, some three times what the connection holds); /health
+    answers within a second all along and each request is admitted (the ones the connection
+    has no room for wait on the sender thread); once the step ends every request gets its
+    200, and the server's shutdown ends the sender thread."""
+    tokenizer = PromptEncoder.load(GQA_MODEL_DIR).tokenizer
+    limits = RequestLimits(tokenizer.get_vocab_size(), None, 4096, 512, 16, None)
+    engine = Held(limits, tokenizer)
+    opts = ServeOptions(
+        GQA_MODEL_DIR,
+        [4],
+        served_model_name=["m"],
+        port=free_port(),
+        disable_uvicorn_access_log=True,
+    )
+    served = _serve_in_thread(engine, opts)
+    burst = 100
+    body = {"prompt": [256 + i % 768 for i in range(2000)], "max_tokens": 1}  # 3 bytes an id
+
+    async def main() -> tuple[list[float], bool, bool, list[int]]:
+        pool = httpx.Limits(max_connections=None)
+        async with httpx.AsyncClient(base_url=served.base, timeout=30, limits=pool) as ac:
+            first = asyncio.ensure_future(ac.post("/v1/completions", json=body))
+            assert await asyncio.to_thread(engine.stepping.wait, 10)
+            posts = [ac.post("/v1/completions", json=body) for _ in range(burst)]
+            sent = asyncio.gather(*posts)
+            waits, deadline = [], time.monotonic() + 6.0
+            admitted = False
+            while not admitted and time.monotonic() < deadline:
+                start = time.monotonic()
+                try:
+                    assert (await ac.get("/health", timeout=3.0)).status_code == 200
+                except httpx.TimeoutException:
+                    pass
+                waits.append(time.monotonic() - start)
+                admitted = served.client.num_running == burst + 1
+                await asyncio.sleep(0.1)
+            overflowed = admitted and served.client._outbox.qsize() > 0
+            engine.release.set()
+            codes = [r.status_code for r in [await first, *await sent]]
+            return waits, admitted, overflowed, codes
+
+    try:
+        waits, admitted, overflowed, codes = asyncio.run(main())
+        assert max(waits) < 1.0, waits
+        assert admitted, "the burst was not admitted during the step"
+        assert overflowed, "the burst fitted in the connection: make it larger"
+        assert codes == [200] * (burst + 1)
+    finally:
+        engine.release.set()
+        served.client.fail("the test is over")
+        served.thread.join(30)
+    assert not served.thread.is_alive()
+    assert not served.client._sender.is_alive()  # shutdown ended the sender thread
 
 
 @pytest.mark.slow
