@@ -57,6 +57,11 @@ class EngineDead(RuntimeError):
     pass
 
 
+class EngineRefused(EngineDead):
+    """The engine's process exited while starting because its input is unusable (a config or a
+    checkpoint): it printed the one-line reason and exited 2 (``engine_main``)."""
+
+
 class EngineClosed(RuntimeError):
     """The server is shutting down and takes no new requests."""
 
@@ -346,6 +351,8 @@ def _accept(listener: Listener, proc: mp.Process) -> Connection:
     while waiter.is_alive():
         waiter.join(0.5)
         if waiter.is_alive() and not proc.is_alive():
+            if proc.exitcode == 2:
+                raise EngineRefused("the engine refused its input (its log above says why)")
             raise EngineDead(
                 f"the engine's process exited with status {proc.exitcode} while "
                 "starting (its log above says why)"
