@@ -71,6 +71,11 @@ class RequestFailed(ValueError):
     follow): the client's 400, or an error event in a stream."""
 
 
+class ModelFailed(RuntimeError):
+    """The engine ended a request because the model failed on it (logits holding NaN or
+    infinity): the server's 500, or an error event in a stream. The engine serves on."""
+
+
 class EngineClient:
     def __init__(self, conn: Connection, worker: threading.Thread | mp.Process, tokenizer=None):
         """``conn``: connected to a loop that has said ``Ready``. ``tokenizer``: for the text
@@ -182,7 +187,7 @@ class EngineClient:
                     raise EngineDead(f"the engine failed: {item}") from item
                 engine_done = item.finished
                 if item.error is not None:
-                    raise RequestFailed(item.error)
+                    raise (ModelFailed if item.model_failed else RequestFailed)(item.error)
                 item = item if text is None else text.apply(item)
                 # a caller behind the engine (a busy event loop) takes every output waiting as
                 # one: its per-output cost (a stream chunk) then shrinks as the load grows
