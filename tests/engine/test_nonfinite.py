@@ -75,3 +75,20 @@ def test_non_finite_logits_end_their_request_alone(case, mode: str, capsys) -> N
     log = f"engramrt: request {VICTIM}: the model's logits for output token {at + 1} hold NaN"
     assert log in capsys.readouterr().err
     assert_idle(engine)
+
+
+def test_the_next_owner_of_its_slot_does_not_notice(case) -> None:
+    """A request whose every K/V row is NaN (the poisoned token second in its prompt) leaves
+    them in its blocks, and its slot's table keeps pointing at them; the next owner of the slot
+    (the short neighbour, decoding beside the longer one) attends over positions past its own
+    context that are masked, yet they must be zeros: a masked row weighs 0, and 0 * NaN is NaN.
+    The torch path once read them as they were."""
+    runner, clean, token, _ = case
+    engine = build_engine(runner, MAX_LEN, SLOTS, prefix_caching=False)
+    encode = bos_encoder(runner)
+    victim = encode(VICTIM)
+    victim.insert(1, token)
+    assert run(engine, {"v": (victim, greedy(MAX_TOKENS))})["v"].finish_reason == "error"
+    short, long = sorted(NEIGHBOURS, key=lambda t: len(encode(t)))
+    got = run(engine, {t: (encode(t), greedy(MAX_TOKENS)) for t in (short, long)})
+    assert {t: r.ids for t, r in got.items()} == {t: clean[t].ids for t in (short, long)}
