@@ -234,12 +234,11 @@ class Sampler:
         if len(live) == len(rows):
             tokens = sampled
         else:
-            at = _to(live, logits.device)
+            at, live_finite = _to(live, logits.device), finite
             tokens = torch.full((len(rows),), -1, dtype=torch.int64, device=logits.device)
             tokens[at] = sampled
-            finite = torch.ones(len(rows), dtype=torch.bool, device=logits.device).index_put(
-                (at,), finite
-            )
+            finite = torch.ones(len(rows), dtype=torch.bool, device=logits.device)
+            finite[at] = live_finite  # an empty run samples nothing
         parts = {"tokens": tokens, "finite": finite}
         if k is not None:  # rows of empty runs are scored on row 0 and ignored by the engine
             picked = [ends[i] if run_lens[i] else 0 for i in range(len(rows))]
