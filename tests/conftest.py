@@ -17,6 +17,7 @@ SERVER_TESTS = [
     "server/test_lifecycle.py",
     "server/test_tokenize_endpoints.py",
     "server/test_api_schema.py",
+    "server/test_nonfinite.py",
     "commands/test_lm_eval.py",
     "commands/test_eval.py",
 ]

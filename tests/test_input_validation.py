@@ -233,9 +233,11 @@ def test_result_message_round_trip() -> None:
         [float("nan"), -2.0],
         [[1], [2]],
         [[-1.0], [-3.0]],
+        finite=[True, False],
     )
     got = decode_result(encode_result(result))
     assert got.tokens == result.tokens and got.top_ids == result.top_ids
+    assert got.finite == result.finite
     for name in ("logprobs", "top_logprobs", "target_logprobs", "target_top_logprobs"):
         a, b = (torch.tensor(getattr(r, name), dtype=torch.float64) for r in (got, result))
         assert torch.equal(a.view(torch.int64), b.view(torch.int64)), name  # exact bits

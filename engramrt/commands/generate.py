@@ -31,7 +31,7 @@ class Generation:
     prompt_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS) or "length"
+    finish_reason: str  # "stop" (EOS), "length" or "error" (logits not finite; logged)
     seconds: float
 
 

@@ -20,7 +20,7 @@ from engramrt.commands.flags import (
     resolve_device,
 )
 from engramrt.engine.build import EngineOptions, build_stage, check, log
-from engramrt.engine.client import EngineClient, EngineDead
+from engramrt.engine.client import EngineClient, EngineDead, EngineRefused
 from engramrt.engine.core import describe, serve_stage
 from engramrt.parallel.launch import launch, under_torchrun
 from engramrt.parallel.liveness import StageWatch
@@ -64,6 +64,8 @@ def run_serve(opts: ServeOptions) -> None:
     prompts = PromptEncoder.load(opts.model_dir)
     try:
         client = EngineClient.spawn(opts, prompts.tokenizer)
+    except EngineRefused:  # its one line said why, as a command's bad input does: exit 2
+        raise SystemExit(2) from None
     except EngineDead as exc:
         log(str(exc))
         raise SystemExit(1) from None

@@ -3,10 +3,11 @@
 (``in_thread``).
 
 Requests are validated here, at the boundary (``new_request``: the engine's ``RequestLimits``,
-sent once when it is ready), and sent as they come; outputs come back on a reader thread and go
-to one asyncio queue per request. If the engine dies (a step raised, a stage stopped answering,
-its process went away) or someone outside declares it dead (``fail``), every waiting request
-gets the error and ``error`` is set (``/health`` then reports 503 and the server exits 1).
+sent once when it is ready), and sent as they come by a sender thread; outputs come back on a
+reader thread and go to one asyncio queue per request. If the engine dies (a step raised, a
+stage stopped answering, its process went away) or someone outside declares it dead (``fail``),
+every waiting request gets the error and ``error`` is set (``/health`` then reports 503 and the
+server exits 1).
 ``close`` and ``drain`` are the graceful stop: no new requests, the running ones finish or, at
 the deadline, end with finish reason ``abort``; ``shutdown`` then stops the engine.
 """
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
+import queue
 import secrets
 import signal
 import sys
@@ -38,6 +40,7 @@ from engramrt.engine.core import (
     Stats,
     Steps,
     Stop,
+    ToEngine,
     engine_main,
     run_core,
 )
@@ -63,6 +66,11 @@ class EngineDead(RuntimeError):
     pass
 
 
+class EngineRefused(EngineDead):
+    """The engine's process exited while starting because its input is unusable (a config or a
+    checkpoint): it printed the one-line reason and exited 2 (``engine_main``)."""
+
+
 class EngineClosed(RuntimeError):
     """The server is shutting down and takes no new requests."""
 
@@ -70,6 +78,11 @@ class EngineClosed(RuntimeError):
 class RequestFailed(ValueError):
     """The engine ended a request with an error of the request's own (a grammar it could not
     follow): the client's 400, or an error event in a stream."""
+
+
+class ModelFailed(RuntimeError):
+    """The engine ended a request because the model failed on it (logits holding NaN or
+    infinity): the server's 500, or an error event in a stream. The engine serves on."""
 
 
 class EngineClient:
@@ -103,12 +116,15 @@ class EngineClient:
         sys.setswitchinterval(interval)
         self.error: BaseException | None = None
         self.closed = self._stopping = False
-        self._send_lock = threading.Lock()
+        # what ``_send`` hands the sender thread, in order; None: no more
+        self._outbox: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # the engine's last beat and when it came (``watch``)
         self._beat, self._beat_at = Beat(0.0, 0.0), time.monotonic()
         self._reader = threading.Thread(target=self._read, name="engramrt-outputs", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._write, name="engramrt-sends", daemon=True)
+        self._sender.start()
 
     # --- starting the loop -----------------------------------------------------------------
 
@@ -181,7 +197,7 @@ class EngineClient:
                     raise EngineDead(f"the engine failed: {item}") from item
                 engine_done = item.finished
                 if item.error is not None:
-                    raise RequestFailed(item.error)
+                    raise (ModelFailed if item.model_failed else RequestFailed)(item.error)
                 item = item if text is None else text.apply(item)
                 # a caller behind the engine (a busy event loop) takes every output waiting as
                 # one: its per-output cost (a stream chunk) then shrinks as the load grows
@@ -270,9 +286,11 @@ class EngineClient:
         """Stop the loop and wait for it; the engine's process is killed if it does not end in
         time. A dead engine's process is given the same time: its launcher takes the stages
         down first (a stopped stage takes a kill after a grace period), so none is orphaned.
-        A loop on a thread that is stuck waiting for a stage is left behind (a daemon)."""
+        A loop on a thread that is stuck waiting for a stage is left behind (a daemon), and so
+        is the sender thread if it is stuck sending to that loop."""
         self._stopping = True  # the end of the connection that follows is no death
         self._send(Stop())
+        self._outbox.put(None)
         dead = self.error is not None
         threaded = isinstance(self.worker, threading.Thread)
         self.worker.join(timeout=2.0 if threaded and dead else min(timeout, 5) if dead else timeout)
@@ -282,16 +300,28 @@ class EngineClient:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.worker.pid, signal.SIGKILL)
             self.worker.join(timeout=5)
+        # the far end is closed by now (a loop stuck on a thread aside): no send still waits
+        self._sender.join(timeout=2.0)
         self.conn.close()
         sys.setswitchinterval(self._old_interval)
 
     # --- the connection ------------------------------------------------------------------
 
-    def _send(self, message) -> None:
-        data = ENCODER.encode(message)
-        with self._send_lock:
+    def _send(self, message: ToEngine) -> None:
+        """Never blocks: the event loop calls it, and a send blocks while the engine is on a
+        long step and a burst of requests has filled the connection (``/health`` would stall
+        with it). The sender thread (``_write``) waits instead."""
+        self._outbox.put(message)
+
+    def _write(self) -> None:
+        """Send what ``_send`` queued, in order. Once the engine is dead only ``Stop`` still
+        goes (a loop that outlived its death, a hang released, ends on it): the callers of the
+        rest have the error already."""
+        while (message := self._outbox.get()) is not None:
+            if self.error is not None and not isinstance(message, Stop):
+                continue
             try:
-                self.conn.send_bytes(data)
+                self.conn.send_bytes(ENCODER.encode(message))
             except OSError:  # the engine is gone; the reader reports it
                 pass
 
@@ -346,6 +376,8 @@ def _accept(listener: Listener, proc: mp.Process) -> Connection:
     while waiter.is_alive():
         waiter.join(0.5)
         if waiter.is_alive() and not proc.is_alive():
+            if proc.exitcode == 2:
+                raise EngineRefused("the engine refused its input (its log above says why)")
             raise EngineDead(
                 f"the engine's process exited with status {proc.exitcode} while "
                 "starting (its log above says why)"

@@ -111,7 +111,10 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    error: str | None = None  # why the request failed (finish reason "error"): the client's 400
+    error: str | None = None  # why the request failed (finish reason "error")
+    # whose failure: the request's own (a grammar it cannot follow: the client's 400) or, True,
+    # the model's (logits that are not finite: the server's 500)
+    model_failed: bool = False
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output followed by ``later`` (of the same request) as one output: a stream
@@ -470,6 +473,8 @@ class Engine:
                 )
 
     def _append(self, req: Request, result: StepResult, i: int, now: float) -> RequestOutput:
+        if result.finite is not None and not result.finite[i]:
+            return self._not_finite(req)
         token, p = result.tokens[i], req.params
         if p.max_tokens == 0:  # the prompt alone: its logprobs, no token
             self.prompt_tokens_total += req.num_prompt_tokens
@@ -530,6 +535,29 @@ class Engine:
             self.scheduler.finish(req, reason)
             self.requests.pop(req.id, None)
         return out
+
+    def _not_finite(self, req: Request) -> RequestOutput:
+        """The logits of its next token hold NaN or infinity: the request ends with an error
+        and nothing sampled from them is kept (its other requests' rows are their own)."""
+        error = (
+            f"request {req.id}: the model's logits for output token {req.num_output_tokens} "
+            "hold NaN or infinity (a weight of the checkpoint, or an overflow); nothing was "
+            "sampled from them"
+        )
+        print(f"engramrt: {error}", file=sys.stderr, flush=True)
+        self.scheduler.finish(req, "error")
+        self.requests.pop(req.id, None)
+        return RequestOutput(
+            req.id,
+            [],
+            "",
+            finished=True,
+            finish_reason="error",
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            error=error,
+            model_failed=True,
+        )
 
     # --- gauges --------------------------------------------------------------------------
 

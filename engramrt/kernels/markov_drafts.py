@@ -16,9 +16,11 @@ tokens instead. The kernel indexes its own buffers by position and takes the cal
 otherwise select a new variant, compiled mid-serving (~1 s).
 
 The drafts equal ``dspark.markov_loop``'s up to the order of the rank sum (its GEMV's): exactly
-where the sums are exact, and away from near-ties otherwise. Not handled: NaN logits, which
-``torch.argmax`` takes as the largest; here a NaN loses every comparison, and a row of NaN
-would give the id ``V``.
+where the sums are exact, and away from near-ties otherwise. A NaN is the largest value, as
+``torch.argmax`` takes it, and the first NaN wins: its key is above +inf's. Were NaN to lose
+every comparison, a row of NaN (a broken weight) would draft the id ``V`` and the next position
+would read the embedding past its end; instead it drafts an id below ``limit``, which verify
+rejects, or the sampler's check ends the request when the target's logits are NaN too.
 """
 
 from __future__ import annotations
@@ -78,10 +80,14 @@ def _markov_step(
     val = tl.where(v < limit, val, float("-inf"))
     tl.store(row, val, mask=inside)
     val = tl.where(inside, val, float("-inf"))
-    top = tl.max(val, axis=0)
+    nan = val != val
+    top = tl.max(tl.where(nan, float("-inf"), val), axis=0)
     first = tl.min(tl.where(inside & (val == top), v, V), axis=0).to(tl.int64)
+    first_nan = tl.min(tl.where(nan, v, V), axis=0).to(tl.int64)
     bits = top.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the floats
+    key = tl.where(first_nan < V, 0x7FFFFFFF, key)  # a NaN: above every float's key
+    first = tl.where(first_nan < V, first_nan, first)
     packed = ((~key).to(tl.int64) << 32) | first
     tl.atomic_min(best_ptr + b * K + i, packed)
 

@@ -244,12 +244,33 @@ def load_model(
                 f"tensor {name} has dtype {t.dtype}, which needs a scale or is not a float"
             )
         state[name] = t.to(want)
+    _check_vectors_finite(state)
     model.load_state_dict(state, strict=False, assign=True)
     state.clear()  # stacked projections were copied into new tensors: free the parts now
     leftover = [n for n, t in model.state_dict().items() if t.is_meta]
     if leftover:
         raise CheckpointError(f"tensor {leftover[0]} was not loaded")
     return model.to(device).eval().requires_grad_(False)  # inference only: no autograd state
+
+
+def _check_vectors_finite(state: dict[str, torch.Tensor]) -> None:
+    """Every vector (a tensor of at most one dimension: RMSNorm weights, the router's selection
+    bias, attention sinks, mHC bases and scales) finite as the model holds it, so a float32
+    value past bfloat16's range counts too. Every token passes through each of them, so one NaN
+    there turns every request's logits into NaN; together they are about a megabyte (Flash:
+    409 tensors), read in milliseconds. Matrices are not read here: a full check costs about
+    80 s of a core at Flash's size (docs/models/checkpoints.md), and a NaN in a matrix reaches
+    only the tokens that use it, whose requests the sampler ends with an error."""
+    for name, t in state.items():
+        if t.dim() > 1 or not t.is_floating_point() or t.element_size() == 1:
+            continue
+        bad = ~torch.isfinite(t.flatten())
+        if bad.any():
+            at = int(bad.nonzero()[0])
+            raise CheckpointError(
+                f"tensor {name} holds {int(bad.sum())} non-finite value(s) (the first, "
+                f"{t.flatten()[at].item()}, at index {at}); every token passes through it"
+            )
 
 
 Slices = dict[str, tuple[int, int, int]]  # tensor -> (dim, lo, hi) a rank reads

@@ -147,6 +147,10 @@ class StepResult:
     target_top_logprobs: list[list[float]] | None = None
     # DSpark: each run's drafts for its next step, from its last accepted position
     drafts: list[list[int]] | None = None
+    # per sample (as ``tokens``): whether the logits it was drawn from were all finite, before
+    # any mask (False: NaN or infinity, a broken weight or an overflow; the engine ends the
+    # request with an error and keeps nothing of the sample); None: unchecked (a stub)
+    finite: list[bool] | None = None
 
 
 class DeviceResult:
@@ -190,7 +194,9 @@ class DeviceResult:
         if self.event is not None:
             self.event.synchronize()
         h = {k: v.tolist() for k, v in self.host.items()}
-        result = StepResult(h["tokens"], self.logits, drafts=h.get("drafts"))
+        result = StepResult(
+            h["tokens"], self.logits, drafts=h.get("drafts"), finite=h.get("finite")
+        )
         if "logprobs" in h:
             result.logprobs, result.top_ids = h["logprobs"], h["top_ids"]
             result.top_logprobs = h["top_logprobs"]

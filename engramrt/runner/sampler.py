@@ -206,6 +206,10 @@ class Sampler:
             last = logits[: len(rows_at)].clone()
         else:
             last = logits[_to(rows_at, logits.device)]  # a copy
+        # NaN or infinity in a row the model computed (a broken weight, an overflow): its
+        # request ends with an error. Found on the device and copied back with the tokens,
+        # so no step waits for it
+        finite = torch.isfinite(last[:, :limit]).all(-1)
         if limit is not None:
             last[:, limit:] = float("-inf")
         live_slots = [slots[i] for i in live]
@@ -230,9 +234,12 @@ class Sampler:
         if len(live) == len(rows):
             tokens = sampled
         else:
+            at, live_finite = _to(live, logits.device), finite
             tokens = torch.full((len(rows),), -1, dtype=torch.int64, device=logits.device)
-            tokens[_to(live, logits.device)] = sampled
-        parts = {"tokens": tokens}
+            tokens[at] = sampled
+            finite = torch.ones(len(rows), dtype=torch.bool, device=logits.device)
+            finite[at] = live_finite  # an empty run samples nothing
+        parts = {"tokens": tokens, "finite": finite}
         if k is not None:  # rows of empty runs are scored on row 0 and ignored by the engine
             picked = [ends[i] if run_lens[i] else 0 for i in range(len(rows))]
             parts["logprobs"], parts["top_ids"], parts["top_logprobs"] = token_logprobs_device(

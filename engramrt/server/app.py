@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import engramrt
-from engramrt.engine.client import EngineClosed, EngineDead
+from engramrt.engine.client import EngineClosed, EngineDead, ModelFailed
 from engramrt.server import schema, tokenization
 from engramrt.server.protocol import (
     ChatCompletionRequest,
@@ -118,6 +118,9 @@ async def tokenizer_info(request: Request) -> dict:
     return tokenization.tokenizer_info(_server(request).prompts)
 
 
+FAILURES = (EngineDead, EngineClosed, ModelFailed, ValueError)  # a request's, while it runs
+
+
 async def _respond(request: Request, call: Call, stream: bool) -> dict | Response:
     """Stream ``call``, or run it to completion while watching for a disconnect."""
     engine = call.server.engine
@@ -134,16 +137,19 @@ async def _respond(request: Request, call: Call, stream: bool) -> dict | Respons
             return Response(status_code=499)
     try:
         return task.result()
-    except (EngineDead, EngineClosed, ValueError) as exc:
+    except FAILURES as exc:
         raise _failure(exc) from None
 
 
 def _failure(exc: Exception) -> ApiError:
     """What a request that fails while it runs answers, streamed or not: 503 once the engine is
-    gone or going, 400 for what the request itself caused (a grammar the engine could not
-    follow, a request the engine refused)."""
+    gone or going, 500 when the model failed on it (its logits were not finite), 400 for what
+    the request itself caused (a grammar the engine could not follow, a request the engine
+    refused)."""
     if isinstance(exc, (EngineDead, EngineClosed)):
         return ApiError(503, str(exc), "ServiceUnavailableError")
+    if isinstance(exc, ModelFailed):
+        return ApiError(500, str(exc), "InternalServerError")
     return ApiError(400, str(exc))
 
 
@@ -152,7 +158,7 @@ async def _sse_body(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
             yield chunk
-    except (EngineDead, EngineClosed, ValueError) as exc:
+    except FAILURES as exc:
         e = _failure(exc)
         yield sse(error_body(e.status, e.message, e.kind, e.param))
     yield SSE_DONE

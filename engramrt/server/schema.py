@@ -122,13 +122,14 @@ SSE_EVENT = {
 
 def generation(model: type[BaseModel]) -> dict:
     """A completion: JSON, or with ``stream`` an SSE stream of chunks ending in ``[DONE]``;
-    503 while the server shuts down or after its engine died."""
+    500 when the model failed on it (logits holding NaN or infinity), 503 while the server shuts
+    down or after its engine died."""
     ok = {
         "model": model,
         "description": "The response, or with `stream` server-sent events",
         "content": {"text/event-stream": {"schema": SSE_EVENT}},
     }
-    return {200: ok, **_errors(*API_ERRORS, 503)}
+    return {200: ok, **_errors(*API_ERRORS, 500, 503)}
 
 
 def plain(model: type[BaseModel], *statuses: int) -> dict:

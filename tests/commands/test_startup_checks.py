@@ -15,6 +15,7 @@ import pytest
 
 from engramrt.bundled import GQA_MODEL_DIR
 from engramrt.cli import main
+from tests.support.poisoned import edited_model, poison
 
 
 def _model(tmp_path: Path, **text_config) -> str:
@@ -205,3 +206,11 @@ def test_help_says_what_the_flags_do(capsys) -> None:
         "--max-shard-bytes MAX_SHARD_BYTES the largest safetensors shard",
     ):
         assert described in text, (described, run.stdout)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_nan_in_a_norm_weight_is_one_line_naming_the_tensor(tmp_path, command) -> None:
+    """The model once loaded and served empty text with finish reason 'length'."""
+    name = "layers.2.ffn_norm.weight"
+    model = edited_model(tmp_path / "m", poison(name, 7))
+    _one_line_error(_cli(*COMMANDS[command](str(model))), name, "non-finite", "index 7")

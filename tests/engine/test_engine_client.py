@@ -3,20 +3,23 @@ connection (``engine.core``): a caller that falls behind the engine receives eve
 waiting for it as one (so a busy event loop sends one stream chunk, not one per token), with the
 tokens, text and logprobs of the parts in order; an error after them still comes after them;
 the messages round-trip by field name; a request the engine refuses, an engine that raises and
-an engine that goes away all reach the waiting caller."""
+an engine that goes away all reach the waiting caller; sends never wait on a busy engine, keep
+their order, and once the engine is dead only ``Stop`` still goes."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import threading
+import time
 
 import pytest
 
 from engramrt.engine.client import EngineClient, EngineDead
+from engramrt.engine.core import Add
 from engramrt.engine.engine import RequestOutput
 from engramrt.engine.request import Logprob, Request, SamplingParams
-from tests.support.stub_engines import Idle, Scripted, collect
+from tests.support.stub_engines import Held, Idle, Scripted, collect
 
 
 def outputs(rng: random.Random, n: int, finish: bool) -> list[RequestOutput]:
@@ -223,3 +226,55 @@ def test_an_engine_that_cannot_start_is_an_error_naming_why() -> None:
     for thread in threading.enumerate():  # its error is raised in this test, not a later one
         if thread.name == "engramrt-engine":
             thread.join(5)
+
+
+def _overfill(client: EngineClient, engine: Held) -> float:
+    """Hold the engine in a step, then send it 100 requests of 2,000 ids (about 600 kB: more
+    than the connection holds); how long the sends took. Sends that wait for the step (the old
+    code) end it after 5 s."""
+    client._send(Add("first", [1], SamplingParams(max_tokens=1)))
+    assert engine.stepping.wait(10)
+    guard = threading.Timer(5.0, engine.release.set)
+    guard.start()
+    prompt, start = [300] * 2000, time.monotonic()
+    for i in range(100):
+        client._send(Add(f"r{i}", prompt, SamplingParams(max_tokens=1)))
+    guard.cancel()
+    return time.monotonic() - start
+
+
+def test_sends_never_wait_on_a_busy_engine_and_arrive_in_order() -> None:
+    """The event loop sends (``_send``): while the engine is on a long step, reading nothing,
+    sends that overfill the connection return at once; after the step the engine gets every
+    one, in order; shutdown ends the sender thread."""
+    engine = Held()
+    client = EngineClient.in_thread(engine)
+    try:
+        assert _overfill(client, engine) < 1.0
+        engine.release.set()
+        deadline = time.monotonic() + 10
+        while len(engine.added) < 101 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [r.id for r in engine.added] == ["first"] + [f"r{i}" for i in range(100)]
+    finally:
+        engine.release.set()
+        client.shutdown()
+    assert not client._sender.is_alive()
+
+
+def test_once_the_engine_is_dead_only_stop_is_sent() -> None:
+    """Sends still waiting when the engine is declared dead are dropped (their callers have the
+    error), but ``Stop`` still ends a loop that outlived its death (a hang released)."""
+    engine = Held()
+    client = EngineClient.in_thread(engine)
+    try:
+        _overfill(client, engine)
+        client.fail("declared dead")
+        engine.release.set()
+    finally:
+        engine.release.set()
+        client.shutdown()
+    assert not client.worker.is_alive() and not client._sender.is_alive()
+    got = [r.id for r in engine.added]
+    assert len(got) < 101  # what the connection held, not what waited behind it
+    assert got == ["first"] + [f"r{i}" for i in range(len(got) - 1)]

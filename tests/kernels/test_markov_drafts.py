@@ -5,7 +5,10 @@ logits, ids at or past ``limit`` set to ``-inf``, the first largest id taken. In
 inputs keep every sum exact, so ties are real (many values repeat) and the logits written back
 must match to the bit; the rows span several vocabulary tiles and rank chunks, all-negative
 rows check the float order of the packed keys, one case keeps its embedding in bf16 (as the
-model does) and the sampled tokens come as a strided view."""
+model does) and the sampled tokens come as a strided view. NaN is the largest value and the first
+NaN wins, as ``torch.argmax`` has it: a row of NaN drafts its first id (the kernel once drafted
+the id ``V`` and read the embedding past its end), a NaN beats +inf in another tile, and a NaN
+at or past ``limit`` (in the logits or the Markov head) is never drafted."""
 
 from __future__ import annotations
 
@@ -33,10 +36,15 @@ def restated(logits, tokens, embed, head, limit, targets):
                 x + y if limit is None or v < limit else -math.inf
                 for v, (x, y) in enumerate(zip(pos, bias, strict=True))
             ]
-            out.append(max(range(len(pos)), key=lambda v, pos=pos: (pos[v], -v)))
+            out.append(max(range(len(pos)), key=lambda v, pos=pos: _order(pos[v], v)))
             prev = out[-1] if targets is None else int(targets[b, i])
         drafts.append(out)
     return torch.tensor(logits), drafts
+
+
+def _order(x: float, v: int) -> tuple:
+    """argmax's order: NaN above everything, then the value, then the lower id."""
+    return (math.isnan(x), 0.0 if math.isnan(x) else x, -v)
 
 
 def inputs(seed: int, v: int, rank: int, b: int, k: int, negative: bool, dtype: torch.dtype):
@@ -55,26 +63,48 @@ def inputs(seed: int, v: int, rank: int, b: int, k: int, negative: bool, dtype: 
 
 
 F32, BF16 = torch.float32, torch.bfloat16
-CASES = [  # (seed, vocabulary, rank, rows, positions, limit, negative, teacher, embedding dtype)
-    (0, 150, 70, 3, 5, None, False, False, F32),
-    (1, 150, 70, 3, 5, 101, True, False, BF16),
-    (2, 130, 33, 2, 6, 64, False, True, F32),
-    (3, 96, 8, 1, 1, None, True, False, F32),
+NAN, INF = math.nan, math.inf
+# (row, position, id or None for the whole row, value) written into the logits; ("head", id)
+# makes that id's row of the Markov head NaN (its bias is then NaN at every position)
+WHOLE_ROW = [(0, 0, None, NAN), (1, 2, 7, INF), (1, 2, 100, NAN), (2, 1, 120, NAN)]
+TILES = [(0, 1, 140, NAN), (0, 1, 10, NAN), (1, 0, 3, INF), (1, 3, 64, NAN), (1, 3, 65, NAN)]
+CASES = [  # (seed, vocabulary, rank, rows, positions, limit, negative, teacher, embedding dtype,
+    # NaN and infinities written)
+    (0, 150, 70, 3, 5, None, False, False, F32, []),
+    (1, 150, 70, 3, 5, 101, True, False, BF16, []),
+    (2, 130, 33, 2, 6, 64, False, True, F32, []),
+    (3, 96, 8, 1, 1, None, True, False, F32, []),
+    (4, 150, 70, 3, 5, 101, False, False, F32, WHOLE_ROW),
+    (5, 150, 70, 2, 4, None, True, False, F32, TILES),
+    (6, 150, 70, 2, 4, 101, False, False, F32, [("head", 120)]),
 ]
+IDS = ["plain", "limit-bf16", "teacher", "one", "nan-row", "nan-tiles", "nan-head-past-limit"]
 
 
 def prepared(case):
     """(logits, tokens, head, limit, teacher's tokens or None) of a case, and the restatement's
     (logits, drafts) for them."""
-    seed, v, rank, b, k, limit, negative, teacher, dtype = case
+    seed, v, rank, b, k, limit, negative, teacher, dtype, marks = case
     logits, tokens, head, targets = inputs(seed, v, rank, b, k, negative, dtype)
+    for mark in marks:
+        if mark[0] == "head":
+            with torch.no_grad():
+                head.head.weight[mark[1]] = NAN
+        else:
+            row, pos, at, value = mark
+            logits[row, pos, slice(None) if at is None else at] = value
     forced = targets if teacher else None
     want = restated(logits, tokens, head.embed.weight, head.head.weight, limit, forced)
     return (logits, tokens, head, limit, forced), want
 
 
+def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal to the bit as doubles, NaN where NaN."""
+    return torch.allclose(got.double(), want.double(), rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.triton
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_kernel_is_the_restatement(case) -> None:
     from engramrt.kernels.markov_drafts import markov_drafts
 
@@ -90,13 +120,13 @@ def test_kernel_is_the_restatement(case) -> None:
             None if forced is None else forced.to(DEVICE),
         )
     assert got.cpu().tolist() == want
-    assert torch.equal(on.cpu().double(), want_logits)
+    assert same(on.cpu(), want_logits)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_torch_path_is_the_restatement(case) -> None:
     (logits, tokens, head, limit, forced), (want_logits, want) = prepared(case)
     with torch.no_grad():
         got = markov_loop(logits, tokens, head, limit, forced)
     assert got.tolist() == want
-    assert torch.equal(logits.double(), want_logits)
+    assert same(logits, want_logits)

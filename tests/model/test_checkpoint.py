@@ -373,6 +373,35 @@ def test_malformed_checkpoint(tmp_path: Path, fp8_ckpt: tuple, case: str) -> Non
         assert word in str(info.value), (word, str(info.value))
 
 
+def _poke(name: str, value: float, dtype: torch.dtype | None = None):
+    def fn(state: dict[str, torch.Tensor]) -> None:
+        t = state[name].to(dtype or state[name].dtype)
+        t.view(-1)[1] = value
+        state[name] = t
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "stored", "dtype"),
+    [
+        ("layers.2.ffn_norm.weight", math.nan, None, None),
+        ("layers.0.hc_attn_scale", -math.inf, None, None),
+        ("norm.weight", 1e5, torch.float32, "float16"),  # finite as stored, inf as held
+    ],
+    ids=["nan-norm", "inf-mhc-scale", "past-float16"],
+)
+def test_a_vector_that_is_not_finite_is_named_at_load(
+    tmp_path: Path, fp8_ckpt: tuple, name: str, value: float, stored, dtype
+) -> None:
+    """Vectors are checked as the model holds them; a matrix is left to the sampler's check."""
+    edited = _edit(fp8_ckpt[2], tmp_path / "ckpt", _poke(name, value, stored))
+    with pytest.raises(CheckpointError, match=rf"tensor {name} holds 1 non-finite value.*index 1"):
+        load_model(edited, dtype)
+    matrix = _edit(fp8_ckpt[2], tmp_path / "matrix", _poke("layers.0.ffn.w1.weight", math.nan))
+    assert load_model(matrix).layers["0"].ffn.w13.weight.isnan().any()
+
+
 def test_index_pointing_at_missing_shard(tmp_path: Path, fp8_ckpt: tuple) -> None:
     """An index that lists a shard file which is not there is a CheckpointError naming it."""
     model, raw, _ = fp8_ckpt

@@ -10,6 +10,7 @@ itself. One request at a time (V4.1 is not batch-invariant:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from engramrt.runner.stage import StageRunner
 from tests.engine.test_engine import assert_idle
 from tests.model.test_v41_engine import PARAMS, PROMPTS, ends_of, speculative_run
 from tests.support.engine_factory import build_engine
+from tests.support.poisoned import edited_model, poison
 
 K = 3
 
@@ -297,3 +299,42 @@ def test_drafts_without_the_confidence_head_are_the_same_drafts(v41_small: Path)
     short = dspark.draft(runner.model, runner.kv, ends, slots, tokens, confidence=False)
     assert full.confidence is not None and short.confidence is None
     assert torch.equal(full.tokens, short.tokens) and torch.equal(full.logits, short.logits)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_nan_row_drafts_inside_the_vocabulary_and_ends_its_request(
+    v41_small: Path, tmp_path: Path, device: str
+) -> None:
+    """One token's embedding row NaN: a request whose prompt holds it has NaN logits, and its
+    DSpark pass NaN draft logits. Its drafts stay inside the tokenizer (the Markov kernel once
+    drafted the id ``V`` from a NaN row, which the verify run launched behind it under overlap
+    then embedded), the request ends with finish reason ``error``, and the request after it in
+    the same slot gives its output alone (the torch attention once weighed the earlier owner's
+    NaN rows, which its window cannot see, by 0: NaN). On CUDA the kernels, on the CPU the
+    torch paths."""
+    victim, neighbour = PROMPTS[0], PROMPTS[1]
+    token = next(t for t in victim if t not in neighbour)
+    model = edited_model(tmp_path / "m", poison("embed.weight", token), src=v41_small)
+    runner = StageRunner.load(
+        model, num_slots=1, max_len=256, device=device, dtype="float32", dspark=True
+    )
+    limit = runner.sampler.token_limit
+
+    def run(prompts: list[list[int]]) -> dict[str, tuple[list[int], str]]:
+        engine = build_engine(
+            runner, 256, 1, max_num_seqs=1, overlap=True, speculative=SpecConfig(K, method="dspark")
+        )
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, replace(PARAMS[0], max_tokens=10))
+        out: dict[str, tuple[list[int], str]] = {}
+        while engine.has_work():
+            for o in engine.step():
+                ids, _ = out.get(o.request_id, ([], ""))
+                out[o.request_id] = (ids + o.new_token_ids, o.finish_reason)
+                assert int(runner.slots.tokens.max()) < limit
+        assert_idle(engine)
+        return out
+
+    alone = run([neighbour])["0"]
+    got = run([victim, neighbour])
+    assert got["0"] == ([], "error") and got["1"] == alone and alone[1] == "length"

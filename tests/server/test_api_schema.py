@@ -37,7 +37,7 @@ def test_schema_states_what_the_server_answers() -> None:
         op = schema["paths"][path]["post"]["responses"]
         assert set(op["200"]["content"]) == {"application/json", "text/event-stream"}
         assert op["200"]["content"]["text/event-stream"]["schema"]["properties"]["data"]
-        for status in ("400", "401", "404", "413", "503"):
+        for status in ("400", "401", "404", "413", "500", "503"):
             assert op[status]["content"]["application/json"]["schema"]["$ref"].endswith(
                 "/ErrorBody"
             )

@@ -1,10 +1,12 @@
 """The server's life with one and with two pipeline stages: a signal drains the running requests
 up to --shutdown-timeout, aborts the rest with finish reason "abort" and exits 0; a stage that
 stops answering fails the running requests within seconds and the server exits 1, as it does
-when the engine dies for any other reason, and when a step stalls; a slow step is served."""
+when the engine dies for any other reason, and when a step stalls; a slow step is served, and
+/health answers while a burst of requests waits on a long one."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -12,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,9 +25,11 @@ from engramrt.commands.serve import ServeOptions, _serve_http
 from engramrt.engine.build import build_stage
 from engramrt.engine.client import EngineClient
 from engramrt.engine.engine import Engine
+from engramrt.engine.request import RequestLimits
 from engramrt.parallel.launch import free_port
 from engramrt.prompts import PromptEncoder
 from tests.support.server_fixture import start_server, stop_server
+from tests.support.stub_engines import Held
 
 
 class Stream(threading.Thread):
@@ -172,20 +177,33 @@ def test_a_stopped_engine_is_detected() -> None:
         stop_server(proc)
 
 
-def _serve_in_thread(engine, opts: ServeOptions) -> tuple[str, threading.Thread, dict]:
-    """``engine`` served over HTTP as ``serve`` does (its loop on a thread, as under torchrun):
-    the base URL once /health answers, the server's thread and its exit status once it ends."""
+@dataclass
+class Served:
+    """A server started by ``_serve_in_thread``: its URL, thread, engine client and, once the
+    thread has ended, its exit status."""
+
+    base: str
+    thread: threading.Thread
+    client: EngineClient
+    code: int | None = None
+
+
+def _serve_in_thread(engine, opts: ServeOptions) -> Served:
+    """``engine`` served over HTTP as ``serve`` does (its loop on a thread, as under torchrun),
+    once /health answers."""
     client = EngineClient.in_thread(engine, engine.tokenizer)
     prompts = PromptEncoder.load(opts.model_dir, engine.tokenizer)
-    result: dict[str, int] = {}
-    server = threading.Thread(target=lambda: result.update(code=_serve_http(opts, client, prompts)))
-    server.start()
-    base = f"http://127.0.0.1:{opts.port}"
+
+    def run() -> None:
+        served.code = _serve_http(opts, client, prompts)
+
+    served = Served(f"http://127.0.0.1:{opts.port}", threading.Thread(target=run), client)
+    served.thread.start()
     deadline = time.monotonic() + 30
     while True:
         try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                return base, server, result
+            if httpx.get(f"{served.base}/health").status_code == 200:
+                return served
         except httpx.HTTPError:
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.1)
@@ -216,11 +234,12 @@ def test_engine_death_exits_1() -> None:
         raise RuntimeError("injected step failure")
 
     engine.pipeline.step = engine.pipeline.launch = broken  # launch: overlap scheduling
-    base, server, result = _serve_in_thread(engine, opts)
-    r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+    served = _serve_in_thread(engine, opts)
+    body = {"prompt": "Hi", "max_tokens": 2}
+    r = httpx.post(f"{served.base}/v1/completions", json=body, timeout=30)
     assert r.status_code == 503 and "injected step failure" in r.json()["error"]["message"]
-    server.join(30)
-    assert not server.is_alive() and result["code"] == 1
+    served.thread.join(30)
+    assert not served.thread.is_alive() and served.code == 1
 
 
 def test_slow_steps_are_served_and_a_stalled_one_is_a_503(monkeypatch) -> None:
@@ -248,23 +267,82 @@ def test_slow_steps_are_served_and_a_stalled_one_is_a_503(monkeypatch) -> None:
         return step()
 
     engine.step = held_up
-    base, server, result = _serve_in_thread(engine, opts)
+    served = _serve_in_thread(engine, opts)
     try:
         body = {"prompt": "Hi", "max_tokens": 2, "ignore_eos": True}
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        r = httpx.post(f"{served.base}/v1/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
         assert not slow  # both slow steps ran
         stall.set()
         stalled = time.monotonic()
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        r = httpx.post(f"{served.base}/v1/completions", json=body, timeout=30)
         message = r.json()["error"]["message"]
         assert r.status_code == 503 and "hung" in message and "--step-timeout 2" in message
         assert 4.0 <= time.monotonic() - stalled < 4.0 + 3.0
         release.set()  # the loop ends, as a stopped engine's process does, before shutdown ends
-        server.join(30)
-        assert not server.is_alive() and result["code"] == 1
+        served.thread.join(30)
+        assert not served.thread.is_alive() and served.code == 1
     finally:
         release.set()
+
+
+def test_health_answers_while_a_burst_waits_on_a_long_step() -> None:
+    """A burst of requests during a long step fills the connection to the engine, which reads
+    no message until the step ends: the event loop must not wait on that connection. Served as
+    ``serve`` serves, a stub engine holds its first step while 100 requests of 2,000 prompt
+    ids arrive (about 600 kB of messages, some three times what the connection holds); /health
+    answers within a second all along and each request is admitted (the ones the connection
+    has no room for wait on the sender thread); once the step ends every request gets its
+    200, and the server's shutdown ends the sender thread."""
+    tokenizer = PromptEncoder.load(GQA_MODEL_DIR).tokenizer
+    limits = RequestLimits(tokenizer.get_vocab_size(), None, 4096, 512, 16, None)
+    engine = Held(limits, tokenizer)
+    opts = ServeOptions(
+        GQA_MODEL_DIR,
+        [4],
+        served_model_name=["m"],
+        port=free_port(),
+        disable_uvicorn_access_log=True,
+    )
+    served = _serve_in_thread(engine, opts)
+    burst = 100
+    body = {"prompt": [256 + i % 768 for i in range(2000)], "max_tokens": 1}  # 3 bytes an id
+
+    async def main() -> tuple[list[float], bool, bool, list[int]]:
+        pool = httpx.Limits(max_connections=None)
+        async with httpx.AsyncClient(base_url=served.base, timeout=30, limits=pool) as ac:
+            first = asyncio.ensure_future(ac.post("/v1/completions", json=body))
+            assert await asyncio.to_thread(engine.stepping.wait, 10)
+            posts = [ac.post("/v1/completions", json=body) for _ in range(burst)]
+            sent = asyncio.gather(*posts)
+            waits, deadline = [], time.monotonic() + 6.0
+            admitted = False
+            while not admitted and time.monotonic() < deadline:
+                start = time.monotonic()
+                try:
+                    assert (await ac.get("/health", timeout=3.0)).status_code == 200
+                except httpx.TimeoutException:
+                    pass
+                waits.append(time.monotonic() - start)
+                admitted = served.client.num_running == burst + 1
+                await asyncio.sleep(0.1)
+            overflowed = admitted and served.client._outbox.qsize() > 0
+            engine.release.set()
+            codes = [r.status_code for r in [await first, *await sent]]
+            return waits, admitted, overflowed, codes
+
+    try:
+        waits, admitted, overflowed, codes = asyncio.run(main())
+        assert max(waits) < 1.0, waits
+        assert admitted, "the burst was not admitted during the step"
+        assert overflowed, "the burst fitted in the connection: make it larger"
+        assert codes == [200] * (burst + 1)
+    finally:
+        engine.release.set()
+        served.client.fail("the test is over")
+        served.thread.join(30)
+    assert not served.thread.is_alive()
+    assert not served.client._sender.is_alive()  # shutdown ended the sender thread
 
 
 @pytest.mark.slow

@@ -552,6 +552,9 @@ class V41Attention(nn.Module):
             if rows is not None:
                 both = torch.cat([both, take_rows(comp, rows[c].clamp_min(0))], dim=1)
                 seen = torch.cat([seen, rows[c] >= 0], dim=1)
+            # rows it cannot see are zeros, as the kernel loads them: a stale row (an earlier
+            # owner's ring or blocks) holding NaN would make its 0 weight NaN
+            both = both.masked_fill(~seen.unsqueeze(-1), 0)
             s = torch.einsum("mhd,mrd->mhr", q[c].float(), both.float()) * self.softmax_scale
             s = s.masked_fill(~seen[:, None, :], -math.inf)
             top = s.amax(-1, keepdim=True).clamp_min(NO_SCORE)

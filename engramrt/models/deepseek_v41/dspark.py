@@ -204,12 +204,14 @@ def markov_loop(
     targets: torch.Tensor | None,
 ) -> torch.Tensor:
     """The Markov bias of the previous token added to ``logits`` [B, k, V] position by position,
-    then its argmax: the drafts [B, k] (the reference of ``kernels.markov_drafts``)."""
-    if limit is not None:
-        logits[..., limit:] = float("-inf")
+    then ids at or past ``limit`` set to ``-inf`` (after the bias, so that a NaN bias there is
+    never drafted) and the argmax taken (a NaN the largest, the first one winning): the drafts
+    [B, k] (the reference of ``kernels.markov_drafts``)."""
     prev, out = tokens, []
     for i in range(logits.shape[1]):
         logits[:, i] += torch.nn.functional.linear(markov.embed(prev).float(), markov.head.weight)
+        if limit is not None:
+            logits[:, i, limit:] = float("-inf")
         out.append(logits[:, i].argmax(-1))
         prev = out[-1] if targets is None else targets[:, i]
     return torch.stack(out, 1)

@@ -142,11 +142,15 @@ def _torch_attention(q, k, v, k_cache, v_cache, ctx: ForwardContext) -> torch.Te
         i = torch.arange(n, device=dev)
         tok = torch.tensor([starts[b] for b in reqs], device=dev)[:, None] + i  # [G, n]
         causal = pos <= (p0[:, None] + i)[..., None]  # [G, n, context]
+        # rows past a run's context (the group's padding: stale table entries, earlier owners'
+        # K/V) are zeros, as the kernels load them: masked, a NaN there would still make its
+        # weight of 0 NaN
+        past = (pos > p0[:, None] + n - 1)[..., None, None]  # [G, context, 1, 1]
         with sdpa_kernel(SDPBackend.MATH):  # rows independent of the batch's shape
             o = F.scaled_dot_product_attention(
                 q[tok].transpose(1, 2),  # [G, heads, n, dim]
-                k_cache[rows].transpose(1, 2),
-                v_cache[rows].transpose(1, 2),
+                k_cache[rows].masked_fill_(past, 0).transpose(1, 2),
+                v_cache[rows].masked_fill_(past, 0).transpose(1, 2),
                 attn_mask=causal[:, None],
                 enable_gqa=True,
             )
