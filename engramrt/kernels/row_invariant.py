@@ -36,8 +36,8 @@ def _active(*tensors: torch.Tensor) -> bool:
 
 
 def _whole(op, *args, **kw) -> torch.Tensor:
-    """aten's own product, in one call (its ``out=`` overload: not overridden)."""
-    return op.out(*args, **kw, out=args[-1].new_empty(0))
+    """aten's own kernel, in one call (its ``out=`` overload: not overridden)."""
+    return op.out(*args, **kw, out=args[0].new_empty(0))
 
 
 def _tiled(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1):
     if not _active(bias, a, b):
-        return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=a.new_empty(0))
+        return _whole(torch.ops.aten.addmm, bias, a, b, beta=beta, alpha=alpha)
     prod = _mm(a, b)  # elementwise from here: each row on its own
     if alpha != 1:
         prod = prod * alpha
@@ -76,6 +76,25 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _tiled(a, b)
 
 
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    if not _active(x):
+        return _whole(torch.ops.aten.sigmoid, x)
+    return 1 / (1 + torch.exp(-x))
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    if not _active(x):
+        return _whole(torch.ops.aten.silu, x)
+    return x / (1 + torch.exp(-x))
+
+
+def _softplus(x: torch.Tensor, beta=1, threshold=20) -> torch.Tensor:
+    if not _active(x):
+        return _whole(torch.ops.aten.softplus, x, beta, threshold)
+    bx = x * beta
+    return torch.where(bx > threshold, x, torch.log1p(torch.exp(bx)) / beta)
+
+
 def _register() -> None:
     global _lib
     with _lock:
@@ -83,9 +102,19 @@ def _register() -> None:
             lib = torch.library.Library("aten", "IMPL")
             with warnings.catch_warnings():  # "overriding a previously registered kernel"
                 warnings.simplefilter("ignore", UserWarning)
-                for name, fn in (("mm", _mm), ("addmm", _addmm), ("bmm", _bmm)):
+                for name, fn in KERNELS.items():
                     lib.impl(name, fn, "CPU")
             _lib = lib
+
+
+KERNELS = {
+    "mm": _mm,
+    "addmm": _addmm,
+    "bmm": _bmm,
+    "sigmoid": _sigmoid,
+    "silu": _silu,
+    "softplus": _softplus,
+}
 
 
 @contextlib.contextmanager
