@@ -107,6 +107,34 @@ def _gone(pid: int) -> bool:
     return state == "Z"
 
 
+def _group_log(proc) -> str:
+    """The server's log once every process of its group has ended: the resource tracker (a
+    child of the server) writes its report after the server has exited."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    return _log(proc)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_killed_engine_leaks_no_semaphore(pp: int) -> None:
+    """SIGKILL of the engine's process (stage 0): the server exits 1 and its log has no
+    resource-tracker warning about objects the killed process could not release."""
+    base, proc = start_server("-pp", str(pp))
+    try:
+        engine = int(re.search(r"engine pid (\d+)", _log(proc)).group(1))
+        os.kill(engine, signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1
+        log = _group_log(proc)
+        assert "the engine failed" in log and "leaked" not in log, log[-2000:]
+    finally:
+        stop_server(proc)
+
+
 @pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL])
 def test_lost_stage_fails_requests_and_exits_1(fault: signal.Signals) -> None:
     """A stage stopped (no error anywhere, its sockets stay open) or killed mid-stream: the
