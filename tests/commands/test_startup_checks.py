@@ -68,6 +68,21 @@ CASES = [
     ("blocks", lambda t: ["--num-gpu-blocks-override", "0"], ["--num-gpu-blocks-override"]),
     ("tokenizer", lambda t: [_bigger_tokenizer(t)], ["tokenizer", "vocab_size", "1064", "1024"]),
     (
+        "generation-config-json",
+        lambda t: ["--override-generation-config", "{max_new_tokens: 4}"],
+        ["--override-generation-config is not JSON"],
+    ),
+    (
+        "generation-config-key",
+        lambda t: ["--override-generation-config", '{"max_new_tokens": 4, "do_sample": true}'],
+        ["--override-generation-config", "unknown key 'do_sample'"],
+    ),
+    (
+        "generation-config-value",
+        lambda t: ["--override-generation-config", '{"top_p": 2}'],
+        ["--override-generation-config", "top_p", "1"],
+    ),
+    (
         "dspark",
         lambda t: [
             str(GQA_MODEL_DIR),

@@ -255,6 +255,44 @@ def test_openai_completion_length_usage(server: str) -> None:
     check_usage(out.usage, 7)
 
 
+def test_max_tokens_defaults(server: str) -> None:
+    """Without max_tokens a chat runs to the end of the context and a completion stops at 16
+    tokens (OpenAI's default, as vLLM)."""
+    messages = [{"role": "user", "content": "x " * 495}]
+    n_prompt = post(server, "/tokenize", {"messages": messages})["count"]
+    assert MAX_LEN - 40 < n_prompt < MAX_LEN
+    body = {"messages": messages, "temperature": 0, "ignore_eos": True}
+    out = post(server, "/v1/chat/completions", body)
+    assert out["usage"]["completion_tokens"] == MAX_LEN - n_prompt
+    assert out["choices"][0]["finish_reason"] == "length"
+    out = complete(server, prompt=PROMPTS[1], temperature=0, ignore_eos=True)
+    assert out["usage"]["completion_tokens"] == 16
+
+
+def test_override_generation_config_sets_request_defaults() -> None:
+    """vLLM's --override-generation-config: max_new_tokens caps a chat that gives no
+    max_tokens, temperature is the default of a request that gives none; a request's own
+    values win, and a completion keeps its default of 16."""
+    config = json.dumps({"max_new_tokens": 5, "temperature": 0})
+    with running_server("--override-generation-config", config) as base:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        out = post(base, "/v1/chat/completions", chat)
+        assert out["usage"]["completion_tokens"] == 5
+        assert out["choices"][0]["finish_reason"] == "length"
+        out = post(base, "/v1/chat/completions", {**chat, "max_tokens": 9})
+        assert out["usage"]["completion_tokens"] == 9
+        assert (
+            complete(base, prompt=PROMPTS[1], ignore_eos=True)["usage"]["completion_tokens"] == 16
+        )
+
+        def texts(**sampling) -> list[str]:
+            body = {"prompt": PROMPTS[0], "max_tokens": 8, "n": 4, "seed": 0, **sampling}
+            return [c["text"] for c in complete(base, **body)["choices"]]
+
+        assert texts() == texts(temperature=0) == [greedy(base, PROMPTS[0], 8)] * 4
+        assert len(set(texts(temperature=1.0))) > 1  # the request's own temperature
+
+
 def test_openai_completion_stream(server: str) -> None:
     c, model = client(server), model_name(server)
     prompt = PROMPTS[2]
