@@ -1565,16 +1565,26 @@ def test_structured_outputs_parse_whatever_the_model_writes(server: str, seed: i
     assert r["choices"][0]["text"] in {"red", "green", "blue"}
 
 
+def _one_line(message: str) -> None:
+    """A grammar error as the client sees it: one line, none of llguidance's parser state."""
+    assert "\n" not in message and "<state>" not in message and "<grammar>" not in message, message
+
+
 def test_a_grammar_the_engine_cannot_follow_is_an_error_the_client_sees(server: str) -> None:
     """Refused up front where llguidance can tell; failing mid-way (a bias steers the model onto
     the branch that breaks a limit) a 400 unstreamed and an error event with the same status
-    in a stream, never a 200 with finish_reason 'stop'."""
+    in a stream, never a 200 with finish_reason 'stop'. Each message is one line naming what
+    failed (llguidance's state dump goes to the server's log)."""
     r = httpx.post(
         f"{server}/v1/completions",
         timeout=60,
         json={"prompt": "hi", "guided_regex": "a{1000}{1000}"},
     )
-    assert_error(r, 400, "cannot be followed")
+    _one_line(assert_error(r, 400, "cannot be followed", "too many expressions")["message"])
+    r = httpx.post(
+        f"{server}/v1/completions", timeout=60, json={"prompt": "hi", "guided_regex": "(("}
+    )
+    _one_line(assert_error(r, 400, "invalid regex grammar", "unclosed group")["message"])
     a = load_tokenizer(GQA_MODEL_DIR).token_to_id("a")
     body = {
         "prompt": "hi",
@@ -1584,7 +1594,7 @@ def test_a_grammar_the_engine_cannot_follow_is_an_error_the_client_sees(server: 
         "guided_regex": "b|a{1000}{1000}",
     }
     r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
-    assert_error(r, 400, "cannot be followed")
+    _one_line(assert_error(r, 400, "cannot be followed")["message"])
     with httpx.stream(
         "POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60
     ) as r:
@@ -1592,6 +1602,7 @@ def test_a_grammar_the_engine_cannot_follow_is_an_error_the_client_sees(server: 
     assert events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
     assert err["code"] == 400 and "cannot be followed" in err["message"], err
+    _one_line(err["message"])
     assert not any('"finish_reason": "stop"' in e or '"finish_reason":"stop"' in e for e in events)
     still_serves(server)
 
