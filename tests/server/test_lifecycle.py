@@ -139,7 +139,8 @@ def test_a_killed_engine_leaks_no_semaphore(pp: int) -> None:
 def test_lost_stage_fails_requests_and_exits_1(fault: signal.Signals) -> None:
     """A stage stopped (no error anywhere, its sockets stay open) or killed mid-stream: the
     stream ends with an error event naming it within seconds, not after the distributed
-    timeout; the server exits 1 and leaves no stage process behind."""
+    timeout (a killed one: in words, the transport's own message in the log, and no
+    traceback); the server exits 1 and leaves no stage process behind."""
     base, proc = start_server("-pp", "2", "--stage-timeout", "2")
     stage = None
     try:
@@ -150,11 +151,14 @@ def test_lost_stage_fails_requests_and_exits_1(fault: signal.Signals) -> None:
         stream.join(30)
         assert not stream.is_alive(), "the stream still hangs"
         errors = [c["error"]["message"] for c in stream.chunks if "error" in c]
-        if fault == signal.SIGSTOP:
-            assert errors and "stage 1" in errors[0], stream.chunks[-1]
+        assert errors and "stage 1" in errors[0], stream.chunks[-1]
         # the status the unstreamed answer would have: the engine is gone
         assert all(c["error"]["code"] == 503 for c in stream.chunks if "error" in c)
         assert proc.wait(timeout=30) == 1
+        if fault == signal.SIGKILL:
+            assert "pipeline stage 1 is gone" in errors[0] and "gloo" not in errors[0], errors
+            log = _group_log(proc)
+            assert "engramrt: stage 0: pipeline stage 1: " in log and "Traceback" not in log, log
         deadline = time.monotonic() + 10
         while not _gone(stage) and time.monotonic() < deadline:
             time.sleep(0.2)
