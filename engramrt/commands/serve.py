@@ -119,10 +119,13 @@ def _serve_http(opts: ServeOptions, client: EngineClient, prompts: PromptEncoder
         )
         if opts.generation_defaults:
             log(f"request defaults (--override-generation-config): {opts.generation_defaults}")
-        ready = (
-            f"serving {opts.served_model_name[0]} ({opts.model_dir}) at "
-            f"http://{opts.host}:{opts.port}/v1 | {client.description}"
-        )
+
+        def ready(port: int) -> str:
+            return (
+                f"serving {opts.served_model_name[0]} ({opts.model_dir}) at "
+                f"http://{opts.host}:{port}/v1 | {client.description}"
+            )
+
         config = uvicorn.Config(
             create_app(server),
             host=opts.host,

@@ -1241,6 +1241,33 @@ def test_start_line_access_log_and_request_log() -> None:
     assert run.returncode != 0 and "engramrt: serving" not in run.stdout + run.stderr
 
 
+def test_port_0_start_line_names_the_bound_port(tmp_path: Path) -> None:
+    """--port 0 lets the system choose: the start line names the port it chose, where the
+    server answers (it said ``:0``)."""
+    from tests.support.server_fixture import REPO
+
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "engramrt", "serve", str(GQA_MODEL_DIR), "--device", "cpu"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*cmd, "--port", "0", "--max-model-len", "256"],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while not (found := re.search(r"engramrt: serving .* at (http://\S+)/v1", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        base = found.group(1)
+        assert not base.endswith(":0"), base
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+    finally:
+        stop_server(proc)
+
+
 def test_request_body_limit() -> None:
     """A body over --max-request-bytes is a 413 in OpenAI's shape, whether its length is
     declared or it arrives chunked; smaller bodies are served, and the server goes on."""
