@@ -2,8 +2,10 @@
 
 - it says it is serving once its port is bound, naming the port bound (``--port 0``: the one
   the system chose); a failed bind exits unannounced;
-- on SIGTERM or SIGINT it takes no new requests (503), lets the running ones finish for up to
-  ``--shutdown-timeout`` seconds, ends the rest with finish reason ``abort`` and exits 0;
+- on SIGTERM or SIGINT it closes its listening socket (new connections are refused, as by
+  vLLM's server), answers 503 to new requests on connections already open, lets the running
+  ones finish for up to ``--shutdown-timeout`` seconds, ends the rest with finish reason
+  ``abort`` and exits 0;
 - when the engine dies (a step raised, or a pipeline stage stopped answering) the running
   requests get the error and the server exits 1, so that a supervisor restarts it (as vLLM
   does), instead of answering 503 for ever.

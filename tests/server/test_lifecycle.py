@@ -70,8 +70,9 @@ def _log(proc) -> str:
 @pytest.mark.parametrize("pp", [1, 2])
 def test_signal_drains_then_aborts_and_exits_0(pp: int) -> None:
     """SIGTERM to the server's main process (the launcher, with two stages): no new requests
-    (503 on an open connection, /health 503), a short request finishes, a long one ends with
-    finish reason "abort" at the deadline and a clean end of stream, exit status 0."""
+    (a new connection is refused; 503 on an open one, /health 503), a short request finishes,
+    a long one ends with finish reason "abort" at the deadline and a clean end of stream, exit
+    status 0."""
     base, proc = start_server("-pp", str(pp), "--shutdown-timeout", "6", "--max-model-len", "2048")
     try:
         with httpx.Client(base_url=base, timeout=30) as client:
@@ -86,6 +87,8 @@ def test_signal_drains_then_aborts_and_exits_0(pp: int) -> None:
             assert client.get("/health").status_code == 503
             r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+            with pytest.raises(httpx.ConnectError):  # as docs/serving.md says
+                httpx.get(f"{base}/health", timeout=5)
         short.join(30)
         long.join(30)
         assert short.finish_reason() == "length" and short.done_marker
