@@ -5,9 +5,11 @@ HTTP with the engine loop on a thread."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from engramrt.bundled import resolve_model_dir
 from engramrt.commands.flags import (
@@ -41,6 +43,7 @@ class ServeOptions(EngineOptions):
     stage_timeout: float = 10.0
     step_timeout: float = 60.0
     api_key: str | None = None
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # by request field
 
 
 def check_serve(opts: ServeOptions) -> None:
@@ -114,12 +117,18 @@ def _serve_http(opts: ServeOptions, client: EngineClient, prompts: PromptEncoder
                 opts.api_key,
                 opts.max_request_bytes,
                 opts.enable_log_requests,
+                opts.generation_defaults,
             ),
         )
-        ready = (
-            f"serving {opts.served_model_name[0]} ({opts.model_dir}) at "
-            f"http://{opts.host}:{opts.port}/v1 | {client.description}"
-        )
+        if opts.generation_defaults:
+            log(f"request defaults (--override-generation-config): {opts.generation_defaults}")
+
+        def ready(port: int) -> str:
+            return (
+                f"serving {opts.served_model_name[0]} ({opts.model_dir}) at "
+                f"http://{opts.host}:{port}/v1 | {client.description}"
+            )
+
         config = uvicorn.Config(
             create_app(server),
             host=opts.host,
@@ -181,6 +190,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM/SIGINT, seconds the running requests may take to finish before they "
         "are aborted (0: abort at once)",
     )
+    p.add_argument(
+        "--override-generation-config",
+        metavar="JSON",
+        help='defaults for what a request leaves out, vLLM\'s keys: {"max_new_tokens": 512} '
+        "caps a request without max_tokens (else a chat runs to the end of the context); "
+        "temperature, top_p, top_k, min_p, repetition_penalty",
+    )
     add_device_flags(p)
     add_engram_memory_flags(p)
     p.add_argument("--seed", type=int, default=0, help="for requests that bring no seed")
@@ -235,6 +251,26 @@ def run(args: argparse.Namespace) -> int:
         or os.environ.get("ENGRAMRT_API_KEY")
         or os.environ.get("VLLM_API_KEY"),
         engram=args.engram == "on",
+        generation_defaults=generation_defaults(args.override_generation_config),
     )
     run_serve(opts)
     return 0
+
+
+def generation_defaults(text: str | None) -> dict[str, Any]:
+    """``--override-generation-config``: request defaults by field (vLLM's keys); malformed
+    JSON, an unknown key or a value a request could not hold is an error."""
+    from engramrt.server.protocol import generation_defaults as by_field
+
+    if text is None:
+        return {}
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--override-generation-config is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--override-generation-config takes a JSON object, got {text}")
+    try:
+        return by_field(config)
+    except ValueError as exc:
+        raise ValueError(f"--override-generation-config: {exc}") from None

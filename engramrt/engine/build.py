@@ -38,6 +38,7 @@ from engramrt.runner.kv_budget import (
     stages_per_gpu,
 )
 from engramrt.runner.stage import StageRunner
+from engramrt.tensor_parallel import TensorParallel
 
 
 @dataclass
@@ -126,6 +127,8 @@ def check(opts: EngineOptions, notes: bool = True) -> tuple[ModelConfig, int]:
     check_layer_count(opts.model_dir, cfg)
     stages = [stage_layers(opts.partition, r) for r in range(len(opts.partition))]
     cfg.family.check_options(cfg, opts.block_size, stages)
+    if opts.dist.tp_size > 1:
+        cfg.family.check_tensor_parallel(cfg, TensorParallel(0, opts.dist.tp_size))
     if opts.dspark:
         _check_dspark(opts, cfg)
     return cfg, max_len

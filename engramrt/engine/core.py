@@ -210,6 +210,8 @@ def engine_main(opts, address, authkey: bytes) -> None:
     """The engine's process: it launches the stages (one rank, or a process per rank) and on
     the driving rank builds the engine, connects to the server and runs the loop. Signals are
     the server's to act on: it drains, then says stop."""
+    from torch.multiprocessing.spawn import ProcessExitedException
+
     from engramrt.parallel.launch import launch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -220,6 +222,9 @@ def engine_main(opts, address, authkey: bytes) -> None:
     except ValueError as exc:  # bad input found while loading: one line, not a traceback
         print(f"engramrt: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except ProcessExitedException as exc:  # a rank killed, or one that printed its own error
+        print(f"engramrt: the engine's {exc}", file=sys.stderr, flush=True)
+        sys.exit(2 if exc.exit_code == 2 else 1)
 
 
 def _rank_main(rank: int, world: int, opts, address, authkey: bytes) -> None:

@@ -27,7 +27,7 @@ from typing import Protocol
 from tokenizers import Tokenizer
 
 from engramrt.engine.block_manager import BlockManager
-from engramrt.engine.grammar import Grammars, token_mask
+from engramrt.engine.grammar import Grammars, one_line, token_mask
 from engramrt.engine.request import (
     Logprob,
     Request,
@@ -515,8 +515,9 @@ class Engine:
             req.matcher.consume_token(token)
             if req.matcher.is_error():  # the output no longer follows it: never a silent stop
                 reason = "error"
-                error = f"the grammar cannot be followed: {req.matcher.get_error()}"
-                print(f"engramrt: request {req.id}: {error}", file=sys.stderr, flush=True)
+                detail = req.matcher.get_error()
+                error = f"the grammar cannot be followed: {one_line(detail)}"
+                print(f"engramrt: request {req.id}: {detail}", file=sys.stderr, flush=True)
             elif reason is None and req.matcher.is_stopped():
                 reason = "stop"
         out = RequestOutput(

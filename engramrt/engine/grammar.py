@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,17 +78,35 @@ class Grammars:
         try:
             grammar = spec.grammar()
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"invalid {spec.kind} grammar: {exc}") from None
+            raise refused(f"invalid {spec.kind} grammar", str(exc)) from None
         self._json = self._json or self.tokenizer.to_str()
         tok = _ll_tokenizer(self._json, self.vocab, self.eos)
         error = llguidance.LLMatcher.validate_grammar(grammar, tok)
         if error:
-            raise ValueError(f"invalid {spec.kind} grammar: {error}")
+            raise refused(f"invalid {spec.kind} grammar", error)
         matcher = llguidance.LLMatcher(tok, grammar)
         if matcher.is_error():
-            raise ValueError(f"invalid {spec.kind} grammar: {matcher.get_error()}")
+            raise refused(f"invalid {spec.kind} grammar", matcher.get_error())
         _probe(matcher, spec.kind)
         return matcher
+
+
+def one_line(detail: str) -> str:
+    """llguidance's message as one line: its first, completed by the ``error:`` line that a
+    regex parse error puts under its caret. The rest (the parser's state, the grammar echoed
+    back, a caret drawing) is for the log, not for a client's error message."""
+    lines = [line.strip() for line in detail.strip().splitlines()] or [""]
+    cause = next((line[len("error: ") :] for line in lines[1:] if line.startswith("error: ")), "")
+    if cause and lines[0].endswith(":"):
+        return f"{lines[0]} {cause}"
+    return lines[0].rstrip(":")
+
+
+def refused(what: str, detail: str) -> ValueError:
+    """The client's one-line error; llguidance's whole message goes to the log."""
+    if one_line(detail) != detail.strip():
+        print(f"engramrt: {what}: {detail.strip()}", file=sys.stderr, flush=True)
+    return ValueError(f"{what}: {one_line(detail)}")
 
 
 def _probe(matcher, kind: str) -> None:
@@ -103,7 +122,7 @@ def _probe(matcher, kind: str) -> None:
     probe.consume_tokens(probe.compute_ff_tokens())
     probe.compute_bitmask()
     if probe.is_error():
-        raise ValueError(f"{kind} grammar cannot be followed: {probe.get_error()}")
+        raise refused(f"{kind} grammar cannot be followed", probe.get_error())
 
 
 def token_mask(req, vocab: int) -> list[int] | None:

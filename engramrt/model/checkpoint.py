@@ -16,6 +16,7 @@ import re
 import shutil
 import struct
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,11 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHUNK_BYTES = 64 * 2**20  # how much of a table a host-placement load reads at a time
+
+# tqdm's default lock holds a multiprocessing RLock: a named semaphore, registered with the
+# server's resource tracker, which reports it leaked once an engine or stage process is killed.
+# A loading bar is drawn by one process, so a thread lock is all it needs.
+tqdm.set_lock(threading.RLock())
 
 
 class CheckpointError(ValueError):

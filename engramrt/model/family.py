@@ -144,6 +144,11 @@ class ModelFamily:
         for layer_ids in stages:
             self.check_stage(cfg, layer_ids)
 
+    def check_tensor_parallel(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        """That ``tp.size`` ranks can split what the layers split among them, by the layers'
+        own rules (``TensorParallel.span``) called for one rank: an error before any rank
+        starts, not in each rank after it has (default: nothing split evenly)."""
+
     def refuses_images(self) -> bool:
         """Whether an image placeholder in a text prompt is refused (a vision family's)."""
         return False

@@ -16,6 +16,10 @@ followers, which run the same step on their slices; only the leader samples.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -34,6 +38,12 @@ from engramrt.runner.stage import StageRunner
 _STEP, _STOP = 0, 1
 
 
+class StageLost(RuntimeError):
+    """A message to or from another stage failed: that stage's process is gone (killed, or
+    ended by its own failure). The transport's message (gloo's or NCCL's, naming a socket)
+    goes to the log; the client's error names the stage."""
+
+
 class Pipeline:
     """``rank`` and ``world``: this process's stage and the number of stages."""
 
@@ -41,6 +51,7 @@ class Pipeline:
         self.runner, self.rank, self.world = runner, rank, world
         self.vocab = runner.model.cfg.vocab_size
         self.tp = runner.model.tp
+        self.lost: str | None = None  # the peer whose connection failed (``StageLost``)
 
     @property
     def is_last(self) -> bool:
@@ -77,8 +88,9 @@ class Pipeline:
         return DeviceResult.ready(self.step(batch))
 
     def stop(self) -> None:
-        """Release the other ranks (their ``serve`` returns)."""
-        if self.is_driver:
+        """Release the other ranks (their ``serve`` returns); after ``StageLost`` there is
+        nobody to release: the launcher takes the rest down."""
+        if self.is_driver and self.lost is None:
             self._release()
 
     def _release(self) -> None:
@@ -141,7 +153,8 @@ class Pipeline:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.runner.device)
         else:
             buf = value.contiguous().view(torch.uint8).flatten().to(self.runner.device)
-        return self.tp.broadcast(buf).view(dtype).view(shape)
+        with self._link(f"a tensor-parallel rank of pipeline stage {self.rank}"):
+            return self.tp.broadcast(buf).view(dtype).view(shape)
 
     def _share(self, kind: int, batch: StepBatch | None = None, carry: Carry | None = None):
         """The leader's half of ``_follow``."""
@@ -164,13 +177,28 @@ class Pipeline:
             return torch.device("cpu")
         return self.runner.device
 
+    @contextlib.contextmanager
+    def _link(self, peer: str) -> Iterator[None]:
+        """A transport error while talking to ``peer`` is ``StageLost``, named for it."""
+        try:
+            yield
+        except RuntimeError as exc:
+            self.lost = peer
+            print(f"engramrt: stage {self.rank}: {peer}: {exc}", file=sys.stderr, flush=True)
+            raise StageLost(
+                f"{peer} is gone: the connection to it failed (its process died or was "
+                "killed; the server's log has the transport's error)"
+            ) from None
+
     def _send(self, t: torch.Tensor, dst: int) -> None:
-        dist.send(t.contiguous().view(torch.uint8).flatten().to(self._dev()), dst)
+        with self._link(f"pipeline stage {dst // self.tp.size}"):
+            dist.send(t.contiguous().view(torch.uint8).flatten().to(self._dev()), dst)
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self._dev())
-        dist.recv(buf, src)
+        with self._link(f"pipeline stage {src // self.tp.size}"):
+            dist.recv(buf, src)
         return buf.to(self.runner.device).view(dtype).view(shape)
 
     def _send_values(self, values: list, dtype: torch.dtype, dst: int) -> None:

@@ -1,8 +1,11 @@
 """The HTTP server's life, one behaviour whatever the number of pipeline stages:
 
-- it says it is serving once its port is bound (a failed bind exits unannounced);
-- on SIGTERM or SIGINT it takes no new requests (503), lets the running ones finish for up to
-  ``--shutdown-timeout`` seconds, ends the rest with finish reason ``abort`` and exits 0;
+- it says it is serving once its port is bound, naming the port bound (``--port 0``: the one
+  the system chose); a failed bind exits unannounced;
+- on SIGTERM or SIGINT it closes its listening socket (new connections are refused, as by
+  vLLM's server), answers 503 to new requests on connections already open, lets the running
+  ones finish for up to ``--shutdown-timeout`` seconds, ends the rest with finish reason
+  ``abort`` and exits 0;
 - when the engine dies (a step raised, or a pipeline stage stopped answering) the running
   requests get the error and the server exits 1, so that a supervisor restarts it (as vLLM
   does), instead of answering 503 for ever.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import uvicorn
 
@@ -23,7 +27,10 @@ from engramrt.server.serving import Server
 
 
 class EngineServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, server: Server, ready: str, drain_s: float):
+    def __init__(
+        self, config: uvicorn.Config, server: Server, ready: Callable[[int], str], drain_s: float
+    ):
+        """``ready``: the start line, given the port bound."""
         super().__init__(config)
         self.server, self.ready, self.drain_s = server, ready, drain_s
         self._signalled_at: float | None = None
@@ -36,7 +43,7 @@ class EngineServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
-            log(self.ready)
+            log(self.ready(self.servers[0].sockets[0].getsockname()[1]))
 
     def handle_exit(self, sig: int, frame) -> None:
         """The first signal starts the graceful stop. The same signal often arrives twice at

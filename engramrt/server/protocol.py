@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    model_validator,
+)
 
 from engramrt.engine.grammar import GrammarSpec
 
@@ -170,6 +178,34 @@ class _Sampling(_Base):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else self.stop or []
+
+
+# vLLM's generation-config keys that give a request's fields their defaults (Hugging Face's
+# ``max_new_tokens`` is a request's ``max_tokens``)
+GENERATION_DEFAULTS = {
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def generation_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """A generation config as defaults by request field, checked by the request's own rules;
+    a key that gives no request default is an error, not ignored (vLLM ignores it)."""
+    unknown = sorted(set(config) - set(GENERATION_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} (known: {', '.join(GENERATION_DEFAULTS)})")
+    fields = {GENERATION_DEFAULTS[k]: v for k, v in config.items() if v is not None}
+    try:
+        checked = _Sampling.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = {v: k for k, v in GENERATION_DEFAULTS.items()}[str(first["loc"][0])]
+        raise ValueError(f"{key}: {first['msg']}") from None
+    return {name: getattr(checked, name) for name in fields}
 
 
 class CompletionRequest(_Sampling):

@@ -12,6 +12,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from engramrt.engine.client import EngineClient
 from engramrt.engine.engine import RequestOutput
@@ -41,6 +42,8 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 32 * 2**20
     log_requests: bool = False  # one log line per API request (vLLM's --enable-log-requests)
+    # what a request leaves out, by field (vLLM's --override-generation-config)
+    defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -169,7 +172,9 @@ class Server:
         out = []
         for i, (prompt, text) in enumerate(prompts):
             limit = self.cfg.max_model_len
-            mt = max_tokens if max_tokens is not None else limit - len(prompt)
+            mt = max_tokens
+            if mt is None:  # the rest of the context, or less by the server's default
+                mt = min(limit - len(prompt), self.cfg.defaults.get("max_tokens", limit))
             if mt == 0 and not echo:
                 raise ApiError(
                     400, "max_tokens 0 needs echo (the prompt alone)", param="max_tokens"
@@ -181,10 +186,10 @@ class Server:
             for j in range(req.n):
                 params = SamplingParams(
                     max_tokens=mt,
-                    temperature=req.temperature,
-                    top_p=req.top_p,
-                    top_k=max(req.top_k, 0),
-                    min_p=req.min_p,
+                    temperature=self._given(req, "temperature"),
+                    top_p=self._given(req, "top_p"),
+                    top_k=max(self._given(req, "top_k"), 0),
+                    min_p=self._given(req, "min_p"),
                     seed=None if req.seed is None else req.seed + j,
                     stop=req.stops(),
                     stop_token_ids=list(req.stop_token_ids),
@@ -193,7 +198,7 @@ class Server:
                     prompt_logprobs=echo_k,
                     presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty,
-                    repetition_penalty=req.repetition_penalty,
+                    repetition_penalty=self._given(req, "repetition_penalty"),
                     logit_bias=req.bias(),
                     min_tokens=req.min_tokens,
                     allowed_token_ids=req.allowed_token_ids,
@@ -207,6 +212,13 @@ class Server:
                     raise ApiError(400, str(exc)) from None
                 out.append(Choice(i * req.n + j, request, text))
         return out
+
+    def _given(self, req: CompletionRequest | ChatCompletionRequest, name: str) -> Any:
+        """A sampling field as the request gave it, else the server's default for it, else the
+        API's (vLLM's order); ``null`` counts as not given."""
+        if name in req.model_fields_set:
+            return getattr(req, name)
+        return self.cfg.defaults.get(name, getattr(req, name))
 
     # --- running them ---------------------------------------------------------------------
 

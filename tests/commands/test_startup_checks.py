@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engramrt.bundled import GQA_MODEL_DIR
+from engramrt.bundled import DEFAULT_MODEL_DIR, GQA_MODEL_DIR
 from engramrt.cli import main
 from tests.support.poisoned import edited_model, poison
 
@@ -69,6 +69,21 @@ CASES = [
     ("step_timeout", lambda t: ["--step-timeout", "0"], ["--step-timeout", "> 0"]),
     ("blocks", lambda t: ["--num-gpu-blocks-override", "0"], ["--num-gpu-blocks-override"]),
     ("tokenizer", lambda t: [_bigger_tokenizer(t)], ["tokenizer", "vocab_size", "1064", "1024"]),
+    (
+        "generation-config-json",
+        lambda t: ["--override-generation-config", "{max_new_tokens: 4}"],
+        ["--override-generation-config is not JSON"],
+    ),
+    (
+        "generation-config-key",
+        lambda t: ["--override-generation-config", '{"max_new_tokens": 4, "do_sample": true}'],
+        ["--override-generation-config", "unknown key 'do_sample'"],
+    ),
+    (
+        "generation-config-value",
+        lambda t: ["--override-generation-config", '{"top_p": 2}'],
+        ["--override-generation-config", "top_p", "1"],
+    ),
     (
         "dspark",
         lambda t: [
@@ -141,6 +156,26 @@ def test_a_garbage_tokenizer_is_one_line_naming_the_file(tmp_path, command) -> N
     _one_line_error(
         _cli(*COMMANDS[command](str(model))), f"{model / 'tokenizer.json'}", "Model missing"
     )
+
+
+@pytest.mark.parametrize(
+    ("command", "model", "tp", "rule"),
+    [
+        ("serve", GQA_MODEL_DIR, "3", "num_attention_heads (4)"),
+        ("generate", GQA_MODEL_DIR, "4", "the FFN's intermediate size"),
+        ("serve", DEFAULT_MODEL_DIR, "3", "o_groups (2)"),
+    ],
+    ids=["gqa-heads", "gqa-ffn", "v41-groups"],
+)
+def test_a_tensor_parallel_size_the_model_cannot_split_is_refused_before_any_rank_starts(
+    tmp_path, command, model, tp, rule
+) -> None:
+    """It was an error from every rank once they had started and loaded (12.7 s for -tp 3):
+    now one line naming the rule, and no rank's output."""
+    if "FFN" in rule:  # 4 query heads and 2 KV heads split 4 ways; 10 FFN features do not
+        model = _model(tmp_path, intermediate_size=10)
+    run = _cli(*COMMANDS[command](str(model)), "-tp", tp)
+    _one_line_error(run, f"--tensor-parallel-size {tp} must divide", rule)
 
 
 @pytest.mark.parametrize(

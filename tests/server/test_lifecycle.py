@@ -76,8 +76,9 @@ def _log(proc) -> str:
 @pytest.mark.parametrize("pp", [1, 2])
 def test_signal_drains_then_aborts_and_exits_0(pp: int) -> None:
     """SIGTERM to the server's main process (the launcher, with two stages): no new requests
-    (503 on an open connection, /health 503), a short request finishes, a long one ends with
-    finish reason "abort" at the deadline and a clean end of stream, exit status 0."""
+    (a new connection is refused; 503 on an open one, /health 503), a short request finishes,
+    a long one ends with finish reason "abort" at the deadline and a clean end of stream, exit
+    status 0."""
     base, proc = start_server("-pp", str(pp), "--shutdown-timeout", "6", "--max-model-len", "2048")
     try:
         with httpx.Client(base_url=base, timeout=30) as client:
@@ -92,6 +93,8 @@ def test_signal_drains_then_aborts_and_exits_0(pp: int) -> None:
             assert client.get("/health").status_code == 503
             r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+            with pytest.raises(httpx.ConnectError):  # as docs/serving.md says
+                httpx.get(f"{base}/health", timeout=5)
         short.join(30)
         long.join(30)
         assert short.finish_reason() == "length" and short.done_marker
@@ -113,11 +116,40 @@ def _gone(pid: int) -> bool:
     return state == "Z"
 
 
+def _group_log(proc) -> str:
+    """The server's log once every process of its group has ended: the resource tracker (a
+    child of the server) writes its report after the server has exited."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    return _log(proc)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_killed_engine_leaks_no_semaphore(pp: int) -> None:
+    """SIGKILL of the engine's process (stage 0): the server exits 1 and its log has no
+    resource-tracker warning about objects the killed process could not release."""
+    base, proc = start_server("-pp", str(pp))
+    try:
+        engine = int(re.search(r"engine pid (\d+)", _log(proc)).group(1))
+        os.kill(engine, signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1
+        log = _group_log(proc)
+        assert "the engine failed" in log and "leaked" not in log, log[-2000:]
+    finally:
+        stop_server(proc)
+
+
 @pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL])
 def test_lost_stage_fails_requests_and_exits_1(fault: signal.Signals) -> None:
     """A stage stopped (no error anywhere, its sockets stay open) or killed mid-stream: the
     stream ends with an error event naming it within seconds, not after the distributed
-    timeout; the server exits 1 and leaves no stage process behind."""
+    timeout (a killed one: in words, the transport's own message in the log, and no
+    traceback); the server exits 1 and leaves no stage process behind."""
     base, proc = start_server("-pp", "2", "--stage-timeout", "2")
     stage = None
     try:
@@ -128,11 +160,14 @@ def test_lost_stage_fails_requests_and_exits_1(fault: signal.Signals) -> None:
         stream.join(30)
         assert not stream.is_alive(), "the stream still hangs"
         errors = [c["error"]["message"] for c in stream.chunks if "error" in c]
-        if fault == signal.SIGSTOP:
-            assert errors and "stage 1" in errors[0], stream.chunks[-1]
+        assert errors and "stage 1" in errors[0], stream.chunks[-1]
         # the status the unstreamed answer would have: the engine is gone
         assert all(c["error"]["code"] == 503 for c in stream.chunks if "error" in c)
         assert proc.wait(timeout=30) == 1
+        if fault == signal.SIGKILL:
+            assert "pipeline stage 1 is gone" in errors[0] and "gloo" not in errors[0], errors
+            log = _group_log(proc)
+            assert "engramrt: stage 0: pipeline stage 1: " in log and "Traceback" not in log, log
         deadline = time.monotonic() + 10
         while not _gone(stage) and time.monotonic() < deadline:
             time.sleep(0.2)

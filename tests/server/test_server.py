@@ -255,6 +255,44 @@ def test_openai_completion_length_usage(server: str) -> None:
     check_usage(out.usage, 7)
 
 
+def test_max_tokens_defaults(server: str) -> None:
+    """Without max_tokens a chat runs to the end of the context and a completion stops at 16
+    tokens (OpenAI's default, as vLLM)."""
+    messages = [{"role": "user", "content": "x " * 495}]
+    n_prompt = post(server, "/tokenize", {"messages": messages})["count"]
+    assert MAX_LEN - 40 < n_prompt < MAX_LEN
+    body = {"messages": messages, "temperature": 0, "ignore_eos": True}
+    out = post(server, "/v1/chat/completions", body)
+    assert out["usage"]["completion_tokens"] == MAX_LEN - n_prompt
+    assert out["choices"][0]["finish_reason"] == "length"
+    out = complete(server, prompt=PROMPTS[1], temperature=0, ignore_eos=True)
+    assert out["usage"]["completion_tokens"] == 16
+
+
+def test_override_generation_config_sets_request_defaults() -> None:
+    """vLLM's --override-generation-config: max_new_tokens caps a chat that gives no
+    max_tokens, temperature is the default of a request that gives none; a request's own
+    values win, and a completion keeps its default of 16."""
+    config = json.dumps({"max_new_tokens": 5, "temperature": 0})
+    with running_server("--override-generation-config", config) as base:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        out = post(base, "/v1/chat/completions", chat)
+        assert out["usage"]["completion_tokens"] == 5
+        assert out["choices"][0]["finish_reason"] == "length"
+        out = post(base, "/v1/chat/completions", {**chat, "max_tokens": 9})
+        assert out["usage"]["completion_tokens"] == 9
+        assert (
+            complete(base, prompt=PROMPTS[1], ignore_eos=True)["usage"]["completion_tokens"] == 16
+        )
+
+        def texts(**sampling) -> list[str]:
+            body = {"prompt": PROMPTS[0], "max_tokens": 8, "n": 4, "seed": 0, **sampling}
+            return [c["text"] for c in complete(base, **body)["choices"]]
+
+        assert texts() == texts(temperature=0) == [greedy(base, PROMPTS[0], 8)] * 4
+        assert len(set(texts(temperature=1.0))) > 1  # the request's own temperature
+
+
 def test_openai_completion_stream(server: str) -> None:
     c, model = client(server), model_name(server)
     prompt = PROMPTS[2]
@@ -1203,6 +1241,33 @@ def test_start_line_access_log_and_request_log() -> None:
     assert run.returncode != 0 and "engramrt: serving" not in run.stdout + run.stderr
 
 
+def test_port_0_start_line_names_the_bound_port(tmp_path: Path) -> None:
+    """--port 0 lets the system choose: the start line names the port it chose, where the
+    server answers (it said ``:0``)."""
+    from tests.support.server_fixture import REPO
+
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "engramrt", "serve", str(GQA_MODEL_DIR), "--device", "cpu"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*cmd, "--port", "0", "--max-model-len", "256"],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while not (found := re.search(r"engramrt: serving .* at (http://\S+)/v1", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        base = found.group(1)
+        assert not base.endswith(":0"), base
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+    finally:
+        stop_server(proc)
+
+
 def test_request_body_limit() -> None:
     """A body over --max-request-bytes is a 413 in OpenAI's shape, whether its length is
     declared or it arrives chunked; smaller bodies are served, and the server goes on."""
@@ -1527,16 +1592,26 @@ def test_structured_outputs_parse_whatever_the_model_writes(server: str, seed: i
     assert r["choices"][0]["text"] in {"red", "green", "blue"}
 
 
+def _one_line(message: str) -> None:
+    """A grammar error as the client sees it: one line, none of llguidance's parser state."""
+    assert "\n" not in message and "<state>" not in message and "<grammar>" not in message, message
+
+
 def test_a_grammar_the_engine_cannot_follow_is_an_error_the_client_sees(server: str) -> None:
     """Refused up front where llguidance can tell; failing mid-way (a bias steers the model onto
     the branch that breaks a limit) a 400 unstreamed and an error event with the same status
-    in a stream, never a 200 with finish_reason 'stop'."""
+    in a stream, never a 200 with finish_reason 'stop'. Each message is one line naming what
+    failed (llguidance's state dump goes to the server's log)."""
     r = httpx.post(
         f"{server}/v1/completions",
         timeout=60,
         json={"prompt": "hi", "guided_regex": "a{1000}{1000}"},
     )
-    assert_error(r, 400, "cannot be followed")
+    _one_line(assert_error(r, 400, "cannot be followed", "too many expressions")["message"])
+    r = httpx.post(
+        f"{server}/v1/completions", timeout=60, json={"prompt": "hi", "guided_regex": "(("}
+    )
+    _one_line(assert_error(r, 400, "invalid regex grammar", "unclosed group")["message"])
     a = load_tokenizer(GQA_MODEL_DIR).token_to_id("a")
     body = {
         "prompt": "hi",
@@ -1546,7 +1621,7 @@ def test_a_grammar_the_engine_cannot_follow_is_an_error_the_client_sees(server: 
         "guided_regex": "b|a{1000}{1000}",
     }
     r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
-    assert_error(r, 400, "cannot be followed")
+    _one_line(assert_error(r, 400, "cannot be followed")["message"])
     with httpx.stream(
         "POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60
     ) as r:
@@ -1554,6 +1629,7 @@ def test_a_grammar_the_engine_cannot_follow_is_an_error_the_client_sees(server: 
     assert events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
     assert err["code"] == 400 and "cannot be followed" in err["message"], err
+    _one_line(err["message"])
     assert not any('"finish_reason": "stop"' in e or '"finish_reason":"stop"' in e for e in events)
     still_serves(server)
 

@@ -189,6 +189,12 @@ class DeepSeekV41(ModelFamily):
             )
         super().check_options(cfg, block_size, stages)
 
+    def check_tensor_parallel(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        """Attention output groups and expert features, as ``layer`` splits them."""
+        v: V41Config = cfg.body
+        tp.span(v.o_groups, "o_groups")
+        tp.span(v.moe_inter_dim, "moe_intermediate_size")
+
     def refuses_images(self) -> bool:
         return True
 

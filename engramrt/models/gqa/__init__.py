@@ -12,7 +12,7 @@ from torch import nn
 
 from engramrt.config import ModelConfig, shared_config
 from engramrt.model.family import ModelFamily
-from engramrt.models.gqa.attention import GQAAttention
+from engramrt.models.gqa.attention import GQAAttention, kv_head_span
 from engramrt.models.gqa.cache import GQACache
 from engramrt.models.gqa.config import GQAConfig, gqa_config, shared_widths
 from engramrt.models.gqa.ffn import GQAMLP, GQAMoE
@@ -45,6 +45,15 @@ class GQA(ModelFamily):
         else:
             ffn = GQAMLP(d, g.intermediate_size, dtype, tp)
         return attn, ffn
+
+    def check_tensor_parallel(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        """Query heads, KV heads (or their replicas) and FFN features, as ``layer`` splits
+        them."""
+        g: GQAConfig = cfg.body
+        tp.span(g.num_heads, "num_attention_heads")
+        kv_head_span(g.num_kv_heads, tp)
+        inter = g.moe_intermediate_size if g.ffn_type == "moe" else g.intermediate_size
+        tp.span(inter, "the FFN's intermediate size")
 
     def new_cache(self, model, num_blocks, block_size, max_len, num_slots, snapshots, slack):
         device = next(model.parameters()).device
