@@ -1,19 +1,25 @@
-"""Row-invariant matrix products on the CPU: a token's numbers do not depend on how many tokens
-share its step.
+"""Row invariance on the CPU: a token's numbers do not depend on how many tokens share its step.
 
 CPU BLAS chooses its algorithm by the row count: a one-row product is a GEMV that sums in another
 order than a GEMM, and row counts change a GEMM's blocking. So a token decoded alone, verified
 beside drafts, prefilled in a chunk or batched with other requests rounds differently in the last
 bit, and V4.1's FP8 round trips turn a last bit into another grid point: a near-tie becomes
 another greedy token, and speculation changes greedy output. Within one shape, though, the order
-of a row's sums depends neither on the other rows nor on the row's place among them
-(``tests/kernels/test_row_invariant.py`` checks it). So inside ``row_invariant()`` every float32
-``mm``, ``addmm`` and ``bmm`` on the CPU runs as products of exactly ``ROWS`` rows, the last
-tile padded with zeros: each row's result is the one it gets alone.
+of a row's sums depends neither on the other rows nor on the row's place among them. So inside
+``row_invariant()`` every float32 ``mm``, ``addmm`` and ``bmm`` on the CPU runs as products of
+exactly ``ROWS`` rows, the last tile padded with zeros: each row's result is the one it gets
+alone. The tiles are aten's own kernels (the ``out=`` overloads, which are not overridden).
 
-The tiles are aten's own kernels (the ``out=`` overloads, which are not overridden); outside the
-context, or for other dtypes and devices, the override hands the product to them whole. The GPU
-side of batch invariance is the kernels' (a fixed split of every reduction).
+Three elementwise kernels have the same fault in another form: ``sigmoid``, ``silu`` and
+``softplus`` round a value one way in the vectorised body of a buffer and another way in its
+tail, so a value's last bit depends on where it falls in the tensor. Inside the context they are
+computed from ``exp`` and ``log1p``, which round the same everywhere (within two ulps of aten's).
+Reductions along a row (norms, softmax) and the other elementwise ops the models use already
+are invariant. ``tests/kernels/test_row_invariant.py`` checks all of this, and
+``tests/engine/test_speculation_is_exact.py`` what it is for.
+
+Outside the context, or for other dtypes and devices, the overrides call aten's kernels whole.
+The GPU side of batch invariance is the kernels' (a fixed split of every reduction).
 """
 
 from __future__ import annotations
