@@ -7,50 +7,36 @@ also makes 16 requests at once give each request's output alone."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 
-from engramrt.bundled import DEFAULT_MODEL_DIR, DEFAULT_TASKS_DIR
+from engramrt.bundled import DEFAULT_MODEL_DIR
 from engramrt.engine.request import SamplingParams
 from engramrt.engine.speculative import SpecConfig
 from engramrt.runner.stage import StageRunner
 from tests.support.engine_factory import build_engine
 
-N_PROMPTS, N_TOKENS, ALONE = 16, 96, 4
+N_PROMPTS, N_TOKENS = 16, 96
+ALONE = [3, 6, 14, 15]  # without row invariance these part with drafts, one at a time
 METHODS = {
-    "ngram": SpecConfig(4, prompt_lookup_max=3, prompt_lookup_min=1),
+    "ngram": SpecConfig(4),
     "dspark": SpecConfig(3, method="dspark"),
 }
 
 
 @pytest.fixture(scope="module", params=["v41-small", "bundled"])
 def model(request) -> tuple[StageRunner, list[list[int]]]:
-    """The runner and 16 prompts: the bundled model's own held-out prompts, or word salads of
-    the random model's vocabulary, half of them a phrase repeated (n-gram drafts from the
-    prompt)."""
-    if request.param == "bundled":
-        path = DEFAULT_MODEL_DIR
-    else:
-        path = request.getfixturevalue("v41_small")
+    """The runner and 16 prompts of random ids (5 to 59 of them). Without row invariance, those
+    in ``ALONE`` part one at a time with drafts from the output without, with either method: on
+    ``v41-small`` three of them within 43 tokens, on the bundled model one at its 80th."""
+    path = DEFAULT_MODEL_DIR if request.param == "bundled" else request.getfixturevalue("v41_small")
     runner = StageRunner.load(path, num_slots=N_PROMPTS, max_len=256, dtype="float32", dspark=True)
-    cfg, enc = runner.model.cfg, runner.tokenizer
-    if request.param == "bundled":
-        lines = [
-            json.loads(line)["prompt"]
-            for task in ("recall", "in_context", "arithmetic")
-            for line in (DEFAULT_TASKS_DIR / f"{task}.jsonl").read_text().splitlines()[:6]
-        ]
-        texts = lines[:N_PROMPTS]
-    else:
-        rng = random.Random(5)
-        words = [enc.decode([t]) for t in range(16, 400)]
-        texts = [
-            "".join(rng.choice(words) for _ in range(rng.randrange(3, 12))) * (1 + i % 2)
-            for i in range(N_PROMPTS)
-        ]
-    prompts = [[cfg.bos_token_id, *enc.encode(t).ids] for t in texts]
+    rng = random.Random(0)
+    top = min(runner.model.cfg.vocab_size, 1000)
+    prompts = [
+        [rng.randrange(10, top) for _ in range(rng.randrange(5, 60))] for _ in range(N_PROMPTS)
+    ]
     return runner, prompts
 
 
@@ -96,11 +82,10 @@ def test_speculation_keeps_greedy_output(model, plain, method: str) -> None:
     assert 0 < accepted < drafted  # drafts kept and drafts rolled back
 
 
-@pytest.mark.parametrize("method", [None, *sorted(METHODS)])
-def test_one_request_at_a_time_gives_the_batched_output(model, plain, method) -> None:
-    """The issue's case: one request at a time, with or without speculation, gives what 16
-    requests at once do."""
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_one_request_at_a_time_with_drafts_gives_the_output_without(model, plain, method) -> None:
+    """The issue's case: one request at a time with drafts gives what 16 requests at once
+    without drafts give (and so what each gives alone)."""
     runner, prompts = model
-    spec = None if method is None else METHODS[method]
-    got, _ = _greedy(runner, prompts[:ALONE], spec, 1)
-    assert _first_difference(got, plain[:ALONE]) == {}
+    got, _ = _greedy(runner, [prompts[i] for i in ALONE], METHODS[method], 1)
+    assert _first_difference(got, [plain[i] for i in ALONE]) == {}

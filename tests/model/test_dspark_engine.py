@@ -312,8 +312,11 @@ def test_a_nan_row_drafts_inside_the_vocabulary_and_ends_its_request(
     the same slot gives its output alone (the torch attention once weighed the earlier owner's
     NaN rows, which its window cannot see, by 0: NaN). On CUDA the kernels, on the CPU the
     torch paths."""
-    victim, neighbour = PROMPTS[0], PROMPTS[1]
-    token = next(t for t in victim if t not in neighbour)
+    neighbour = PROMPTS[1]
+    token = next(t for t in PROMPTS[0] if t not in neighbour)
+    # last, so its own row is NaN: an earlier one reaches the logits only through attention,
+    # which on CUDA never picks a NaN compressed entry (the top-k takes no NaN score)
+    victim = [*PROMPTS[0], token]
     model = edited_model(tmp_path / "m", poison("embed.weight", token), src=v41_small)
     runner = StageRunner.load(
         model, num_slots=1, max_len=256, device=device, dtype="float32", dspark=True
