@@ -22,16 +22,16 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engramrt.kernels.row_invariant import row_invariant
 from engramrt.models.deepseek_v41 import dspark
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner
 from tests.model.test_v41_engine import ends_of
-from tests.model.test_v41_reference import (
+from tests.model.test_v41_reference import (  # noqa: F401 - the autouse fixture too
     BLOCK_TABLE,
     PROMPT,
     TOKENS,
     Reference,
+    _engramrt_cpu_kernels,
     act_rt,
     dequant,
     hc_post,
@@ -168,15 +168,6 @@ class DSparkReference(Reference):
         hidden = torch.cat([y, torch.stack(embs)], -1).float()
         conf = F.linear(hidden, W[pf + "confidence_head.proj.weight"].float()).squeeze(-1)
         return torch.tensor(out[1:]), logits, conf
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _engramrt_cpu_kernels():
-    """The restatement runs on the CPU kernels engramrt's steps run on (``row_invariant``): a
-    kernel's last bit is torch's choice, not V4.1's, and FP8 round trips would carry it to
-    another grid point."""
-    with row_invariant():
-        yield
 
 
 @pytest.fixture(scope="module")
