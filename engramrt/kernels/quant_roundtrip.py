@@ -81,6 +81,52 @@ def _roundtrip_kernel(
     tl.store(out_ptr + offs, on_grid(g, scale, inv, KIND).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _e4m3_bits(q):
+    """fp32 values on E4M3's grid as their E4M3 bytes, by moving bits (no conversion
+    instruction: the same bits in the interpreter and on any GPU): exponent rebiased from 127
+    to 7 with the top three mantissa bits, or a subnormal's multiple of 2**-9."""
+    bits = q.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    normal = (((mag >> 23) - 120) << 3) | ((mag >> 20) & 7)
+    sub = (tl.abs(q) * 512.0).to(tl.int32)  # exact: 0 .. 7 multiples of 2**-9
+    return (sign | tl.where(mag >= 0x3C800000, normal, sub)).to(tl.uint8)
+
+
+@triton.jit
+def act_codes_of(g):
+    """``act_quant`` of blocks ``g`` [blocks, 32] (fp32): (E4M3 codes, fp32 scales [blocks]):
+    the round trip's grid point, as its code (exact: it lies on E4M3's grid)."""
+    scale, inv = block_scales(tl.max(tl.abs(g), axis=1), 0)
+    q = round_to_grid(tl.minimum(tl.maximum(g * inv[:, None], -448.0), 448.0), 3, -6)
+    return _e4m3_bits(q).to(tl.float8e4nv, bitcast=True), scale
+
+
+@triton.jit
+def _act_codes_kernel(x_ptr, codes_ptr, scale_ptr, n_blocks, NB: tl.constexpr):
+    blk = tl.program_id(0) * NB + tl.arange(0, NB)
+    offs = blk[:, None].to(tl.int64) * 32 + tl.arange(0, 32)[None, :]
+    mask = blk[:, None] < n_blocks
+    codes, scale = act_codes_of(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+    tl.store(codes_ptr + offs, codes, mask=mask)
+    tl.store(scale_ptr + blk, scale, mask=blk < n_blocks)
+
+
+def act_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant.act_quant(x)`` in one launch: E4M3 codes ``[..., K]`` and fp32 scales
+    ``[..., K / 32]``."""
+    if x.shape[-1] % 32:
+        raise ValueError(f"the last dim ({x.shape[-1]}) must be a multiple of 32")
+    x = x.contiguous()
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(*x.shape[:-1], x.shape[-1] // 32, dtype=torch.float32, device=x.device)
+    n_blocks = x.numel() // 32
+    if n_blocks:
+        _act_codes_kernel[(triton.cdiv(n_blocks, NB),)](x, codes, scale, n_blocks, NB=NB)
+    return codes, scale
+
+
 def roundtrip(x: torch.Tensor, kind: int) -> torch.Tensor:
     """``x`` through the ``kind`` round trip, in ``x``'s dtype (blocks along the last dim)."""
     block = BLOCK_OF[kind]

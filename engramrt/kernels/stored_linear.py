@@ -1,36 +1,75 @@
-"""DeepSeek-V4.1's FP8 and FP4 linears reading their weights as the checkpoint stores them: no
-dequantised copy of a weight is ever written.
+"""DeepSeek-V4.1's FP8 and FP4 linears on the FP8 tensor cores, reading their weights as the
+checkpoint stores them: no dequantised copy of a weight is ever written.
 
-``y[m, n] = sum_k a[m, k] w[n, k]`` where ``a`` is the activation after ``act_quant`` (E4M3 per
-32 with a power-of-two scale: exact in bf16) and ``w`` the stored codes (E4M3 bytes, or E2M1
-codes two a byte, the even element low) times their E8M0 scales (32 x 32 blocks, or one per 32
-inputs), decoded in the kernel. Every product is exact and sums in fp32, so the result is the
-torch path's (``quant.quantized_linear``) up to the order of the fp32 sums.
+``y[m, n] = sum_k a[m, k] w[n, k]`` where ``a`` is the activation after ``act_quant`` (E4M3 codes
+and a power-of-two scale per 32 inputs) and ``w`` the stored codes (E4M3 bytes with 32 x 32
+E8M0 scales, or E2M1 codes two a byte, the even element low, with an E8M0 scale per 32 inputs).
+Each 32-input block is one FP8 tensor-core product of codes, scaled on the accumulator by its
+two scales (the block scaling DeepGEMM does per 128). E2M1 codes become E4M3 bytes by moving
+their bits (``code * 2**-6`` exactly, subnormal 0.5 included), four codes a 32-bit operation on
+a GPU; the 2**6 joins the scale.
 
-Decode-sized inputs (a few rows) split K across programs so that a GEMV fills the GPU; the
-partial sums are added in a fixed order afterwards (no atomics: the same inputs give the same
-bits).
+Batch invariant by construction: the launch settings depend on the weight's shape only, never
+on the row count, and every row's sum runs over the same blocks in the same order (rows are
+the tensor cores' narrow dimension: weights fill the wide one). Split K is summed in a fixed
+order by the last program of a tile (no atomics on values, no extra launch), so the same row
+gives the same bits alone or among 63 others.
 """
 
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from engramrt.kernels.quant_roundtrip import act_codes
+
 SMS = 132  # H200; only a split heuristic
-BLOCK_K = 128
-BN = 64  # output features a program computes
+# rows a program: the tensor cores' narrow side, 16 for decode-sized steps, 64 above (fewer
+# reads of each weight tile); a row's operations are the same in either
+BM, BM_LARGE, LARGE_ROWS = 16, 64, 64
+SPREAD_BELOW = 2 * SMS  # tiles under which each K range takes a program of its own
+MAX_TILES = 1 << 16  # split-K tiles in flight a launch (their arrival counters)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _e2m1(code):
-    """4-bit E2M1 codes as fp32, built from their bits: exponent ``e`` and mantissa ``m`` are
-    ``m / 2`` at ``e = 0`` and ``(1 + m / 2) 2**(e-1)`` above, bit 3 the sign (no table: a
-    gather per code was the first version's bottleneck)."""
-    e, m = (code >> 1) & 3, code & 1
-    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+def _e2m1_to_e4m3(byte, ASM: tl.constexpr):
+    """A byte's two E2M1 codes (even element low) as E4M3 values ``code * 2**-6``: sign to bit
+    7, exponent and mantissa two bits up. ``ASM``: four bytes a 32-bit register (Hopper
+    converts slowly element by element); else per element (the interpreter's form)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1;
+            and.b32 t0, $2, 0x08080808;
+            shl.b32 t0, t0, 4;
+            and.b32 t1, $2, 0x07070707;
+            shl.b32 t1, t1, 2;
+            or.b32 $0, t0, t1;
+            and.b32 t0, $2, 0x80808080;
+            and.b32 t1, $2, 0x70707070;
+            shr.b32 t1, t1, 2;
+            or.b32 $1, t0, t1;
+            }""",
+            constraints="=r,=r,r",
+            args=[byte],
+            dtype=(tl.uint8, tl.uint8),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        b = byte.to(tl.int32)
+        lo = (((b & 0x08) << 4) | ((b & 0x07) << 2)).to(tl.uint8)
+        hi = ((b & 0x80) | ((b & 0x70) >> 2)).to(tl.uint8)
+    lo = lo.to(tl.float8e4nv, bitcast=True)
+    hi = hi.to(tl.float8e4nv, bitcast=True)
+    return tl.join(lo, hi)  # [..., 2]: element 2j, 2j + 1
 
 
 @triton.jit
@@ -40,198 +79,302 @@ def _e8m0(raw):
 
 
 @triton.jit
-def _spread(scale, BN: tl.constexpr, G: tl.constexpr, WIDTH: tl.constexpr):
-    """Scales [BN, G] repeated over each group's columns: [BN, WIDTH] (a tile's scales loaded
-    once each; a per-element gather costs the 16- and 64-row tiles 2-5x)."""
-    return tl.reshape(tl.broadcast_to(scale[:, :, None], [BN, G, WIDTH // G]), [BN, WIDTH])
-
-
-@triton.jit
-def _dot_acc(acc, a, w, IEEE: tl.constexpr):
-    """``acc + a @ w.T`` with ``w`` (exact values) in ``a``'s dtype."""
-    if IEEE:
-        acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision="ieee")
-    else:
-        acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+def _blocks_sum(
+    a_ptr,
+    sa_ptr,
+    w_ptr,
+    sw_ptr,
+    src,
+    live,
+    rm,
+    rn,
+    nmask,
+    K,
+    kb0,
+    kb_stop,
+    FP4: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    G: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """``[BN, BM]``: K blocks ``[kb0, kb_stop)`` in ascending order, each an FP8 tensor-core
+    product of 32 codes scaled by its two scales, summed in fp32 from zero."""
+    blocks = K // 32
+    rn64 = rn.to(tl.int64)
+    c32 = tl.arange(0, 32)
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for kb in range(kb0, kb_stop, G):
+        for g in tl.static_range(G):
+            b = kb + g
+            # (vectors: the interpreter cannot mask with a scalar)
+            kok = b * 32 + c32 < kb_stop * 32
+            a = tl.load(
+                a_ptr + src[:, None] * K + b * 32 + c32[None, :],
+                mask=live[:, None] & kok[None, :],
+                other=0.0,
+            )
+            sa = tl.load(sa_ptr + src * blocks + b, mask=live & (rm * 0 + b < kb_stop), other=0.0)
+            nok = nmask & (rn * 0 + b < kb_stop)
+            if FP4:
+                c16 = tl.arange(0, 16)
+                byte = tl.load(
+                    w_ptr + rn64[:, None] * (K // 2) + b * 16 + c16[None, :],
+                    mask=nok[:, None] & (c16[None, :] < 16),
+                    other=0,
+                )
+                w = tl.reshape(_e2m1_to_e4m3(byte, ASM), [BN, 32])
+                sw = _e8m0(tl.load(sw_ptr + rn64 * blocks + b, mask=nok, other=127))
+                sw = sw * 64.0
+            else:
+                w = tl.load(
+                    w_ptr + rn64[:, None] * K + b * 32 + c32[None, :],
+                    mask=nok[:, None] & kok[None, :],
+                    other=0,
+                ).to(tl.float8e4nv, bitcast=True)
+                sw = _e8m0(tl.load(sw_ptr + (rn64 // 32) * blocks + b, mask=nok, other=127))
+            d = tl.dot(w, tl.trans(a))
+            acc += d * (sw[:, None] * sa[None, :])
     return acc
 
 
-# the row count varies by step (and, in the eager per-expert loop, by routing): specialising
-# on it compiled a variant while serving
-@triton.jit(do_not_specialize=["M"])
+# the row count varies by step (and by routing): specialising on it compiled variants while
+# serving
+@triton.jit(do_not_specialize=["M", "R", "SPLITS", "PROGRAMS"])
 def _stored_linear_kernel(
-    a_ptr,
+    a_ptr,  # E4M3 codes [R, K]
+    sa_ptr,  # fp32 scales [R, K / 32]
     w_ptr,
-    s_ptr,
-    out_ptr,
-    tiles_ptr,
+    sw_ptr,
+    out_ptr,  # [M, N]
+    part_ptr,  # fp32 [SPLITS, M, N] when PROGRAMS > 1
+    count_ptr,  # int32 arrival counters, zero between launches
+    rows_ptr,  # GATHER: the activation row of each output row
+    tiles_ptr,  # GROUPED: (expert, lo, hi) a row tile
     M,
+    R,
     N,
     K,
-    K_SPLIT,
+    BLOCKS_SPLIT,
     W_STRIDE,
     S_STRIDE,
+    SPLITS,
+    PROGRAMS,
     FP4: tl.constexpr,
-    IEEE: tl.constexpr,
     GROUPED: tl.constexpr,
+    GATHER: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
-    BK: tl.constexpr,
+    G: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """``GROUPED``: program ``pid_m`` takes the rows ``[lo, hi)`` of ``tiles[pid_m]`` = (expert,
-    lo, hi) against expert ``e``'s weight (``W_STRIDE`` / ``S_STRIDE`` apart); an empty tile
-    loads nothing. FP4 bytes are read once each: even inputs against low nibbles, odd ones
-    against high nibbles."""
-    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Program (row tile, feature tile, k program): ``BN`` features x ``BM`` rows. K is cut
+    into ``SPLITS`` ranges of ``BLOCKS_SPLIT`` blocks, each summed from zero, and the ranges'
+    sums added in order from zero: by ``SPLITS`` programs, the last to arrive adding the
+    partials (``PROGRAMS == SPLITS``, few rows), or by one program in turn (``PROGRAMS == 1``,
+    many rows): the same operations, so the same bits. ``GROUPED``: row tile ``pid_m`` is
+    ``tiles[pid_m]`` against its expert's weight (``W_STRIDE`` / ``S_STRIDE`` apart); an empty
+    tile reads nothing."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if GROUPED:
         e = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
-        lo, hi = tl.load(tiles_ptr + 3 * pid_m + 1), tl.load(tiles_ptr + 3 * pid_m + 2)
+        lo, end = tl.load(tiles_ptr + 3 * pid_m + 1), tl.load(tiles_ptr + 3 * pid_m + 2)
         w_ptr += e * W_STRIDE
-        s_ptr += e * S_STRIDE
-        rm = lo + tl.arange(0, BM)
-        end = hi
+        sw_ptr += e * S_STRIDE
     else:
         lo, end = pid_m * BM, M
-        rm = lo + tl.arange(0, BM)
+    rm = lo + tl.arange(0, BM)
+    live = rm < end
+    src = tl.load(rows_ptr + rm, mask=live, other=0) if GATHER else rm
+    src = src.to(tl.int64)
     rn = pid_n * BN + tl.arange(0, BN)
-    rn64 = rn[:, None].to(tl.int64)
-    a_rows = a_ptr + rm[:, None].to(tl.int64) * K
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    row = tl.zeros([BN], dtype=tl.float32)  # BM == 1: a GEMV, fp32 FMAs, no 16-row dot
-    k_start = split * K_SPLIT
-    live = (tl.zeros([BN, 1], dtype=tl.int64) + lo) < end  # an empty tile reads no weights
-    nmask = (rn[:, None] < N) & live
-    G: tl.constexpr = BK // 32  # scale groups a step
-    k_stop = tl.minimum(k_start + K_SPLIT, K)
-    if BM == 1:  # an empty grouped tile loops zero times (masked loops cost bs 1 ~3.5 ms a step)
-        k_stop = tl.where(lo < end, k_stop, k_start)
-    for k0 in range(k_start, k_stop, BK):
-        kg = k0 // 32 + tl.arange(0, G)
-        if FP4:
-            kp = k0 // 2 + tl.arange(0, BK // 2)  # byte columns; inputs 2 kp and 2 kp + 1
-            pm = nmask & (kp[None, :] < K // 2)
-            byte = tl.load(w_ptr + rn64 * (K // 2) + kp[None, :], mask=pm, other=0)
-            byte = byte.to(tl.int32) & 0xFF
-            if BM == 1:  # the GEMV: each scale gathered per element (the faster form here)
-                sc = _e8m0(
-                    tl.load(s_ptr + rn64 * (K // 32) + kp[None, :] // 16, mask=pm, other=127)
-                )
-            else:
-                sc = _spread(
-                    _e8m0(
-                        tl.load(
-                            s_ptr + rn64 * (K // 32) + kg[None, :],
-                            mask=nmask & (kg[None, :] < K // 32),
-                            other=127,
-                        )
-                    ),
-                    BN,
-                    G,
-                    BK // 2,
-                )
-            w_even, w_odd = _e2m1(byte & 15) * sc, _e2m1(byte >> 4) * sc
-            am = (rm[:, None] < end) & (kp[None, :] < K // 2)
-            a_even = tl.load(a_rows + 2 * kp[None, :], mask=am, other=0.0)
-            a_odd = tl.load(a_rows + 2 * kp[None, :] + 1, mask=am, other=0.0)
-            if BM == 1:
-                row += tl.sum(w_even * a_even.to(tl.float32) + w_odd * a_odd.to(tl.float32), 1)
-            else:
-                acc = _dot_acc(acc, a_even, w_even, IEEE)
-                acc = _dot_acc(acc, a_odd, w_odd, IEEE)
-        else:
-            rk = k0 + tl.arange(0, BK)
-            wm = nmask & (rk[None, :] < K)
-            byte = tl.load(w_ptr + rn64 * K + rk[None, :], mask=wm, other=0)
-            srow = s_ptr + (rn64 // 32) * tl.cdiv(K, 32)
-            if BM == 1:
-                sc = _e8m0(tl.load(srow + rk[None, :] // 32, mask=wm, other=127))
-            else:
-                sc = _spread(
-                    _e8m0(
-                        tl.load(
-                            srow + kg[None, :],
-                            mask=nmask & (kg[None, :] < tl.cdiv(K, 32)),
-                            other=127,
-                        )
-                    ),
-                    BN,
-                    G,
-                    BK,
-                )
-            w = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
-            a = tl.load(
-                a_rows + rk[None, :], mask=(rm[:, None] < end) & (rk[None, :] < K), other=0.0
-            )
-            if BM == 1:
-                row += tl.sum(w * a.to(tl.float32), axis=1)
-            else:
-                acc = _dot_acc(acc, a, w, IEEE)
-    if BM == 1:
-        acc = row[None, :]
-    out = out_ptr + split.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(out, acc, mask=(rm[:, None] < end) & (rn[None, :] < N))
+    nmask = rn < N
+    blocks = K // 32
+    total = tl.zeros([BN, BM], dtype=tl.float32)
+    mine = SPLITS // PROGRAMS
+    for s in range(pid_k * mine, pid_k * mine + mine):
+        kb0 = s * BLOCKS_SPLIT
+        kb_stop = tl.minimum(kb0 + BLOCKS_SPLIT, blocks)
+        kb_stop = tl.where(lo < end, kb_stop, kb0)  # an empty tile loops zero times
+        total += _blocks_sum(
+            a_ptr,
+            sa_ptr,
+            w_ptr,
+            sw_ptr,
+            src,
+            live,
+            rm,
+            rn,
+            nmask,
+            K,
+            kb0,
+            kb_stop,
+            FP4,
+            BM,
+            BN,
+            G,
+            ASM,
+        )
+    outs = out_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
+    omask = live[None, :] & nmask[:, None]
+    if PROGRAMS == 1:
+        tl.store(outs, total.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        # each split's sum to memory; the last to arrive adds them in split order
+        parts = part_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
+        tl.store(parts + pid_k.to(tl.int64) * M * N, total, mask=omask)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == PROGRAMS - 1:
+            total = tl.zeros([BN, BM], dtype=tl.float32)
+            for p in range(PROGRAMS):
+                total += tl.load(parts + p * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.store(outs, total.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(count_ptr + tile, 0)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """The split-K arrival counters of ``device``, zeroed once: each tile's last program sets
+    its counter back to zero (so a CUDA graph replays with them zero)."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+# launch settings by weight shape, (features a program, blocks an iteration, warps, stages,
+# splits), written by ``python -m benchmarks.linear_sweep --write`` on an H200; other shapes
+# take ``_default``
+TUNED_FILE = Path(__file__).with_name("stored_linear_tuned.json")
+
+
+def _tuned() -> dict[tuple[bool, int, int], tuple[int, int, int, int, int]]:
+    if not TUNED_FILE.exists():
+        return {}
+    raw = json.loads(TUNED_FILE.read_text())
+    return {(e["fp4"], e["n"], e["k"]): tuple(e["config"]) for e in raw["shapes"]}
+
+
+TUNED = _tuned()
+
+
+def _default(fp4: bool, n: int, k: int, programs: int) -> tuple[int, int, int, int, int]:
+    """Split K until ``programs`` feature tiles (times the expert tiles a launch expects) fill
+    every multiprocessor twice; never less than four blocks a split."""
+    bn = 64 if fp4 else 128
+    tiles = triton.cdiv(n, bn) * programs
+    blocks = k // 32
+    splits = max(1, min(blocks // 4, triton.cdiv(2 * SMS, tiles), 16))
+    return bn, 2, 4, 3, splits
+
+
+def settings(fp4: bool, n: int, k: int, programs: int = 1) -> tuple[int, int, int, int, int]:
+    """(BN, G, warps, stages, splits) for a weight's shape: never the row count."""
+    return TUNED.get((fp4, n, k)) or _default(fp4, n, k, programs)
 
 
 def _launch(
-    a, weight, scale, fp4, grid_m, bm, splits, tiles, bn=BN, bk=BLOCK_K, warps=4
+    codes: torch.Tensor,
+    sa: torch.Tensor,
+    dtype: torch.dtype,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    fp4: bool,
+    rows_out: int,
+    config: tuple[int, int, int, int, int],
+    rows: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    m, k = a.shape
-    if k % 32:
-        raise ValueError(f"inputs must come in whole 32-wide scale blocks, got {k}")
+    k = codes.shape[-1]
     n = weight.shape[-2]
-    steps = triton.cdiv(k, bk)
-    per = triton.cdiv(steps, splits) * bk
-    splits = triton.cdiv(k, per)
-    part = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
-    grid = (triton.cdiv(n, bn), grid_m, splits)
-    grouped = tiles is not None
+    bn, g, warps, stages, splits = config
+    tiles = None
+    if counts is None:
+        bm = BM if rows_out <= LARGE_ROWS else BM_LARGE
+        grid_m = triton.cdiv(rows_out, bm)
+    else:  # by the rows an expert averages
+        bm = BM if rows_out <= BM * len(counts) else BM_LARGE
+        tiles = group_tiles(counts, rows_out, bm)
+        grid_m = len(tiles)
+    blocks = k // 32
+    per = triton.cdiv(triton.cdiv(blocks, splits), g) * g
+    splits = triton.cdiv(blocks, per)
+    out = torch.empty(rows_out, n, dtype=dtype, device=codes.device)
+    if rows_out == 0:
+        return out
+    # a program a split while the tiles alone leave multiprocessors idle
+    programs = splits if grid_m * triton.cdiv(n, bn) < SPREAD_BELOW else 1
+    grid = (grid_m, triton.cdiv(n, bn), programs)
+    if programs > 1 and grid[0] * grid[1] > MAX_TILES:
+        raise ValueError(f"{grid[0] * grid[1]} tiles exceed the {MAX_TILES} counters")
+    part = (
+        torch.empty(splits, rows_out, n, dtype=torch.float32, device=codes.device)
+        if programs > 1
+        else out
+    )
     _stored_linear_kernel[grid](
-        a,
+        codes,
+        sa,
         weight.view(torch.uint8),
         scale.view(torch.uint8),
+        out,
         part,
-        tiles if grouped else a,
-        m,
+        _arrivals(codes.device),
+        rows if rows is not None else sa,
+        tiles if tiles is not None else sa,
+        rows_out,
+        len(codes),
         n,
         k,
         per,
-        weight[0].numel() if grouped else 0,
-        scale[0].numel() if grouped else 0,
+        weight[0].numel() if tiles is not None else 0,
+        scale[0].numel() if tiles is not None else 0,
+        splits,
+        programs,
         FP4=fp4,
-        IEEE=a.dtype == torch.float32,
-        GROUPED=grouped,
+        GROUPED=tiles is not None,
+        GATHER=rows is not None,
         BM=bm,
         BN=bn,
-        BK=bk,
+        G=g,
+        ASM=not _INTERPRET,
         num_warps=warps,
+        num_stages=stages,
     )
-    return (part[0] if splits == 1 else part.sum(0)).to(a.dtype)
+    return out
 
 
-def _settings(rows: int, fp4: bool) -> tuple[int, int, int]:
-    """(rows a tile, output features a program, warps) for ``rows`` rows a weight, from a
-    sweep of launch settings on an H200 (benchmarks/HISTORY.md, 2026-12-01): an FP8 GEMV reads
-    128 features a program with 8 warps (half the time of 64 with 4), an FP4 one 64 with 4; FP4
-    tiles stop at 16 rows (64-row tiles decode every weight for rows an expert mostly lacks: 2x
-    slower)."""
-    if rows == 1:
-        return (1, 64, 4) if fp4 else (1, 128, 8)
-    return (16, BN, 4) if rows <= 16 or fp4 else (64, BN, 4)
+class Codes(NamedTuple):
+    """An activation through ``act_quant`` (E4M3 codes [R, K], fp32 scales [R, K / 32]) and the
+    dtype products of it come out in: quantised once, read by every linear it feeds."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantize(x: torch.Tensor | Codes) -> Codes:
+    """``x`` [R, K] as the codes the kernel reads (one launch); ``Codes`` as they are."""
+    if isinstance(x, Codes):
+        return x
+    if x.shape[-1] % 32:
+        raise ValueError(f"inputs must come in whole 32-wide scale blocks, got {x.shape[-1]}")
+    return Codes(*act_codes(x), x.dtype)
 
 
 def stored_linear(
-    a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp4: bool
+    x: torch.Tensor | Codes, weight: torch.Tensor, scale: torch.Tensor, fp4: bool
 ) -> torch.Tensor:
-    """``a`` [M, K] (already through ``act_quant``, bf16 or fp32) times the stored weight
-    (``weight`` E4M3 ``[N, K]`` with 32 x 32 scales, or I8 ``[N, K / 2]`` with a scale per 32;
-    scales as E8M0 bytes); out ``[M, N]`` in ``a``'s dtype."""
-    m, k = a.shape
-    n = weight.shape[0]
-    a = a.contiguous()
-    bm, bn, warps = _settings(m, fp4)
-    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-    splits = max(1, min(triton.cdiv(k, BLOCK_K), 2 * SMS // tiles)) if m <= 16 else 1
-    return _launch(a, weight, scale, fp4, triton.cdiv(m, bm), bm, splits, None, bn, warps=warps)
+    """``x`` [M, K] through ``act_quant`` (or its ``Codes``) times the stored weight (``weight``
+    E4M3 ``[N, K]`` with 32 x 32 scales, or I8 ``[N, K / 2]`` with a scale per 32; scales as
+    E8M0 bytes); out ``[M, N]`` in ``x``'s dtype. ``x`` may already be on ``act_quant``'s grid
+    (a round trip of it is exact)."""
+    q = quantize(x)
+    n, k = weight.shape[0], q.codes.shape[-1]
+    return _launch(*q, weight, scale, fp4, len(q.codes), settings(fp4, n, k))
 
 
 def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
@@ -251,12 +394,21 @@ def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
 
 
 def grouped_stored_linear(
-    a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp4: bool, counts: torch.Tensor
+    x: torch.Tensor | Codes,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    fp4: bool,
+    counts: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    experts_hint: int = 8,
 ) -> torch.Tensor:
-    """Rows of ``a`` [R, K] sorted by expert (``counts`` [E] rows each) times their expert's
-    stored weight (``weight`` [E, N, ...], ``scale`` [E, ...]): one launch for every expert
-    (a mixture-of-experts layer's). Out ``[R, N]``."""
-    rows = len(a)
-    bm, bn, warps = _settings(-(-rows // len(counts)), fp4)  # by the rows an expert averages
-    tiles = group_tiles(counts, rows, bm)
-    return _launch(a.contiguous(), weight, scale, fp4, len(tiles), bm, 1, tiles, bn, warps=warps)
+    """Rows sorted by expert (``counts`` [E] rows each) times their expert's stored weight
+    (``weight`` [E, N, ...], ``scale`` [E, ...]) in one launch. The rows are ``x`` [R, K]'s
+    (through ``act_quant``), or, given ``rows`` [P], ``x[rows]`` (the gather happens in the
+    kernel: each token is quantised once). Out ``[P, N]``. ``experts_hint``: the experts a
+    launch is expected to touch (sets the split, never from the routing)."""
+    q = quantize(x)
+    p = len(rows) if rows is not None else len(q.codes)
+    n, k = weight.shape[-2], q.codes.shape[-1]
+    config = settings(fp4, n, k, experts_hint)
+    return _launch(*q, weight, scale, fp4, p, config, rows, counts)

@@ -72,3 +72,18 @@ def test_roundtrip_keeps_the_shape_and_refuses_partial_blocks() -> None:
     assert roundtrip(x[:, :0], ACT).shape == (2, 0, 64)
     with pytest.raises(ValueError, match="multiple of 16"):
         roundtrip(torch.randn(4, 24, device=DEVICE), FP4_E4M3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_codes_are_act_quants(dtype: torch.dtype) -> None:
+    """The codes and scales the FP8 tensor cores take, bit for bit ``quant.act_quant``'s, on
+    wide random values and the adversarial grid (ties, zero blocks, saturation)."""
+    from engramrt.kernels.quant_roundtrip import act_codes
+
+    g = torch.Generator().manual_seed(11)
+    wide = torch.randn(9, 96, generator=g) * 10.0 ** torch.randint(-5, 5, (9, 1), generator=g)
+    for x in (wide.to(dtype), adversarial(ACT, dtype)):
+        codes, scale = act_codes(x.to(DEVICE))
+        want_codes, want_scale = quant.act_quant(x)
+        assert torch.equal(codes.cpu().view(torch.uint8), want_codes.view(torch.uint8))
+        assert torch.equal(scale.cpu(), want_scale)

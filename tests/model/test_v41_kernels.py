@@ -189,15 +189,13 @@ def test_prefix_hits_after_graph_steps_equal_cold_runs(v41_small: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_expert_warm_up_covers_every_row_count(v41_small: Path) -> None:
-    """After ``V41MoE.warm_up`` (the stored-format kernel's compiled variants dropped first), an
-    expert given any row count the per-expert loop can give it (1 to ``STORED_KERNEL_ROWS``;
-    above, cuBLAS) compiles nothing: serving met one such variant when routing gave an expert
-    few rows of a long step."""
+def test_moe_warm_up_covers_every_token_count(v41_small: Path) -> None:
+    """After ``V41MoE.warm_up`` (the stored-format kernel's compiled variants dropped first), the
+    MoE given any token count and routing (its experts' row tiles follow the rows an expert
+    averages) compiles nothing: serving once met such a variant mid-step."""
     from engramrt.kernels import stored_linear
     from engramrt.kernels.compiles import compilations, count_compilations, recent
     from engramrt.models.deepseek_v41.moe import V41MoE
-    from engramrt.models.deepseek_v41.quant import STORED_KERNEL_ROWS
 
     kernel = stored_linear._stored_linear_kernel
     if not count_compilations() or not hasattr(kernel, "device_caches"):
@@ -209,9 +207,10 @@ def test_expert_warm_up_covers_every_row_count(v41_small: Path) -> None:
     moe.warm_up(torch.bfloat16)
     before = compilations()
     assert before > start  # the warm-up compiled (the caches were empty)
-    x = torch.randn(STORED_KERNEL_ROWS, moe.gate.weight.shape[1], device="cuda").bfloat16()
-    for rows in range(1, STORED_KERNEL_ROWS + 1):
-        moe.experts[rows % len(moe.experts)](x[:rows], torch.ones(rows, 1, device="cuda"))
+    tokens = 3 * stored_linear.BM * len(moe.experts)
+    x = torch.randn(tokens, moe.gate.weight.shape[1], device="cuda").bfloat16()
+    for t in (*range(1, 70), tokens // 2, tokens):
+        moe(x[:t])
     torch.cuda.synchronize()
     assert compilations() == before, recent()
 

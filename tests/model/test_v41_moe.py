@@ -117,9 +117,10 @@ def test_image_tokens_route_with_their_own_bias() -> None:
 @pytest.mark.triton
 @pytest.mark.parametrize("tokens", [2, 24])  # one-row expert tiles; 16-row ones
 def test_grouped_kernels_equal_the_restatement(tokens: int) -> None:
-    """The routed experts in two grouped launches (``V41MoE._grouped``: rows sorted by expert,
-    on device, no host sync) against the token-by-token restatement; every expert's tensors are
-    views of the stacked ones afterwards (one copy in memory)."""
+    """The experts in grouped launches (``V41MoE._grouped``: routed rows sorted by expert, on
+    device, no host sync; the SwiGLU and the combine fused, the shared expert after the routed
+    ones) against the token-by-token restatement; every expert's tensors are views of the
+    stacked ones afterwards (one copy in memory)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's dot: fp32
     moe = small_moe(5).to(device)
@@ -127,11 +128,13 @@ def test_grouped_kernels_equal_the_restatement(tokens: int) -> None:
     weights, ids = moe.route(x.to(device))
     got = moe._grouped(x.to(device), weights, ids).cpu().double()
     assert moe.experts[3].w3.weight.data_ptr() == moe.stack[0][3, INTER:].data_ptr()
+    assert moe.shared_experts.w3.scale.data_ptr() == moe.stack[5][INTER // 32 :].data_ptr()
     want_ids, want_w = restated_route(moe.cpu(), x)
     for t in range(tokens):
         y = torch.zeros(DIM, dtype=torch.float64)
         for e, w in sorted(zip(want_ids[t], want_w[t], strict=True)):
             y += restated_expert(moe.experts[e], x[t : t + 1], w)[0].double()
+        y += restated_expert(moe.shared_experts, x[t : t + 1], None)[0].double()
         scale = float(y.abs().max())
         torch.testing.assert_close(got[t], y, rtol=1e-2, atol=1e-2 * scale)
 

@@ -108,26 +108,33 @@ class V41MoE(nn.Module):
         self.stack: tuple[torch.Tensor, ...] | None = None  # ``_stacked``
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The routed experts as ``Expert.forward`` computes them, in two grouped launches over
-        the (token, expert) pairs sorted by expert, without a host sync; each token's outputs
-        added in ascending expert id (the torch path's order)."""
-        from engramrt.kernels.stored_linear import grouped_stored_linear
+        """The experts as ``Expert.forward`` computes them, the routed ones in two grouped
+        launches over the (token, expert) pairs sorted by expert, without a host sync: ``x``
+        quantised once for every expert, the SwiGLU, routing weight and the down projection's
+        quantisation in one launch, and each token's outputs added in ascending expert id and
+        then the shared expert's (the torch path's order) in one. Out: fp32 sums."""
+        from engramrt.kernels.moe_epilogues import combine, swiglu_codes
+        from engramrt.kernels.stored_linear import (
+            Codes,
+            grouped_stored_linear,
+            quantize,
+            stored_linear,
+        )
 
-        w13, s13, w2, s2 = self._stacked()
+        w13, s13, w2, s2, shared13, shared_s13 = self._stacked()
+        q = quantize(x)
         pairs = ExpertPairs(ids, len(self.experts))
-        a = quant.act_roundtrip(x)[pairs.order // ids.shape[1]]
-        h = grouped_stored_linear(a, w13, s13, True, pairs.counts)
-        gate, up = h.chunk(2, dim=-1)
-        h = clamped_swiglu(
-            gate, up, self.shared_experts.limit, weights.flatten()[pairs.order, None]
-        )
-        return pairs.combine(
-            grouped_stored_linear(quant.act_roundtrip(h.to(x.dtype)), w2, s2, True, pairs.counts)
-        )
+        k, shared, limit = ids.shape[1], self.shared_experts, self.shared_experts.limit
+        h = grouped_stored_linear(q, w13, s13, True, pairs.counts, pairs.order // k, k)
+        h = Codes(*swiglu_codes(h, limit, weights.flatten()[pairs.order]), x.dtype)
+        routed = grouped_stored_linear(h, w2, s2, True, pairs.counts, None, k)
+        h = Codes(*swiglu_codes(stored_linear(q, shared13, shared_s13, False), limit), x.dtype)
+        shared_out = stored_linear(h, shared.w2.weight, shared.w2.scale, False)
+        return combine(routed, pairs.by_id, shared_out)
 
     def _looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Each routed expert over its tokens' rows (ascending, as ``_grouped`` sorts them) in a
-        launch of its own: one host sync for the counts."""
+        """The torch path: each routed expert over its tokens' rows (ascending, as ``_grouped``
+        sorts them)."""
         pairs = ExpertPairs(ids, len(self.experts))
         counts = pairs.counts.tolist()
         xs = take_rows(x, pairs.order // ids.shape[1]).split(counts)
@@ -137,8 +144,9 @@ class V41MoE(nn.Module):
 
     def _stacked(self) -> tuple[torch.Tensor, ...]:
         """Every routed expert's weights in one tensor per kind (``w1`` above ``w3`` per
-        expert, then ``w2``), with their scales; built at the first use on a device, after
-        which each expert's tensors are views of them (one copy in memory)."""
+        expert, then ``w2``), with their scales, and the shared expert's ``w1`` above its
+        ``w3``; built at the first use on a device, after which each expert's tensors are views
+        of them (one copy in memory)."""
         if self.stack is None or self.stack[0].device != self.experts[0].w1.weight.device:
             ex, n = self.experts, self.experts[0].w1.weight.shape[0]
             parts = [
@@ -155,6 +163,13 @@ class V41MoE(nn.Module):
                     s13[i, n:],
                 )
                 e.w2.weight, e.w2.scale = w2[i], s2[i]
+            sh = self.shared_experts
+            for b in ("weight", "scale"):
+                both = torch.cat([getattr(sh.w1, b), getattr(sh.w3, b)])
+                rows = len(getattr(sh.w1, b))
+                setattr(sh.w1, b, both[:rows])
+                setattr(sh.w3, b, both[rows:])
+                parts.append(both)
             self.stack = tuple(parts)
         return self.stack
 
@@ -175,35 +190,31 @@ class V41MoE(nn.Module):
 
     @property
     def grouped_tokens(self) -> int:
-        """The most tokens a step can have and still run its experts grouped (the launches a
-        CUDA graph can hold); above it they run as GEMMs."""
+        """The most tokens a step of this layer is captured in a CUDA graph with (the sizes
+        the start-up captures); larger steps run the same launches eagerly."""
         return len(self.experts) * quant.STORED_KERNEL_ROWS // self.k
 
     def warm_up(self, dtype: torch.dtype) -> None:
-        """Run an expert on 1, 2 and ``STORED_KERNEL_ROWS`` rows: the stored-format kernel's
-        launch settings of every row count the per-expert loop can meet (routing decides which
-        it meets while serving; the engine's warm-up steps repeat one token, so every token
-        goes to the same experts)."""
-        x = torch.zeros(
-            quant.STORED_KERNEL_ROWS,
-            self.gate.weight.shape[1],
-            dtype=dtype,
-            device=self.gate.weight.device,
-        )
-        for rows in (1, 2, quant.STORED_KERNEL_ROWS):
-            self.experts[0](x[:rows], torch.ones(rows, 1, device=x.device))
+        """Compile the stored-format kernel's variants a step can meet (the row tile follows the
+        rows an expert averages, and routing decides that while serving; the engine's warm-up
+        steps repeat one token, so every token goes to the same experts): the grouped experts
+        and the shared one at one token and at more than a small tile takes."""
+        from engramrt.kernels.stored_linear import BM, LARGE_ROWS
+
+        device = self.gate.weight.device
+        many = max(LARGE_ROWS, BM * len(self.experts) // self.k) + 1
+        for tokens in (1, many):
+            x = torch.zeros(tokens, self.gate.weight.shape[1], dtype=dtype, device=device)
+            ids = torch.arange(tokens * self.k, device=device).view(tokens, -1) % len(self.experts)
+            weights = torch.ones(tokens, self.k, device=device)
+            self._grouped(x, weights, ids)
 
     def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[T, dim]``; ``image`` ``[T]`` bool (image-span tokens) or None."""
         weights, ids = self.route(x, image)
-        # decode-sized steps: grouped launches (no host sync, graph-safe); where the experts
-        # average more rows than the stored-format kernel takes (a prefill), each runs as a GEMM
-        # (``StoredLinear``: cuBLAS over a dequantised copy): the grouped FP4 dot tiles took 75%
-        # of an 8k prefill
-        few = len(ids) <= self.grouped_tokens
-        if use_triton(x.device) and (few or torch.cuda.is_current_stream_capturing()):
+        # a GPU: grouped launches of any size (no host sync, graph-safe); the torch path loops
+        if use_triton(x.device):
             y = self._grouped(x, weights, ids)
         else:
-            y = self._looped(x, weights, ids)
-        y = y + self.shared_experts(x)
+            y = self._looped(x, weights, ids) + self.shared_experts(x)
         return self.tp.all_reduce(y).to(x.dtype)

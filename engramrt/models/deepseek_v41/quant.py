@@ -25,7 +25,6 @@ the computation is fp32 throughout, as the reference's kernels do it):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engramrt.kernels import use_triton
@@ -213,10 +212,7 @@ def fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_e2m1(codes), _e8m0_bytes(scale)
 
 
-# rows up to which a CUDA step reads the weight as stored in the Triton kernel (GEMV-like: the
-# bytes set the pace); above, a bf16 GEMM on the tensor cores over a dequantised copy of the one
-# weight, freed after the call (the kernel decodes each weight tile once per row tile, and was
-# slower than that from 64 rows on, H200, 2026-11)
+# rows an expert averages in the largest step a CUDA graph captures (``V41MoE.grouped_tokens``)
 STORED_KERNEL_ROWS = 64
 
 
@@ -305,13 +301,11 @@ class StoredLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not use_triton(x.device) or self.master is not None:
             return quantized_linear(x, self.dequantized(x.dtype))
-        shape = x.shape
-        a = act_roundtrip(x.reshape(-1, shape[-1]))
-        if len(a) > STORED_KERNEL_ROWS:  # a GEMM: cuBLAS on a dequantised copy freed at once
-            return F.linear(a, self.dequantized(x.dtype)).view(*shape[:-1], -1)
         from engramrt.kernels.stored_linear import stored_linear  # the bytes as stored
 
-        return stored_linear(a, self.weight, self.scale, self.fp4).view(*shape[:-1], -1)
+        shape = x.shape
+        y = stored_linear(x.reshape(-1, shape[-1]), self.weight, self.scale, self.fp4)
+        return y.view(*shape[:-1], -1)
 
 
 def _stored_values(w: torch.Tensor, fp4: bool) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""Launch settings of the stored-format linear (``engramrt.kernels.stored_linear``) by weight
+shape, from a sweep on the GPU: every setting timed at 1, 16 and 64 rows (graph replays after an
+L2 flush), and the one kept whose worst ratio to each row count's best is least (the settings
+may not depend on the row count: that is what keeps a row's bits the same in any batch).
+
+    python -m benchmarks.linear_sweep [--out FILE.json] [--write] [--quick]
+
+``--write`` saves the picks where the kernel reads them (``stored_linear.TUNED_FILE``). Each
+shape's time is printed against its byte floor (the weight bytes the rows reach, the
+activations and outputs, over the copy rate measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+from benchmarks.common import copy_gbs, gpu_us
+from engramrt.kernels import stored_linear as sl
+from engramrt.models.deepseek_v41 import quant
+
+# (name, fp4, N, K, experts in the stack): v41-wide's decode linears (Flash's widths)
+SHAPES = [
+    ("wq_a", False, 1280, 5120, 0),
+    ("wq_b", False, 32768, 1280, 0),
+    ("wkv", False, 512, 5120, 0),
+    ("wo_b", False, 5120, 8192, 0),
+    ("index.wq_b", False, 4096, 1280, 0),
+    ("shared.w1", False, 2304, 5120, 0),
+    ("shared.w2", False, 5120, 2304, 0),
+    ("experts.w13", True, 4608, 5120, 16),
+    ("experts.w2", True, 5120, 2304, 16),
+]
+TOP_K = 6
+ROWS = (1, 16, 64)
+
+
+def configs(quick: bool) -> list[tuple[int, int, int, int, int]]:
+    grid = itertools.product((64, 128), (1, 2, 4), (4, 8), (3, 4), (1, 2, 4, 8, 16))
+    out = [c for c in grid if not (c[0] == 64 and c[2] == 8)]
+    return out[::7] if quick else out
+
+
+def _case(fp4: bool, n: int, k: int, experts: int, m: int, dev: str):
+    g = torch.Generator(device=dev).manual_seed(n + k + m)
+    make = quant.fp4_weight if fp4 else quant.fp8_weight
+    if experts:
+        ws = [make(torch.randn(n, k, device=dev, generator=g) / k**0.5) for _ in range(experts)]
+        w, s = torch.stack([a for a, _ in ws]), torch.stack([b for _, b in ws])
+        ids = torch.rand(m, experts, device=dev, generator=g).argsort(1)[:, :TOP_K]
+        order = torch.sort(ids.flatten(), stable=True).indices
+        counts = torch.bincount(ids.flatten(), minlength=experts)
+        rows = order // TOP_K
+        touched = int((counts > 0).sum())
+        bytes_ = (w[0].numel() + s[0].numel()) * touched
+    else:
+        w, s = make(torch.randn(n, k, device=dev, generator=g) / k**0.5)
+        rows = counts = None
+        bytes_ = w.numel() + s.numel()
+    x = torch.randn(m, k, device=dev, generator=g).bfloat16()
+    codes, sa = sl.act_codes(x)
+    p = len(rows) if rows is not None else m
+    bytes_ += codes.numel() + sa.numel() * 4 + p * n * 2
+
+    def run(config):
+        return sl._launch(codes, sa, x.dtype, w, s, fp4, p, config, rows, counts)
+
+    return run, bytes_
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="every seventh setting")
+    ap.add_argument("--write", action="store_true", help="save the picks for the kernel")
+    args = ap.parse_args(argv)
+    dev = "cuda"
+    gbs = copy_gbs(dev)
+    report, tuned, started = [], {}, time.time()
+    for name, fp4, n, k, experts in SHAPES:
+        times: dict[tuple, list[float]] = {}
+        floors = []
+        for m in ROWS:
+            run, bytes_ = _case(fp4, n, k, experts, m, dev)
+            floors.append(bytes_ / gbs / 1e3)
+            want = run(sl._default(fp4, n, k, TOP_K if experts else 1)).float()
+            for c in configs(args.quick):
+                if c[4] > k // 32 // c[1]:
+                    continue
+                try:
+                    got = run(c).float()
+                    if not torch.equal(got, want) and (got - want).norm() > 1e-3 * want.norm():
+                        raise AssertionError(f"{name} {c}: wrong result")
+                    times.setdefault(c, []).append(gpu_us(lambda c=c: run(c))[0])
+                except Exception as e:  # a setting the compiler refuses (shared memory)
+                    print(f"{name} m={m} {c}: {type(e).__name__} {str(e)[:120]}", flush=True)
+        full = {c: t for c, t in times.items() if len(t) == len(ROWS)}
+        best_at = [min(t[i] for t in full.values()) for i in range(len(ROWS))]
+        pick = min(full, key=lambda c: max(t / b for t, b in zip(full[c], best_at, strict=True)))
+        default = sl._default(fp4, n, k, TOP_K if experts else 1)
+        tuned[(fp4, n, k)] = pick
+        row = {
+            "name": name,
+            "fp4": fp4,
+            "n": n,
+            "k": k,
+            "rows": ROWS,
+            "pick": pick,
+            "us": full[pick],
+            "best_us": best_at,
+            "default_us": full.get(default),
+            "floor_us": floors,
+            "x_floor": [t / f for t, f in zip(full[pick], floors, strict=True)],
+        }
+        report.append(row)
+        print(
+            f"{name:12} {'FP4' if fp4 else 'FP8'} {n}x{k} pick {pick}: "
+            + ", ".join(
+                f"m={m} {t:.1f} us ({t / f:.2f}x floor)"
+                for m, t, f in zip(ROWS, full[pick], floors, strict=True)
+            ),
+            flush=True,
+        )
+    print(f"copy {gbs:.0f} GB/s; sweep {time.time() - started:.0f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"copy_gbs": gbs, "shapes": report}, f, indent=1)
+    if args.write:
+        picks = [{"fp4": f, "n": n, "k": k, "config": c} for (f, n, k), c in tuned.items()]
+        device = torch.cuda.get_device_name()
+        sl.TUNED_FILE.write_text(json.dumps({"device": device, "shapes": picks}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

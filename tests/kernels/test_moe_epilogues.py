@@ -1,0 +1,55 @@
+"""The MoE's fused epilogues (``engramrt.kernels.moe_epilogues``) against the torch path they
+replace (``moe.clamped_swiglu`` then ``act_quant``; ``ExpertPairs.combine`` plus the shared
+expert): random rows past the clamps, with and without routing weights, odd widths of blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engramrt.kernels.moe_epilogues import combine, swiglu_codes
+from engramrt.models.deepseek_v41 import quant
+from engramrt.models.deepseek_v41.moe import ExpertPairs, clamped_swiglu
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_swiglu_codes_are_the_torch_paths(weighted: bool) -> None:
+    """Bit for bit on a GPU (CUDA's expf and a correctly rounded division, as torch's silu);
+    the interpreter's exp is numpy's, which may round a last fp32 bit differently, so there the
+    dequantised values agree but for rare one-step E4M3 roundings."""
+    g = torch.Generator().manual_seed(int(weighted))
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    rows, inter, limit = 37, 9 * 32, 4.0
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 3).to(dtype)
+    w = torch.rand(rows, generator=g) if weighted else None
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = clamped_swiglu(gate, up, limit, None if w is None else w[:, None]).to(dtype)
+    want_codes, want_scale = quant.act_quant(h)
+    codes, scale = swiglu_codes(gate_up.to(DEVICE), limit, None if w is None else w.to(DEVICE))
+    codes, scale = codes.cpu(), scale.cpu()
+    if DEVICE == "cuda":
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+        assert torch.equal(scale, want_scale)
+        return
+    got = (codes.float().unflatten(-1, (-1, 32)) * scale[..., None]).flatten(-2)
+    want = (want_codes.float().unflatten(-1, (-1, 32)) * want_scale[..., None]).flatten(-2)
+    same = got == want
+    assert same.float().mean() > 0.999
+    assert bool(((got - want).abs() <= want.abs() / 8 + 1e-30)[~same].all())
+
+
+def test_combine_is_the_torch_paths_sum_in_its_order() -> None:
+    """Each token's expert rows added in ascending expert id, then the shared expert's: the same
+    fp32 additions in the same order as ``ExpertPairs.combine`` and the add after it."""
+    g = torch.Generator().manual_seed(3)
+    tokens, experts, k, d = 9, 7, 3, 130
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    pairs = ExpertPairs(ids, experts)
+    out = torch.randn(tokens * k, d, generator=g).bfloat16()
+    shared = torch.randn(tokens, d, generator=g).bfloat16()
+    want = pairs.combine(out) + shared
+    got = combine(out.to(DEVICE), pairs.by_id.to(DEVICE), shared.to(DEVICE)).cpu()
+    assert torch.equal(got, want)
