@@ -82,13 +82,13 @@ def _roundtrip_kernel(
 
 
 @triton.jit
-def _e4m3_bits(q):
-    """fp32 values on E4M3's grid as their E4M3 bytes, by moving bits (no conversion
+def _e4m3_bits(q, v):
+    """fp32 values ``q`` on E4M3's grid as their E4M3 bytes, by moving bits (no conversion
     instruction: the same bits in the interpreter and on any GPU): exponent rebiased from 127
-    to 7 with the top three mantissa bits, or a subnormal's multiple of 2**-9."""
-    bits = q.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
+    to 7 with the top three mantissa bits, or a subnormal's multiple of 2**-9; the sign is
+    that of ``v``, the value rounded (a GPU negates a rounded zero to +0, torch keeps -0)."""
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
+    mag = q.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     normal = (((mag >> 23) - 120) << 3) | ((mag >> 20) & 7)
     sub = (tl.abs(q) * 512.0).to(tl.int32)  # exact: 0 .. 7 multiples of 2**-9
     return (sign | tl.where(mag >= 0x3C800000, normal, sub)).to(tl.uint8)
@@ -99,8 +99,8 @@ def act_codes_of(g):
     """``act_quant`` of blocks ``g`` [blocks, 32] (fp32): (E4M3 codes, fp32 scales [blocks]):
     the round trip's grid point, as its code (exact: it lies on E4M3's grid)."""
     scale, inv = block_scales(tl.max(tl.abs(g), axis=1), 0)
-    q = round_to_grid(tl.minimum(tl.maximum(g * inv[:, None], -448.0), 448.0), 3, -6)
-    return _e4m3_bits(q).to(tl.float8e4nv, bitcast=True), scale
+    v = tl.minimum(tl.maximum(g * inv[:, None], -448.0), 448.0)
+    return _e4m3_bits(round_to_grid(v, 3, -6), v).to(tl.float8e4nv, bitcast=True), scale
 
 
 @triton.jit

@@ -82,6 +82,7 @@ def test_act_codes_are_act_quants(dtype: torch.dtype) -> None:
 
     g = torch.Generator().manual_seed(11)
     wide = torch.randn(9, 96, generator=g) * 10.0 ** torch.randint(-5, 5, (9, 1), generator=g)
+    wide[0, :5] = torch.tensor([-0.0, -1e-9, 0.0, 1e-9, 100.0])  # zeros keep their sign
     for x in (wide.to(dtype), adversarial(ACT, dtype)):
         codes, scale = act_codes(x.to(DEVICE))
         want_codes, want_scale = quant.act_quant(x)

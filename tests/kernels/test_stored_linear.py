@@ -40,12 +40,11 @@ def test_stored_linear_is_the_exact_product_up_to_sum_order(fp4, m, n, k) -> Non
     bound = (a.double().abs() @ dequant(stored, scale, torch.float64).abs().T) * ulps
     assert got.dtype == torch.float32
     assert bool(((got.double() - exact).abs() <= bound).all())
-    if DEVICE == "cuda":  # bf16 activations: the torch path's bf16 output, to one ulp
+    if DEVICE == "cuda":  # bf16 activations: the same bound, plus the bf16 output's rounding
         got16 = stored_linear(
             a.to(DEVICE, torch.bfloat16), stored.to(DEVICE), scale.to(DEVICE), fp4
         ).cpu()
-        want16 = quant.quantized_linear(a.bfloat16(), dequant(stored, scale, torch.bfloat16))
-        torch.testing.assert_close(got16, want16, rtol=2**-7, atol=1e-6)
+        assert bool(((got16.double() - exact).abs() <= bound + exact.abs() * 2**-8).all())
 
 
 def test_a_wrong_scale_or_nibble_order_is_seen() -> None:
