@@ -236,8 +236,9 @@ def stored_linear(
 
 def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
     """``[cdiv(rows, bm) + E, 3]`` int64 tiles (expert, lo, hi) over ``rows`` rows sorted by
-    expert, ``counts[e]`` each: every expert's rows in ``bm``-row tiles, the rest empty. Device
-    ops of fixed shapes only (no host sync: CUDA-graph safe)."""
+    expert, ``counts[e]`` each: every expert's rows in ``bm``-row tiles, the rest empty
+    (``E - 1, 0, 0``). Device ops of fixed shapes only (no host sync); the torch construction,
+    which ``moe_routing.expert_rows`` builds bit for bit in its one launch on CUDA."""
     e = len(counts)
     ends = counts.cumsum(0)
     per = (counts + bm - 1) // bm
@@ -250,13 +251,24 @@ def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
     return torch.stack([ex, torch.where(used, lo, 0), torch.where(used, hi, 0)], 1).contiguous()
 
 
+def group_tile_rows(rows: int, experts: int, fp4: bool) -> int:
+    """Rows a tile of ``grouped_stored_linear`` over ``rows`` rows of ``experts`` experts: by the
+    rows an expert averages (``_settings``); the tiles are built for it before the launches."""
+    return _settings(-(-rows // experts), fp4)[0]
+
+
 def grouped_stored_linear(
-    a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp4: bool, counts: torch.Tensor
+    a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fp4: bool, tiles: torch.Tensor
 ) -> torch.Tensor:
-    """Rows of ``a`` [R, K] sorted by expert (``counts`` [E] rows each) times their expert's
-    stored weight (``weight`` [E, N, ...], ``scale`` [E, ...]): one launch for every expert
-    (a mixture-of-experts layer's). Out ``[R, N]``."""
-    rows = len(a)
-    bm, bn, warps = _settings(-(-rows // len(counts)), fp4)  # by the rows an expert averages
-    tiles = group_tiles(counts, rows, bm)
+    """Rows of ``a`` [R, K] sorted by expert times their expert's stored weight (``weight``
+    [E, N, ...], ``scale`` [E, ...]): one launch for every expert (a mixture-of-experts
+    layer's). ``tiles``: the rows' (expert, lo, hi) tiles of ``group_tile_rows(R, E, fp4)`` rows
+    (``group_tiles``, or on CUDA ``moe_routing.expert_rows``: built once, read by both of a
+    layer's launches). Out ``[R, N]``."""
+    rows, experts = len(a), weight.shape[0]
+    bm, bn, warps = _settings(-(-rows // experts), fp4)
+    if tiles.shape != (triton.cdiv(rows, bm) + experts, 3):
+        raise ValueError(
+            f"tiles of {bm} rows for {rows} rows and {experts} experts, got {tiles.shape}"
+        )
     return _launch(a.contiguous(), weight, scale, fp4, len(tiles), bm, 1, tiles, bn, warps=warps)

@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engramrt.kernels.stored_linear import group_tiles, grouped_stored_linear, stored_linear
+from engramrt.kernels.stored_linear import (
+    group_tile_rows,
+    group_tiles,
+    grouped_stored_linear,
+    stored_linear,
+)
 from engramrt.models.deepseek_v41 import quant
 
 pytestmark = pytest.mark.triton
@@ -102,7 +107,8 @@ def test_grouped_stored_linear_is_each_rows_expert_product(fp4, rows) -> None:
     a = quant.act_roundtrip(torch.randn(rows, k, generator=g))
     w = torch.stack([s[0] for s in stored]).to(DEVICE)
     s = torch.stack([s[1] for s in stored]).to(DEVICE)
-    got = grouped_stored_linear(a.to(DEVICE), w, s, fp4, counts.to(DEVICE)).cpu().double()
+    tiles = group_tiles(counts, rows, group_tile_rows(rows, e, fp4)).to(DEVICE)
+    got = grouped_stored_linear(a.to(DEVICE), w, s, fp4, tiles).cpu().double()
     full = [dequant(*st, torch.float64) for st in stored]
     exact = torch.stack([a[i].double() @ full[x].T for i, x in enumerate(expert.tolist())])
     bound = (
