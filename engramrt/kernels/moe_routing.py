@@ -11,9 +11,9 @@ orders as the float does (NaN above everything, as torch's sort compares them) w
 ``65535 - expert`` in its low bits: keys are distinct, the largest is the next pick, and equal
 scores give the lower expert first, as the stable descending sort does. ``k`` passes of a max
 over the row pick the experts in that order. The weights' sum is added in the order of torch's
-CUDA reduction of a ``k``-wide row (slots ``j`` and ``j + w`` first, ``w`` the largest power of
-two up to ``k``, then adjacent pairs), and divided with IEEE rounding, so the weights are
-torch's bits too.
+CUDA reduction of a ``k``-wide row (the upper half folded onto the lower, repeatedly: the order
+of torch's warp reduction since its shuffle offsets decrease) and divided with IEEE rounding, so
+the weights are torch's bits too.
 
 The gate's logits stay an fp32 ``F.linear`` before it: in the kernel each token would read the
 whole gate (``E x dim`` fp32, 7.5 MiB for Flash) in one program, or the GEMV would be split over
@@ -40,6 +40,7 @@ from triton.language.extra import libdevice
 from engramrt.kernels.common import interpreted
 
 MAX_EXPERTS = 1 << 16  # an expert id fits the low 16 bits of a key
+MAX_K = 32  # torch sums a row of up to a warp's width as ``_torch_row_sum`` does
 BLOCK = 1024  # pairs a step of ``expert_rows``
 TILE_BLOCK = 64  # tiles a store of ``expert_rows``
 
@@ -71,24 +72,23 @@ def _order_keys(v):
 
 
 @triton.jit
-def _torch_row_sum(w, K: tl.constexpr, W: tl.constexpr):
-    """The sum of ``w`` [KP] (zeros past ``K``) in the order torch's CUDA reduction adds a
-    contiguous ``K``-wide row: ``W`` (the largest power of two up to ``K``) threads, thread
-    ``j`` adding slots ``j`` and ``j + W``, then warp shuffles at offsets 1, 2, 4, ...:
-    adjacent partial sums first. Each ``tl.sum`` below adds two values (one rounding, either
+def _torch_row_sum(w, KP: tl.constexpr):
+    """The sum of ``w`` [KP] (zeros past ``k``) in the order torch's CUDA reduction adds a
+    contiguous ``k``-wide row (``k <= 32``): ``W`` threads (the largest power of two up to
+    ``k``), thread ``j`` adding slots ``j`` and ``j + W``, then warp shuffles at offsets
+    ``W/2, W/4, ..., 1``. Both steps fold the upper half onto the lower: ``w[j] + w[j + KP/2]``
+    until one value is left. Each ``tl.sum`` below adds two values (one rounding, either
     order)."""
-    if K > W:
-        w = tl.sum(tl.reshape(w, [2, W]), axis=0)
-    if W >= 32:
-        w = tl.sum(tl.reshape(w, [16, 2]), axis=1)
-    if W >= 16:
-        w = tl.sum(tl.reshape(w, [8, 2]), axis=1)
-    if W >= 8:
-        w = tl.sum(tl.reshape(w, [4, 2]), axis=1)
-    if W >= 4:
-        w = tl.sum(tl.reshape(w, [2, 2]), axis=1)
-    if W >= 2:
-        w = tl.sum(tl.reshape(w, [1, 2]), axis=1)
+    if KP >= 32:
+        w = tl.sum(tl.reshape(w, [2, 16]), axis=0)
+    if KP >= 16:
+        w = tl.sum(tl.reshape(w, [2, 8]), axis=0)
+    if KP >= 8:
+        w = tl.sum(tl.reshape(w, [2, 4]), axis=0)
+    if KP >= 4:
+        w = tl.sum(tl.reshape(w, [2, 2]), axis=0)
+    if KP >= 2:
+        w = tl.sum(tl.reshape(w, [2, 1]), axis=0)
     return tl.sum(w, axis=0)
 
 
@@ -105,7 +105,6 @@ def _route_kernel(
     K: tl.constexpr,
     BE: tl.constexpr,
     KP: tl.constexpr,
-    W: tl.constexpr,
     IMAGE: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
@@ -130,7 +129,7 @@ def _route_kernel(
         ids = tl.where(slot == j, pick, ids)
         key = tl.where(key == best, taken, key)
     if K > 1:
-        w = tl.div_rn(w, tl.broadcast_to(_torch_row_sum(w, K, W) + 1e-20, [KP]))
+        w = tl.div_rn(w, tl.broadcast_to(_torch_row_sum(w, KP) + 1e-20, [KP]))
     tl.store(weights_ptr + t * K + slot, w * route_scale, mask=slot < K)
     tl.store(ids_ptr + t * K + slot, ids, mask=slot < K)
 
@@ -161,8 +160,11 @@ def route(
     when both are given), best first, equal values to the lower id; weights the chosen raw
     scores, normalised (+1e-20) when ``k > 1``, times ``route_scale``."""
     tokens, experts = logits.shape
-    if logits.dtype != torch.float32 or not 0 < k <= experts or experts > MAX_EXPERTS:
-        raise ValueError(f"fp32 logits and 0 < k <= E <= {MAX_EXPERTS}, got {logits.dtype}, {k}")
+    if logits.dtype != torch.float32 or not 0 < k <= min(experts, MAX_K) or experts > MAX_EXPERTS:
+        raise ValueError(
+            f"fp32 logits, 0 < k <= min(E, {MAX_K}) and E <= {MAX_EXPERTS}, got "
+            f"{logits.dtype}, k {k}, E {experts}"
+        )
     weights = torch.empty(tokens, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
     if tokens == 0:
@@ -180,7 +182,6 @@ def route(
         K=k,
         BE=triton.next_power_of_2(experts),
         KP=triton.next_power_of_2(k),
-        W=1 << (k.bit_length() - 1),
         IMAGE=with_image,
         LIBDEVICE=not interpreted(),
         num_warps=1 if experts <= 512 else 4,  # the k max-reductions stay in a warp's shuffles

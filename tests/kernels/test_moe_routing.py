@@ -86,8 +86,10 @@ def test_route_is_the_torch_path(experts: int, k: int) -> None:
 def test_route_refuses_what_it_cannot_route() -> None:
     with pytest.raises(ValueError, match="fp32 logits"):
         route(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(8), 2, 1.0)
-    with pytest.raises(ValueError, match="k <= E"):
+    with pytest.raises(ValueError, match="k <= min"):
         route(torch.zeros(2, 8), torch.zeros(8), 9, 1.0)
+    with pytest.raises(ValueError, match="k <= min"):
+        route(torch.zeros(2, 64), torch.zeros(64), 33, 1.0)
 
 
 def check_rows(ids: torch.Tensor, experts: int, tile_rows: int | None) -> None:
@@ -139,7 +141,9 @@ def test_expert_rows_of_one_expert() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("experts", "k"), [(384, 6), (256, 6), (128, 3), (256, 8), (256, 1)])
+@pytest.mark.parametrize(
+    ("experts", "k"), [(384, 6), (256, 6), (128, 3), (256, 8), (256, 1), (256, 7), (64, 32)]
+)
 def test_route_is_bitwise_torch_on_cuda(experts: int, k: int) -> None:
     """Flash's and DSpark's router shapes, 4096 tokens: the kernel's weights and ids are the
     torch ops' bits on the GPU, with and without image tokens."""
