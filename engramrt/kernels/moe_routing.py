@@ -1,7 +1,9 @@
 """DeepSeek-V4.1's MoE routing on CUDA in two launches: the router after its logits (scores,
 top-k, weights) and the rows the grouped expert kernel reads, with no sort and no host sync.
-The torch path (``V41MoE.route``, ``ExpertPairs``, ``group_tiles``) took some fifty small
-launches a layer for the same values.
+The torch path (``route_logits``, ``ExpertPairs``' sort, ``group_tiles`` once per grouped
+launch) took 84 small launches a layer for the same values (an H200's profile at Flash's 384
+experts, top-6: the router 16 launches, now 4 with the gate's cast and GEMV; the rows and tiles
+73, now 1).
 
 ``route``: a program a token. Scores are ``sqrt(softplus(logits))`` as torch's CUDA kernels
 compute them (``x > 20 ? x : log1p(exp(x))`` through libdevice's ``expf`` and ``log1pf``,

@@ -103,13 +103,8 @@ class ExpertPairs:
         if use_triton(ids.device):
             from engramrt.kernels.moe_routing import expert_rows
 
-            rows = expert_rows(ids, experts, tile_rows)
-            self.order, self.counts, self.by_id, self.tiles = (
-                rows.order,
-                rows.counts,
-                rows.by_id,
-                rows.tiles,
-            )
+            r = expert_rows(ids, experts, tile_rows)
+            self.order, self.counts, self.by_id, self.tiles = r.order, r.counts, r.by_id, r.tiles
             return
         sort = torch.sort(ids.flatten(), stable=True)
         self.order = sort.indices
