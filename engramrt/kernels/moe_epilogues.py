@@ -13,17 +13,15 @@ each (the torch path took some twenty small launches a layer for them):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from engramrt.kernels.common import interpreted
 from engramrt.kernels.quant_roundtrip import act_codes_of
 
 NB = 8  # 32-wide blocks a program
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no libdevice there: numpy's exp
 
 
 @triton.jit
@@ -80,7 +78,7 @@ def swiglu_codes(
             limit,
             HAS_W=weight is not None,
             NB=NB,
-            LIBDEVICE=not _INTERPRET,
+            LIBDEVICE=not interpreted(),
         )
     return codes, scale
 

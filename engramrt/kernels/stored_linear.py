@@ -19,7 +19,6 @@ gives the same bits alone or among 63 others.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engramrt.kernels.common import interpreted
 from engramrt.kernels.quant_roundtrip import act_codes
 
 SMS = 132  # H200; only a split heuristic
@@ -35,7 +35,6 @@ SMS = 132  # H200; only a split heuristic
 BM, BM_LARGE, LARGE_ROWS = 16, 64, 64
 SPREAD_BELOW = 2 * SMS  # tiles under which each K range takes a program of its own
 MAX_TILES = 1 << 16  # split-K tiles in flight a launch (their arrival counters)
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -286,18 +285,17 @@ def _launch(
     rows_out: int,
     config: tuple[int, int, int, int, int],
     rows: torch.Tensor | None = None,
-    counts: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None,
+    bm: int | None = None,
 ) -> torch.Tensor:
+    """``tiles`` (grouped) come with their row count ``bm``; else the rows pick it."""
     k = codes.shape[-1]
     n = weight.shape[-2]
     bn, g, warps, stages, splits = config
-    tiles = None
-    if counts is None:
+    if tiles is None:
         bm = BM if rows_out <= LARGE_ROWS else BM_LARGE
         grid_m = triton.cdiv(rows_out, bm)
-    else:  # by the rows an expert averages
-        bm = BM if rows_out <= BM * len(counts) else BM_LARGE
-        tiles = group_tiles(counts, rows_out, bm)
+    else:
         grid_m = len(tiles)
     blocks = k // 32
     per = triton.cdiv(triton.cdiv(blocks, splits), g) * g
@@ -340,7 +338,7 @@ def _launch(
         BM=bm,
         BN=bn,
         G=g,
-        ASM=not _INTERPRET,
+        ASM=not interpreted(),
         num_warps=warps,
         num_stages=stages,
     )
@@ -379,8 +377,9 @@ def stored_linear(
 
 def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
     """``[cdiv(rows, bm) + E, 3]`` int64 tiles (expert, lo, hi) over ``rows`` rows sorted by
-    expert, ``counts[e]`` each: every expert's rows in ``bm``-row tiles, the rest empty. Device
-    ops of fixed shapes only (no host sync: CUDA-graph safe)."""
+    expert, ``counts[e]`` each: every expert's rows in ``bm``-row tiles, the rest empty
+    (``E - 1, 0, 0``). Device ops of fixed shapes only (no host sync); the torch construction,
+    which ``moe_routing.expert_rows`` builds bit for bit in its one launch on CUDA."""
     e = len(counts)
     ends = counts.cumsum(0)
     per = (counts + bm - 1) // bm
@@ -393,22 +392,36 @@ def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
     return torch.stack([ex, torch.where(used, lo, 0), torch.where(used, hi, 0)], 1).contiguous()
 
 
+def group_tile_rows(rows: int, experts: int) -> int:
+    """Rows a tile of ``grouped_stored_linear`` over ``rows`` rows of ``experts`` experts: 16,
+    or 64 where an expert averages more (fewer reads of each weight tile); the tiles are built
+    for it once a layer, before its launches."""
+    return BM if rows <= BM * experts else BM_LARGE
+
+
 def grouped_stored_linear(
     x: torch.Tensor | Codes,
     weight: torch.Tensor,
     scale: torch.Tensor,
     fp4: bool,
-    counts: torch.Tensor,
+    tiles: torch.Tensor,
     rows: torch.Tensor | None = None,
     experts_hint: int = 8,
 ) -> torch.Tensor:
-    """Rows sorted by expert (``counts`` [E] rows each) times their expert's stored weight
-    (``weight`` [E, N, ...], ``scale`` [E, ...]) in one launch. The rows are ``x`` [R, K]'s
-    (through ``act_quant``), or, given ``rows`` [P], ``x[rows]`` (the gather happens in the
-    kernel: each token is quantised once). Out ``[P, N]``. ``experts_hint``: the experts a
-    launch is expected to touch (sets the split, never from the routing)."""
+    """Rows sorted by expert times their expert's stored weight (``weight`` [E, N, ...],
+    ``scale`` [E, ...]) in one launch. The rows are ``x`` [P, K]'s (through ``act_quant``), or,
+    given ``rows`` [P], ``x[rows]`` (the gather happens in the kernel: each token is quantised
+    once). ``tiles``: the rows' (expert, lo, hi) tiles of ``group_tile_rows(P, E)`` rows
+    (``group_tiles``, or on CUDA ``moe_routing.expert_rows``: built once, read by both of a
+    layer's launches). Out ``[P, N]``. ``experts_hint``: the experts a launch is expected to
+    touch (sets the split, never from the routing)."""
     q = quantize(x)
     p = len(rows) if rows is not None else len(q.codes)
-    n, k = weight.shape[-2], q.codes.shape[-1]
+    experts, n, k = weight.shape[0], weight.shape[-2], q.codes.shape[-1]
+    bm = group_tile_rows(p, experts)
+    if tiles.shape != (triton.cdiv(p, bm) + experts, 3):
+        raise ValueError(
+            f"tiles of {bm} rows for {p} rows and {experts} experts, got {list(tiles.shape)}"
+        )
     config = settings(fp4, n, k, experts_hint)
-    return _launch(*q, weight, scale, fp4, p, config, rows, counts)
+    return _launch(*q, weight, scale, fp4, p, config, rows, tiles, bm)

@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engramrt.kernels.stored_linear import group_tiles, grouped_stored_linear, stored_linear
+from engramrt.kernels.stored_linear import (
+    group_tile_rows,
+    group_tiles,
+    grouped_stored_linear,
+    stored_linear,
+)
 from engramrt.models.deepseek_v41 import quant
 
 pytestmark = pytest.mark.triton
@@ -89,7 +94,7 @@ def test_group_tiles_cover_each_experts_rows_once(bm: int) -> None:
 
 @pytest.mark.parametrize(
     ("fp4", "rows"),
-    [(True, 5), (True, 40), (False, 30)],  # one-row tiles, then 16-row ones
+    [(True, 5), (True, 40), (False, 90)],  # 16-row tiles; 64-row ones (90 > 16 x 5)
 )
 def test_grouped_stored_linear_is_each_rows_expert_product(fp4, rows) -> None:
     """Rows sorted by expert (some experts without rows) against each row's own expert's exact
@@ -104,7 +109,8 @@ def test_grouped_stored_linear_is_each_rows_expert_product(fp4, rows) -> None:
     a = quant.act_roundtrip(torch.randn(rows, k, generator=g))
     w = torch.stack([s[0] for s in stored]).to(DEVICE)
     s = torch.stack([s[1] for s in stored]).to(DEVICE)
-    got = grouped_stored_linear(a.to(DEVICE), w, s, fp4, counts.to(DEVICE)).cpu().double()
+    tiles = group_tiles(counts, rows, group_tile_rows(rows, e)).to(DEVICE)
+    got = grouped_stored_linear(a.to(DEVICE), w, s, fp4, tiles).cpu().double()
     full = [dequant(*st, torch.float64) for st in stored]
     exact = torch.stack([a[i].double() @ full[x].T for i, x in enumerate(expert.tolist())])
     bound = torch.stack(
@@ -171,8 +177,9 @@ def test_grouped_rows_gather_in_the_kernel() -> None:
     counts = torch.bincount(ids.flatten(), minlength=e)
     x = torch.randn(tokens, k, generator=g).to(DEVICE, _dtype())
     rows = (order // 2).to(DEVICE)
-    got = grouped_stored_linear(x, w, s, True, counts.to(DEVICE), rows)
-    want = grouped_stored_linear(x[rows], w, s, True, counts.to(DEVICE))
+    tiles = group_tiles(counts, len(rows), group_tile_rows(len(rows), e)).to(DEVICE)
+    got = grouped_stored_linear(x, w, s, True, tiles, rows)
+    want = grouped_stored_linear(x[rows], w, s, True, tiles)
     assert torch.equal(got, want)
 
 
@@ -188,7 +195,7 @@ def test_packed_decoding_is_the_per_element_one(monkeypatch) -> None:
     x = torch.randn(9, 2048, generator=g).to(DEVICE, torch.bfloat16)
     stored, scale = stored.to(DEVICE), scale.to(DEVICE)
     packed = stored_linear(x, stored, scale, True)
-    monkeypatch.setattr(module, "_INTERPRET", True)
+    monkeypatch.setattr(module, "interpreted", lambda: True)
     assert torch.equal(stored_linear(x, stored, scale, True), packed)
 
 

@@ -12,6 +12,9 @@ FP8) and dequantised per use.
   (``quant.quantized_linear``).
 - The output: each chosen expert's bf16 output added in fp32 in ascending expert id, then the
   shared expert's, then cast to the input's dtype.
+
+On CUDA the router after its logits and the grouping of the (token, expert) pairs by expert are
+Triton launches (``engramrt.kernels.moe_routing``) that give the torch ops' bits.
 """
 
 from __future__ import annotations
@@ -67,13 +70,42 @@ class Gate(nn.Module):
         self.register_buffer("bias_vl", torch.zeros(e) if image_bias else None)
 
 
+def route_logits(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    k: int,
+    route_scale: float,
+    bias_vl: torch.Tensor | None = None,
+    image: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) of the gate's fp32 logits ``[T, E]`` in
+    torch: the reference's router off CUDA, and the routing kernel's oracle."""
+    scores = F.softplus(logits).sqrt()
+    if image is not None and bias_vl is not None:
+        bias = torch.where(image.unsqueeze(-1), bias_vl, bias)
+    ids = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :k]
+    weights = scores.gather(1, ids)
+    if k > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * route_scale, ids
+
+
 class ExpertPairs:
     """A step's (token, expert) pairs sorted by expert, stably (each expert's tokens ascending):
     ``order`` [T * k] the flat pair (``token * k + slot``) at each sorted row, ``counts`` [E]
-    the rows of each expert (on the device: no sync)."""
+    the rows of each expert, ``by_id`` [T, k] each token's rows in ascending expert id, and
+    with ``tile_rows`` the grouped expert kernel's row tiles (``tiles``), all on the device (no
+    sync). On CUDA one Triton launch builds them without a sort (``moe_routing.expert_rows``);
+    elsewhere torch sorts, the kernel's oracle."""
 
-    def __init__(self, ids: torch.Tensor, experts: int):
+    def __init__(self, ids: torch.Tensor, experts: int, tile_rows: int | None = None):
         self.shape = ids.shape
+        if use_triton(ids.device):
+            from engramrt.kernels.moe_routing import expert_rows
+
+            r = expert_rows(ids, experts, tile_rows)
+            self.order, self.counts, self.by_id, self.tiles = r.order, r.counts, r.by_id, r.tiles
+            return
         sort = torch.sort(ids.flatten(), stable=True)
         self.order = sort.indices
         self.counts = torch.zeros(experts, dtype=torch.int64, device=ids.device)
@@ -81,6 +113,11 @@ class ExpertPairs:
         place = torch.empty_like(self.order)  # where each pair's row went in the sort
         place[self.order] = torch.arange(len(place), device=ids.device)
         self.by_id = place.view(self.shape).gather(1, ids.argsort(dim=1, stable=True))
+        self.tiles = None
+        if tile_rows is not None:
+            from engramrt.kernels.stored_linear import group_tiles
+
+            self.tiles = group_tiles(self.counts, len(self.order), tile_rows)
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         """Sorted rows' outputs [T * k, D] as each token's fp32 sum over its experts in
@@ -116,6 +153,7 @@ class V41MoE(nn.Module):
         from engramrt.kernels.moe_epilogues import combine, swiglu_codes
         from engramrt.kernels.stored_linear import (
             Codes,
+            group_tile_rows,
             grouped_stored_linear,
             quantize,
             stored_linear,
@@ -123,11 +161,12 @@ class V41MoE(nn.Module):
 
         w13, s13, w2, s2, shared13, shared_s13 = self._stacked()
         q = quantize(x)
-        pairs = ExpertPairs(ids, len(self.experts))
+        experts = len(self.experts)
+        pairs = ExpertPairs(ids, experts, group_tile_rows(ids.numel(), experts))
         k, shared, limit = ids.shape[1], self.shared_experts, self.shared_experts.limit
-        h = grouped_stored_linear(q, w13, s13, True, pairs.counts, pairs.order // k, k)
+        h = grouped_stored_linear(q, w13, s13, True, pairs.tiles, pairs.order // k, k)
         h = Codes(*swiglu_codes(h, limit, weights.flatten()[pairs.order]), x.dtype)
-        routed = grouped_stored_linear(h, w2, s2, True, pairs.counts, None, k)
+        routed = grouped_stored_linear(h, w2, s2, True, pairs.tiles, None, k)
         h = Codes(*swiglu_codes(stored_linear(q, shared13, shared_s13, False), limit), x.dtype)
         shared_out = stored_linear(h, shared.w2.weight, shared.w2.scale, False)
         return combine(routed, pairs.by_id, shared_out)
@@ -176,17 +215,16 @@ class V41MoE(nn.Module):
     def route(
         self, x: torch.Tensor, image: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) of each token."""
+        """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) of each token: the gate's fp32
+        logits, then ``route_logits`` (on CUDA its kernel, ``moe_routing.route``: one launch, the
+        same bits)."""
         gate = self.gate
-        scores = F.softplus(F.linear(x.float(), gate.weight.float())).sqrt()
-        bias = gate.bias
-        if image is not None and gate.bias_vl is not None:
-            bias = torch.where(image.unsqueeze(-1), gate.bias_vl, bias)
-        ids = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, : self.k]
-        weights = scores.gather(1, ids)
-        if self.k > 1:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.route_scale, ids
+        logits = F.linear(x.float(), gate.weight.float())
+        if use_triton(x.device):
+            from engramrt.kernels.moe_routing import route as routed
+        else:
+            routed = route_logits
+        return routed(logits, gate.bias, self.k, self.route_scale, gate.bias_vl, image)
 
     @property
     def grouped_tokens(self) -> int:
