@@ -30,7 +30,7 @@ SHAPES = [
     ("wkv", False, 512, 5120, 0),
     ("wo_b", False, 5120, 8192, 0),
     ("index.wq_b", False, 4096, 1280, 0),
-    ("shared.w1", False, 2304, 5120, 0),
+    ("shared.w13", False, 4608, 5120, 0),  # w1 above w3: one launch
     ("shared.w2", False, 5120, 2304, 0),
     ("experts.w13", True, 4608, 5120, 16),
     ("experts.w2", True, 5120, 2304, 16),
