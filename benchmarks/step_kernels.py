@@ -81,7 +81,7 @@ class Census(TorchDispatchMode):
 
     def __init__(self, root: str, profile: bool):
         super().__init__()
-        self.root, self.profile, self.busy = root, profile, 0
+        self.root, self.profile, self.busy, self.depth = root, profile, 0, 0
         self.recorded: list[tuple[int | None, str, str, str]] = []
         self.parts, self.sites, self.ops, self.us = Counter(), Counter(), Counter(), Counter()
         self.syncs, self.copies, self.stray = Counter(), Counter(), Counter()
@@ -101,16 +101,19 @@ class Census(TorchDispatchMode):
             return func(*args, **kwargs)
         return self.call(name, func, *args, **kwargs)
 
-    def __enter__(self):  # Triton launches too: ``JITFunction.run``, or the interpreter's
-        from triton.runtime import interpreter, jit
+    def __enter__(self):  # Triton launches too (``JITFunction.run``, or the interpreter's), once
+        from triton.runtime import interpreter, jit  # (decomposing a composite re-enters)
 
-        self.real = {c: c.run for c in (jit.JITFunction, interpreter.InterpretedFunction)}
-        for c, run in self.real.items():
-            c.run = lambda fn, *args, _run=run, **kw: self.launch(_run, fn, *args, **kw)
+        self.depth += 1
+        if self.depth == 1:
+            self.real = {c: c.run for c in (jit.JITFunction, interpreter.InterpretedFunction)}
+            for c, run in self.real.items():
+                c.run = lambda fn, *args, _run=run, **kw: self.launch(_run, fn, *args, **kw)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for c, run in self.real.items():
+        self.depth -= 1
+        for c, run in self.real.items() if not self.depth else ():
             c.run = run
         return super().__exit__(*exc)
 
@@ -172,9 +175,8 @@ def kernels_per_op(prof, names: list[str]) -> tuple[list[int], list[float], Coun
             i = spans[j][2] if j >= 0 and at <= spans[j][1] else None
         if i is None:
             stray[e.name()[:60]] += 1
-        else:
-            per_op[i] += 1
-            us[i] += e.duration_ns() / 1000
+            continue
+        per_op[i], us[i] = per_op[i] + 1, us[i] + e.duration_ns() / 1000
     return per_op, us, copies, stray
 
 
@@ -201,16 +203,16 @@ def report(bs: int, c: Census, top: int) -> None:
             print(f"{what}: " + ", ".join(f"{k} x{n}" for k, n in getattr(c, what).most_common(8)))
 
 
-def census(model, device, batches, prompt=40, warmup=0, sampling=(0.0, 1.0)) -> dict:
-    """{batch size: the ``Census`` of a decode step} (after ``warmup`` decode steps);
-    ``sampling``: (temperature, top_p), 0: greedy."""
+def census(model, device, batches, prompt=40, warmup=None, sampling=(0.0, 1.0)) -> dict:
+    """{batch size: the ``Census`` of a decode step} (after ``warmup`` decode steps, default 2 on
+    CUDA, 0 on a CPU); ``sampling``: (temperature, top_p), 0: greedy."""
     from benchmarks import cases
 
     runner = cases.census_stage(model, device, max(batches), prompt, *sampling)
     positions, out = [prompt] * max(batches), {}
     for bs in batches:
         with cases.kernel_path():
-            for _ in range(warmup):
+            for _ in range(2 * (device == "cuda") if warmup is None else warmup):
                 cases.census_decode(runner, positions, bs)
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             prof = torch.profiler.profile(activities=acts) if device == "cuda" else None
@@ -238,8 +240,7 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module loads
     from benchmarks import cases
 
-    warmup = a.warmup if a.warmup is not None else (2 if a.device == "cuda" else 0)
-    got = census(a.model or cases.BUNDLED_MODEL, a.device, a.batch, a.prompt, warmup, a.sampling)
+    got = census(a.model or cases.BUNDLED_MODEL, a.device, a.batch, a.prompt, a.warmup, a.sampling)
     for bs, c in got.items():
         report(bs, c, a.top)
 

@@ -308,6 +308,11 @@ def test_the_step_census_counts_every_layer_of_a_decode_step() -> None:
     cfg = json.loads((Path(cases.BUNDLED_MODEL) / "config.json").read_text())["text_config"]
     layers = range(cfg["num_hidden_layers"])
     assert c.total == sum(c.sites.values()) == sum(c.ops.values()) > 300
+    if device == "cpu":  # an op a launch; and Triton's launcher is Triton's again
+        from triton.runtime import interpreter
+
+        assert len(c.recorded) == c.total
+        assert interpreter.InterpretedFunction.run.__qualname__ == "InterpretedFunction.run"
     by_layer = Counter()
     for (layer, _), n in c.parts.items():
         by_layer[layer] += n
