@@ -2,7 +2,7 @@
 module paths move; fix them here): the kernel cases (each Triton kernel on a named shape beside
 its torch path, with the bytes and FLOPs its work must move) and the model-level pieces the
 suites need (engines built from ``engramrt bench throughput``'s flags, decode-step floors,
-prefill FLOPs, DSpark's held-out prompts, the preset models)."""
+prefill FLOPs, DSpark's held-out prompts, the preset models, the decode-step census's stage)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import engramrt
+from engramrt import kernels
 from engramrt.bundled import DEFAULT_MODEL_DIR, FLASH_CONFIG, GQA_MODEL_DIR
 from engramrt.bundled.prose import austen
 from engramrt.commands import bench_throughput
@@ -39,6 +42,8 @@ from engramrt.models.deepseek_v41 import quant
 from engramrt.models.deepseek_v41.attention import sorted_picks
 from engramrt.models.deepseek_v41.config import REINDEX, SOURCE, V41Config
 from engramrt.prompts import PromptEncoder
+from engramrt.runner.batch import NewRequest, SampleRow, StepBatch
+from engramrt.runner.stage import StageRunner
 
 if not torch.cuda.is_available():  # Triton's interpreter on a CPU (no kernel module loaded yet)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -56,6 +61,22 @@ def torch_path() -> Iterator[None]:
             del os.environ[FORCE_TORCH_ENV]
         else:
             os.environ[FORCE_TORCH_ENV] = old
+
+
+@contextlib.contextmanager
+def kernel_path() -> Iterator[None]:
+    """Inside: every op takes its Triton kernel whatever the device (``use_triton`` says yes in
+    every module that asks it): the CUDA code path, on a CPU in Triton's interpreter."""
+    real = kernels.use_triton
+    mods = [m for n, m in list(sys.modules.items()) if n.startswith("engramrt")]
+    mods = [m for m in mods if getattr(m, "use_triton", None) is real]
+    for m in mods:
+        m.use_triton = lambda device: True
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.use_triton = real
 
 
 # =========================================================================== kernel cases
@@ -953,3 +974,37 @@ def greedy(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list
             start = time.perf_counter()
     secs = 0.0 if start is None else time.perf_counter() - start
     return [outs[str(i)] for i in range(len(prompts))], secs, counted, steps
+
+
+# --- the decode-step census (benchmarks/step_kernels.py) ------------------------------------------
+
+PACKAGE_DIR = Path(engramrt.__file__).parent  # call sites are paths below it
+
+
+def census_stage(
+    model: str | Path, device: str, slots: int, prompt: int, temperature: float, top_p: float
+) -> Any:
+    """A stage of every layer (hasher and sampler included) for the CUDA path's kernels, its
+    ``slots`` requests prefilled with ``prompt`` random tokens each (sampling at ``temperature``
+    and ``top_p``; 0: greedy) on the torch path (the same caches; the interpreter's kernels are
+    slow), and what a first kernel step builds once (V4.1's stacked expert weights) built: its
+    decode steps are steady ones."""
+    with kernel_path():  # the hasher picks its kernels when it is built
+        runner = StageRunner.load(model, num_slots=slots, max_len=prompt + 64, device=device)
+    rng, vocab = random.Random(0), runner.tokenizer.get_vocab_size()
+    toks = [[rng.randrange(6, vocab) for _ in range(prompt)] for _ in range(slots)]
+    row = SampleRow(temperature, top_p)
+    new = [NewRequest(s, t, prompt, 0, sampling=row) for s, t in enumerate(toks)]
+    flat, every = [x for t in toks for x in t], list(range(slots))
+    runner.run(StepBatch(flat, every, [prompt] * slots, [0] * slots, admitted=new))
+    for m in runner.model.modules():
+        if hasattr(m, "_stacked"):
+            m._stacked()
+    return runner
+
+
+def census_decode(runner: Any, positions: list[int], n: int) -> None:
+    """One decode step of the requests in slots ``0..n-1`` at ``positions`` (their samples kept
+    in the token rows, as the engine's overlap scheduling runs them); advances those."""
+    runner.run(StepBatch([], list(range(n)), [1] * n, positions[:n], token_counts=[0] * n))
+    positions[:n] = [p + 1 for p in positions[:n]]

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -291,3 +292,38 @@ def test_benchmarks_md_holds_the_table_of_the_committed_results() -> None:
     from benchmarks import table
 
     assert table.main(["--check"]) == 0, "run python -m benchmarks.table"
+
+
+@pytest.mark.triton
+def test_the_step_census_counts_every_layer_of_a_decode_step() -> None:
+    """``step_kernels.py``'s CPU mode on the bundled model (the CUDA code path in Triton's
+    interpreter, one decode step at bs 1): its three tallies agree, every launch has a part
+    and a call site in engramrt, every layer has attention, mHC and MoE launches, the Engram
+    ones only its Engram layers, and the step's own parts are there."""
+    from benchmarks import cases
+    from benchmarks.step_kernels import census
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    c = census(cases.BUNDLED_MODEL, device, [1], prompt=24)[1]
+    cfg = json.loads((Path(cases.BUNDLED_MODEL) / "config.json").read_text())["text_config"]
+    layers = range(cfg["num_hidden_layers"])
+    assert c.total == sum(c.sites.values()) == sum(c.ops.values()) > 300
+    if device == "cpu":  # an op a launch; and Triton's launcher is Triton's again
+        from triton.runtime import interpreter
+
+        assert len(c.recorded) == c.total
+        assert interpreter.InterpretedFunction.run.__qualname__ == "InterpretedFunction.run"
+    by_layer = Counter()
+    for (layer, _), n in c.parts.items():
+        by_layer[layer] += n
+    assert set(by_layer) == {*layers, None} and sum(by_layer.values()) == c.total
+    for layer in layers:
+        mine = {p.split(".")[0] for (la, p) in c.parts if la == layer}
+        want = {"attn", "mhc", "moe"} | ({"engram"} if layer in cfg["engram_layer_ids"] else set())
+        assert mine - {"norm"} == want, layer
+    assert {"tokens", "hash", "embed", "head.proj", "sampler"} <= {
+        p for la, p in c.parts if la is None
+    }
+    assert not any(p in ("other", "unattributed") for _, p in c.parts)
+    assert c.ops["triton:_sparse_attention_kernel"] == len(layers)
+    assert all(site.split(" <- ")[0].rsplit(":", 1)[1].isdigit() for site, _ in c.sites)
