@@ -158,6 +158,88 @@ def _stored_linear(p: dict, dev: str) -> Built:
     return built
 
 
+def _grouped_experts(p: dict, dev: str) -> Built:
+    """The routed experts' grouped FP4 w1|w3 launch at a decode step's routing: random top-k of
+    ``e`` experts a token, the token rows gathered in the kernel; the torch path loops the
+    touched experts over dequantised weights."""
+    from engramrt.kernels.stored_linear import group_tile_rows, group_tiles, grouped_stored_linear
+
+    e, k, t, n, kk = p["experts"], p["k"], p["tokens"], p["n"], p["kdim"]
+    g = _gen(dev, e + t)
+    codes = torch.randint(-128, 128, (e, n, kk // 2), device=dev, generator=g, dtype=torch.int8)
+    scale = torch.randint(118, 124, (e, n, kk // 32), device=dev, generator=g, dtype=torch.uint8)
+    scale = scale.view(torch.float8_e8m0fnu)
+    ids = torch.rand(t, e, device=dev, generator=g).argsort(1)[:, :k]
+    order = torch.sort(ids.flatten(), stable=True).indices
+    counts = torch.bincount(ids.flatten(), minlength=e)
+    tiles = group_tiles(counts, len(order), group_tile_rows(len(order), e))
+    rows = order // k
+    x = torch.randn(t, kk, device=dev, generator=g).to(_dtype(dev))
+    sorted_ids = ids.flatten()[order]
+
+    def reference() -> torch.Tensor:
+        out = torch.empty(len(order), n, dtype=x.dtype, device=dev)
+        for j in sorted_ids.unique().tolist():
+            at = (sorted_ids == j).nonzero().flatten()
+            w = quant.dequant_fp4_weight(codes[j], scale[j], x.dtype)
+            out[at] = quant.quantized_linear(x[rows[at]], w)
+        return out
+
+    touched = int((counts > 0).sum())
+    return Built(
+        kernel=lambda: grouped_stored_linear(x, codes, scale, True, tiles, rows, k),
+        reference=reference,
+        bytes=touched * (codes[0].numel() + scale[0].numel())
+        + _nbytes(x)
+        + len(order) * n * x.element_size(),
+        flops=2 * len(order) * n * kk,
+        tol=1e-2 if dev == "cuda" else 1e-5,
+        ref_graph=False,
+    )
+
+
+def _route(p: dict, dev: str) -> Built:
+    from engramrt.kernels.moe_routing import route
+    from engramrt.models.deepseek_v41.moe import route_logits
+
+    g = _gen(dev, p["tokens"])
+    logits = torch.randn(p["tokens"], p["experts"], device=dev, generator=g)
+    bias = torch.randn(p["experts"], device=dev, generator=g) * 0.1
+    return Built(
+        kernel=lambda: route(logits, bias, p["k"], 2.5),
+        reference=lambda: route_logits(logits, bias, p["k"], 2.5),
+        bytes=_nbytes(logits, bias) + p["tokens"] * p["k"] * 12,
+        exact=dev == "cuda",  # the interpreter has no libdevice
+        tol=1e-5,
+    )
+
+
+def _swiglu_codes(p: dict, dev: str) -> Built:
+    from engramrt.kernels.moe_epilogues import swiglu_codes
+    from engramrt.models.deepseek_v41.moe import clamped_swiglu
+
+    g = _gen(dev, p["tokens"])
+    gate_up = (torch.randn(p["tokens"], 2 * p["inter"], device=dev, generator=g) * 3).to(
+        _dtype(dev)
+    )
+    w = torch.rand(p["tokens"], device=dev, generator=g)
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = gate_up.chunk(2, dim=-1)
+        codes, scale = quant.act_quant(clamped_swiglu(gate, up, 10.0, w[:, None]).to(x_dtype))
+        return codes.view(torch.uint8), scale
+
+    x_dtype = gate_up.dtype
+    return Built(
+        kernel=lambda: (lambda c, s: (c.view(torch.uint8), s))(*swiglu_codes(gate_up, 10.0, w)),
+        reference=reference,
+        bytes=_nbytes(gate_up, w) + p["tokens"] * p["inter"] * (1 + 4 / 32),
+        exact=dev == "cuda",
+        tol=1e-2,
+        ref_graph=False,
+    )
+
+
 def _linear_shapes() -> tuple[Shape, ...]:
     flash = {  # V4.1-Flash's widths: (N, K, FP4)
         "wq_b": (32768, 1280, False),
@@ -649,6 +731,37 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
             Shape("FP4 48x128, 1 row", {"n": 48, "k": 128, "m": 1, "fp4": True}),
             Shape("FP4 64x1088, 2 rows", {"n": 64, "k": 1088, "m": 2, "fp4": True}),
         ),
+    ),
+    KernelCase(
+        "stored_linear.grouped",
+        "engramrt/kernels/stored_linear.py",
+        "the routed experts' grouped FP4 w1|w3 at Flash's widths, top-6 of 384",
+        _grouped_experts,
+        tuple(
+            Shape(
+                f"{t} token{'s' * (t > 1)}",
+                {"experts": 384, "k": 6, "tokens": t, "n": 4608, "kdim": 5120},
+                t == 1,
+            )
+            for t in (1, 16, 64)
+        ),
+        (Shape("3 tokens", {"experts": 5, "k": 2, "tokens": 3, "n": 40, "kdim": 64}),),
+    ),
+    KernelCase(
+        "moe_routing.route",
+        "engramrt/kernels/moe_routing.py",
+        "V4.1's router after its logits: sqrt-softplus, biased top-6 of 384, weights",
+        _route,
+        _rows((1, 64, 4096), 64, experts=384, k=6),
+        (Shape("5 rows", {"tokens": 5, "experts": 16, "k": 3}),),
+    ),
+    KernelCase(
+        "moe_epilogues.swiglu_codes",
+        "engramrt/kernels/moe_epilogues.py",
+        "the clamped SwiGLU, routing weight and act_quant between the expert projections",
+        _swiglu_codes,
+        _rows((6, 384), 0, inter=2304),
+        (Shape("3 rows", {"tokens": 3, "inter": 96}),),
     ),
     KernelCase(
         "engram_hash.decode",

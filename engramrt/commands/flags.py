@@ -117,7 +117,8 @@ def layer_partition(args: argparse.Namespace, model_dir: Path) -> list[int]:
 
 
 def add_memory_flags(p: argparse.ArgumentParser) -> None:
-    """How much memory the engine may take: the KV cache budget and CUDA graphs."""
+    """How much memory the engine may take and how its GPU steps run: the KV cache budget, CUDA
+    graphs, batch invariance."""
     p.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
@@ -131,6 +132,13 @@ def add_memory_flags(p: argparse.ArgumentParser) -> None:
         help="share of GPU memory for weights, activations and the KV cache (default 0.9)",
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's tokens the same alone or in any batch on a GPU: dense products "
+        "through a kernel whose summation order ignores the step's other rows (V4.1's stored-"
+        "format linears are so always; a CPU step always is)",
+    )
 
 
 def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
@@ -175,6 +183,7 @@ def options_from_args(
             "num_gpu_blocks_override",
             "kv_cache_memory_bytes",
             "enforce_eager",
+            "batch_invariant",
             "gpu_memory_utilization",
             "async_scheduling",
             "long_prefill_token_threshold",

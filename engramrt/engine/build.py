@@ -21,7 +21,7 @@ from engramrt.config import ModelConfig, load_json
 from engramrt.engine.engine import Engine, EngineConfig
 from engramrt.engine.speculative import SpecConfig
 from engramrt.engram import load_tokenizer
-from engramrt.kernels import compiles
+from engramrt.kernels import compiles, set_batch_invariant
 from engramrt.kernels.compiles import compilations, count_compilations
 from engramrt.model.checkpoint import check_layer_count, default_dtype
 from engramrt.models import model_config
@@ -53,6 +53,7 @@ class EngineOptions:
     kv_cache_memory_bytes: int | None = None  # default: by --gpu-memory-utilization on CUDA
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    batch_invariant: bool = False  # --batch-invariant: dense products row-invariant on a GPU
     enable_prefix_caching: bool = True
     # overlap scheduling; None: on wherever it gives the same outputs (one stage of one rank),
     # as vLLM's default
@@ -230,6 +231,7 @@ def build_stage(
     cfg, max_len = check(opts, notes=False)
     device = stage_device(opts.dist)
     layers = stage_layers(opts.partition, rank)
+    set_batch_invariant(opts.batch_invariant)
     runner = StageRunner.load(
         opts.model_dir,
         opts.max_num_seqs,

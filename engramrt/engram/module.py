@@ -15,6 +15,7 @@ from engramrt.config import EngramConfig
 from engramrt.engram.layout import EngramLayout
 from engramrt.engram.table import EngramTable
 from engramrt.kernels import use_triton
+from engramrt.model.layers import Linear
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 
 GATE_CLAMP = 1e-6  # |dot| floor before the sqrt; keeps the gate away from exactly 0.5
@@ -82,9 +83,7 @@ class Engram(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.hc, self.dim = cfg.hc_mult, cfg.hidden_size
         self.cols, self.head_dim = cfg.n_hash_cols, cfg.head_dim
-        self.wkv = nn.Linear(
-            self.cols * cfg.head_dim, (self.hc + 1) * self.dim, bias=False, dtype=dtype
-        )
+        self.wkv = Linear(self.cols * cfg.head_dim, (self.hc + 1) * self.dim, dtype=dtype)
         self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=dtype))
         self.col_span, self.row_span = (0, self.cols), (0, cfg.num_embeddings[layer_index])

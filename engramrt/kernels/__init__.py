@@ -14,6 +14,7 @@ import os
 import torch
 
 FORCE_TORCH_ENV = "ENGRAMRT_TORCH_ENGRAM"
+_batch_invariant = False  # --batch-invariant: dense products through ``dense_linear``
 
 
 @functools.cache
@@ -29,3 +30,15 @@ def use_triton(device: torch.device | str) -> bool:
     if not _triton_installed():
         return False
     return torch.device(device).type == "cuda"
+
+
+def set_batch_invariant(on: bool) -> None:
+    """``--batch-invariant`` for this process (every stage's process sets it at start)."""
+    global _batch_invariant
+    _batch_invariant = on
+
+
+def batch_invariant(device: torch.device | str) -> bool:
+    """Whether dense products on ``device`` run the batch-invariant kernel (a GPU's; a CPU
+    step is row-invariant already: ``row_invariant``)."""
+    return _batch_invariant and use_triton(device)

@@ -16,7 +16,7 @@ from engramrt.engram import prefetch
 from engramrt.engram.module import Engram
 from engramrt.engram.table import EngramTable
 from engramrt.model.context import ForwardContext
-from engramrt.model.layers import RMSNorm
+from engramrt.model.layers import RMSNorm, linear
 from engramrt.model.mhc import PreMix, collapse_norm, first_pre, mhc_post, mhc_pre
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 
@@ -245,7 +245,7 @@ def head_logits(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     be 2.6 GB of conversion a step): on CUDA a bf16 GEMM with fp32 output (cuBLAS accumulates in
     fp32 either way); CPUs have no such GEMM, so they multiply in fp32."""
     if weight.dtype == torch.float32:
-        return torch.nn.functional.linear(y.float(), weight)
+        return linear(y.float(), weight)
     if y.is_cuda:
-        return torch.mm(y, weight.t(), out_dtype=torch.float32)
-    return torch.nn.functional.linear(y.float(), weight.float())
+        return linear(y, weight, torch.float32)
+    return linear(y.float(), weight.float())

@@ -33,7 +33,7 @@ from torch import nn
 
 from engramrt.kernels import use_triton
 from engramrt.model.context import ForwardContext
-from engramrt.model.layers import RMSNorm, take_rows
+from engramrt.model.layers import Linear, RMSNorm, linear, take_rows
 from engramrt.models.deepseek_v41 import quant
 from engramrt.models.deepseek_v41.cache import V41Cache
 from engramrt.models.deepseek_v41.config import REINDEX, SOURCE, WINDOW, LayerRole, V41Config
@@ -144,10 +144,8 @@ class Compressor(nn.Module):
         super().__init__()
         self.ratio = ratio
         wdtype = torch.float32 if ratio > 1 else dtype
-        self.wkv = nn.Linear(cfg.dim, cfg.head_dim, bias=False, dtype=wdtype)
-        self.wgate = (
-            nn.Linear(cfg.dim, cfg.head_dim, bias=False, dtype=wdtype) if ratio > 1 else None
-        )
+        self.wkv = Linear(cfg.dim, cfg.head_dim, dtype=wdtype)
+        self.wgate = Linear(cfg.dim, cfg.head_dim, dtype=wdtype) if ratio > 1 else None
         self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype)
 
     def forward(
@@ -192,10 +190,10 @@ class Indexer(nn.Module):
         self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.blocks, self.block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
         self.wq_b = StoredLinear(self.heads * self.dim, cfg.q_lora_rank)
-        self.weights_proj = nn.Linear(cfg.dim, self.heads, bias=False, dtype=dtype)
+        self.weights_proj = Linear(cfg.dim, self.heads, dtype=dtype)
         self.scale = self.dim**-0.5 * self.heads**-0.5
         if owns_keys:
-            self.wk = nn.Linear(cfg.head_dim, self.dim, bias=False, dtype=dtype)
+            self.wk = Linear(cfg.head_dim, self.dim, dtype=dtype)
             self.k_norm = RMSNorm(self.dim, cfg.norm_eps, dtype)
 
     def write_keys(self, latent, rot, keys: torch.Tensor, rows: torch.Tensor) -> None:
@@ -357,6 +355,16 @@ class StepRuns:
             self.memo["closes", ratio] = torch.where(closes, rows, cache.spare_row(ratio))
         return self.memo["closes", ratio]
 
+    def picked_rows(self, cache: V41Cache, ratio: int) -> torch.Tensor:
+        """The compressed-cache rows of the entries ``topk`` picks, -1 where none; the layers
+        that reuse a source's picks read its rows (once per picks, not once a layer)."""
+        kept = self.memo.get(("picked", ratio))
+        if kept is None or kept[0] is not self.topk:
+            picks = self.topk
+            rows = cache.entry_rows(self.tables, self.req, picks.clamp_min(0), ratio)
+            kept = self.memo["picked", ratio] = picks, torch.where(picks >= 0, rows, -1)
+        return kept[1]
+
     def chunks(self) -> list[slice]:
         """Query chunks whose scores are formed at once (bounds a long prefill's memory)."""
         t = len(self.pos)
@@ -428,11 +436,9 @@ class V41Attention(nn.Module):
             self._compress(x, step, cache)
         if self.role.kind in (SOURCE, REINDEX):
             self._index(x, qr, rot, step, cache)
-        if self.role.kind != WINDOW:  # the picked entries' rows, -1 where none
+        if self.role.kind != WINDOW:
             comp = cache.compressed[self.role.kv_source]
-            picks = step.topk
-            rows = cache.entry_rows(step.tables, step.req, picks.clamp_min(0), self.role.ratio)
-            rows = torch.where(picks >= 0, rows, -1)
+            rows = step.picked_rows(cache, self.role.ratio)
         out = self.attend(q, kv, comp, rows, step, cache)
         # after attending: a run's own latents may overwrite ring rows its first tokens read
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
@@ -449,7 +455,7 @@ class V41Attention(nn.Module):
     def output(self, out: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotated back, through the grouped ``wo_a`` and ``wo_b`` (all-reduced under TP)."""
         o = rope_quant(out, rot, inverse=True).flatten(1).unflatten(-1, (self.groups, -1))
-        u = torch.einsum("tgd,grd->tgr", o, self.wo_a.weight.unflatten(0, (self.groups, self.rank)))
+        u = linear(o, self.wo_a.weight.unflatten(0, (self.groups, self.rank)))
         y = self.wo_b(u.flatten(1))
         return y if self.tp.solo else self.tp.all_reduce(y.float()).to(y.dtype)
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engramrt.kernels import use_triton
-from engramrt.model.layers import take_rows
+from engramrt.model.layers import linear, take_rows
 from engramrt.models.deepseek_v41 import quant
 from engramrt.models.deepseek_v41.config import V41Config
 from engramrt.models.deepseek_v41.quant import StoredLinear
@@ -219,7 +219,7 @@ class V41MoE(nn.Module):
         logits, then ``route_logits`` (on CUDA its kernel, ``moe_routing.route``: one launch, the
         same bits)."""
         gate = self.gate
-        logits = F.linear(x.float(), gate.weight.float())
+        logits = linear(x.float(), gate.weight.float())
         if use_triton(x.device):
             from engramrt.kernels.moe_routing import route as routed
         else:
