@@ -172,7 +172,35 @@ def gqa_decode(rec: Record, ctx: Context) -> bool:
 def v41_decode(rec: Record, ctx: Context) -> bool:
     model = ctx.preset("v41-wide", cases.BUNDLED_MODEL)
     sizes = ((1, 2), 8, 4) if ctx.tiny else ((1, 16, 64), 512, 128)
-    return decode(rec, ctx, model, _label(ctx, "v41-wide", "tiny V4.1"), *sizes)
+    label = _label(ctx, "v41-wide", "tiny V4.1")
+    ok = decode(rec, ctx, model, label, *sizes)
+    if ctx.device == "cuda":  # (a CPU's census: benchmarks/step_kernels.py, its own test)
+        launches(rec, ctx, model, label)
+    return ok
+
+
+def launches(rec: Record, ctx: Context, model: Path, label: str) -> None:
+    """A bs-1 decode step's launches, by layer and part (``benchmarks/step_kernels.py``)."""
+    from benchmarks.step_kernels import census
+
+    c = census(model, ctx.device, [1])[1]
+    layers: dict[int, int] = {}
+    for (layer, _), n in c.parts.items():
+        if layer is not None:
+            layers[layer] = layers.get(layer, 0) + n
+    parts: dict[str, int] = {}
+    for (_, part), n in c.parts.items():
+        parts[part] = parts.get(part, 0) + n
+    rec["launches_bs1"] = {"step": c.total, "by_layer": layers, "by_part": parts}
+    most = max(layers.values(), default=0)
+    print(f"{label} bs 1: {c.total} launches a step, at most {most} a layer", flush=True)
+    rec.headline(
+        f"{label} decode step, bs 1: launches",
+        c.total,
+        "launches",
+        f"{most} in its busiest layer, {sum(layers.values()) / max(1, len(layers)):.0f} a layer "
+        f"on average, {c.total - sum(layers.values())} outside the layers",
+    )
 
 
 # =========================================================================== prefill
