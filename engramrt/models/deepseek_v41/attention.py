@@ -429,8 +429,9 @@ class V41Attention(nn.Module):
         cache: V41Cache = ctx.kv
         step = StepRuns.of(ctx)
         rot = step.rotation(self.rope_key)
-        qr = self.q_norm(self.wq_a(x))
-        q, kv = self.queries(qr, rot), self.latents(x, rot)
+        xs = quant.shared_input(x)  # wq_a and wkv read it; wq_b and the indexer's read qr
+        qr = quant.shared_input(self.q_norm(self.wq_a(xs)))
+        q, kv = self.queries(qr, rot), self.latents(xs, rot)
         comp, rows = None, None
         if self.role.kind == SOURCE:
             self._compress(x, step, cache)

@@ -299,13 +299,26 @@ class StoredLinear(nn.Module):
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., K], or on a GPU its ``shared_input`` codes [T, K]."""
+        from engramrt.kernels.stored_linear import Codes, stored_linear  # the bytes as stored
+
+        if isinstance(x, Codes):
+            return stored_linear(x, self.weight, self.scale, self.fp4)
         if not use_triton(x.device) or self.master is not None:
             return quantized_linear(x, self.dequantized(x.dtype))
-        from engramrt.kernels.stored_linear import stored_linear  # the bytes as stored
-
         shape = x.shape
         y = stored_linear(x.reshape(-1, shape[-1]), self.weight, self.scale, self.fp4)
         return y.view(*shape[:-1], -1)
+
+
+def shared_input(x: torch.Tensor):
+    """``x`` [T, K] as the stored-format linears it feeds read it: on a GPU its ``act_quant``
+    codes, made once for all of them (``StoredLinear`` takes either); ``x`` elsewhere."""
+    if not use_triton(x.device) or _training(x):
+        return x
+    from engramrt.kernels.stored_linear import quantize
+
+    return quantize(x)
 
 
 def _stored_values(w: torch.Tensor, fp4: bool) -> torch.Tensor:
