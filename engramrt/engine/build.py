@@ -231,7 +231,7 @@ def build_stage(
     cfg, max_len = check(opts, notes=False)
     device = stage_device(opts.dist)
     layers = stage_layers(opts.partition, rank)
-    set_batch_invariant(opts.batch_invariant)
+    set_batch_invariant(opts.batch_invariant or os.environ.get("VLLM_BATCH_INVARIANT") == "1")
     runner = StageRunner.load(
         opts.model_dir,
         opts.max_num_seqs,

@@ -15,7 +15,7 @@ from engramrt.config import EngramConfig
 from engramrt.engram.layout import EngramLayout
 from engramrt.engram.table import EngramTable
 from engramrt.kernels import use_triton
-from engramrt.model.layers import Linear
+from engramrt.kernels.linear import Linear
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 
 GATE_CLAMP = 1e-6  # |dot| floor before the sqrt; keeps the gate away from exactly 0.5

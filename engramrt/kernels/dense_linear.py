@@ -3,7 +3,7 @@ same whatever the other rows of its step: the launch settings depend on the weig
 alone, K is summed in one fixed order (no split), and a row is the tensor cores' narrow side.
 cuBLAS picks its algorithm (and its summation order) by the row count, so a request decoded
 alone and the same request among 63 others, or a verify run beside its drafts, part after a few
-tokens; ``--batch-invariant`` routes the model's dense products here instead (``layers.linear``).
+tokens; ``--batch-invariant`` routes the model's dense products here instead (``kernels.linear``).
 
 fp32 weights multiply in fp32 (``ieee``: FMAs, as cuBLAS does without TF32), bf16 ones on the
 tensor cores with fp32 accumulation. ``w`` may be a stack of weights [G, N, K], each applied to

@@ -15,8 +15,9 @@ from engramrt.config import ModelConfig
 from engramrt.engram import prefetch
 from engramrt.engram.module import Engram
 from engramrt.engram.table import EngramTable
+from engramrt.kernels.linear import linear
 from engramrt.model.context import ForwardContext
-from engramrt.model.layers import RMSNorm, linear
+from engramrt.model.layers import RMSNorm
 from engramrt.model.mhc import PreMix, collapse_norm, first_pre, mhc_post, mhc_pre
 from engramrt.tensor_parallel import SINGLE, TensorParallel
 

@@ -57,9 +57,9 @@ def test_a_rows_bits_ignore_its_batch(wdtype, monkeypatch) -> None:
 
 
 def test_the_model_routes_dense_products_by_the_flag(monkeypatch) -> None:
-    """``layers.linear`` takes the kernel only under ``--batch-invariant`` on a GPU."""
+    """``kernels.linear`` takes the kernel only under ``--batch-invariant`` on a GPU."""
     from engramrt import kernels
-    from engramrt.model.layers import linear
+    from engramrt.kernels.linear import linear
 
     calls = []
     monkeypatch.setattr(module, "dense_linear", lambda *a: calls.append(a) or a[0])

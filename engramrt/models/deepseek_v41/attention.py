@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engramrt.kernels import use_triton
+from engramrt.kernels.linear import Linear, linear
 from engramrt.model.context import ForwardContext
-from engramrt.model.layers import Linear, RMSNorm, linear, take_rows
+from engramrt.model.layers import RMSNorm, take_rows
 from engramrt.models.deepseek_v41 import quant
 from engramrt.models.deepseek_v41.cache import V41Cache
 from engramrt.models.deepseek_v41.config import REINDEX, SOURCE, WINDOW, LayerRole, V41Config

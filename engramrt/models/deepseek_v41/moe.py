@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engramrt.kernels import use_triton
-from engramrt.model.layers import linear, take_rows
+from engramrt.kernels.linear import linear
+from engramrt.model.layers import take_rows
 from engramrt.models.deepseek_v41 import quant
 from engramrt.models.deepseek_v41.config import V41Config
 from engramrt.models.deepseek_v41.quant import StoredLinear
