@@ -240,6 +240,52 @@ def _swiglu_codes(p: dict, dev: str) -> Built:
     )
 
 
+def stored_linear_sweep(
+    fp4: bool, n: int, k: int, experts: int, top_k: int, m: int, dev: str
+) -> tuple[Callable[[tuple], torch.Tensor], int, tuple]:
+    """``benchmarks/linear_sweep.py``'s case: (a launch of the stored-format linear with given
+    settings on ``m`` rows, the bytes its work must move, the default settings); ``experts``:
+    a stack that many deep, each row routed to ``top_k`` of them (0: one dense weight)."""
+    from engramrt.kernels import stored_linear as sl
+
+    g = torch.Generator(device=dev).manual_seed(n + k + m)
+    make = quant.fp4_weight if fp4 else quant.fp8_weight
+    if experts:
+        ws = [make(torch.randn(n, k, device=dev, generator=g) / k**0.5) for _ in range(experts)]
+        w, s = torch.stack([a for a, _ in ws]), torch.stack([b for _, b in ws])
+        ids = torch.rand(m, experts, device=dev, generator=g).argsort(1)[:, :top_k]
+        order = torch.sort(ids.flatten(), stable=True).indices
+        counts = torch.bincount(ids.flatten(), minlength=experts)
+        rows = order // top_k
+        bm = sl.group_tile_rows(len(rows), experts)
+        tiles = sl.group_tiles(counts, len(rows), bm)
+        touched = int((counts > 0).sum())
+        bytes_ = (w[0].numel() + s[0].numel()) * touched
+    else:
+        w, s = make(torch.randn(n, k, device=dev, generator=g) / k**0.5)
+        rows = tiles = bm = None
+        bytes_ = w.numel() + s.numel()
+    x = torch.randn(m, k, device=dev, generator=g).bfloat16()
+    codes, sa = sl.act_codes(x)
+    p = len(rows) if rows is not None else m
+    bytes_ += codes.numel() + sa.numel() * 4 + p * n * 2
+
+    def run(config):
+        return sl._launch(codes, sa, x.dtype, w, s, fp4, p, config, rows, tiles, bm)
+
+    return run, bytes_, sl._default(fp4, n, k, top_k if experts else 1)
+
+
+def save_stored_linear_settings(picks: dict[tuple[bool, int, int], tuple]) -> Path:
+    """The sweep's picks where ``stored_linear`` reads them at import."""
+    from engramrt.kernels import stored_linear as sl
+
+    shapes = [{"fp4": f, "n": n, "k": k, "config": list(c)} for (f, n, k), c in picks.items()]
+    device = torch.cuda.get_device_name()
+    sl.TUNED_FILE.write_text(json.dumps({"device": device, "shapes": shapes}, indent=1) + "\n")
+    return sl.TUNED_FILE
+
+
 def _linear_shapes() -> tuple[Shape, ...]:
     flash = {  # V4.1-Flash's widths: (N, K, FP4)
         "wq_b": (32768, 1280, False),

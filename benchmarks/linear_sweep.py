@@ -5,7 +5,7 @@ may not depend on the row count: that is what keeps a row's bits the same in any
 
     python -m benchmarks.linear_sweep [--out FILE.json] [--write] [--quick]
 
-``--write`` saves the picks where the kernel reads them (``stored_linear.TUNED_FILE``). Each
+``--write`` saves the picks where the kernel reads them (``stored_linear_tuned.json``). Each
 shape's time is printed against its byte floor (the weight bytes the rows reach, the
 activations and outputs, over the copy rate measured in the same run).
 """
@@ -19,9 +19,8 @@ import time
 
 import torch
 
+from benchmarks import cases
 from benchmarks.common import copy_gbs, gpu_us
-from engramrt.kernels import stored_linear as sl
-from engramrt.models.deepseek_v41 import quant
 
 # (name, fp4, N, K, experts in the stack): v41-wide's decode linears (Flash's widths)
 SHAPES = [
@@ -45,33 +44,6 @@ def configs(quick: bool) -> list[tuple[int, int, int, int, int]]:
     return out[::7] if quick else out
 
 
-def _case(fp4: bool, n: int, k: int, experts: int, m: int, dev: str):
-    g = torch.Generator(device=dev).manual_seed(n + k + m)
-    make = quant.fp4_weight if fp4 else quant.fp8_weight
-    if experts:
-        ws = [make(torch.randn(n, k, device=dev, generator=g) / k**0.5) for _ in range(experts)]
-        w, s = torch.stack([a for a, _ in ws]), torch.stack([b for _, b in ws])
-        ids = torch.rand(m, experts, device=dev, generator=g).argsort(1)[:, :TOP_K]
-        order = torch.sort(ids.flatten(), stable=True).indices
-        counts = torch.bincount(ids.flatten(), minlength=experts)
-        rows = order // TOP_K
-        touched = int((counts > 0).sum())
-        bytes_ = (w[0].numel() + s[0].numel()) * touched
-    else:
-        w, s = make(torch.randn(n, k, device=dev, generator=g) / k**0.5)
-        rows = counts = None
-        bytes_ = w.numel() + s.numel()
-    x = torch.randn(m, k, device=dev, generator=g).bfloat16()
-    codes, sa = sl.act_codes(x)
-    p = len(rows) if rows is not None else m
-    bytes_ += codes.numel() + sa.numel() * 4 + p * n * 2
-
-    def run(config):
-        return sl._launch(codes, sa, x.dtype, w, s, fp4, p, config, rows, counts)
-
-    return run, bytes_
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
@@ -85,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[tuple, list[float]] = {}
         floors = []
         for m in ROWS:
-            run, bytes_ = _case(fp4, n, k, experts, m, dev)
+            run, bytes_, default = cases.stored_linear_sweep(fp4, n, k, experts, TOP_K, m, dev)
             floors.append(bytes_ / gbs / 1e3)
-            want = run(sl._default(fp4, n, k, TOP_K if experts else 1)).float()
+            want = run(default).float()
             for c in configs(args.quick):
                 if c[4] > k // 32 // c[1]:
                     continue
@@ -101,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
         full = {c: t for c, t in times.items() if len(t) == len(ROWS)}
         best_at = [min(t[i] for t in full.values()) for i in range(len(ROWS))]
         pick = min(full, key=lambda c: max(t / b for t, b in zip(full[c], best_at, strict=True)))
-        default = sl._default(fp4, n, k, TOP_K if experts else 1)
         tuned[(fp4, n, k)] = pick
         row = {
             "name": name,
@@ -130,9 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump({"copy_gbs": gbs, "shapes": report}, f, indent=1)
     if args.write:
-        picks = [{"fp4": f, "n": n, "k": k, "config": c} for (f, n, k), c in tuned.items()]
-        device = torch.cuda.get_device_name()
-        sl.TUNED_FILE.write_text(json.dumps({"device": device, "shapes": picks}, indent=1) + "\n")
+        print(f"settings written to {cases.save_stored_linear_settings(tuned)}")
     return 0
 
 
