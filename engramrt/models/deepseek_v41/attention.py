@@ -486,7 +486,6 @@ class V41Attention(nn.Module):
             return
         q, w = self.indexer.queries(x, qr, rot)
         keys = cache.index_keys[role.index_source]
-        entries = torch.arange(count, device=dev)
         picks, cands = [], []
         for c in step.chunks():
             seen = (step.pos[c] + 1) // r
@@ -505,6 +504,7 @@ class V41Attention(nn.Module):
                     count,
                 )
             else:
+                entries = torch.arange(count, device=dev)
                 rows = cache.entry_rows(step.tables, step.req[c], entries.expand(len(seen), -1), r)
                 scores = self.indexer.scores(q[c], w[c], take_rows(keys, rows))
                 scores = scores.masked_fill(entries >= seen.unsqueeze(-1), -math.inf)
@@ -515,8 +515,8 @@ class V41Attention(nn.Module):
                 allowed = step.candidates[c]
             picks.append(self.indexer.select(scores, seen, allowed))
         if cands:
-            step.candidates = torch.cat(cands)
-        step.topk = torch.cat(picks)
+            step.candidates = cands[0] if len(cands) == 1 else torch.cat(cands)
+        step.topk = picks[0] if len(picks) == 1 else torch.cat(picks)  # (a decode: one chunk)
 
     def attend(self, q, kv, comp, rows, step: StepRuns, cache: V41Cache) -> torch.Tensor:
         """Each query over its window (positions ``p - window + 1 .. p``, this run's latents
