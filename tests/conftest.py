@@ -55,7 +55,7 @@ def pytest_configure(config):
 
 
 # The files that take longest, in the order to start them. CI runs the tests in two workers, a
-# file's tests in one (README: ``-n auto --dist loadfile``); xdist would start the files with
+# file's tests in one (README: ``-n 2 --dist loadfile``); xdist would start the files with
 # the most tests first, and one of these started last keeps the run waiting on it alone.
 FIRST = [
     "engine/test_speculation_is_exact.py",
