@@ -43,6 +43,8 @@ def pytest_report_header(config):
 
 
 def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # xdist: start the files in collection order
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     config.addinivalue_line(
         "markers", "triton: Triton kernels (the interpreter on a CPU, natively on a GPU)"
@@ -52,7 +54,26 @@ def pytest_configure(config):
     )
 
 
+# The files that take longest, in the order to start them. CI runs the tests in two workers, a
+# file's tests in one (README: ``-n 2 --dist loadfile``); xdist would start the files with
+# the most tests first, and one of these started last keeps the run waiting on it alone.
+FIRST = [
+    "engine/test_speculation_is_exact.py",
+    "server/test_api_schema.py",
+    "server/test_server.py",
+    "server/test_lifecycle.py",
+    "parallel/test_pipeline.py",
+    "test_docs_examples.py",
+]
+
+
+def _start_order(item) -> int:
+    path = item.nodeid.split("::")[0].removeprefix("tests/")
+    return FIRST.index(path) if path in FIRST else len(FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_start_order)  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

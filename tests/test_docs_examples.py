@@ -408,6 +408,7 @@ OTHER_FLAGS = {
     "--tasks",
     "--model_args",
     "--check",  # ruff format
+    "--dist",  # pytest-xdist
     "--suite",  # python -m benchmarks.run, the suite runner
 }
 
