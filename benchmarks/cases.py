@@ -277,31 +277,43 @@ def stored_linear_sweep(
 
 
 def save_stored_linear_settings(picks: dict[tuple[bool, int, int], tuple]) -> Path:
-    """The sweep's picks where ``stored_linear`` reads them at import."""
+    """The sweep's picks where ``stored_linear`` reads them at import, beside the kept picks
+    of shapes this sweep left out."""
     from engramrt.kernels import stored_linear as sl
 
-    shapes = [{"fp4": f, "n": n, "k": k, "config": list(c)} for (f, n, k), c in picks.items()]
+    merged = {**sl.TUNED, **picks}
+    shapes = [{"fp4": f, "n": n, "k": k, "config": list(c)} for (f, n, k), c in merged.items()]
     device = torch.cuda.get_device_name()
     sl.TUNED_FILE.write_text(json.dumps({"device": device, "shapes": shapes}, indent=1) + "\n")
     return sl.TUNED_FILE
 
 
+# V4.1's decode linears at Flash's widths (v41-wide's): (name, FP4, N, K, experts in the stack);
+# the sweep (``benchmarks/linear_sweep.py``) tunes each, the kernels suite times each
+FLASH_LINEARS = (
+    ("wq_a", False, 1280, 5120, 0),
+    ("wq_b", False, 32768, 1280, 0),
+    ("wkv", False, 512, 5120, 0),
+    ("wo_b", False, 5120, 8192, 0),
+    ("index.wq_b", False, 4096, 1280, 0),
+    ("shared.w13", False, 4608, 5120, 0),  # w1 above w3: one launch
+    ("shared.w2", False, 5120, 2304, 0),
+    ("experts.w13", True, 4608, 5120, 16),
+    ("experts.w2", True, 5120, 2304, 16),
+)
+
+
 def _linear_shapes() -> tuple[Shape, ...]:
-    flash = {  # V4.1-Flash's widths: (N, K, FP4)
-        "wq_b": (32768, 1280, False),
-        "wo_b": (5120, 8192, False),
-        "wq_a": (1280, 5120, False),
-        "expert.w1": (2304, 5120, True),
-        "expert.w2": (5120, 2304, True),
-    }
+    """Each of ``FLASH_LINEARS`` as one weight on one row; 16 and 64 rows for the widest FP8
+    and the FP4 expert."""
     out = []
-    for name, (n, k, fp4) in flash.items():
-        for m in (1, 16, 64) if name in ("wq_b", "expert.w1") else (1,):
+    for name, fp4, n, k, _ in FLASH_LINEARS:
+        for m in (1, 16, 64) if name in ("wq_b", "experts.w13") else (1,):
             out.append(
                 Shape(
                     f"{'FP4' if fp4 else 'FP8'} {name} {n}x{k}, {m} row{'s' * (m > 1)}",
                     {"n": n, "k": k, "m": m, "fp4": fp4},
-                    headline=m == 1 and name in ("wq_b", "expert.w1"),
+                    headline=m == 1 and name in ("wq_b", "experts.w13"),
                 )
             )
     return tuple(out)

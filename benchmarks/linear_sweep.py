@@ -3,7 +3,7 @@ shape, from a sweep on the GPU: every setting timed at 1, 16 and 64 rows (graph 
 L2 flush), and the one kept whose worst ratio to each row count's best is least (the settings
 may not depend on the row count: that is what keeps a row's bits the same in any batch).
 
-    python -m benchmarks.linear_sweep [--out FILE.json] [--write] [--quick]
+    python -m benchmarks.linear_sweep [--out FILE.json] [--write] [--quick] [--only a,b]
 
 ``--write`` saves the picks where the kernel reads them (``stored_linear_tuned.json``). Each
 shape's time is printed against its byte floor (the weight bytes the rows reach, the
@@ -22,18 +22,6 @@ import torch
 from benchmarks import cases
 from benchmarks.common import copy_gbs, gpu_us
 
-# (name, fp4, N, K, experts in the stack): v41-wide's decode linears (Flash's widths)
-SHAPES = [
-    ("wq_a", False, 1280, 5120, 0),
-    ("wq_b", False, 32768, 1280, 0),
-    ("wkv", False, 512, 5120, 0),
-    ("wo_b", False, 5120, 8192, 0),
-    ("index.wq_b", False, 4096, 1280, 0),
-    ("shared.w13", False, 4608, 5120, 0),  # w1 above w3: one launch
-    ("shared.w2", False, 5120, 2304, 0),
-    ("experts.w13", True, 4608, 5120, 16),
-    ("experts.w2", True, 5120, 2304, 16),
-]
 TOP_K = 6
 ROWS = (1, 16, 64)
 
@@ -49,11 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="every seventh setting")
     ap.add_argument("--write", action="store_true", help="save the picks for the kernel")
+    ap.add_argument("--only", help="these shapes (names joined by commas), the others' picks kept")
     args = ap.parse_args(argv)
     dev = "cuda"
     gbs = copy_gbs(dev)
     report, tuned, started = [], {}, time.time()
-    for name, fp4, n, k, experts in SHAPES:
+    only = args.only.split(",") if args.only else None
+    for name, fp4, n, k, experts in cases.FLASH_LINEARS:
+        if only is not None and name not in only:
+            continue
         times: dict[tuple, list[float]] = {}
         floors = []
         for m in ROWS:

@@ -64,6 +64,8 @@ def dense_linear(
     ``x``'s)."""
     groups = 1 if w.dim() == 2 else w.shape[0]
     n, k = w.shape[-2:]
+    if w.dim() not in (2, 3) or x.shape[-1] != k or (groups > 1 and x.shape[-2] != groups):
+        raise ValueError(f"dense_linear: x {tuple(x.shape)} does not fit w {tuple(w.shape)}")
     lead = x.shape[: -1 if w.dim() == 2 else -2]
     x2 = x.reshape(-1, groups, k)
     if x2.stride(-1) != 1:

@@ -16,7 +16,7 @@ from engramrt.engine.request import SamplingParams
 from engramrt.engine.speculative import SpecConfig
 from engramrt.kernels import set_batch_invariant
 from engramrt.runner.stage import StageRunner
-from tests.support.engine_factory import build_engine
+from tests.support.engine_factory import build_engine, run_to_end
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,14 +50,9 @@ def _greedy(runner: StageRunner, prompts: list[list[int]], spec: SpecConfig | No
         num_blocks=2600,
         speculative=spec,
     )
-    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    out = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-    return [out[str(i)] for i in range(len(prompts))]
+    return run_to_end(
+        engine, prompts, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    )
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))

@@ -15,7 +15,7 @@ from engramrt.bundled import DEFAULT_MODEL_DIR
 from engramrt.engine.request import SamplingParams
 from engramrt.engine.speculative import SpecConfig
 from engramrt.runner.stage import StageRunner
-from tests.support.engine_factory import build_engine
+from tests.support.engine_factory import build_engine, run_to_end
 
 N_PROMPTS = 16
 # as many tokens as each model needs to fail without row invariance (see ``model``), and a margin
@@ -48,13 +48,7 @@ def _greedy(runner: StageRunner, prompts, tokens: int, spec: SpecConfig | None, 
         runner, 256, N_PROMPTS, max_num_seqs=seqs, num_blocks=1200, speculative=spec
     )
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    out = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-    return [out[str(i)] for i in range(len(prompts))], engine.stats()
+    return run_to_end(engine, prompts, params), engine.stats()
 
 
 @pytest.fixture(scope="module")

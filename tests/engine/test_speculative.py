@@ -18,7 +18,7 @@ from engramrt.engine.speculative import SpecConfig, accepted
 from engramrt.engram.history import NgramHistory
 from engramrt.runner.stage import StageRunner
 from tests.engine.test_engine import assert_tables_match
-from tests.support.engine_factory import build_engine
+from tests.support.engine_factory import build_engine, run_to_end
 
 WORDS = "the capital of Bribrinu is Mokmok and 12 + 7 = 19 while rivers run".split()
 
@@ -106,14 +106,7 @@ def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams])
     """Each prompt's output ids; the stage's block tables checked after every step (a verify
     step's given-back blocks are sent again from where they went: a block taken again at the
     same index may be another request's since)."""
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), p, sp)
-    out = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-        assert_tables_match(engine)
-    return [out[str(i)] for i in range(len(prompts))]
+    return run_to_end(engine, prompts, params, after_step=assert_tables_match)
 
 
 def _watch_history(runner: StageRunner, engine: Engine, seen: list[int]) -> None:

@@ -40,6 +40,14 @@ def test_grouped_weights_apply_per_group() -> None:
     torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("xs", "ws"), [((3, 32), (24, 31)), ((3, 4, 32), (5, 24, 32)), ((3, 32), (2, 2, 24, 32))]
+)
+def test_shapes_that_do_not_fit_are_refused(xs, ws) -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        dense_linear(torch.zeros(xs, device=DEVICE), torch.zeros(ws, device=DEVICE))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter's dot is numpy's matmul (BLAS)")
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])

@@ -4,11 +4,13 @@ size (so engines built one after another do not share blocks)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from engramrt.engine.build import EngineOptions, engine_for
 from engramrt.engine.detokenize import RequestText
 from engramrt.engine.engine import Engine
+from engramrt.engine.request import SamplingParams
 from engramrt.engine.speculative import SpecConfig
 from engramrt.parallel.pipeline import Pipeline
 from engramrt.runner.stage import StageRunner
@@ -65,3 +67,24 @@ def bos_encoder(session: StageRunner):
     """Text -> [BOS, *ids], the prompts these tests run."""
     bos = session.model.cfg.bos_token_id
     return lambda text: [bos, *session.tokenizer.encode(text).ids]
+
+
+def run_to_end(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    after_step: Callable[[Engine], None] | None = None,
+) -> list[list[int]]:
+    """Each prompt's output ids, the engine stepped until it has no work (``after_step`` called
+    after every step)."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        if after_step is not None:
+            after_step(engine)
+    return [out[str(i)] for i in range(len(prompts))]

@@ -199,14 +199,14 @@ class DeepSeekV41(ModelFamily):
         return True
 
     def capture_limit(self, model, max_tokens: int) -> int | None:
-        """V4.1's experts run grouped (graph-safe) up to ``V41MoE.grouped_tokens`` a step; a
-        larger step's experts run as GEMMs, eagerly."""
+        """V4.1's steps are captured up to ``V41MoE.grouped_tokens`` tokens (the grouped
+        launches are graph-safe at any size; the bound keeps start-up's captures few until
+        mixed steps are captured up to the token budget); a larger step runs eagerly."""
         moe = [m.grouped_tokens for m in model.modules() if isinstance(m, V41MoE)]
         if moe and max_tokens > min(moe):
             max_tokens = min(moe)
             print(
-                f"engramrt: V4.1 mixed steps of more than {max_tokens} tokens run eagerly (their "
-                "experts run as GEMMs)",
+                f"engramrt: V4.1 mixed steps of more than {max_tokens} tokens run eagerly",
                 flush=True,
             )
         return max_tokens

@@ -212,7 +212,7 @@ def fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_e2m1(codes), _e8m0_bytes(scale)
 
 
-# rows an expert averages in the largest step a CUDA graph captures (``V41MoE.grouped_tokens``)
+# rows an expert averages in the largest V4.1 step a CUDA graph captures (``V41MoE.grouped_tokens``)
 STORED_KERNEL_ROWS = 64
 
 
