@@ -2,14 +2,17 @@
 step (decode rows, prefill chunks, a mixed step's both), the torch path's
 ``V41Attention.attend`` without gathering rows into memory first.
 
-A program takes one token and ``BLOCK_H`` of its query heads (one shared 512-d latent is every
-head's K and V, so the heads of a token read each row once). It walks the token's window
-(positions ``p - window + 1 .. p``: its own run's latents from ``kv``, earlier ones from its
-slot's ring) and then its picked rows of the compressed cache, ``BLOCK_N`` rows a step, with an
-online softmax in fp32 whose probabilities are cast to the activation dtype before they weigh
-the rows (the reference's kernel does both, in blocks of 64 indices); the per-head sink joins
-the denominator at the end. Rows it cannot see score ``-inf``; a token that sees nothing
-outputs zeros. Shapes depend on the token count only: CUDA-graph safe.
+A token's rows are its window (positions ``p - window + 1 .. p``: its own run's latents from
+``kv``, earlier ones from its slot's ring) then its picked rows of the compressed cache. They
+are cut into splits of ``SPLIT_ROWS``; each split is an online softmax in fp32 over ``BLOCK_N``
+rows a step (probabilities cast to the activation dtype before they weigh the rows, as the
+reference's kernel does), and the splits' (sum, max, denominator) are merged in ascending order,
+the per-head sink joining the denominator at the end. A program takes ``BLOCK_H`` query heads of
+one token (one shared latent is every head's K and V, so the heads read each row once) and all
+its splits, or, when a step has too few tokens to fill the GPU, one split, the tile's last
+program to arrive merging the others' from memory: the same operations in the same order either
+way, so a token's bits do not depend on its batch. Rows it cannot see score ``-inf``; a token
+that sees nothing outputs zeros. Shapes depend on the token count only: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -18,9 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt.kernels.common import dot_f32, interpreted
+from engramrt.kernels.common import (
+    MAX_TILES,
+    SPREAD_BELOW,
+    arrival_counters,
+    dot_f32,
+    interpreted,
+)
 
 NO_SCORE = tl.constexpr(-1e30)  # the running max before any row: exp(-inf - it) is 0, not NaN
+SPLIT_ROWS = 64  # rows a split: fixed, so a token's sums are the same in any step
 
 
 @triton.jit
@@ -34,7 +44,15 @@ def _softmax_step(acc, m_i, l_i, q, rows, valid, scale, F32: tl.constexpr):
     return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
-@triton.jit(do_not_specialize=["K_PICKS"])  # min(top-k, entries): varies by step
+@triton.jit
+def _merge(acc, m_i, l_i, acc_s, m_s, l_s):
+    """A split's (acc, max, sum) into the running ones."""
+    m_new = tl.maximum(m_i, m_s)
+    a, b = tl.exp(m_i - m_new), tl.exp(m_s - m_new)
+    return acc * a[:, None] + acc_s * b[:, None], m_new, l_i * a + l_s * b
+
+
+@triton.jit(do_not_specialize=["K_PICKS", "SPLITS"])  # min(top-k, entries): varies by step
 def _sparse_attention_kernel(
     q_ptr,
     kv_ptr,
@@ -47,14 +65,21 @@ def _sparse_attention_kernel(
     slot_ptr,
     sink_ptr,
     out_ptr,
+    part_ptr,
+    ml_ptr,
+    count_ptr,
     scale,
+    T,
     K_PICKS,
+    SPLITS,
     H: tl.constexpr,
     D: tl.constexpr,
     W: tl.constexpr,
     RING: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    SPREAD: tl.constexpr,
     F32: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -65,35 +90,64 @@ def _sparse_attention_kernel(
     p, p0 = tl.load(pos_ptr + t), tl.load(p0_ptr + t)
     q0, slot = tl.load(q0_ptr + t), tl.load(slot_ptr + t)
     base = tl.maximum(p - W + 1, 0)
+    total = W + K_PICKS
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
     m_i = tl.full((BLOCK_H,), NO_SCORE, tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
-    for w0 in range(0, W, BLOCK_N):  # the window, oldest first
-        u = base + w0 + tl.arange(0, BLOCK_N)
-        valid = (w0 + tl.arange(0, BLOCK_N) < W) & (u <= p)
-        mine = valid & (u >= p0)  # this run's rows: kv; earlier ones: the ring
-        rows = tl.load(
-            kv_ptr + (q0 + u - p0)[:, None] * D + d[None, :], mask=mine[:, None], other=0
+    first = tl.program_id(2) if SPREAD else 0
+    for s in range(first, first + 1 if SPREAD else SPLITS):
+        acc_s = tl.zeros((BLOCK_H, D), tl.float32)
+        m_s = tl.full((BLOCK_H,), NO_SCORE, tl.float32)
+        l_s = tl.zeros((BLOCK_H,), tl.float32)
+        for i0 in range(s * ROWS, tl.minimum(s * ROWS + ROWS, total), BLOCK_N):
+            i = i0 + tl.arange(0, BLOCK_N)
+            u = base + i  # window rows (i < W), oldest first
+            win = (i < W) & (u <= p)
+            mine = win & (u >= p0)  # this run's rows: kv; earlier ones: the ring
+            r = tl.load(picks_ptr + t * K_PICKS + (i - W), mask=(i >= W) & (i < total), other=-1)
+            rows = tl.load(
+                kv_ptr + (q0 + u - p0)[:, None] * D + d[None, :], mask=mine[:, None], other=0
+            )
+            rows += tl.load(
+                ring_ptr + (slot * RING + u % RING)[:, None] * D + d[None, :],
+                mask=(win & ~mine)[:, None],
+                other=0,
+            )
+            rows += tl.load(comp_ptr + r[:, None] * D + d[None, :], mask=r[:, None] >= 0, other=0)
+            acc_s, m_s, l_s = _softmax_step(acc_s, m_s, l_s, q, rows, win | (r >= 0), scale, F32)
+        if SPREAD:  # this split's sums for the tile's last program
+            at = (s * T + t) * H + heads
+            tl.store(part_ptr + at[:, None] * D + d[None, :], acc_s, mask=hm[:, None])
+            tl.store(ml_ptr + 2 * at, m_s, mask=hm)
+            tl.store(ml_ptr + 2 * at + 1, l_s, mask=hm)
+        else:
+            acc, m_i, l_i = _merge(acc, m_i, l_i, acc_s, m_s, l_s)
+    last = True
+    if SPREAD:
+        tl.debug_barrier()
+        tile = t * tl.num_programs(1) + tl.program_id(1)
+        last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1
+        if last:
+            for s in range(SPLITS):
+                at = (s * T + t) * H + heads
+                acc_s = tl.load(
+                    part_ptr + at[:, None] * D + d[None, :],
+                    mask=hm[:, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                m_s = tl.load(ml_ptr + 2 * at, mask=hm, other=0.0, cache_modifier=".cg")
+                l_s = tl.load(ml_ptr + 2 * at + 1, mask=hm, other=0.0, cache_modifier=".cg")
+                acc, m_i, l_i = _merge(acc, m_i, l_i, acc_s, m_s, l_s)
+            tl.atomic_xchg(count_ptr + tile, 0)
+    if last:
+        sink = tl.load(sink_ptr + heads, mask=hm, other=0.0).to(tl.float32)
+        out = acc / (l_i + tl.exp(sink - m_i))[:, None]
+        tl.store(
+            out_ptr + (t * H + heads)[:, None] * D + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=hm[:, None],
         )
-        rows += tl.load(
-            ring_ptr + (slot * RING + u % RING)[:, None] * D + d[None, :],
-            mask=(valid & ~mine)[:, None],
-            other=0,
-        )
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, rows, valid, scale, F32)
-    for j0 in range(0, K_PICKS, BLOCK_N):  # the picked compressed rows (-1: none)
-        j = j0 + tl.arange(0, BLOCK_N)
-        r = tl.load(picks_ptr + t * K_PICKS + j, mask=j < K_PICKS, other=-1)
-        valid = r >= 0
-        rows = tl.load(comp_ptr + r[:, None] * D + d[None, :], mask=valid[:, None], other=0)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, rows, valid, scale, F32)
-    sink = tl.load(sink_ptr + heads, mask=hm, other=0.0).to(tl.float32)
-    out = acc / (l_i + tl.exp(sink - m_i))[:, None]
-    tl.store(
-        out_ptr + (t * H + heads)[:, None] * D + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=hm[:, None],
-    )
 
 
 def sparse_attention(
@@ -124,7 +178,14 @@ def sparse_attention(
     if picks is None:
         picks, comp = torch.empty(t, 0, dtype=torch.int64, device=q.device), kv
     block_h = 16  # tl.dot's least rows; heads past H are masked
-    _sparse_attention_kernel[(t, triton.cdiv(h, block_h))](
+    head_tiles = triton.cdiv(h, block_h)
+    splits = triton.cdiv(window + picks.shape[1], SPLIT_ROWS)
+    spread = splits > 1 and t * head_tiles < SPREAD_BELOW
+    if spread and t * head_tiles > MAX_TILES:
+        raise ValueError(f"{t * head_tiles} tiles exceed the {MAX_TILES} counters")
+    part = q.new_empty((splits, t, h, d), dtype=torch.float32) if spread else out
+    ml = q.new_empty((splits, t, h, 2), dtype=torch.float32) if spread else out
+    _sparse_attention_kernel[(t, head_tiles, splits if spread else 1)](
         q.contiguous(),
         kv.contiguous(),
         ring,
@@ -136,14 +197,21 @@ def sparse_attention(
         slot,
         sink,
         out,
+        part,
+        ml,
+        arrival_counters(q.device),
         scale,
+        t,
         picks.shape[1],
+        splits,
         H=h,
         D=d,
         W=window,
         RING=ring_len or window,
         BLOCK_H=block_h,
         BLOCK_N=64 if d <= 128 else 32,
+        ROWS=SPLIT_ROWS,
+        SPREAD=spread,
         F32=q.dtype == torch.float32 or interpreted(),
     )
     return out

@@ -26,15 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt.kernels.common import interpreted
+from engramrt.kernels.common import MAX_TILES, SMS, SPREAD_BELOW, arrival_counters, interpreted
 from engramrt.kernels.quant_roundtrip import act_codes
 
-SMS = 132  # H200; only a split heuristic
 # rows a program: the tensor cores' narrow side, 16 for decode-sized steps, 64 above (fewer
 # reads of each weight tile); a row's operations are the same in either
 BM, BM_LARGE, LARGE_ROWS = 16, 64, 64
-SPREAD_BELOW = 2 * SMS  # tiles under which each K range takes a program of its own
-MAX_TILES = 1 << 16  # split-K tiles in flight a launch (their arrival counters)
 
 
 @triton.jit
@@ -233,17 +230,6 @@ def _stored_linear_kernel(
             tl.atomic_xchg(count_ptr + tile, 0)
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """The split-K arrival counters of ``device``, zeroed once: each tile's last program sets
-    its counter back to zero (so a CUDA graph replays with them zero)."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
 # launch settings by weight shape, (features a program, blocks an iteration, warps, stages,
 # splits), written by ``python -m benchmarks.linear_sweep --write`` on an H200; other shapes
 # take ``_default``
@@ -320,7 +306,7 @@ def _launch(
         scale.view(torch.uint8),
         out,
         part,
-        _arrivals(codes.device),
+        arrival_counters(codes.device),
         rows if rows is not None else sa,
         tiles if tiles is not None else sa,
         rows_out,
