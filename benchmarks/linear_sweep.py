@@ -3,7 +3,7 @@ shape, from a sweep on the GPU: every setting timed at 1, 16 and 64 rows (graph 
 L2 flush), and the one kept whose worst ratio to each row count's best is least (the settings
 may not depend on the row count: that is what keeps a row's bits the same in any batch).
 
-    python -m benchmarks.linear_sweep [--out FILE.json] [--write] [--quick] [--only a,b]
+    python -m benchmarks.linear_sweep [--out FILE.json] [--write] [--quick | --near] [--only a,b]
 
 ``--write`` saves the picks where the kernel reads them (``stored_linear_tuned.json``). Each
 shape's time is printed against its byte floor (the weight bytes the rows reach, the
@@ -21,21 +21,41 @@ import torch
 
 from benchmarks import cases
 from benchmarks.common import copy_gbs, gpu_us
+from engramrt.kernels import stored_linear as sl
 
 TOP_K = 6
 ROWS = (1, 16, 64)
 
 
-def configs(quick: bool) -> list[tuple[int, int, int, int, int]]:
-    grid = itertools.product((64, 128), (1, 2, 4), (4, 8), (3, 4), (1, 2, 4, 8, 16))
-    out = [c for c in grid if not (c[0] == 64 and c[2] == 8)]
+OPTIONS = ((64, 128), (1, 2, 4, 8), (4, 8), (3, 4), (1, 2, 4, 8, 16), (0, 1))
+
+
+def configs(quick: bool) -> list[tuple[int, int, int, int, int, int]]:
+    """(BN, G, warps, stages, splits, folded): FP8 products a block at a time (G 1-4), or
+    folded bf16 products of 2-8 blocks."""
+    out = [c for c in itertools.product(*OPTIONS) if _valid(c)]
     return out[::7] if quick else out
+
+
+def _valid(c: tuple) -> bool:
+    return not (c[0] == 64 and c[2] == 8) and (c[1] > 1 if c[5] else c[1] < 8)
+
+
+def near(current: tuple) -> list[tuple[int, int, int, int, int, int]]:
+    """``current`` and the settings that differ from it in one place (a cheap refinement)."""
+    out = {tuple(current)}
+    for i, options in enumerate(OPTIONS):
+        out |= {(*current[:i], v, *current[i + 1 :]) for v in options}
+    for g in OPTIONS[1][1:]:  # the other form at each product width
+        out.add((current[0], g, *current[2:5], 1 - current[5]))
+    return sorted(c for c in out if _valid(c))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="every seventh setting")
+    ap.add_argument("--near", action="store_true", help="the current settings' neighbours only")
     ap.add_argument("--write", action="store_true", help="save the picks for the kernel")
     ap.add_argument("--only", help="these shapes (names joined by commas), the others' picks kept")
     args = ap.parse_args(argv)
@@ -52,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             run, bytes_, default = cases.stored_linear_sweep(fp4, n, k, experts, TOP_K, m, dev)
             floors.append(bytes_ / gbs / 1e3)
             want = run(default).float()
-            for c in configs(args.quick):
+            here = sl.settings(fp4, n, k, TOP_K if experts else 1)
+            for c in near(here) if args.near else configs(args.quick):
                 if c[4] > k // 32 // c[1]:
                     continue
                 try:

@@ -75,6 +75,64 @@ def _e8m0(raw):
 
 
 @triton.jit
+def _folded_step(
+    acc,
+    a_ptr,
+    sa_ptr,
+    w_ptr,
+    sw_ptr,
+    src,
+    live,
+    rn64,
+    nmask,
+    K,
+    kb,
+    kb_stop,
+    FP4: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    G: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Blocks ``kb .. kb + G`` (those under ``kb_stop``) as one bf16 product into ``acc``."""
+    blocks = K // 32
+    kk = kb * 32 + tl.arange(0, 32 * G)
+    gg = kb + tl.arange(0, G)
+    kok, gok = kk < kb_stop * 32, gg < kb_stop
+    a = tl.load(
+        a_ptr + src[:, None] * K + kk[None, :], mask=live[:, None] & kok[None, :], other=0.0
+    )
+    sa = tl.load(
+        sa_ptr + src[:, None] * blocks + gg[None, :], mask=live[:, None] & gok[None, :], other=0.0
+    )
+    a = tl.reshape(tl.reshape(a.to(tl.float32), [BM, G, 32]) * sa[:, :, None], [BM, 32 * G])
+    if FP4:
+        c = tl.arange(0, 16 * G)
+        byte = tl.load(
+            w_ptr + rn64[:, None] * (K // 2) + kb * 16 + c[None, :],
+            mask=nmask[:, None] & (kb * 16 + c < kb_stop * 16)[None, :],
+            other=0,
+        )
+        w = tl.reshape(_e2m1_to_e4m3(byte, ASM), [BN, 32 * G])
+        at = rn64[:, None] * blocks + gg[None, :]
+        sw = _e8m0(tl.load(sw_ptr + at, mask=nmask[:, None] & gok[None, :], other=127)) * 64.0
+    else:
+        w = tl.load(
+            w_ptr + rn64[:, None] * K + kk[None, :],
+            mask=nmask[:, None] & kok[None, :],
+            other=0,
+        ).to(tl.float8e4nv, bitcast=True)
+        at = (rn64 // 32)[:, None] * blocks + gg[None, :]
+        sw = _e8m0(tl.load(sw_ptr + at, mask=nmask[:, None] & gok[None, :], other=127))
+    w = tl.reshape(tl.reshape(w.to(tl.float32), [BN, G, 32]) * sw[:, :, None], [BN, 32 * G])
+    if ASM:
+        acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
+    else:  # the interpreter's bf16 dot is not the GPU's: the same products in fp32
+        acc += tl.dot(w, tl.trans(a), input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _blocks_sum(
     a_ptr,
     sa_ptr,
@@ -93,13 +151,23 @@ def _blocks_sum(
     BN: tl.constexpr,
     G: tl.constexpr,
     ASM: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
-    """``[BN, BM]``: K blocks ``[kb0, kb_stop)`` in ascending order, each an FP8 tensor-core
-    product of 32 codes scaled by its two scales, summed in fp32 from zero."""
+    """``[BN, BM]``: K blocks ``[kb0, kb_stop)`` in ascending order, summed in fp32 from zero:
+    each an FP8 tensor-core product of 32 codes scaled by its two scales, or (``FOLD``) ``G``
+    blocks at a time as one bf16 product of both operands with their scales folded in (exact
+    values: an E4M3 or E2M1 code times a power of two), accumulated on the tensor cores."""
     blocks = K // 32
     rn64 = rn.to(tl.int64)
     c32 = tl.arange(0, 32)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
+    if FOLD:
+        for kb in range(kb0, kb_stop, G):
+            acc = _folded_step(
+                acc, a_ptr, sa_ptr, w_ptr, sw_ptr, src, live, rn64, nmask, K, kb, kb_stop,
+                FP4, BM, BN, G, ASM,
+            )  # fmt: skip
+        return acc
     for kb in range(kb0, kb_stop, G):
         for g in tl.static_range(G):
             b = kb + g
@@ -163,6 +231,7 @@ def _stored_linear_kernel(
     BN: tl.constexpr,
     G: tl.constexpr,
     ASM: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     """Program (row tile, feature tile, k program): ``BN`` features x ``BM`` rows. K is cut
     into ``SPLITS`` ranges of ``BLOCKS_SPLIT`` blocks, each summed from zero, and the ranges'
@@ -210,6 +279,7 @@ def _stored_linear_kernel(
             BN,
             G,
             ASM,
+            FOLD,
         )
     outs = out_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
     omask = live[None, :] & nmask[:, None]
@@ -231,33 +301,36 @@ def _stored_linear_kernel(
 
 
 # launch settings by weight shape, (features a program, blocks an iteration, warps, stages,
-# splits), written by ``python -m benchmarks.linear_sweep --write`` on an H200; other shapes
-# take ``_default``
+# splits, folded: 0 or 1), written by ``python -m benchmarks.linear_sweep --write`` on an H200;
+# other shapes take ``_default``
 TUNED_FILE = Path(__file__).with_name("stored_linear_tuned.json")
 
 
-def _tuned() -> dict[tuple[bool, int, int], tuple[int, int, int, int, int]]:
+Config = tuple[int, int, int, int, int, int]
+
+
+def _tuned() -> dict[tuple[bool, int, int], Config]:
     if not TUNED_FILE.exists():
         return {}
     raw = json.loads(TUNED_FILE.read_text())
-    return {(e["fp4"], e["n"], e["k"]): tuple(e["config"]) for e in raw["shapes"]}
+    return {(e["fp4"], e["n"], e["k"]): (*e["config"], 0)[:6] for e in raw["shapes"]}
 
 
 TUNED = _tuned()
 
 
-def _default(fp4: bool, n: int, k: int, programs: int) -> tuple[int, int, int, int, int]:
+def _default(fp4: bool, n: int, k: int, programs: int) -> Config:
     """Split K until ``programs`` feature tiles (times the expert tiles a launch expects) fill
     every multiprocessor twice; never less than four blocks a split."""
     bn = 64 if fp4 else 128
     tiles = triton.cdiv(n, bn) * programs
     blocks = k // 32
     splits = max(1, min(blocks // 4, triton.cdiv(2 * SMS, tiles), 16))
-    return bn, 2, 4, 3, splits
+    return bn, 2, 4, 3, splits, 0
 
 
-def settings(fp4: bool, n: int, k: int, programs: int = 1) -> tuple[int, int, int, int, int]:
-    """(BN, G, warps, stages, splits) for a weight's shape: never the row count."""
+def settings(fp4: bool, n: int, k: int, programs: int = 1) -> Config:
+    """(BN, G, warps, stages, splits, folded) for a weight's shape: never the row count."""
     return TUNED.get((fp4, n, k)) or _default(fp4, n, k, programs)
 
 
@@ -269,7 +342,7 @@ def _launch(
     scale: torch.Tensor,
     fp4: bool,
     rows_out: int,
-    config: tuple[int, int, int, int, int],
+    config: Config,
     rows: torch.Tensor | None = None,
     tiles: torch.Tensor | None = None,
     bm: int | None = None,
@@ -277,7 +350,7 @@ def _launch(
     """``tiles`` (grouped) come with their row count ``bm``; else the rows pick it."""
     k = codes.shape[-1]
     n = weight.shape[-2]
-    bn, g, warps, stages, splits = config
+    bn, g, warps, stages, splits, fold = config
     if tiles is None:
         bm = BM if rows_out <= LARGE_ROWS else BM_LARGE
         grid_m = triton.cdiv(rows_out, bm)
@@ -325,6 +398,7 @@ def _launch(
         BN=bn,
         G=g,
         ASM=not interpreted(),
+        FOLD=bool(fold),
         num_warps=warps,
         num_stages=stages,
     )

@@ -1,13 +1,16 @@
 """The FP8 / FP4 linear that reads weights as stored (``engramrt.kernels.stored_linear``) against
 a float64 product of the same exact values (activations through ``act_quant``, weights decoded
 by ``quant``'s dequantisers, themselves tested against Fraction oracles): equal up to the order
-of fp32 sums, on random shapes with partial tiles, split K and both formats."""
+of fp32 sums, on random shapes with partial tiles, split K and both formats; every test in both
+of the kernel's forms (FP8 tensor-core products scaled a block at a time, and bf16 products of
+the operands with their scales folded in, four blocks a product)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engramrt.kernels import stored_linear as module
 from engramrt.kernels.stored_linear import (
     group_tile_rows,
     group_tiles,
@@ -18,6 +21,18 @@ from engramrt.models.deepseek_v41 import quant
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, params=["scaled", "folded"])
+def form(request, monkeypatch) -> str:
+    """Every launch's settings in one form: the shape's own, or folded 4 blocks a product."""
+    settings = module.settings
+    if request.param == "folded":
+        monkeypatch.setattr(
+            module, "settings", lambda *a: (*settings(*a)[:1], 4, *settings(*a)[2:5], 1)
+        )
+    return request.param
+
 
 SHAPES = [  # (fp4, M, N, K): partial N and K tiles, split K (few rows, long K), many rows
     (False, 1, 70, 96),
@@ -185,11 +200,12 @@ def test_grouped_rows_gather_in_the_kernel() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="the register-packed decoding runs on a GPU")
-def test_packed_decoding_is_the_per_element_one(monkeypatch) -> None:
+def test_packed_decoding_is_the_per_element_one(form: str, monkeypatch) -> None:
     """The GPU's four-codes-a-register E2M1 decoding (inline PTX) against the per-element form
-    the interpreter runs: the same bits over random FP4 weights and rows."""
-    from engramrt.kernels import stored_linear as module
-
+    the interpreter runs: the same bits over random FP4 weights and rows (in the scaled form:
+    the folded one multiplies in fp32 where the interpreter runs; both decode alike)."""
+    if form == "folded":
+        pytest.skip("the folded form's interpreter products are fp32, not the GPU's bf16")
     g = torch.Generator().manual_seed(13)
     stored, scale = quant.fp4_weight(torch.randn(300, 2048, generator=g))
     x = torch.randn(9, 2048, generator=g).to(DEVICE, torch.bfloat16)
@@ -204,8 +220,6 @@ def test_tiles_and_split_programs_do_the_same_operations(fp4: bool, monkeypatch)
     """Many rows take 64-row tiles and sum their K ranges in one program; few take 16-row tiles
     and a program a range: a row's bits are the same either way (what lets a prefill's rows
     equal a decode step's)."""
-    from engramrt.kernels import stored_linear as module
-
     g = torch.Generator().manual_seed(21 + fp4)
     stored, scale = (quant.fp4_weight if fp4 else quant.fp8_weight)(
         torch.randn(80, 256, generator=g) / 16
