@@ -35,10 +35,10 @@ BM, BM_LARGE, LARGE_ROWS = 16, 64, 64
 
 
 @triton.jit
-def _e2m1_to_e4m3(byte, ASM: tl.constexpr):
-    """A byte's two E2M1 codes (even element low) as E4M3 values ``code * 2**-6``: sign to bit
-    7, exponent and mantissa two bits up. ``ASM``: four bytes a 32-bit register (Hopper
-    converts slowly element by element); else per element (the interpreter's form)."""
+def _e2m1_pair(byte, ASM: tl.constexpr):
+    """A byte's two E2M1 codes (even element low) as E4M3 values ``code * 2**-6``, (even, odd):
+    sign to bit 7, exponent and mantissa two bits up. ``ASM``: four bytes a 32-bit register
+    (Hopper converts slowly element by element); else per element (the interpreter's form)."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             asm="""{
@@ -63,9 +63,31 @@ def _e2m1_to_e4m3(byte, ASM: tl.constexpr):
         b = byte.to(tl.int32)
         lo = (((b & 0x08) << 4) | ((b & 0x07) << 2)).to(tl.uint8)
         hi = ((b & 0x80) | ((b & 0x70) >> 2)).to(tl.uint8)
-    lo = lo.to(tl.float8e4nv, bitcast=True)
-    hi = hi.to(tl.float8e4nv, bitcast=True)
-    return tl.join(lo, hi)  # [..., 2]: element 2j, 2j + 1
+    return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _e2m1_to_e4m3(byte, ASM: tl.constexpr):
+    """``[..., 2]``: each byte's element 2j, 2j + 1 (``_e2m1_pair``)."""
+    lo, hi = _e2m1_pair(byte, ASM)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _times_block_scale(v, scale, R: tl.constexpr, G: tl.constexpr, B: tl.constexpr):
+    """``v`` [R, G * B] in fp32, each run of ``B`` columns times its ``scale`` [R, G]."""
+    return tl.reshape(tl.reshape(v.to(tl.float32), [R, G, B]) * scale[:, :, None], [R, G * B])
+
+
+@triton.jit
+def _folded_dot(w, a, acc, ASM: tl.constexpr):
+    """``acc + w @ a.T`` from fp32 operands holding bf16-exact values: bf16 tensor cores, or
+    fp32 under the interpreter (whose bf16 dot is not the GPU's)."""
+    if ASM:
+        acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
+    else:
+        acc += tl.dot(w, tl.trans(a), input_precision="ieee")
+    return acc
 
 
 @triton.jit
@@ -94,41 +116,49 @@ def _folded_step(
     G: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """Blocks ``kb .. kb + G`` (those under ``kb_stop``) as one bf16 product into ``acc``."""
+    """Blocks ``kb .. kb + G`` (those under ``kb_stop``) as bf16 products into ``acc``: FP8
+    weights as one, FP4 ones as two (their even and odd elements, as the bytes hold them,
+    against the activation's even and odd columns: no interleaving)."""
     blocks = K // 32
-    kk = kb * 32 + tl.arange(0, 32 * G)
     gg = kb + tl.arange(0, G)
-    kok, gok = kk < kb_stop * 32, gg < kb_stop
-    a = tl.load(
-        a_ptr + src[:, None] * K + kk[None, :], mask=live[:, None] & kok[None, :], other=0.0
-    )
+    gok = gg < kb_stop
     sa = tl.load(
         sa_ptr + src[:, None] * blocks + gg[None, :], mask=live[:, None] & gok[None, :], other=0.0
     )
-    a = tl.reshape(tl.reshape(a.to(tl.float32), [BM, G, 32]) * sa[:, :, None], [BM, 32 * G])
+    # FP4: a scale a row and block; FP8: a scale a 32 x 32 block
+    wrow = rn64 if FP4 else rn64 // 32
+    at = wrow[:, None] * blocks + gg[None, :]
+    sw = _e8m0(tl.load(sw_ptr + at, mask=nmask[:, None] & gok[None, :], other=127))
+    a_rows = a_ptr + src[:, None] * K
     if FP4:
         c = tl.arange(0, 16 * G)
+        cok = kb * 16 + c < kb_stop * 16
         byte = tl.load(
             w_ptr + rn64[:, None] * (K // 2) + kb * 16 + c[None, :],
-            mask=nmask[:, None] & (kb * 16 + c < kb_stop * 16)[None, :],
+            mask=nmask[:, None] & cok[None, :],
             other=0,
         )
-        w = tl.reshape(_e2m1_to_e4m3(byte, ASM), [BN, 32 * G])
-        at = rn64[:, None] * blocks + gg[None, :]
-        sw = _e8m0(tl.load(sw_ptr + at, mask=nmask[:, None] & gok[None, :], other=127)) * 64.0
+        lo, hi = _e2m1_pair(byte, ASM)
+        amask = live[:, None] & cok[None, :]
+        even = tl.load(a_rows + kb * 32 + 2 * c[None, :], mask=amask, other=0.0)
+        odd = tl.load(a_rows + kb * 32 + 2 * c[None, :] + 1, mask=amask, other=0.0)
+        sw = sw * 64.0
+        acc = _folded_dot(
+            _times_block_scale(lo, sw, BN, G, 16), _times_block_scale(even, sa, BM, G, 16), acc, ASM
+        )
+        acc = _folded_dot(
+            _times_block_scale(hi, sw, BN, G, 16), _times_block_scale(odd, sa, BM, G, 16), acc, ASM
+        )
     else:
+        kk = kb * 32 + tl.arange(0, 32 * G)
+        kok = kk < kb_stop * 32
         w = tl.load(
-            w_ptr + rn64[:, None] * K + kk[None, :],
-            mask=nmask[:, None] & kok[None, :],
-            other=0,
+            w_ptr + rn64[:, None] * K + kk[None, :], mask=nmask[:, None] & kok[None, :], other=0
         ).to(tl.float8e4nv, bitcast=True)
-        at = (rn64 // 32)[:, None] * blocks + gg[None, :]
-        sw = _e8m0(tl.load(sw_ptr + at, mask=nmask[:, None] & gok[None, :], other=127))
-    w = tl.reshape(tl.reshape(w.to(tl.float32), [BN, G, 32]) * sw[:, :, None], [BN, 32 * G])
-    if ASM:
-        acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
-    else:  # the interpreter's bf16 dot is not the GPU's: the same products in fp32
-        acc += tl.dot(w, tl.trans(a), input_precision="ieee")
+        a = tl.load(a_rows + kk[None, :], mask=live[:, None] & kok[None, :], other=0.0)
+        acc = _folded_dot(
+            _times_block_scale(w, sw, BN, G, 32), _times_block_scale(a, sa, BM, G, 32), acc, ASM
+        )
     return acc
 
 
