@@ -244,7 +244,7 @@ def stored_linear_sweep(
     fp4: bool, n: int, k: int, experts: int, top_k: int, m: int, dev: str
 ) -> tuple[Callable[[tuple], torch.Tensor], int, tuple]:
     """``benchmarks/linear_sweep.py``'s case: (a launch of the stored-format linear with given
-    settings on ``m`` rows, the bytes its work must move, the default settings); ``experts``:
+    settings on ``m`` rows, the bytes its work must move, the settings it takes now); ``experts``:
     a stack that many deep, each row routed to ``top_k`` of them (0: one dense weight)."""
     from engramrt.kernels import stored_linear as sl
 
@@ -273,7 +273,7 @@ def stored_linear_sweep(
     def run(config):
         return sl._launch(codes, sa, x.dtype, w, s, fp4, p, config, rows, tiles, bm)
 
-    return run, bytes_, sl._default(fp4, n, k, top_k if experts else 1)
+    return run, bytes_, sl.settings(fp4, n, k, top_k if experts else 1)
 
 
 def save_stored_linear_settings(picks: dict[tuple[bool, int, int], tuple]) -> Path:

@@ -21,7 +21,6 @@ import torch
 
 from benchmarks import cases
 from benchmarks.common import copy_gbs, gpu_us
-from engramrt.kernels import stored_linear as sl
 
 TOP_K = 6
 ROWS = (1, 16, 64)
@@ -69,11 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[tuple, list[float]] = {}
         floors = []
         for m in ROWS:
-            run, bytes_, default = cases.stored_linear_sweep(fp4, n, k, experts, TOP_K, m, dev)
+            run, bytes_, now = cases.stored_linear_sweep(fp4, n, k, experts, TOP_K, m, dev)
             floors.append(bytes_ / gbs / 1e3)
-            want = run(default).float()
-            here = sl.settings(fp4, n, k, TOP_K if experts else 1)
-            for c in near(here) if args.near else configs(args.quick):
+            want = run(now).float()
+            for c in near(now) if args.near else configs(args.quick):
                 if c[4] > k // 32 // c[1]:
                     continue
                 try:
@@ -96,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             "pick": pick,
             "us": full[pick],
             "best_us": best_at,
-            "default_us": full.get(default),
+            "before_us": full.get(now),
             "floor_us": floors,
             "x_floor": [t / f for t, f in zip(full[pick], floors, strict=True)],
         }
@@ -106,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(
                 f"m={m} {t:.1f} us ({t / f:.2f}x floor)"
                 for m, t, f in zip(ROWS, full[pick], floors, strict=True)
-            ),
+            )
+            + f"; before {now}: {', '.join(f'{t:.1f}' for t in full.get(now, []))} us",
             flush=True,
         )
     print(f"copy {gbs:.0f} GB/s; sweep {time.time() - started:.0f} s")
