@@ -27,7 +27,8 @@ NB = 8  # 32-wide blocks a program
 @triton.jit
 def _swiglu_codes_kernel(
     x_ptr,  # [R, 2 * I]: gate then up
-    w_ptr,  # fp32 [R] routing weights (HAS_W)
+    w_ptr,  # fp32 routing weights (HAS_W): row r's at w_at[r]
+    w_at_ptr,  # int64 [R]
     codes_ptr,  # E4M3 [R, I]
     scale_ptr,  # fp32 [R, I / 32]
     INTER,
@@ -48,7 +49,7 @@ def _swiglu_codes_kernel(
     e = libdevice.exp(-gate) if LIBDEVICE else tl.exp(-gate)  # CUDA's expf, as torch's silu
     h = tl.div_rn(gate, 1.0 + e) * up
     if HAS_W:
-        h = tl.load(w_ptr + r) * h
+        h = tl.load(w_ptr + tl.load(w_at_ptr + r)) * h
     h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # the activation dtype, as the torch path
     codes, scale = act_codes_of(h)
     tl.store(codes_ptr + r * INTER + cols, codes, mask=mask)
@@ -56,10 +57,14 @@ def _swiglu_codes_kernel(
 
 
 def swiglu_codes(
-    gate_up: torch.Tensor, limit: float, weight: torch.Tensor | None = None
+    gate_up: torch.Tensor,
+    limit: float,
+    weight: torch.Tensor | None = None,
+    weight_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up`` [R, 2 I] -> (E4M3 codes [R, I], fp32 scales [R, I / 32]) of
-    ``act_quant(clamped_swiglu(gate, up, limit, weight).to(gate_up.dtype))``."""
+    ``act_quant(clamped_swiglu(gate, up, limit, weight).to(gate_up.dtype))``; ``weight`` [R],
+    or with ``weight_at`` [R] ``weight.flatten()[weight_at]`` (read in the kernel)."""
     rows, width = gate_up.shape
     inter = width // 2
     if inter % 32:
@@ -68,10 +73,14 @@ def swiglu_codes(
     scale = torch.empty(rows, inter // 32, dtype=torch.float32, device=gate_up.device)
     if rows:
         w = weight.reshape(-1).float().contiguous() if weight is not None else scale
+        if weight is not None and weight_at is None:
+            weight_at = torch.arange(rows, device=gate_up.device)
+        at = weight_at.contiguous() if weight_at is not None else scale
         grid = (rows, triton.cdiv(inter // 32, NB))
         _swiglu_codes_kernel[grid](
             gate_up.contiguous(),
             w,
+            at,
             codes,
             scale,
             inter,

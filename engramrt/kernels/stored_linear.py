@@ -234,7 +234,7 @@ def _blocks_sum(
 
 # the row count varies by step (and by routing): specialising on it compiled variants while
 # serving
-@triton.jit(do_not_specialize=["M", "R", "SPLITS", "PROGRAMS"])
+@triton.jit(do_not_specialize=["M", "R", "SPLITS", "PROGRAMS", "TOP_K"])
 def _stored_linear_kernel(
     a_ptr,  # E4M3 codes [R, K]
     sa_ptr,  # fp32 scales [R, K / 32]
@@ -243,7 +243,7 @@ def _stored_linear_kernel(
     out_ptr,  # [M, N]
     part_ptr,  # fp32 [SPLITS, M, N] when PROGRAMS > 1
     count_ptr,  # int32 arrival counters, zero between launches
-    rows_ptr,  # GATHER: the activation row of each output row
+    rows_ptr,  # GATHER: the activation row of each output row, times TOP_K
     tiles_ptr,  # GROUPED: (expert, lo, hi) a row tile
     M,
     R,
@@ -254,6 +254,7 @@ def _stored_linear_kernel(
     S_STRIDE,
     SPLITS,
     PROGRAMS,
+    TOP_K,
     FP4: tl.constexpr,
     GROUPED: tl.constexpr,
     GATHER: tl.constexpr,
@@ -280,7 +281,7 @@ def _stored_linear_kernel(
         lo, end = pid_m * BM, M
     rm = lo + tl.arange(0, BM)
     live = rm < end
-    src = tl.load(rows_ptr + rm, mask=live, other=0) if GATHER else rm
+    src = tl.load(rows_ptr + rm, mask=live, other=0) // TOP_K if GATHER else rm
     src = src.to(tl.int64)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < N
@@ -376,6 +377,7 @@ def _launch(
     rows: torch.Tensor | None = None,
     tiles: torch.Tensor | None = None,
     bm: int | None = None,
+    top_k: int = 1,
 ) -> torch.Tensor:
     """``tiles`` (grouped) come with their row count ``bm``; else the rows pick it."""
     k = codes.shape[-1]
@@ -421,6 +423,7 @@ def _launch(
         scale[0].numel() if tiles is not None else 0,
         splits,
         programs,
+        top_k,
         FP4=fp4,
         GROUPED=tiles is not None,
         GATHER=rows is not None,
@@ -497,11 +500,13 @@ def grouped_stored_linear(
     tiles: torch.Tensor,
     rows: torch.Tensor | None = None,
     experts_hint: int = 8,
+    top_k: int = 1,
 ) -> torch.Tensor:
     """Rows sorted by expert times their expert's stored weight (``weight`` [E, N, ...],
     ``scale`` [E, ...]) in one launch. The rows are ``x`` [P, K]'s (through ``act_quant``), or,
-    given ``rows`` [P], ``x[rows]`` (the gather happens in the kernel: each token is quantised
-    once). ``tiles``: the rows' (expert, lo, hi) tiles of ``group_tile_rows(P, E)`` rows
+    given ``rows`` [P], ``x[rows // top_k]`` (the gather happens in the kernel: each token is
+    quantised once; ``rows`` may be a step's sorted (token, expert) pairs, ``token * top_k +
+    slot``). ``tiles``: the rows' (expert, lo, hi) tiles of ``group_tile_rows(P, E)`` rows
     (``group_tiles``, or on CUDA ``moe_routing.expert_rows``: built once, read by both of a
     layer's launches). Out ``[P, N]``. ``experts_hint``: the experts a launch is expected to
     touch (sets the split, never from the routing)."""
@@ -514,4 +519,4 @@ def grouped_stored_linear(
             f"tiles of {bm} rows for {p} rows and {experts} experts, got {list(tiles.shape)}"
         )
     config = settings(fp4, n, k, experts_hint)
-    return _launch(*q, weight, scale, fp4, p, config, rows, tiles, bm)
+    return _launch(*q, weight, scale, fp4, p, config, rows, tiles, bm, top_k)

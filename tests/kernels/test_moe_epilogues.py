@@ -41,6 +41,20 @@ def test_swiglu_codes_are_the_torch_paths(weighted: bool) -> None:
     assert bool(((got - want).abs() <= want.abs() / 8 + 1e-30)[~same].all())
 
 
+def test_routing_weights_read_through_an_index() -> None:
+    """``weight_at``: each row's routing weight read from the flat weights in the kernel, the
+    same bits as the weights gathered beforehand (the sorted pairs' weights)."""
+    g = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    gate_up = (torch.randn(12, 2 * 64, generator=g) * 3).to(DEVICE, dtype)
+    weights = torch.rand(6, 2, generator=g).to(DEVICE)
+    at = torch.randperm(12, generator=g).to(DEVICE)
+    got = swiglu_codes(gate_up, 4.0, weights, weight_at=at)
+    want = swiglu_codes(gate_up, 4.0, weights.flatten()[at])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def test_combine_is_the_torch_paths_sum_in_its_order() -> None:
     """Each token's expert rows added in ascending expert id, then the shared expert's: the same
     fp32 additions in the same order as ``ExpertPairs.combine`` and the add after it."""

@@ -181,7 +181,8 @@ def test_a_row_gives_the_same_bits_in_any_batch(fp4: bool) -> None:
 
 def test_grouped_rows_gather_in_the_kernel() -> None:
     """``rows``: the kernel reads each sorted row's token from ``x`` (quantised once a token)
-    and gives what the rows gathered beforehand give, bit for bit."""
+    and gives what the rows gathered beforehand give, bit for bit; so do the sorted (token,
+    expert) pairs with ``top_k``."""
     g = torch.Generator().manual_seed(9)
     e, n, k, tokens = 4, 40, 64, 7
     stored = [quant.fp4_weight(torch.randn(n, k, generator=g) / 8) for _ in range(e)]
@@ -196,6 +197,8 @@ def test_grouped_rows_gather_in_the_kernel() -> None:
     got = grouped_stored_linear(x, w, s, True, tiles, rows)
     want = grouped_stored_linear(x[rows], w, s, True, tiles)
     assert torch.equal(got, want)
+    pairs = grouped_stored_linear(x, w, s, True, tiles, order.to(DEVICE), top_k=2)
+    assert torch.equal(pairs, want)  # the sorted pairs themselves, each token's at pair // 2
 
 
 @pytest.mark.gpu

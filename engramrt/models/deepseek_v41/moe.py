@@ -165,8 +165,8 @@ class V41MoE(nn.Module):
         experts = len(self.experts)
         pairs = ExpertPairs(ids, experts, group_tile_rows(ids.numel(), experts))
         k, shared, limit = ids.shape[1], self.shared_experts, self.shared_experts.limit
-        h = grouped_stored_linear(q, w13, s13, True, pairs.tiles, pairs.order // k, k)
-        h = Codes(*swiglu_codes(h, limit, weights.flatten()[pairs.order]), x.dtype)
+        h = grouped_stored_linear(q, w13, s13, True, pairs.tiles, pairs.order, k, top_k=k)
+        h = Codes(*swiglu_codes(h, limit, weights, weight_at=pairs.order), x.dtype)
         routed = grouped_stored_linear(h, w2, s2, True, pairs.tiles, None, k)
         h = Codes(*swiglu_codes(stored_linear(q, shared13, shared_s13, False), limit), x.dtype)
         shared_out = stored_linear(h, shared.w2.weight, shared.w2.scale, False)
