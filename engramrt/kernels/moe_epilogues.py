@@ -102,15 +102,21 @@ def _combine_kernel(out_ptr, by_id_ptr, shared_ptr, y_ptr, D, K: tl.constexpr, B
         row = tl.load(by_id_ptr + t * K + s).to(tl.int64)
         acc += tl.load(out_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     acc += tl.load(shared_ptr + t * D + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * D + cols, acc, mask=mask)
+    tl.store(y_ptr + t * D + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def combine(out: torch.Tensor, by_id: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+def combine(
+    out: torch.Tensor,
+    by_id: torch.Tensor,
+    shared: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Sorted expert rows ``out`` [T * k, D]; ``by_id`` [T, k] each token's rows in ascending
-    expert id; ``shared`` [T, D]: each token's fp32 sum, experts first, then the shared one."""
+    expert id; ``shared`` [T, D]: each token's fp32 sum, experts first, then the shared one,
+    stored in ``dtype`` (fp32 where ranks add their sums)."""
     tokens, k = by_id.shape
     d = out.shape[-1]
-    y = torch.empty(tokens, d, dtype=torch.float32, device=out.device)
+    y = torch.empty(tokens, d, dtype=dtype, device=out.device)
     if tokens:
         block = 1024
         _combine_kernel[(tokens, triton.cdiv(d, block))](

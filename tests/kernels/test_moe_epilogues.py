@@ -67,3 +67,8 @@ def test_combine_is_the_torch_paths_sum_in_its_order() -> None:
     want = pairs.combine(out) + shared
     got = combine(out.to(DEVICE), pairs.by_id.to(DEVICE), shared.to(DEVICE)).cpu()
     assert torch.equal(got, want)
+    rounded = combine(out.to(DEVICE), pairs.by_id.to(DEVICE), shared.to(DEVICE), torch.bfloat16)
+    if DEVICE == "cuda":  # stored in bf16: the sums rounded once, to nearest
+        assert torch.equal(rounded.cpu(), want.bfloat16())
+    else:  # the interpreter's bf16 conversion truncates
+        torch.testing.assert_close(rounded.cpu().float(), want, rtol=2**-7, atol=0)

@@ -150,7 +150,8 @@ class V41MoE(nn.Module):
         launches over the (token, expert) pairs sorted by expert, without a host sync: ``x``
         quantised once for every expert, the SwiGLU, routing weight and the down projection's
         quantisation in one launch, and each token's outputs added in ascending expert id and
-        then the shared expert's (the torch path's order) in one. Out: fp32 sums."""
+        then the shared expert's (the torch path's order) in one. Out: fp32 sums (``x``'s dtype
+        on one rank: the sums rounded once)."""
         from engramrt.kernels.moe_epilogues import combine, swiglu_codes
         from engramrt.kernels.stored_linear import (
             Codes,
@@ -170,7 +171,9 @@ class V41MoE(nn.Module):
         routed = grouped_stored_linear(h, w2, s2, True, pairs.tiles, None, k)
         h = Codes(*swiglu_codes(stored_linear(q, shared13, shared_s13, False), limit), x.dtype)
         shared_out = stored_linear(h, shared.w2.weight, shared.w2.scale, False)
-        return combine(routed, pairs.by_id, shared_out)
+        # one rank's sums are the output: stored in x's dtype (ranks add theirs in fp32)
+        dtype = x.dtype if self.tp.size == 1 else torch.float32
+        return combine(routed, pairs.by_id, shared_out, dtype)
 
     def _looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The torch path: each routed expert over its tokens' rows (ascending, as ``_grouped``
