@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             "x_floor": [t / f for t, f in zip(full[pick], floors, strict=True)],
         }
         report.append(row)
+        if args.write:  # after each shape: a sweep cut short keeps what it found
+            cases.save_stored_linear_settings(tuned)
         print(
             f"{name:12} {'FP4' if fp4 else 'FP8'} {n}x{k} pick {pick}: "
             + ", ".join(
