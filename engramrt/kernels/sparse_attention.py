@@ -9,10 +9,11 @@ rows a step (probabilities cast to the activation dtype before they weigh the ro
 reference's kernel does), and the splits' (sum, max, denominator) are merged in ascending order,
 the per-head sink joining the denominator at the end. A program takes ``BLOCK_H`` query heads of
 one token (one shared latent is every head's K and V, so the heads read each row once) and all
-its splits, or, when a step has too few tokens to fill the GPU, one split, the tile's last
-program to arrive merging the others' from memory: the same operations in the same order either
-way, so a token's bits do not depend on its batch. Rows it cannot see score ``-inf``; a token
-that sees nothing outputs zeros. Shapes depend on the token count only: CUDA-graph safe.
+its splits; or, when a step is too small to fill the GPU even with a program a split, one
+split, the tile's last program to arrive merging the others' from memory. The same operations
+in the same order either way, so a token's bits do not depend on its batch. Rows it cannot see
+score ``-inf``; a token that sees nothing outputs zeros. Shapes depend on the token count only:
+CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -99,22 +100,27 @@ def _sparse_attention_kernel(
         acc_s = tl.zeros((BLOCK_H, D), tl.float32)
         m_s = tl.full((BLOCK_H,), NO_SCORE, tl.float32)
         l_s = tl.zeros((BLOCK_H,), tl.float32)
-        for i0 in range(s * ROWS, tl.minimum(s * ROWS + ROWS, total), BLOCK_N):
+        lo, hi = s * ROWS, tl.minimum(s * ROWS + ROWS, total)
+        for i0 in range(lo, tl.minimum(hi, W), BLOCK_N):  # window rows, oldest first
             i = i0 + tl.arange(0, BLOCK_N)
-            u = base + i  # window rows (i < W), oldest first
-            win = (i < W) & (u <= p)
-            mine = win & (u >= p0)  # this run's rows: kv; earlier ones: the ring
-            r = tl.load(picks_ptr + t * K_PICKS + (i - W), mask=(i >= W) & (i < total), other=-1)
+            u = base + i
+            valid = (i < tl.minimum(hi, W)) & (u <= p)
+            mine = valid & (u >= p0)  # this run's rows: kv; earlier ones: the ring
             rows = tl.load(
                 kv_ptr + (q0 + u - p0)[:, None] * D + d[None, :], mask=mine[:, None], other=0
             )
             rows += tl.load(
                 ring_ptr + (slot * RING + u % RING)[:, None] * D + d[None, :],
-                mask=(win & ~mine)[:, None],
+                mask=(valid & ~mine)[:, None],
                 other=0,
             )
-            rows += tl.load(comp_ptr + r[:, None] * D + d[None, :], mask=r[:, None] >= 0, other=0)
-            acc_s, m_s, l_s = _softmax_step(acc_s, m_s, l_s, q, rows, win | (r >= 0), scale, F32)
+            acc_s, m_s, l_s = _softmax_step(acc_s, m_s, l_s, q, rows, valid, scale, F32)
+        for i0 in range(tl.maximum(lo, W), hi, BLOCK_N):  # picked compressed rows (-1: none)
+            j = i0 - W + tl.arange(0, BLOCK_N)
+            r = tl.load(picks_ptr + t * K_PICKS + j, mask=j < hi - W, other=-1)
+            valid = r >= 0
+            rows = tl.load(comp_ptr + r[:, None] * D + d[None, :], mask=valid[:, None], other=0)
+            acc_s, m_s, l_s = _softmax_step(acc_s, m_s, l_s, q, rows, valid, scale, F32)
         if SPREAD:  # this split's sums for the tile's last program
             at = (s * T + t) * H + heads
             tl.store(part_ptr + at[:, None] * D + d[None, :], acc_s, mask=hm[:, None])
@@ -180,7 +186,7 @@ def sparse_attention(
     block_h = 16  # tl.dot's least rows; heads past H are masked
     head_tiles = triton.cdiv(h, block_h)
     splits = triton.cdiv(window + picks.shape[1], SPLIT_ROWS)
-    spread = splits > 1 and t * head_tiles < SPREAD_BELOW
+    spread = splits > 1 and t * head_tiles * splits <= SPREAD_BELOW  # else partials cost more
     if spread and t * head_tiles > MAX_TILES:
         raise ValueError(f"{t * head_tiles} tiles exceed the {MAX_TILES} counters")
     part = q.new_empty((splits, t, h, d), dtype=torch.float32) if spread else out

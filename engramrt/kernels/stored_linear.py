@@ -386,8 +386,8 @@ def _launch(
     if tiles is None:
         bm = BM if rows_out <= LARGE_ROWS else BM_LARGE
         grid_m = triton.cdiv(rows_out, bm)
-    else:
-        grid_m = len(tiles)
+    else:  # the rows' tiles come first: at most one partial tile an expert the rows touch
+        grid_m = min(len(tiles), triton.cdiv(rows_out, bm) + min(rows_out, len(weight)))
     blocks = k // 32
     per = triton.cdiv(triton.cdiv(blocks, splits), g) * g
     splits = triton.cdiv(blocks, per)
