@@ -23,13 +23,17 @@ NB = 32  # blocks a program
 
 @triton.jit
 def round_to_grid(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
-    """``v`` rounded to nearest even with ``MBITS`` mantissa bits, subnormal below ``2**EMIN``."""
+    """``v`` rounded to nearest even with ``MBITS`` mantissa bits, subnormal below ``2**EMIN``;
+    the sign is ``v``'s bit, so a value rounded to zero keeps it (as torch's casts do; a GPU's
+    negation of a rounded zero can give +0)."""
+    bits = v.to(tl.int32, bitcast=True)
     mag = tl.abs(v)
-    e = ((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = ((bits >> 23) & 0xFF) - 127
     e = tl.maximum(e, EMIN)
     magic = ((e - MBITS + 150) << 23).to(tl.float32, bitcast=True) * 1.5  # 1.5 * 2**23 * step
     r = (mag + magic) - magic
-    return tl.where(v < 0, -r, r)
+    sign = (bits >> 31) << 31  # the sign bit alone (an arithmetic shift keeps it)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

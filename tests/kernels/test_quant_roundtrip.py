@@ -54,6 +54,8 @@ def adversarial(kind: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", [ACT, FP4_POW2, FP4_E4M3])
 def test_roundtrip_is_bitwise_the_torch_path(kind: int, dtype: torch.dtype) -> None:
+    """Values equal, and signs: a negative value rounded to zero stays -0, as torch's casts
+    keep it."""
     g = torch.Generator().manual_seed(7)
     wide = (
         torch.randn(33, 3 * BLOCK_OF[kind], generator=g)
@@ -64,6 +66,7 @@ def test_roundtrip_is_bitwise_the_torch_path(kind: int, dtype: torch.dtype) -> N
         got = roundtrip(x.to(DEVICE), kind).cpu()
         assert got.dtype == dtype
         assert torch.equal(got, want), (got - want).abs().max()
+        assert torch.equal(torch.signbit(got), torch.signbit(want))  # a zero's sign too
 
 
 def test_roundtrip_keeps_the_shape_and_refuses_partial_blocks() -> None:
