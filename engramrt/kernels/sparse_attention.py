@@ -11,7 +11,9 @@ the per-head sink joining the denominator at the end. A program takes ``BLOCK_H`
 one token (one shared latent is every head's K and V, so the heads read each row once) and all
 its splits; or, when a step is too small to fill the GPU even with a program a split, one
 split, the tile's last program to arrive merging the others' from memory. The same operations
-in the same order either way, so a token's bits do not depend on its batch. Rows it cannot see
+in the same order either way. A larger step takes its rows as one split (the merges cost
+about as much as the rest: 2x at 64 tokens), unless ``--batch-invariant`` asks that a token's
+bits not depend on its batch. Rows it cannot see
 score ``-inf``; a token that sees nothing outputs zeros. Shapes depend on the token count only:
 CUDA-graph safe.
 """
@@ -22,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engramrt.kernels import batch_invariant
 from engramrt.kernels.common import (
     MAX_TILES,
     SPREAD_BELOW,
@@ -47,13 +50,15 @@ def _softmax_step(acc, m_i, l_i, q, rows, valid, scale, F32: tl.constexpr):
 
 @triton.jit
 def _merge(acc, m_i, l_i, acc_s, m_s, l_s):
-    """A split's (acc, max, sum) into the running ones."""
+    """A split's (acc, max, sum) into the running ones; the FMAs written out, so that merging
+    in registers and merging from memory round alike (the compiler fuses as it sees fit)."""
     m_new = tl.maximum(m_i, m_s)
     a, b = tl.exp(m_i - m_new), tl.exp(m_s - m_new)
-    return acc * a[:, None] + acc_s * b[:, None], m_new, l_i * a + l_s * b
+    acc = tl.fma(acc_s, b[:, None], acc * a[:, None])
+    return acc, m_new, tl.fma(l_s, b, l_i * a)
 
 
-@triton.jit(do_not_specialize=["K_PICKS", "SPLITS"])  # min(top-k, entries): varies by step
+@triton.jit(do_not_specialize=["K_PICKS", "SPLITS", "ROWS"])  # K_PICKS: varies by step
 def _sparse_attention_kernel(
     q_ptr,
     kv_ptr,
@@ -79,7 +84,7 @@ def _sparse_attention_kernel(
     RING: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS,
     SPREAD: tl.constexpr,
     F32: tl.constexpr,
 ):
@@ -185,8 +190,14 @@ def sparse_attention(
         picks, comp = torch.empty(t, 0, dtype=torch.int64, device=q.device), kv
     block_h = 16  # tl.dot's least rows; heads past H are masked
     head_tiles = triton.cdiv(h, block_h)
-    splits = triton.cdiv(window + picks.shape[1], SPLIT_ROWS)
+    block_n = 64 if d <= 128 else 32
+    total = window + picks.shape[1]
+    splits = triton.cdiv(total, SPLIT_ROWS)
     spread = splits > 1 and t * head_tiles * splits <= SPREAD_BELOW  # else partials cost more
+    if not spread and not batch_invariant(q.device):  # one split: no merges
+        rows, splits = triton.cdiv(total, block_n) * block_n, 1
+    else:  # the same splits in any step
+        rows = SPLIT_ROWS
     if spread and t * head_tiles > MAX_TILES:
         raise ValueError(f"{t * head_tiles} tiles exceed the {MAX_TILES} counters")
     part = q.new_empty((splits, t, h, d), dtype=torch.float32) if spread else out
@@ -215,8 +226,8 @@ def sparse_attention(
         W=window,
         RING=ring_len or window,
         BLOCK_H=block_h,
-        BLOCK_N=64 if d <= 128 else 32,
-        ROWS=SPLIT_ROWS,
+        BLOCK_N=block_n,
+        ROWS=rows,
         SPREAD=spread,
         F32=q.dtype == torch.float32 or interpreted(),
     )

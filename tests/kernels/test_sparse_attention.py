@@ -63,19 +63,29 @@ def attend(on: list, ring_len: int = W) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "dtype,ring_len,k",
+    "dtype,ring_len,k,spread",
     [
-        (torch.float32, W, K),
-        (torch.bfloat16, W, K),
-        (torch.float32, W + 3, K),
-        (torch.float32, W, 150),  # three splits
-        (torch.bfloat16, W, 150),
+        (torch.float32, W, K, True),
+        (torch.bfloat16, W, K, True),
+        (torch.float32, W + 3, K, True),
+        (torch.float32, W, 150, True),  # three splits, a program each
+        (torch.bfloat16, W, 150, True),
+        (torch.float32, W, 150, False),  # one program: one split, or three under the flag
     ],
 )
-def test_sparse_attention_is_the_restatement(dtype: torch.dtype, ring_len: int, k: int) -> None:
+def test_sparse_attention_is_the_restatement(
+    dtype: torch.dtype, ring_len: int, k: int, spread: bool, monkeypatch
+) -> None:
     """``ring_len`` > W: rings with room for a verify run's drafts (speculative decoding)."""
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("the interpreter's dot on bf16 is not the GPU's")
+    if not spread:
+        monkeypatch.setattr(module, "SPREAD_BELOW", 0)
+        on = inputs(dtype, ring_len, k)
+        want = restated(*[x.cpu() for x in on[:5]], on[9].cpu(), D**-0.5, ring_len)
+        monkeypatch.setattr(module, "batch_invariant", lambda device: True)
+        torch.testing.assert_close(attend(on, ring_len).double(), want, rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(module, "batch_invariant", lambda device: False)
     on = inputs(dtype, ring_len, k)
     got = attend(on, ring_len)
     want = restated(*[x.cpu() for x in on[:5]], on[9].cpu(), D**-0.5, ring_len)
@@ -86,10 +96,12 @@ def test_sparse_attention_is_the_restatement(dtype: torch.dtype, ring_len: int, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tokens_bits_ignore_its_step(dtype: torch.dtype, monkeypatch) -> None:
-    """Each split a program (a small step) or every split in one program (a large one), a token
-    alone or among the others, its picks padded with more ``-1``: the same bits."""
+    """Under ``--batch-invariant``: each split a program (a small step) or every split in one
+    program (a large one), a token alone or among the others, its picks padded with more
+    ``-1``: the same bits."""
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("the interpreter's dot on bf16 is not the GPU's")
+    monkeypatch.setattr(module, "batch_invariant", lambda device: True)
     on = inputs(dtype, k=150, seed=1)
     assert module.SPLIT_ROWS < W + 150, "meant to cover several splits"
     monkeypatch.setattr(module, "SPREAD_BELOW", 1 << 30)
