@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             "before_us": full.get(now),
             "floor_us": floors,
             "x_floor": [t / f for t, f in zip(full[pick], floors, strict=True)],
+            "every": [[list(c), t] for c, t in sorted(full.items())],  # each setting's times
         }
         report.append(row)
         if args.write:  # after each shape: a sweep cut short keeps what it found
