@@ -81,6 +81,10 @@ def start_server(
         proc = subprocess.Popen(
             cmd,
             cwd=REPO,
+            # one thread: beside the tests' other worker (xdist, two cores) a server's OpenMP
+            # threads spin against it, and a 0.1 s step of the tiny model took over 60 s (the
+            # step watchdog then stopped the server)
+            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
