@@ -144,8 +144,9 @@ def _stored_linear(p: dict, dev: str) -> Built:
     stored, scale = quant.fp4_weight(w) if fp4 else quant.fp8_weight(w)
     dequant = quant.dequant_fp4_weight if fp4 else quant.dequant_fp8_weight
     a = quant.act_roundtrip(torch.randn(m, k, device=dev, generator=g)).to(_dtype(dev))
+    held = quant.pair_fp4(stored) if fp4 else stored  # FP4 paired, as the MoE holds it
     built = Built(
-        kernel=lambda: stored_linear(a, stored, scale, fp4),
+        kernel=lambda: stored_linear(a, held, scale, fp4),
         reference=lambda: quant.quantized_linear(a, dequant(stored, scale, a.dtype)),
         bytes=_nbytes(stored, scale, a) + m * n * a.element_size(),
         flops=2 * m * n * k,
@@ -161,7 +162,8 @@ def _stored_linear(p: dict, dev: str) -> Built:
 def _grouped_experts(p: dict, dev: str) -> Built:
     """The routed experts' grouped FP4 w1|w3 launch at a decode step's routing: random top-k of
     ``e`` experts a token, the token rows gathered in the kernel; the torch path loops the
-    touched experts over dequantised weights."""
+    touched experts over dequantised weights (random bytes: the kernel's paired ones, the
+    torch path's the same unpaired)."""
     from engramrt.kernels.stored_linear import group_tile_rows, group_tiles, grouped_stored_linear
 
     e, k, t, n, kk = p["experts"], p["k"], p["tokens"], p["n"], p["kdim"]
@@ -181,7 +183,7 @@ def _grouped_experts(p: dict, dev: str) -> Built:
         out = torch.empty(len(order), n, dtype=x.dtype, device=dev)
         for j in sorted_ids.unique().tolist():
             at = (sorted_ids == j).nonzero().flatten()
-            w = quant.dequant_fp4_weight(codes[j], scale[j], x.dtype)
+            w = quant.dequant_fp4_weight(quant.unpair_fp4(codes[j]), scale[j], x.dtype)
             out[at] = quant.quantized_linear(x[rows[at]], w)
         return out
 
@@ -253,6 +255,7 @@ def stored_linear_sweep(
     if experts:
         ws = [make(torch.randn(n, k, device=dev, generator=g) / k**0.5) for _ in range(experts)]
         w, s = torch.stack([a for a, _ in ws]), torch.stack([b for _, b in ws])
+        w = quant.pair_fp4(w) if fp4 else w
         ids = torch.rand(m, experts, device=dev, generator=g).argsort(1)[:, :top_k]
         order = torch.sort(ids.flatten(), stable=True).indices
         counts = torch.bincount(ids.flatten(), minlength=experts)
@@ -263,6 +266,7 @@ def stored_linear_sweep(
         bytes_ = (w[0].numel() + s[0].numel()) * touched
     else:
         w, s = make(torch.randn(n, k, device=dev, generator=g) / k**0.5)
+        w = quant.pair_fp4(w) if fp4 else w
         rows = tiles = bm = None
         bytes_ = w.numel() + s.numel()
     x = torch.randn(m, k, device=dev, generator=g).bfloat16()

@@ -26,28 +26,26 @@ TOP_K = 6
 ROWS = (1, 16, 64)
 
 
-OPTIONS = ((64, 128), (1, 2, 4, 8), (4, 8), (3, 4), (1, 2, 4, 8, 16), (0, 1))
+# (BN, G, warps, stages, splits): features a program, blocks an iteration (FP4: even, a load
+# holds two), warps, pipeline stages, K splits
+OPTIONS = ((64, 128), (1, 2, 4), (4, 8), (3, 4), (1, 2, 4, 8, 16))
 
 
-def configs(quick: bool) -> list[tuple[int, int, int, int, int, int]]:
-    """(BN, G, warps, stages, splits, folded): FP8 products a block at a time (G 1-4), or
-    folded bf16 products of 2-8 blocks."""
-    out = [c for c in itertools.product(*OPTIONS) if _valid(c)]
+def configs(quick: bool, fp4: bool) -> list[tuple[int, int, int, int, int]]:
+    out = [c for c in itertools.product(*OPTIONS) if _valid(c, fp4)]
     return out[::7] if quick else out
 
 
-def _valid(c: tuple) -> bool:
-    return not (c[0] == 64 and c[2] == 8) and (c[1] > 1 if c[5] else c[1] < 8)
+def _valid(c: tuple, fp4: bool) -> bool:
+    return not (c[0] == 64 and c[2] == 8) and not (fp4 and c[1] % 2)
 
 
-def near(current: tuple) -> list[tuple[int, int, int, int, int, int]]:
+def near(current: tuple, fp4: bool) -> list[tuple[int, int, int, int, int]]:
     """``current`` and the settings that differ from it in one place (a cheap refinement)."""
     out = {tuple(current)}
     for i, options in enumerate(OPTIONS):
         out |= {(*current[:i], v, *current[i + 1 :]) for v in options}
-    for g in OPTIONS[1][1:]:  # the other form at each product width
-        out.add((current[0], g, *current[2:5], 1 - current[5]))
-    return sorted(c for c in out if _valid(c))
+    return sorted(c for c in out if _valid(c, fp4))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             run, bytes_, now = cases.stored_linear_sweep(fp4, n, k, experts, TOP_K, m, dev)
             floors.append(bytes_ / gbs / 1e3)
             want = run(now).float()
-            for c in near(now) if args.near else configs(args.quick):
+            for c in near(now, fp4) if args.near else configs(args.quick, fp4):
                 if c[4] > k // 32 // c[1]:
                     continue
                 try:

@@ -1,13 +1,15 @@
-"""DeepSeek-V4.1's FP8 and FP4 linears on the FP8 tensor cores, reading their weights as the
-checkpoint stores them: no dequantised copy of a weight is ever written.
+"""DeepSeek-V4.1's FP8 and FP4 linears on the FP8 tensor cores, reading their weights in the
+checkpoint's bytes (FP4 nibbles paired at load): no dequantised copy of a weight is ever written.
 
 ``y[m, n] = sum_k a[m, k] w[n, k]`` where ``a`` is the activation after ``act_quant`` (E4M3 codes
 and a power-of-two scale per 32 inputs) and ``w`` the stored codes (E4M3 bytes with 32 x 32
-E8M0 scales, or E2M1 codes two a byte, the even element low, with an E8M0 scale per 32 inputs).
+E8M0 scales, or E2M1 codes two a byte with an E8M0 scale per 32 inputs, in the paired layout
+``quant.pair_fp4`` makes at load: a byte holds element j of a block and element j of the next).
 Each 32-input block is one FP8 tensor-core product of codes, scaled on the accumulator by its
 two scales (the block scaling DeepGEMM does per 128). E2M1 codes become E4M3 bytes by moving
 their bits (``code * 2**-6`` exactly, subnormal 0.5 included), four codes a 32-bit operation on
-a GPU; the 2**6 joins the scale.
+a GPU, the low nibbles one block and the high ones the next, each in element order (no
+shuffle before the product); the 2**6 joins the scale.
 
 Batch invariant by construction: the launch settings depend on the weight's shape only, never
 on the row count, and every row's sum runs over the same blocks in the same order (rows are
@@ -36,7 +38,7 @@ BM, BM_LARGE, LARGE_ROWS = 16, 64, 64
 
 @triton.jit
 def _e2m1_pair(byte, ASM: tl.constexpr):
-    """A byte's two E2M1 codes (even element low) as E4M3 values ``code * 2**-6``, (even, odd):
+    """A byte's two E2M1 codes as E4M3 values ``code * 2**-6``, (low nibble's, high nibble's):
     sign to bit 7, exponent and mantissa two bits up. ``ASM``: four bytes a 32-bit register
     (Hopper converts slowly element by element); else per element (the interpreter's form)."""
     if ASM:
@@ -67,99 +69,23 @@ def _e2m1_pair(byte, ASM: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_to_e4m3(byte, ASM: tl.constexpr):
-    """``[..., 2]``: each byte's element 2j, 2j + 1 (``_e2m1_pair``)."""
-    lo, hi = _e2m1_pair(byte, ASM)
-    return tl.join(lo, hi)
-
-
-@triton.jit
-def _times_block_scale(v, scale, R: tl.constexpr, G: tl.constexpr, B: tl.constexpr):
-    """``v`` [R, G * B] in fp32, each run of ``B`` columns times its ``scale`` [R, G]."""
-    return tl.reshape(tl.reshape(v.to(tl.float32), [R, G, B]) * scale[:, :, None], [R, G * B])
-
-
-@triton.jit
-def _folded_dot(w, a, acc, ASM: tl.constexpr):
-    """``acc + w @ a.T`` from fp32 operands holding bf16-exact values: bf16 tensor cores, or
-    fp32 under the interpreter (whose bf16 dot is not the GPU's)."""
-    if ASM:
-        acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
-    else:
-        acc += tl.dot(w, tl.trans(a), input_precision="ieee")
-    return acc
-
-
-@triton.jit
 def _e8m0(raw):
     """E8M0 scale bytes as fp32 powers of two: the byte is the exponent field (exact)."""
     return ((raw.to(tl.int32) & 0xFF) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _folded_step(
-    acc,
-    a_ptr,
-    sa_ptr,
-    w_ptr,
-    sw_ptr,
-    src,
-    live,
-    rn64,
-    nmask,
-    K,
-    kb,
-    kb_stop,
-    FP4: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    G: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    """Blocks ``kb .. kb + G`` (those under ``kb_stop``) as bf16 products into ``acc``: FP8
-    weights as one, FP4 ones as two (their even and odd elements, as the bytes hold them,
-    against the activation's even and odd columns: no interleaving)."""
-    blocks = K // 32
-    gg = kb + tl.arange(0, G)
-    gok = gg < kb_stop
-    sa = tl.load(
-        sa_ptr + src[:, None] * blocks + gg[None, :], mask=live[:, None] & gok[None, :], other=0.0
-    )
-    # FP4: a scale a row and block; FP8: a scale a 32 x 32 block
-    wrow = rn64 if FP4 else rn64 // 32
-    at = wrow[:, None] * blocks + gg[None, :]
-    sw = _e8m0(tl.load(sw_ptr + at, mask=nmask[:, None] & gok[None, :], other=127))
-    a_rows = a_ptr + src[:, None] * K
-    if FP4:
-        c = tl.arange(0, 16 * G)
-        cok = kb * 16 + c < kb_stop * 16
-        byte = tl.load(
-            w_ptr + rn64[:, None] * (K // 2) + kb * 16 + c[None, :],
-            mask=nmask[:, None] & cok[None, :],
-            other=0,
-        )
-        lo, hi = _e2m1_pair(byte, ASM)
-        amask = live[:, None] & cok[None, :]
-        even = tl.load(a_rows + kb * 32 + 2 * c[None, :], mask=amask, other=0.0)
-        odd = tl.load(a_rows + kb * 32 + 2 * c[None, :] + 1, mask=amask, other=0.0)
-        sw = sw * 64.0
-        acc = _folded_dot(
-            _times_block_scale(lo, sw, BN, G, 16), _times_block_scale(even, sa, BM, G, 16), acc, ASM
-        )
-        acc = _folded_dot(
-            _times_block_scale(hi, sw, BN, G, 16), _times_block_scale(odd, sa, BM, G, 16), acc, ASM
-        )
-    else:
-        kk = kb * 32 + tl.arange(0, 32 * G)
-        kok = kk < kb_stop * 32
-        w = tl.load(
-            w_ptr + rn64[:, None] * K + kk[None, :], mask=nmask[:, None] & kok[None, :], other=0
-        ).to(tl.float8e4nv, bitcast=True)
-        a = tl.load(a_rows + kk[None, :], mask=live[:, None] & kok[None, :], other=0.0)
-        acc = _folded_dot(
-            _times_block_scale(w, sw, BN, G, 32), _times_block_scale(a, sa, BM, G, 32), acc, ASM
-        )
-    return acc
+def _scaled_dot(acc, w, a_ptr, sa_ptr, sw_ptr, src, blocks, K, blk, at, width, aok, rw, wok, unit):
+    """``acc`` plus ``w`` [BN, 32] E4M3 times the activation's 32 codes from column ``at``
+    (``width`` of them; zeros past) scaled by block ``blk``'s two scales: rows read where
+    ``aok``, the weight's scale row ``rw`` of each feature where ``wok``; ``unit``: what a
+    code's E4M3 value is worth. One FP8 tensor-core product."""
+    c32 = tl.arange(0, 32)
+    amask = aok[:, None] & (c32[None, :] < width)
+    a = tl.load(a_ptr + src[:, None] * K + at + c32[None, :], mask=amask, other=0.0)
+    sa = tl.load(sa_ptr + src * blocks + blk, mask=aok, other=0.0)
+    sw = _e8m0(tl.load(sw_ptr + rw * blocks + blk, mask=wok, other=127)) * unit
+    return acc + tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
 
 
 @triton.jit
@@ -170,7 +96,6 @@ def _blocks_sum(
     sw_ptr,
     src,
     live,
-    rm,
     rn,
     nmask,
     K,
@@ -181,54 +106,50 @@ def _blocks_sum(
     BN: tl.constexpr,
     G: tl.constexpr,
     ASM: tl.constexpr,
-    FOLD: tl.constexpr,
 ):
-    """``[BN, BM]``: K blocks ``[kb0, kb_stop)`` in ascending order, summed in fp32 from zero:
-    each an FP8 tensor-core product of 32 codes scaled by its two scales, or (``FOLD``) ``G``
-    blocks at a time as one bf16 product of both operands with their scales folded in (exact
-    values: an E4M3 or E2M1 code times a power of two), accumulated on the tensor cores."""
+    """``[BN, BM]``: K blocks ``[kb0, kb_stop)`` in ascending order, summed in fp32 from zero,
+    each an FP8 tensor-core product of 32 codes scaled by its two scales. FP4 weights come
+    paired (``quant.pair_fp4``): a 32-byte load holds two blocks, the low nibbles one and the
+    high the next, each already in element order (no shuffle between decoding and the
+    product); a K whose blocks are odd ends in one block split the same way in halves."""
     blocks = K // 32
     rn64 = rn.to(tl.int64)
     c32 = tl.arange(0, 32)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    if FOLD:
-        for kb in range(kb0, kb_stop, G):
-            acc = _folded_step(
-                acc, a_ptr, sa_ptr, w_ptr, sw_ptr, src, live, rn64, nmask, K, kb, kb_stop,
-                FP4, BM, BN, G, ASM,
-            )  # fmt: skip
-        return acc
     for kb in range(kb0, kb_stop, G):
-        for g in tl.static_range(G):
-            b = kb + g
-            # (vectors: the interpreter cannot mask with a scalar)
-            kok = b * 32 + c32 < kb_stop * 32
-            a = tl.load(
-                a_ptr + src[:, None] * K + b * 32 + c32[None, :],
-                mask=live[:, None] & kok[None, :],
-                other=0.0,
-            )
-            sa = tl.load(sa_ptr + src * blocks + b, mask=live & (rm * 0 + b < kb_stop), other=0.0)
-            nok = nmask & (rn * 0 + b < kb_stop)
-            if FP4:
-                c16 = tl.arange(0, 16)
+        if FP4:
+            for g in tl.static_range(0, G, 2):  # kb, G and every split's start are even
+                b = kb + g
+                # (vectors: the interpreter cannot mask with a scalar)
+                aok, nok = live & (src * 0 + b < kb_stop), nmask & (rn * 0 + b < kb_stop)
+                half = tl.where(b + 1 < blocks, 32, 16)  # a pair, or the odd last block
                 byte = tl.load(
-                    w_ptr + rn64[:, None] * (K // 2) + b * 16 + c16[None, :],
-                    mask=nok[:, None] & (c16[None, :] < 16),
+                    w_ptr + rn64[:, None] * (K // 2) + b * 16 + c32[None, :],
+                    mask=nok[:, None] & (c32[None, :] < half),
                     other=0,
                 )
-                w = tl.reshape(_e2m1_to_e4m3(byte, ASM), [BN, 32])
-                sw = _e8m0(tl.load(sw_ptr + rn64 * blocks + b, mask=nok, other=127))
-                sw = sw * 64.0
-            else:
+                lo, hi = _e2m1_pair(byte, ASM)
+                acc = _scaled_dot(
+                    acc, lo, a_ptr, sa_ptr, sw_ptr, src, blocks, K, b, b * 32, half, aok,
+                    rn64, nok, 64.0,
+                )  # fmt: skip
+                acc = _scaled_dot(
+                    acc, hi, a_ptr, sa_ptr, sw_ptr, src, blocks, K, b + half // 32, b * 32 + half,
+                    half, aok, rn64, nok, 64.0,
+                )  # fmt: skip
+        else:
+            for g in tl.static_range(G):
+                b = kb + g
+                aok, nok = live & (src * 0 + b < kb_stop), nmask & (rn * 0 + b < kb_stop)
                 w = tl.load(
                     w_ptr + rn64[:, None] * K + b * 32 + c32[None, :],
-                    mask=nok[:, None] & kok[None, :],
+                    mask=nok[:, None] & (c32[None, :] < 32),
                     other=0,
                 ).to(tl.float8e4nv, bitcast=True)
-                sw = _e8m0(tl.load(sw_ptr + (rn64 // 32) * blocks + b, mask=nok, other=127))
-            d = tl.dot(w, tl.trans(a))
-            acc += d * (sw[:, None] * sa[None, :])
+                acc = _scaled_dot(
+                    acc, w, a_ptr, sa_ptr, sw_ptr, src, blocks, K, b, b * 32, 32, aok,
+                    rn64 // 32, nok, 1.0,
+                )  # fmt: skip
     return acc
 
 
@@ -262,7 +183,6 @@ def _stored_linear_kernel(
     BN: tl.constexpr,
     G: tl.constexpr,
     ASM: tl.constexpr,
-    FOLD: tl.constexpr,
 ):
     """Program (row tile, feature tile, k program): ``BN`` features x ``BM`` rows. K is cut
     into ``SPLITS`` ranges of ``BLOCKS_SPLIT`` blocks, each summed from zero, and the ranges'
@@ -299,7 +219,6 @@ def _stored_linear_kernel(
             sw_ptr,
             src,
             live,
-            rm,
             rn,
             nmask,
             K,
@@ -310,7 +229,6 @@ def _stored_linear_kernel(
             BN,
             G,
             ASM,
-            FOLD,
         )
     outs = out_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
     omask = live[None, :] & nmask[:, None]
@@ -332,19 +250,19 @@ def _stored_linear_kernel(
 
 
 # launch settings by weight shape, (features a program, blocks an iteration, warps, stages,
-# splits, folded: 0 or 1), written by ``python -m benchmarks.linear_sweep --write`` on an H200;
+# splits), written by ``python -m benchmarks.linear_sweep --write`` on an H200;
 # other shapes take ``_default``
 TUNED_FILE = Path(__file__).with_name("stored_linear_tuned.json")
 
 
-Config = tuple[int, int, int, int, int, int]
+Config = tuple[int, int, int, int, int]
 
 
 def _tuned() -> dict[tuple[bool, int, int], Config]:
     if not TUNED_FILE.exists():
         return {}
     raw = json.loads(TUNED_FILE.read_text())
-    return {(e["fp4"], e["n"], e["k"]): (*e["config"], 0)[:6] for e in raw["shapes"]}
+    return {(e["fp4"], e["n"], e["k"]): tuple(e["config"][:5]) for e in raw["shapes"]}
 
 
 TUNED = _tuned()
@@ -357,11 +275,11 @@ def _default(fp4: bool, n: int, k: int, programs: int) -> Config:
     tiles = triton.cdiv(n, bn) * programs
     blocks = k // 32
     splits = max(1, min(blocks // 4, triton.cdiv(2 * SMS, tiles), 16))
-    return bn, 2, 4, 3, splits, 0
+    return bn, 2, 4, 3, splits
 
 
 def settings(fp4: bool, n: int, k: int, programs: int = 1) -> Config:
-    """(BN, G, warps, stages, splits, folded) for a weight's shape: never the row count."""
+    """(BN, G, warps, stages, splits) for a weight's shape: never the row count."""
     return TUNED.get((fp4, n, k)) or _default(fp4, n, k, programs)
 
 
@@ -382,7 +300,9 @@ def _launch(
     """``tiles`` (grouped) come with their row count ``bm``; else the rows pick it."""
     k = codes.shape[-1]
     n = weight.shape[-2]
-    bn, g, warps, stages, splits, fold = config
+    bn, g, warps, stages, splits = config
+    if fp4 and g % 2:
+        raise ValueError(f"FP4 weights are read two blocks a load: G must be even, got {g}")
     if tiles is None:
         bm = BM if rows_out <= LARGE_ROWS else BM_LARGE
         grid_m = triton.cdiv(rows_out, bm)
@@ -431,7 +351,6 @@ def _launch(
         BN=bn,
         G=g,
         ASM=not interpreted(),
-        FOLD=bool(fold),
         num_warps=warps,
         num_stages=stages,
     )

@@ -1,9 +1,9 @@
 """The FP8 / FP4 linear that reads weights as stored (``engramrt.kernels.stored_linear``) against
 a float64 product of the same exact values (activations through ``act_quant``, weights decoded
 by ``quant``'s dequantisers, themselves tested against Fraction oracles): equal up to the order
-of fp32 sums, on random shapes with partial tiles, split K and both formats; every test in both
-of the kernel's forms (FP8 tensor-core products scaled a block at a time, and bf16 products of
-the operands with their scales folded in, four blocks a product)."""
+of fp32 sums, on random shapes with partial tiles, split K, both formats and FP4 rows of odd
+block counts. The kernel reads FP4 bytes paired (``quant.pair_fp4``, the layout the MoE makes
+at load); the oracles decode the checkpoint's order."""
 
 from __future__ import annotations
 
@@ -23,15 +23,9 @@ pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True, params=["scaled", "folded"])
-def form(request, monkeypatch) -> str:
-    """Every launch's settings in one form: the shape's own, or folded 4 blocks a product."""
-    settings = module.settings
-    if request.param == "folded":
-        monkeypatch.setattr(
-            module, "settings", lambda *a: (*settings(*a)[:1], 4, *settings(*a)[2:5], 1)
-        )
-    return request.param
+def held(stored: torch.Tensor, fp4: bool) -> torch.Tensor:
+    """A stored weight as the kernel reads it: FP4 paired, FP8 as stored."""
+    return quant.pair_fp4(stored) if fp4 else stored
 
 
 SHAPES = [  # (fp4, M, N, K): partial N and K tiles, split K (few rows, long K), many rows
@@ -41,6 +35,8 @@ SHAPES = [  # (fp4, M, N, K): partial N and K tiles, split K (few rows, long K),
     (True, 1, 48, 128),
     (True, 2, 64, 1088),
     (True, 33, 40, 64),
+    (True, 3, 40, 160),  # five blocks: a pair, a pair, the odd one
+    (True, 17, 72, 32),  # one block: only the odd one
 ]
 
 
@@ -52,7 +48,8 @@ def test_stored_linear_is_the_exact_product_up_to_sum_order(fp4, m, n, k) -> Non
     a = quant.act_roundtrip(torch.randn(m, k, generator=g) * 3)
     dequant = quant.dequant_fp4_weight if fp4 else quant.dequant_fp8_weight
     exact = a.double() @ dequant(stored, scale, torch.float64).T
-    got = stored_linear(a.to(DEVICE), stored.to(DEVICE), scale.to(DEVICE), fp4).cpu()
+    w = held(stored, fp4).to(DEVICE)
+    got = stored_linear(a.to(DEVICE), w, scale.to(DEVICE), fp4).cpu()
     # fp32 sums in another order: within a few ulps of the sum of |terms|; a GPU's FP8 tensor
     # cores add a block's 32 products keeping about 14 bits (DeepSeek-V3's report, sec. 3.3.2;
     # DeepSeek's own FP8 GEMMs take the same), so within 2**-12 of it there
@@ -61,29 +58,29 @@ def test_stored_linear_is_the_exact_product_up_to_sum_order(fp4, m, n, k) -> Non
     assert got.dtype == torch.float32
     assert bool(((got.double() - exact).abs() <= bound).all())
     if DEVICE == "cuda":  # bf16 activations: the same bound, plus the bf16 output's rounding
-        got16 = stored_linear(
-            a.to(DEVICE, torch.bfloat16), stored.to(DEVICE), scale.to(DEVICE), fp4
-        ).cpu()
+        got16 = stored_linear(a.to(DEVICE, torch.bfloat16), w, scale.to(DEVICE), fp4).cpu()
         assert bool(((got16.double() - exact).abs() <= bound + exact.abs() * 2**-8).all())
 
 
 def test_a_wrong_scale_or_nibble_order_is_seen() -> None:
-    """The oracle can tell: swapping each byte's nibbles, or one scale byte, moves the result."""
+    """The oracle can tell: the checkpoint's order unpaired, swapping each byte's nibbles, or
+    one scale byte, moves the result."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(32, 64, generator=g)
     stored, scale = quant.fp4_weight(w)
     a = quant.act_roundtrip(torch.randn(2, 64, generator=g))
-    base = stored_linear(a.to(DEVICE), stored.to(DEVICE), scale.to(DEVICE), True).cpu()
-    b = stored.view(torch.uint8)
+    paired = quant.pair_fp4(stored)
+    base = stored_linear(a.to(DEVICE), paired.to(DEVICE), scale.to(DEVICE), True).cpu()
+    b = paired.view(torch.uint8)
     swapped = ((b << 4) | (b >> 4)).view(torch.int8)
-    assert not torch.equal(
-        stored_linear(a.to(DEVICE), swapped.to(DEVICE), scale.to(DEVICE), True).cpu(), base
-    )
+    for wrong in (stored, swapped):
+        got = stored_linear(a.to(DEVICE), wrong.to(DEVICE), scale.to(DEVICE), True).cpu()
+        assert not torch.equal(got, base)
     bumped = scale.view(torch.uint8).clone()
     bumped[5, 1] += 1
     assert not torch.equal(
         stored_linear(
-            a.to(DEVICE), stored.to(DEVICE), bumped.view(torch.float8_e8m0fnu).to(DEVICE), True
+            a.to(DEVICE), paired.to(DEVICE), bumped.view(torch.float8_e8m0fnu).to(DEVICE), True
         ).cpu(),
         base,
     )
@@ -122,7 +119,7 @@ def test_grouped_stored_linear_is_each_rows_expert_product(fp4, rows) -> None:
     expert = torch.randint(0, e - 1, (rows,), generator=g).sort().values  # expert 4: no rows
     counts = torch.bincount(expert, minlength=e)
     a = quant.act_roundtrip(torch.randn(rows, k, generator=g))
-    w = torch.stack([s[0] for s in stored]).to(DEVICE)
+    w = held(torch.stack([s[0] for s in stored]), fp4).to(DEVICE)
     s = torch.stack([s[1] for s in stored]).to(DEVICE)
     tiles = group_tiles(counts, rows, group_tile_rows(rows, e)).to(DEVICE)
     got = grouped_stored_linear(a.to(DEVICE), w, s, fp4, tiles).cpu().double()
@@ -156,7 +153,10 @@ def test_every_stored_byte_decodes_exactly(fp4: bool) -> None:
         want = quant.dequant_fp8_weight(stored, scale.view(torch.float8_e8m0fnu), torch.float32)
     eye = torch.eye(k)
     got = stored_linear(
-        eye.to(DEVICE), stored.to(DEVICE), scale.view(torch.float8_e8m0fnu).to(DEVICE), fp4
+        eye.to(DEVICE),
+        held(stored, fp4).to(DEVICE),
+        scale.view(torch.float8_e8m0fnu).to(DEVICE),
+        fp4,
     )
     assert torch.equal(got.cpu(), want.T)
 
@@ -171,7 +171,7 @@ def test_a_row_gives_the_same_bits_in_any_batch(fp4: bool) -> None:
     stored, scale = (quant.fp4_weight if fp4 else quant.fp8_weight)(
         torch.randn(n, k, generator=g) / k**0.5
     )
-    stored, scale = stored.to(DEVICE), scale.to(DEVICE)
+    stored, scale = held(stored, fp4).to(DEVICE), scale.to(DEVICE)
     x = torch.randn(24, k, generator=g).to(DEVICE, _dtype())
     alone = torch.cat([stored_linear(x[i : i + 1], stored, scale, fp4) for i in range(24)])
     for rows in (2, 17, 24):
@@ -186,7 +186,7 @@ def test_grouped_rows_gather_in_the_kernel() -> None:
     g = torch.Generator().manual_seed(9)
     e, n, k, tokens = 4, 40, 64, 7
     stored = [quant.fp4_weight(torch.randn(n, k, generator=g) / 8) for _ in range(e)]
-    w = torch.stack([s[0] for s in stored]).to(DEVICE)
+    w = quant.pair_fp4(torch.stack([s[0] for s in stored])).to(DEVICE)
     s = torch.stack([s[1] for s in stored]).to(DEVICE)
     ids = torch.randint(0, e, (tokens, 2), generator=g)
     order = torch.sort(ids.flatten(), stable=True).indices
@@ -203,15 +203,13 @@ def test_grouped_rows_gather_in_the_kernel() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="the register-packed decoding runs on a GPU")
-def test_packed_decoding_is_the_per_element_one(form: str, monkeypatch) -> None:
+def test_packed_decoding_is_the_per_element_one(monkeypatch) -> None:
     """The GPU's four-codes-a-register E2M1 decoding (inline PTX) against the per-element form
-    the interpreter runs: the same bits over random FP4 weights and rows (in the scaled form:
-    the folded one multiplies in fp32 where the interpreter runs; both decode alike)."""
-    if form == "folded":
-        pytest.skip("the folded form's interpreter products are fp32, not the GPU's bf16")
+    the interpreter runs: the same bits over random FP4 weights and rows."""
     g = torch.Generator().manual_seed(13)
-    stored, scale = quant.fp4_weight(torch.randn(300, 2048, generator=g))
-    x = torch.randn(9, 2048, generator=g).to(DEVICE, torch.bfloat16)
+    stored, scale = quant.fp4_weight(torch.randn(300, 2080, generator=g))  # 65 blocks
+    stored = quant.pair_fp4(stored)
+    x = torch.randn(9, 2080, generator=g).to(DEVICE, torch.bfloat16)
     stored, scale = stored.to(DEVICE), scale.to(DEVICE)
     packed = stored_linear(x, stored, scale, True)
     monkeypatch.setattr(module, "interpreted", lambda: True)
@@ -227,7 +225,7 @@ def test_tiles_and_split_programs_do_the_same_operations(fp4: bool, monkeypatch)
     stored, scale = (quant.fp4_weight if fp4 else quant.fp8_weight)(
         torch.randn(80, 256, generator=g) / 16
     )
-    stored, scale = stored.to(DEVICE), scale.to(DEVICE)
+    stored, scale = held(stored, fp4).to(DEVICE), scale.to(DEVICE)
     x = torch.randn(20, 256, generator=g).to(DEVICE, _dtype())
     few = stored_linear(x, stored, scale, fp4)  # 16-row tiles, a program a split
     monkeypatch.setattr(module, "LARGE_ROWS", 0)

@@ -301,6 +301,42 @@ def test_fp4_weights_dequantise_with_the_even_element_low() -> None:
             assert fr(got[i, j].item()) == want, (i, j)
 
 
+@pytest.mark.parametrize("k", [32, 64, 96, 160, 2304])
+def test_paired_fp4_bytes_hold_a_block_and_the_next(k: int) -> None:
+    """``pair_fp4`` against a restatement: in each 64-element group byte j holds element j low
+    and j + 32 high; a last group of 32 (odd blocks) holds j and j + 16. ``unpair_fp4`` gives
+    the checkpoint's bytes back, and the decoded weight is the same either way."""
+    g = torch.Generator().manual_seed(k)
+    raw = torch.randint(0, 256, (3, 2, k // 2), generator=g, dtype=torch.uint8)
+    elements = [[(int(b) & 0xF, int(b) >> 4) for b in row] for row in raw.flatten(0, 1)]
+    elements = [[c for pair in row for c in pair] for row in elements]  # even element low
+    paired = quant.pair_fp4(raw.view(torch.int8)).view(torch.uint8).flatten(0, 1)
+    for row, codes in zip(paired.tolist(), elements, strict=True):
+        for j, byte in enumerate(row):
+            start = j // 32 * 64
+            width = 64 if start + 64 <= k else 32
+            at = start + j % (width // 2)
+            assert (byte & 0xF, byte >> 4) == (codes[at], codes[at + width // 2]), (k, j)
+    assert torch.equal(quant.unpair_fp4(quant.pair_fp4(raw.view(torch.int8))), raw.view(torch.int8))
+
+
+def test_a_paired_layer_decodes_saves_and_loads_as_stored() -> None:
+    """A paired ``StoredLinear`` dequantises as before, saves the checkpoint's bytes, and pairs
+    a checkpoint's bytes it loads."""
+    g = torch.Generator().manual_seed(3)
+    layer = quant.StoredLinear(40, 96, fp4=True)
+    layer.weight, layer.scale = quant.fp4_weight(torch.randn(40, 96, generator=g))
+    stored, want = layer.weight.clone(), layer.dequantized(torch.float32)
+    layer.pair()
+    assert layer.paired and not torch.equal(layer.weight, stored)
+    assert torch.equal(layer.dequantized(torch.float32), want)
+    assert torch.equal(layer.state_dict()["weight"], stored)
+    other = quant.StoredLinear(40, 96, fp4=True)
+    other.pair()
+    other.load_state_dict(layer.state_dict())
+    assert torch.equal(other.weight, layer.weight)
+
+
 def test_weight_quantisers_write_what_a_checkpoint_writer_would() -> None:
     """``fp8_weight`` / ``fp4_weight`` (the preset writer's) against a Fraction restatement:
     per block the smallest power of two at or above amax / 448 (/ 6), each value rounded to the

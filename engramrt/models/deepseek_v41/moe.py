@@ -187,11 +187,15 @@ class V41MoE(nn.Module):
 
     def _stacked(self) -> tuple[torch.Tensor, ...]:
         """Every routed expert's weights in one tensor per kind (``w1`` above ``w3`` per
-        expert, then ``w2``), with their scales, and the shared expert's ``w1`` above its
-        ``w3``; built at the first use on a device, after which each expert's tensors are views
-        of them (one copy in memory)."""
+        expert, then ``w2``; FP4 bytes paired for the kernel), with their scales, and the
+        shared expert's ``w1`` above its ``w3``; built at the first use on a device (the
+        warm-up, at load), after which each expert's tensors are views of them (one copy in
+        memory)."""
         if self.stack is None or self.stack[0].device != self.experts[0].w1.weight.device:
             ex, n = self.experts, self.experts[0].w1.weight.shape[0]
+            for e in ex:
+                for m in (e.w1, e.w2, e.w3):
+                    m.pair()
             parts = [
                 torch.stack([torch.cat([getattr(e.w1, b), getattr(e.w3, b)]) for e in ex])
                 for b in ("weight", "scale")

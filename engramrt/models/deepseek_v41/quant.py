@@ -63,13 +63,47 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """The checkpoint's I8 expert weights ``[..., K / 2]`` as fp32 values ``[..., K]``: two codes
     a byte, the even element in the low nibble."""
-    b = packed.view(torch.uint8)
-    return torch.stack([decode_e2m1(b & 0x0F), decode_e2m1(b >> 4)], dim=-1).flatten(-2)
+    return decode_e2m1(unpack_codes(packed))
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes ``[..., K]`` as the checkpoint's I8 bytes ``[..., K / 2]``."""
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
+
+
+def _pair_groups(k: int) -> tuple[int, int]:
+    """(elements in whole 64-wide groups, elements left: 0 or 32) of an FP4 row ``k`` long."""
+    if k % 32:
+        raise ValueError(f"FP4 rows come in whole 32-wide blocks, got {k} elements")
+    return k // 64 * 64, k % 64
+
+
+def pair_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's FP4 bytes ``[..., K / 2]`` (even element low) in the layout the GPU
+    kernel reads (``kernels.stored_linear``): each 64-element group's byte ``j`` holds its
+    elements ``j`` (low nibble) and ``j + 32`` (high), i.e. element j of a block and of the
+    next; an odd last block holds its ``j`` and ``j + 16``. A permutation of the nibbles
+    within a row (``unpair_fp4`` inverts it): the same bytes, the same memory."""
+    codes = unpack_codes(packed)
+    whole, rest = _pair_groups(codes.shape[-1])
+    groups = [codes[..., :whole].unflatten(-1, (-1, 64)), codes[..., whole:][..., None, :]]
+    out = [g[..., : g.shape[-1] // 2] | (g[..., g.shape[-1] // 2 :] << 4) for g in groups]
+    return torch.cat([o.flatten(-2) for o in out], -1).view(torch.int8)
+
+
+def unpair_fp4(paired: torch.Tensor) -> torch.Tensor:
+    """``pair_fp4``'s bytes back in the checkpoint's order."""
+    b = paired.view(torch.uint8)
+    whole, rest = _pair_groups(2 * b.shape[-1])
+    groups = [b[..., : whole // 2].unflatten(-1, (-1, 32)), b[..., whole // 2 :][..., None, :]]
+    codes = [torch.cat([g & 0x0F, g >> 4], -1).flatten(-2) for g in groups]
+    return pack_e2m1(torch.cat(codes, -1))
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's FP4 bytes ``[..., K / 2]`` as 4-bit codes ``[..., K]`` (uint8)."""
+    b = packed.view(torch.uint8)
+    return torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -268,9 +302,19 @@ class StoredLinear(nn.Module):
             scale = torch.zeros(-(-out_features // 32), -(-in_features // 32), dtype=torch.uint8)
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale.view(torch.float8_e8m0fnu))
+        self.paired = False  # FP4 bytes in the kernel's order (``pair``); saved as stored
+        self.register_state_dict_post_hook(_saved_as_stored)
+        self.register_load_state_dict_pre_hook(_loaded_as_held)
         self.master: nn.Parameter | None = None
         self.rounded: torch.Tensor | None = None
         self._kept: tuple[tuple, torch.Tensor] | None = None  # the CPU's decoded copy, by version
+
+    def pair(self) -> None:
+        """FP4: the weight's nibbles in the order the GPU kernel reads (``pair_fp4``), once,
+        where the weights are loaded (the MoE pairs its experts as it stacks them)."""
+        if self.fp4 and not self.paired:
+            self.weight = pair_fp4(self.weight)
+            self.paired = True
 
     def make_trainable(self) -> None:
         """Training (``engramrt.bundled.train``): an fp32 master copy of the weight, which
@@ -283,6 +327,7 @@ class StoredLinear(nn.Module):
         w = self.master.detach()
         self.weight, self.scale = fp4_weight(w) if self.fp4 else fp8_weight(w)
         self.master = self.rounded = None
+        self.paired = False
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         if self.master is not None:
@@ -293,7 +338,7 @@ class StoredLinear(nn.Module):
         if self._kept is not None and self._kept[0] == key:
             return self._kept[1]
         decode = dequant_fp4_weight if self.fp4 else dequant_fp8_weight
-        w = decode(self.weight, self.scale, dtype)
+        w = decode(unpair_fp4(self.weight) if self.paired else self.weight, self.scale, dtype)
         if w.device.type == "cpu":  # a CPU runs small models: decoding each step was half its time
             self._kept = (key, w)
         return w
@@ -302,13 +347,26 @@ class StoredLinear(nn.Module):
         """``x`` [..., K], or on a GPU its ``shared_input`` codes [T, K]."""
         from engramrt.kernels.stored_linear import Codes, stored_linear  # the bytes as stored
 
+        if not isinstance(x, Codes) and (not use_triton(x.device) or self.master is not None):
+            return quantized_linear(x, self.dequantized(x.dtype))
+        self.pair()
         if isinstance(x, Codes):
             return stored_linear(x, self.weight, self.scale, self.fp4)
-        if not use_triton(x.device) or self.master is not None:
-            return quantized_linear(x, self.dequantized(x.dtype))
         shape = x.shape
         y = stored_linear(x.reshape(-1, shape[-1]), self.weight, self.scale, self.fp4)
         return y.view(*shape[:-1], -1)
+
+
+def _saved_as_stored(module: StoredLinear, state: dict, prefix: str, local_metadata) -> None:
+    """A paired FP4 weight goes into a state dict in the checkpoint's order."""
+    if module.paired:
+        state[prefix + "weight"] = unpair_fp4(state[prefix + "weight"])
+
+
+def _loaded_as_held(module: StoredLinear, state: dict, prefix: str, *rest) -> None:
+    """A checkpoint's FP4 weight loaded into a paired layer is paired first."""
+    if module.paired and prefix + "weight" in state:
+        state[prefix + "weight"] = pair_fp4(state[prefix + "weight"])
 
 
 def shared_input(x: torch.Tensor):
