@@ -1,6 +1,9 @@
 """A dense product ``x @ w.T`` (bf16 or fp32 weights, fp32 sums) whose every row's bits are the
 same whatever the other rows of its step: the launch settings depend on the weight's shape
-alone, K is summed in one fixed order (no split), and a row is the tensor cores' narrow side.
+alone, K is summed in one fixed order (no split), and rows are the tensor cores' narrow side:
+weights fill the wide one (64 features, Hopper's wgmma M) whatever the row tile, since a
+16-row tile on the wide side would take another instruction (mma.sync), which rounds its sums
+otherwise.
 cuBLAS picks its algorithm (and its summation order) by the row count, so a request decoded
 alone and the same request among 63 others, or a verify run beside its drafts, part after a few
 tokens; ``--batch-invariant`` routes the model's dense products here instead (``kernels.linear``).
@@ -46,14 +49,14 @@ def _dense_kernel(
     rk = tl.arange(0, BK)
     xs = x_ptr + grp * SXG + rm[:, None].to(tl.int64) * SXM
     ws = w_ptr + grp * SWG + rn[:, None].to(tl.int64) * K
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
         a = tl.load(xs + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         w = tl.load(ws + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        acc += dot_f32(a.to(w.dtype), tl.trans(w), F32)
-    ys = y_ptr + grp * SYG + rm[:, None].to(tl.int64) * SYM + rn[None, :]
-    tl.store(ys, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        acc += dot_f32(w, tl.trans(a.to(w.dtype)), F32)
+    ys = y_ptr + grp * SYG + rm[None, :].to(tl.int64) * SYM + rn[:, None]
+    tl.store(ys, acc.to(y_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
 
 
 def dense_linear(

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engramrt.kernels import batch_invariant
 from engramrt.kernels.mhc_sinkhorn import split_tile
 
 TARGET_PROGRAMS = 512  # mixes programs to aim for: a few per SM of a large GPU
@@ -257,13 +258,17 @@ def _post_kernel(
 WARM_UP_TOKENS = (2, 3, 17, 33, 129)
 
 
-def mixes_plan(tokens: int, k: int) -> MixesPlan:
+def mixes_plan(tokens: int, k: int, fixed: bool = False) -> MixesPlan:
     """Tiles of the mixes programs for ``tokens`` tokens of a ``k``-element stream: a function of
     the token count alone, so a decode graph captures one plan per batch size. Each program's
     accumulator is block_t x 32 x block_k fp32. Few tokens: one per program and many chunks,
     to spread the read of ``fn`` over the GPU; more tokens: 16 per program, since every token
-    block re-reads ``fn`` (from L2). Chosen on an H200 at hidden 3072 (benchmarks/HISTORY.md)."""
-    if tokens <= 2:
+    block re-reads ``fn`` (from L2). Chosen on an H200 at hidden 3072 (benchmarks/HISTORY.md).
+    ``fixed`` (``--batch-invariant``): one plan for every count (a token's partial sums then run
+    in the same order in any step), 16 tokens a program and the most chunks."""
+    if fixed:
+        block_t, block_k, tokens = 16, 16, 1
+    elif tokens <= 2:
         block_t, block_k = 1, 64
     elif tokens <= 32:
         block_t, block_k = 4, 32
@@ -300,7 +305,7 @@ def _first_launch(
     single = dim <= block_d
     mix = (2 + hc) * hc
     p = triton.next_power_of_2(mix + 1)  # the mixes, then the sum of squares
-    plan = mixes_plan(tokens, k)
+    plan = mixes_plan(tokens, k, batch_invariant(x.device))
     if fn is None:
         part, mix_programs = None, 0
     else:

@@ -52,16 +52,18 @@ def test_shapes_that_do_not_fit_are_refused(xs, ws) -> None:
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter's dot is numpy's matmul (BLAS)")
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_a_rows_bits_ignore_its_batch(wdtype, monkeypatch) -> None:
-    """Each row alone, and among random others in 16- and 64-row tiles: the same bits (the
-    interpreter's dot is numpy's, whose sums follow the row count: a GPU's property)."""
+    """Each row alone, and among random others in 16- and 64-row tiles (a batch of 90 takes
+    the 64-row ones by itself): the same bits (the interpreter's dot is numpy's, whose sums
+    follow the row count: a GPU's property). K long enough for many steps, as a model's."""
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(20, 96, generator=g).to(DEVICE, wdtype)
-    w = torch.randn(48, 96, generator=g).to(DEVICE, wdtype)
-    alone = torch.cat([dense_linear(x[i : i + 1], w) for i in range(20)])
-    perm = torch.randperm(20, generator=g).to(DEVICE)
+    x = torch.randn(90, 1024, generator=g).to(DEVICE, wdtype)
+    w = (torch.randn(200, 1024, generator=g) / 32).to(DEVICE, wdtype)
+    alone = torch.cat([dense_linear(x[i : i + 1], w) for i in range(90)])
+    perm = torch.randperm(90, generator=g).to(DEVICE)
     assert torch.equal(dense_linear(x[perm], w), alone[perm])
+    assert torch.equal(dense_linear(x[perm[:20]], w), alone[perm[:20]])
     monkeypatch.setattr(module, "LARGE_ROWS", 0)
-    assert torch.equal(dense_linear(x[perm], w), alone[perm])
+    assert torch.equal(dense_linear(x[perm[:20]], w), alone[perm[:20]])
 
 
 def test_the_model_routes_dense_products_by_the_flag(monkeypatch) -> None:

@@ -123,6 +123,29 @@ def test_mixes_plan_depends_on_token_count_alone() -> None:
     assert mixes_plan(1, 64).splits == 1
 
 
+def test_a_tokens_mixes_ignore_its_step_under_the_flag(monkeypatch) -> None:
+    """Under ``--batch-invariant`` one mixes plan serves every token count, so a token's
+    outputs alone equal, bit for bit, its outputs among 99 others (without the flag the plans
+    of 1 and 100 tokens differ: their partial sums run in other orders); the expand after the
+    sublayer computes each element by itself either way."""
+    from engramrt.kernels import mhc_fused
+
+    k = 4 * 96
+    assert mhc_fused.mixes_plan(1, k) != mhc_fused.mixes_plan(100, k)
+    monkeypatch.setattr(mhc_fused, "batch_invariant", lambda device: True)
+    inputs = pre_inputs(11, 100, 4, 96, torch.bfloat16)
+    batch = run_pre(inputs, 4)
+    for i in (0, 37, 99):
+        alone = run_pre((inputs[0][i : i + 1], inputs[1][i : i + 1], *inputs[2:]), 4)
+        for a, b in zip(alone, batch, strict=True):
+            assert torch.equal(a, b[i : i + 1]), i
+    y = torch.randn(100, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    post, comb = batch[2].to(DEV), batch[3].to(DEV)
+    whole = mhc_fused.mhc_post(y.to(DEV), inputs[0].to(DEV), post, comb)
+    one = mhc_fused.mhc_post(y[:1].to(DEV), inputs[0][:1].to(DEV), post[:1], comb[:1])
+    assert torch.equal(one, whole[:1])
+
+
 def test_mhc_pre_is_deterministic_and_optional_collapse() -> None:
     """Two runs are bitwise equal (no atomics); asking for the collapsed row changes nothing."""
     inputs = pre_inputs(5, 9, 4, 48, torch.bfloat16)
