@@ -23,6 +23,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
 ]
 BATCH, TOKENS, PICKED = 64, 48, (0, 21, 42, 63)
+# an H100 (2026-12-06): v41-small plain and the bundled model with and without drafts pass;
+# v41-small's verify runs still part from its decode steps (the kernel not yet found)
+SPEC_ON_SMALL = "not yet (issue 52): v41-small with drafts, after the dense tiles and mHC plan"
 METHODS = {"plain": None, "ngram": SpecConfig(4), "dspark": SpecConfig(3, method="dspark")}
 
 
@@ -55,16 +58,11 @@ def _greedy(runner: StageRunner, prompts: list[list[int]], spec: SpecConfig | No
     )
 
 
-@pytest.mark.xfail(
-    reason="not yet (issue 52): on an H200 (2026-12-06) requests part from their output alone "
-    "only when prompts are cut into chunks beside decode rows (max_num_batched_tokens 512); "
-    "with every prompt in one step (4096) the four picked prompts give their tokens alone. "
-    "The mixed step's kernel that rounds a row by its batch is not yet found",
-    strict=False,
-)
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_a_request_alone_equals_it_in_a_batch_of_64(model, method: str) -> None:
+def test_a_request_alone_equals_it_in_a_batch_of_64(model, method: str, request) -> None:
     runner, prompts = model
+    if method != "plain" and request.node.callspec.params["model"] == "v41-small":
+        request.applymarker(pytest.mark.xfail(reason=SPEC_ON_SMALL, strict=False))
     batched = _greedy(runner, prompts, METHODS[method])
     for i in PICKED:
         assert _greedy(runner, [prompts[i]], METHODS[method])[0] == batched[i], i
