@@ -157,6 +157,44 @@ def decode(
     return True
 
 
+def torch_path(
+    rec: Record,
+    model: Path,
+    device: str,
+    flags: list[str],
+    label: str,
+    in_len: int,
+    bs: int,
+    out_len: int,
+) -> None:
+    """The same decode steps with every Triton kernel off (the torch path the kernels are
+    tested against; eager: its host syncs cannot be captured), beside the kernels' step."""
+    from engramrt.kernels import FORCE_TORCH_ENV
+
+    saved = os.environ.get(FORCE_TORCH_ENV)
+    os.environ[FORCE_TORCH_ENV] = "1"
+    try:
+        args = cases.engine_args(model, device, *flags, "--enforce-eager")
+        eng = cases.engine(args, in_len + out_len)
+        prompts = cases.random_prompts(bs, [in_len] * bs, eng.vocab_size)
+        step = cases.measure(eng, prompts, [out_len] * bs)["decode_step_ms"]
+    finally:
+        if saved is None:
+            os.environ.pop(FORCE_TORCH_ENV)
+        else:
+            os.environ[FORCE_TORCH_ENV] = saved
+        free()
+    kernels = next(r["step_ms"] for r in rec["rows"] if r["batch"] == bs)
+    rec["torch_path"] = {"batch": bs, "out_len": out_len, "step_ms": step}
+    print(f"{label} bs {bs}, the torch path (eager): {fmt(step)} ms a step", flush=True)
+    rec.headline(
+        f"{label} decode step, bs {bs}, the torch path (eager, no kernels)",
+        step,
+        "ms",
+        f"{step / kernels:.1f}x the kernels' step of {fmt(kernels)} ms (CUDA graphs)",
+    )
+
+
 def _label(ctx: Context, preset: str, tiny: str) -> str:
     if ctx.model is not None:
         return ctx.model.name
@@ -176,6 +214,8 @@ def v41_decode(rec: Record, ctx: Context) -> bool:
     ok = decode(rec, ctx, model, label, *sizes)
     if ctx.device == "cuda":  # (a CPU's census: benchmarks/step_kernels.py, its own test)
         launches(rec, ctx, model, label)
+        if not ctx.tiny:  # (on a CPU every path is the torch path)
+            torch_path(rec, model, ctx.device, rec["engine"]["flags"], label, sizes[1], 1, 16)
     return ok
 
 
