@@ -109,9 +109,7 @@ def decode_bytes(engine: Engine, batch: int, context: int) -> int:
     model = engine.pipeline.runner.model  # rank 0's layers and slices
     cfg = model.cfg
     weights = sum(
-        t.numel() * t.element_size()
-        for n, t in model.state_dict().items()
-        if ".engram.embed." not in n
+        t.numel() * t.element_size() for n, t in model.held_tensors() if ".engram.embed." not in n
     )
     kv = batch * cfg.family.decode_read_bytes(model, context)
     rows = 0

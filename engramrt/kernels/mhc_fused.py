@@ -265,7 +265,9 @@ def mixes_plan(tokens: int, k: int, fixed: bool = False) -> MixesPlan:
     to spread the read of ``fn`` over the GPU; more tokens: 16 per program, since every token
     block re-reads ``fn`` (from L2). Chosen on an H200 at hidden 3072 (benchmarks/HISTORY.md).
     ``fixed`` (``--batch-invariant``): one plan for every count (a token's partial sums then run
-    in the same order in any step), 16 tokens a program and the most chunks."""
+    in the same order in any step), 16 tokens a program and the most chunks: at prefill sizes
+    many more programs and partials than its own plan (8,192 tokens: 32,768 programs, 64 MiB
+    of fp32 partials at Flash's widths), the flag's price there."""
     if fixed:
         block_t, block_k, tokens = 16, 16, 1
     elif tokens <= 2:

@@ -379,8 +379,9 @@ def stored_linear(
     x: torch.Tensor | Codes, weight: torch.Tensor, scale: torch.Tensor, fp4: bool
 ) -> torch.Tensor:
     """``x`` [M, K] through ``act_quant`` (or its ``Codes``) times the stored weight (``weight``
-    E4M3 ``[N, K]`` with 32 x 32 scales, or I8 ``[N, K / 2]`` with a scale per 32; scales as
-    E8M0 bytes); out ``[M, N]`` in ``x``'s dtype. ``x`` may already be on ``act_quant``'s grid
+    E4M3 ``[N, K]`` with 32 x 32 scales, or I8 ``[N, K / 2]`` paired by ``quant.pair_fp4``
+    (the checkpoint's order would give a wrong product) with a scale per 32; scales as E8M0
+    bytes); out ``[M, N]`` in ``x``'s dtype. ``x`` may already be on ``act_quant``'s grid
     (a round trip of it is exact)."""
     q = quantize(x)
     n, k = weight.shape[0], q.codes.shape[-1]
@@ -421,14 +422,14 @@ def grouped_stored_linear(
     experts_hint: int = 8,
     top_k: int = 1,
 ) -> torch.Tensor:
-    """Rows sorted by expert times their expert's stored weight (``weight`` [E, N, ...],
-    ``scale`` [E, ...]) in one launch. The rows are ``x`` [P, K]'s (through ``act_quant``), or,
-    given ``rows`` [P], ``x[rows // top_k]`` (the gather happens in the kernel: each token is
-    quantised once; ``rows`` may be a step's sorted (token, expert) pairs, ``token * top_k +
-    slot``). ``tiles``: the rows' (expert, lo, hi) tiles of ``group_tile_rows(P, E)`` rows
-    (``group_tiles``, or on CUDA ``moe_routing.expert_rows``: built once, read by both of a
-    layer's launches). Out ``[P, N]``. ``experts_hint``: the experts a launch is expected to
-    touch (sets the split, never from the routing)."""
+    """Rows sorted by expert times their expert's stored weight (``weight`` [E, N, ...], FP4
+    paired as ``stored_linear`` takes it, ``scale`` [E, ...]) in one launch. The rows are ``x``
+    [P, K]'s (through ``act_quant``), or, given ``rows`` [P], ``x[rows // top_k]`` (the gather
+    happens in the kernel: each token is quantised once; ``rows`` may be a step's sorted (token,
+    expert) pairs, ``token * top_k + slot``). ``tiles``: the rows' (expert, lo, hi) tiles of
+    ``group_tile_rows(P, E)`` rows (``group_tiles``, or on CUDA ``moe_routing.expert_rows``:
+    built once, read by both of a layer's launches). Out ``[P, N]``. ``experts_hint``: the
+    experts a launch is expected to touch (sets the split, never from the routing)."""
     q = quantize(x)
     p = len(rows) if rows is not None else len(q.codes)
     experts, n, k = weight.shape[0], weight.shape[-2], q.codes.shape[-1]

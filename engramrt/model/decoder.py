@@ -8,6 +8,8 @@ the attention's pre-mix. A pipeline stage only changes where ``(x, pre)`` come f
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -152,6 +154,17 @@ class EngramMHCModel(nn.Module):
             self.mtp = dspark_stages(cfg, ids, dtype, tp)
             for i in cfg.family.draft_targets(cfg):
                 self.layers[str(i)].dspark_target = True
+
+    def held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor a state dict holds, named by module, as held in memory: no state-dict
+        hook runs (saving rebuilds the checkpoint's order of FP4 bytes paired on a GPU: copies
+        that counting bytes must not make)."""
+        for prefix, module in self.named_modules():
+            prefix = f"{prefix}." if prefix else ""
+            yield from ((prefix + n, p) for n, p in module.named_parameters(recurse=False))
+            for n, b in module.named_buffers(recurse=False):
+                if n not in module._non_persistent_buffers_set:
+                    yield prefix + n, b
 
     def checkpoint_slices(self) -> dict[str, tuple[int, int, int]]:
         """Checkpoint tensor -> ``(dim, lo, hi)``: the slice of it this rank holds (tensors not

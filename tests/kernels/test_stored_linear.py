@@ -37,11 +37,24 @@ SHAPES = [  # (fp4, M, N, K): partial N and K tiles, split K (few rows, long K),
     (True, 33, 40, 64),
     (True, 3, 40, 160),  # five blocks: a pair, a pair, the odd one
     (True, 17, 72, 32),  # one block: only the odd one
+    (True, 2, 64, 2080),  # 65 blocks: the odd one ends the last split
 ]
 
 
 @pytest.mark.parametrize(("fp4", "m", "n", "k"), SHAPES)
 def test_stored_linear_is_the_exact_product_up_to_sum_order(fp4, m, n, k) -> None:
+    _assert_exact_product(fp4, m, n, k)
+
+
+@pytest.mark.parametrize(("fp4", "blocks"), [(True, 4), (True, 8), (False, 4)])
+def test_longer_loads_and_more_splits_give_the_product(fp4, blocks, monkeypatch) -> None:
+    """Settings with 4 or 8 blocks a step and three splits (the odd last FP4 block inside the
+    last split, after whole pairs): the same oracle."""
+    monkeypatch.setattr(module, "settings", lambda *a: (64, blocks, 4, 3, 3))
+    _assert_exact_product(fp4, 3, 40, 2080)
+
+
+def _assert_exact_product(fp4: bool, m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, k) / k**0.5  # scales that vary
     stored, scale = quant.fp4_weight(w) if fp4 else quant.fp8_weight(w)

@@ -248,6 +248,8 @@ class V41MoE(nn.Module):
         from engramrt.kernels.stored_linear import BM, LARGE_ROWS
 
         device = self.gate.weight.device
+        if not use_triton(device):  # the torch path compiles nothing (and keeps FP4 unpaired)
+            return
         many = max(LARGE_ROWS, BM * len(self.experts) // self.k) + 1
         for tokens in (1, many):
             x = torch.zeros(tokens, self.gate.weight.shape[1], dtype=dtype, device=device)

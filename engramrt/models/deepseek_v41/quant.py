@@ -83,7 +83,7 @@ def pair_fp4(packed: torch.Tensor) -> torch.Tensor:
     kernel reads (``kernels.stored_linear``): each 64-element group's byte ``j`` holds its
     elements ``j`` (low nibble) and ``j + 32`` (high), i.e. element j of a block and of the
     next; an odd last block holds its ``j`` and ``j + 16``. A permutation of the nibbles
-    within a row (``unpair_fp4`` inverts it): the same bytes, the same memory."""
+    within a row (``unpair_fp4`` inverts it): the same size, no dequantised copy."""
     codes = unpack_codes(packed)
     whole, rest = _pair_groups(codes.shape[-1])
     groups = [codes[..., :whole].unflatten(-1, (-1, 64)), codes[..., whole:][..., None, :]]
@@ -256,10 +256,10 @@ def _stamp(t: torch.Tensor) -> tuple[int, int]:
 
 
 class StoredLinear(nn.Module):
-    """A linear layer's weight as the checkpoint stores it, kept so in memory: FP8 E4M3 with
+    """A linear layer's weight in the checkpoint's format, kept so in memory: FP8 E4M3 with
     32 x 32 E8M0 block scales, or FP4 (I8, two E2M1 codes a byte) with an E8M0 scale per 32;
-    dequantised for each use (the torch path; kernels read it as stored; a CPU keeps the decoded
-    copy until the stored bytes change)."""
+    dequantised for each use (the torch path; a CPU keeps the decoded copy until the stored
+    bytes change), read as held by the GPU kernel (FP4 bytes paired first: ``pair``)."""
 
     def __init__(
         self,
@@ -311,7 +311,7 @@ class StoredLinear(nn.Module):
 
     def pair(self) -> None:
         """FP4: the weight's nibbles in the order the GPU kernel reads (``pair_fp4``), once,
-        where the weights are loaded (the MoE pairs its experts as it stacks them)."""
+        at the first use on a GPU (the MoE's, as it stacks its experts in the warm-up at load)."""
         if self.fp4 and not self.paired:
             self.weight = pair_fp4(self.weight)
             self.paired = True
@@ -345,7 +345,7 @@ class StoredLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [..., K], or on a GPU its ``shared_input`` codes [T, K]."""
-        from engramrt.kernels.stored_linear import Codes, stored_linear  # the bytes as stored
+        from engramrt.kernels.stored_linear import Codes, stored_linear  # the bytes as held
 
         if not isinstance(x, Codes) and (not use_triton(x.device) or self.master is not None):
             return quantized_linear(x, self.dequantized(x.dtype))
