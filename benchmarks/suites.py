@@ -157,7 +157,7 @@ def decode(
     return True
 
 
-def torch_path(
+def torch_path_step(
     rec: Record,
     model: Path,
     device: str,
@@ -169,20 +169,12 @@ def torch_path(
 ) -> None:
     """The same decode steps with every Triton kernel off (the torch path the kernels are
     tested against; eager: its host syncs cannot be captured), beside the kernels' step."""
-    from engramrt.kernels import FORCE_TORCH_ENV
-
-    saved = os.environ.get(FORCE_TORCH_ENV)
-    os.environ[FORCE_TORCH_ENV] = "1"
-    try:
+    with cases.torch_path():
         args = cases.engine_args(model, device, *flags, "--enforce-eager")
         eng = cases.engine(args, in_len + out_len)
         prompts = cases.random_prompts(bs, [in_len] * bs, eng.vocab_size)
         step = cases.measure(eng, prompts, [out_len] * bs)["decode_step_ms"]
-    finally:
-        if saved is None:
-            os.environ.pop(FORCE_TORCH_ENV)
-        else:
-            os.environ[FORCE_TORCH_ENV] = saved
+        del eng
         free()
     kernels = next(r["step_ms"] for r in rec["rows"] if r["batch"] == bs)
     rec["torch_path"] = {"batch": bs, "out_len": out_len, "step_ms": step}
@@ -215,7 +207,7 @@ def v41_decode(rec: Record, ctx: Context) -> bool:
     if ctx.device == "cuda":  # (a CPU's census: benchmarks/step_kernels.py, its own test)
         launches(rec, ctx, model, label)
         if not ctx.tiny:  # (on a CPU every path is the torch path)
-            torch_path(rec, model, ctx.device, rec["engine"]["flags"], label, sizes[1], 1, 16)
+            torch_path_step(rec, model, ctx.device, rec["engine"]["flags"], label, sizes[1], 1, 16)
     return ok
 
 
