@@ -269,14 +269,14 @@ def mixes_plan(tokens: int, k: int, fixed: bool = False) -> MixesPlan:
     many more programs and partials than its own plan (8,192 tokens: 32,768 programs, 64 MiB
     of fp32 partials at Flash's widths), the flag's price there."""
     if fixed:
-        block_t, block_k, tokens = 16, 16, 1
+        block_t, block_k = 16, 16
     elif tokens <= 2:
         block_t, block_k = 1, 64
     elif tokens <= 32:
         block_t, block_k = 4, 32
     else:
         block_t, block_k = 16, 16
-    blocks = triton.cdiv(tokens, block_t)
+    blocks = 1 if fixed else triton.cdiv(tokens, block_t)
     want = max(1, min(triton.cdiv(TARGET_PROGRAMS, blocks), MAX_SPLITS, triton.cdiv(k, block_k)))
     chunk = triton.cdiv(triton.cdiv(k, want), block_k) * block_k
     return MixesPlan(block_t, block_k, triton.cdiv(k, chunk), chunk, 4 if block_t >= 16 else 8)

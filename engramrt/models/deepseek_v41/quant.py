@@ -71,11 +71,17 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
 
 
-def _pair_groups(k: int) -> tuple[int, int]:
-    """(elements in whole 64-wide groups, elements left: 0 or 32) of an FP4 row ``k`` long."""
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's FP4 bytes ``[..., K / 2]`` as 4-bit codes ``[..., K]`` (uint8)."""
+    b = packed.view(torch.uint8)
+    return torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)
+
+
+def _whole_groups(k: int) -> int:
+    """The elements of an FP4 row ``k`` long in whole 64-wide groups (the rest: 0 or 32)."""
     if k % 32:
         raise ValueError(f"FP4 rows come in whole 32-wide blocks, got {k} elements")
-    return k // 64 * 64, k % 64
+    return k // 64 * 64
 
 
 def pair_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -85,7 +91,7 @@ def pair_fp4(packed: torch.Tensor) -> torch.Tensor:
     next; an odd last block holds its ``j`` and ``j + 16``. A permutation of the nibbles
     within a row (``unpair_fp4`` inverts it): the same size, no dequantised copy."""
     codes = unpack_codes(packed)
-    whole, rest = _pair_groups(codes.shape[-1])
+    whole = _whole_groups(codes.shape[-1])
     groups = [codes[..., :whole].unflatten(-1, (-1, 64)), codes[..., whole:][..., None, :]]
     out = [g[..., : g.shape[-1] // 2] | (g[..., g.shape[-1] // 2 :] << 4) for g in groups]
     return torch.cat([o.flatten(-2) for o in out], -1).view(torch.int8)
@@ -94,16 +100,10 @@ def pair_fp4(packed: torch.Tensor) -> torch.Tensor:
 def unpair_fp4(paired: torch.Tensor) -> torch.Tensor:
     """``pair_fp4``'s bytes back in the checkpoint's order."""
     b = paired.view(torch.uint8)
-    whole, rest = _pair_groups(2 * b.shape[-1])
+    whole = _whole_groups(2 * b.shape[-1])
     groups = [b[..., : whole // 2].unflatten(-1, (-1, 32)), b[..., whole // 2 :][..., None, :]]
     codes = [torch.cat([g & 0x0F, g >> 4], -1).flatten(-2) for g in groups]
     return pack_e2m1(torch.cat(codes, -1))
-
-
-def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
-    """The checkpoint's FP4 bytes ``[..., K / 2]`` as 4-bit codes ``[..., K]`` (uint8)."""
-    b = packed.view(torch.uint8)
-    return torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
