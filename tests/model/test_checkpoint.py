@@ -29,6 +29,7 @@ from engramrt.model.checkpoint import INDEX, CheckpointError, load_model
 from engramrt.model.context import ForwardContext
 from engramrt.model.decoder import EngramMHCModel
 from engramrt.models import model_config
+from engramrt.models.deepseek_v41 import quant
 from engramrt.models.deepseek_v41.quant import StoredLinear
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.stage import StageRunner, new_kv_cache
@@ -263,6 +264,26 @@ def test_fp8_block_scaled_wkv(tmp_path: Path, overrides: dict, scale_dtype: torc
     assert got.dtype == torch.bfloat16
     assert torch.equal(_bits(got), _bits(want))
     assert torch.isfinite(_logits(loaded, edited)).all()
+
+
+def test_held_tensors_are_the_state_dicts_without_its_copies(v41_small: Path) -> None:
+    """``held_tensors`` (what byte counts read) names the state dict's tensors with its sizes,
+    as held: a paired FP4 expert is its own tensor there, where the state dict unpairs a copy.
+    On the torch path the MoE's warm-up pairs nothing (that path decodes the stored order)."""
+    from engramrt.models.deepseek_v41.moe import V41MoE
+
+    model = load_model(v41_small)
+    moe = next(m for m in model.modules() if isinstance(m, V41MoE))
+    moe.warm_up(torch.float32)  # a CPU: the torch path
+    assert not any(m.paired for m in moe.experts.modules() if isinstance(m, StoredLinear))
+    expert = moe.experts[0].w1
+    expert.pair()
+    held, state = dict(model.held_tensors()), model.state_dict()
+    assert held.keys() == state.keys()
+    assert all(held[n].nbytes == state[n].nbytes for n in state)
+    name = next(n for n, t in held.items() if t is expert.weight)
+    assert state[name].data_ptr() != expert.weight.data_ptr()
+    assert torch.equal(state[name], quant.unpair_fp4(expert.weight))
 
 
 # ----------------------------------------------------------------------------- malformed
