@@ -97,7 +97,8 @@ class Engram(nn.Module):
 
     def load_wkv(self, weight: torch.Tensor) -> None:
         """Take a bf16/fp32 weight (a checkpoint's FP8 one is dequantised at load, with the
-        model's other FP8 weights: ``checkpoint._dequantise_at_load``)."""
+        model's other FP8 weights, unless the family holds it as stored:
+        ``checkpoint._install_engram``)."""
         if weight.shape != self.wkv.weight.shape:
             raise ValueError(
                 f"engram.wkv.weight of layer {self.layer_id}: expected "
@@ -128,5 +129,5 @@ class Engram(nn.Module):
             raise RuntimeError(f"Engram of layer {self.layer_id} got no hash ids")
         rows = self.lookup(hash_ids) if rows is None else rows
         rows = self.tp.gather(rows, self.cols * self.head_dim)
-        kv = self.wkv(rows.to(self.wkv.weight.dtype))
+        kv = self.wkv(rows.to(self.q_weight.dtype))  # wkv's weight may be stored FP8
         return engram_gate(x, kv, self.q_weight, self.k_weight, self.eps, dead)

@@ -404,7 +404,8 @@ def _install_engram(
     host: HostMapping | None = None,
     slices: Slices | None = None,
 ) -> None:
-    """Tables keep their stored format (fp8 + e8m0 or plain); fp8 wkv is dequantized once.
+    """Tables keep their stored format (fp8 + e8m0 or plain); an fp8 wkv stays so where the
+    family holds such weights stored (``ModelFamily.stored_linear``), else is dequantised once.
     ``host``: the mapping the tables were streamed into, where they stay; ``slices``: the rows
     a tensor-parallel rank holds."""
     for i in model.engram_layer_ids:
@@ -427,6 +428,15 @@ def _install_engram(
         except ValueError as exc:
             named = f"{prefix}.embed.scale" if scale is not None else f"{prefix}.embed.weight"
             raise CheckpointError(f"tensor {named}: {exc}") from exc
+        wkv, wkv_scale = f"{prefix}.wkv.weight", f"{prefix}.wkv.scale"
+        if wkv_scale in state and state[wkv].dtype == torch.float8_e4m3fn:
+            try:
+                held = model.cfg.family.stored_linear(state[wkv], state[wkv_scale])
+            except ValueError as exc:
+                raise CheckpointError(f"tensor {wkv_scale}: {exc}") from exc
+            if held is not None:  # read as stored (half the bytes of a dequantised copy)
+                engram.wkv = held
+                del state[wkv], state[wkv_scale]
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

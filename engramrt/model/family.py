@@ -134,6 +134,11 @@ class ModelFamily:
         """Scales a checkpoint may give for weights this family holds dequantised."""
         return set()
 
+    def stored_linear(self, weight: torch.Tensor, scale: torch.Tensor) -> nn.Module | None:
+        """An FP8 weight with its 32 x 32 E8M0 scales, held as stored by a layer of this family
+        (the Engram's ``wkv``), or None: dequantised at load."""
+        return None
+
     def unrun_reason(self, name: str, dspark: bool) -> str | None:
         """Why a stored tensor is not loaded (None: it is)."""
         return None

@@ -286,6 +286,38 @@ def test_held_tensors_are_the_state_dicts_without_its_copies(v41_small: Path) ->
     assert torch.equal(state[name], quant.unpair_fp4(expert.weight))
 
 
+def test_v41_holds_the_engram_wkv_as_stored(tmp_path: Path, v41_small: Path) -> None:
+    """V4.1 keeps the Engram's FP8 ``wkv`` in the checkpoint's bytes (a ``StoredLinear``: on a
+    GPU the stored-format kernel reads half a dequantised copy's bytes) and computes it as the
+    reference does: rows through ``act_quant``, exact products summed in fp32 (an fp64 oracle,
+    within fp32 sums); a scale of the wrong shape is an error naming it. (A GQA model
+    dequantises the same format: ``test_fp8_block_scaled_wkv``.)"""
+    model = load_model(v41_small)
+    stored = load_file(v41_small / "model.safetensors")
+    layer = model.engram_layer_ids[0]
+    name = f"layers.{layer}.engram.wkv"
+    wkv = model.layers[str(layer)].engram.wkv
+    assert isinstance(wkv, StoredLinear) and not wkv.fp4
+    assert torch.equal(wkv.weight.view(torch.uint8), stored[f"{name}.weight"].view(torch.uint8))
+    assert torch.equal(wkv.scale.view(torch.uint8), stored[f"{name}.scale"].view(torch.uint8))
+    assert model.state_dict()[f"{name}.weight"].dtype == torch.float8_e4m3fn
+    rows = torch.randn(5, wkv.weight.shape[1], generator=torch.Generator().manual_seed(1))
+    rows = rows.bfloat16()
+    got = wkv(rows).double()
+    a = quant.act_roundtrip(rows).double()
+    w = quant.dequant_fp8_weight(wkv.weight, wkv.scale, torch.float64)
+    exact = a @ w.T
+    bound = (a.abs() @ w.abs().T) * 2**-20 + exact.abs() * 2**-8  # fp32 sums, a bf16 output
+    assert bool(((got - exact).abs() <= bound).all())
+    edited = tmp_path / "bad-scale"
+    shutil.copytree(v41_small, edited)
+    state = load_file(edited / "model.safetensors")
+    state[f"{name}.scale"] = state[f"{name}.scale"][:-1].contiguous()
+    save_file(state, edited / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"{name}\.scale"):
+        load_model(edited)
+
+
 # ----------------------------------------------------------------------------- malformed
 
 

@@ -170,6 +170,19 @@ class DeepSeekV41(ModelFamily):
         stages = {f"mtp.{s}.attn.wo_a.scale" for s in range(len(model.mtp or []))}
         return stages | {f"layers.{i}.attn.wo_a.scale" for i in model.layer_ids}
 
+    def stored_linear(self, weight: torch.Tensor, scale: torch.Tensor) -> nn.Module:
+        """As the released checkpoint stores it (the Engram's ``wkv``: FP8 read by the
+        stored-format kernel on a GPU, ``act_quant`` first as the reference does)."""
+        out_f, in_f = weight.shape
+        layer = quant.StoredLinear(out_f, in_f)
+        if scale.element_size() != 1 or scale.shape != layer.scale.shape:
+            raise ValueError(
+                f"an FP8 weight {[out_f, in_f]} needs E8M0 scales {list(layer.scale.shape)}, "
+                f"got {scale.dtype} {list(scale.shape)}"
+            )
+        layer.weight, layer.scale = weight, scale.view(torch.float8_e8m0fnu)
+        return layer
+
     def unrun_reason(self, name: str, dspark: bool) -> str | None:
         """The DSpark stages' copies of the shared embedding and head (``mtp.i.embed``,
         ``mtp.i.head``: the reference registers them, its converter skips them) always."""
