@@ -235,7 +235,7 @@ def _swiglu_codes(p: dict, dev: str) -> Built:
 
     x_dtype = gate_up.dtype
     return Built(
-        kernel=lambda: (lambda c, s: (c.view(torch.uint8), s))(*swiglu_codes(gate_up, 10.0, w)),
+        kernel=lambda: (lambda c, s, _: (c.view(torch.uint8), s))(*swiglu_codes(gate_up, 10.0, w)),
         reference=reference,
         bytes=_nbytes(gate_up, w) + p["tokens"] * p["inter"] * (1 + 4 / 32),
         exact=dev == "cuda",
@@ -272,12 +272,13 @@ def stored_linear_sweep(
         rows = tiles = bm = None
         bytes_ = w.numel() + s.numel()
     x = torch.randn(m, k, device=dev, generator=g).bfloat16()
-    codes, sa = sl.act_codes(x)
+    q = sl.quantize(x, values=fp4)
     p = len(rows) if rows is not None else m
-    bytes_ += codes.numel() + sa.numel() * 4 + p * n * 2
+    read = q.values.nbytes if fp4 else q.codes.nbytes + q.scale.nbytes
+    bytes_ += read + p * n * 2
 
     def run(config):
-        return sl._launch(codes, sa, x.dtype, w, s, fp4, p, config, rows, tiles, bm)
+        return sl._launch(q, w, s, fp4, p, config, rows, tiles, bm)
 
     return run, bytes_, sl.settings(fp4, n, k, top_k if experts else 1)
 

@@ -31,9 +31,11 @@ def _swiglu_codes_kernel(
     w_at_ptr,  # int64 [R]
     codes_ptr,  # E4M3 [R, I]
     scale_ptr,  # fp32 [R, I / 32]
+    values_ptr,  # bf16 [R, I] (VALUES)
     INTER,
     LIMIT,
     HAS_W: tl.constexpr,
+    VALUES: tl.constexpr,
     NB: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
@@ -51,9 +53,11 @@ def _swiglu_codes_kernel(
     if HAS_W:
         h = tl.load(w_ptr + tl.load(w_at_ptr + r)) * h
     h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # the activation dtype, as the torch path
-    codes, scale = act_codes_of(h)
+    codes, scale, values = act_codes_of(h)
     tl.store(codes_ptr + r * INTER + cols, codes, mask=mask)
     tl.store(scale_ptr + r * (INTER // 32) + blk, scale, mask=blk < INTER // 32)
+    if VALUES:
+        tl.store(values_ptr + r * INTER + cols, values, mask=mask)
 
 
 def swiglu_codes(
@@ -61,8 +65,10 @@ def swiglu_codes(
     limit: float,
     weight: torch.Tensor | None = None,
     weight_at: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gate_up`` [R, 2 I] -> (E4M3 codes [R, I], fp32 scales [R, I / 32]) of
+    values: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """``gate_up`` [R, 2 I] -> (E4M3 codes [R, I], fp32 scales [R, I / 32], with ``values``
+    the round trip's bf16 values [R, I] or None: what FP4 weights multiply) of
     ``act_quant(clamped_swiglu(gate, up, limit, weight).to(gate_up.dtype))``; ``weight`` [R],
     or with ``weight_at`` [R] ``weight.flatten()[weight_at]`` (read in the kernel)."""
     rows, width = gate_up.shape
@@ -71,6 +77,7 @@ def swiglu_codes(
         raise ValueError(f"the intermediate width ({inter}) must be a multiple of 32")
     codes = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
     scale = torch.empty(rows, inter // 32, dtype=torch.float32, device=gate_up.device)
+    out = torch.empty(rows, inter, dtype=torch.bfloat16, device=gate_up.device) if values else None
     if rows:
         w = weight.reshape(-1).float().contiguous() if weight is not None else scale
         if weight is not None and weight_at is None:
@@ -83,13 +90,15 @@ def swiglu_codes(
             at,
             codes,
             scale,
+            out if values else scale,
             inter,
             limit,
             HAS_W=weight is not None,
+            VALUES=values,
             NB=NB,
             LIBDEVICE=not interpreted(),
         )
-    return codes, scale
+    return codes, scale, out
 
 
 @triton.jit

@@ -100,35 +100,48 @@ def _e4m3_bits(q, v):
 
 @triton.jit
 def act_codes_of(g):
-    """``act_quant`` of blocks ``g`` [blocks, 32] (fp32): (E4M3 codes, fp32 scales [blocks]):
-    the round trip's grid point, as its code (exact: it lies on E4M3's grid)."""
+    """``act_quant`` of blocks ``g`` [blocks, 32] (fp32): (E4M3 codes, fp32 scales [blocks],
+    the round trip's bf16 values): the round trip's grid point, as its code (exact: it lies on
+    E4M3's grid), and times its scale (exact in bf16: what FP4 weights multiply)."""
     scale, inv = block_scales(tl.max(tl.abs(g), axis=1), 0)
     v = tl.minimum(tl.maximum(g * inv[:, None], -448.0), 448.0)
-    return _e4m3_bits(round_to_grid(v, 3, -6), v).to(tl.float8e4nv, bitcast=True), scale
+    q = round_to_grid(v, 3, -6)
+    values = (q * scale[:, None]).to(tl.bfloat16)
+    return _e4m3_bits(q, v).to(tl.float8e4nv, bitcast=True), scale, values
 
 
 @triton.jit
-def _act_codes_kernel(x_ptr, codes_ptr, scale_ptr, n_blocks, NB: tl.constexpr):
+def _act_codes_kernel(
+    x_ptr, codes_ptr, scale_ptr, values_ptr, n_blocks, VALUES: tl.constexpr, NB: tl.constexpr
+):
     blk = tl.program_id(0) * NB + tl.arange(0, NB)
     offs = blk[:, None].to(tl.int64) * 32 + tl.arange(0, 32)[None, :]
     mask = blk[:, None] < n_blocks
-    codes, scale = act_codes_of(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+    g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    codes, scale, values = act_codes_of(g)
     tl.store(codes_ptr + offs, codes, mask=mask)
     tl.store(scale_ptr + blk, scale, mask=blk < n_blocks)
+    if VALUES:
+        tl.store(values_ptr + offs, values, mask=mask)
 
 
-def act_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def act_codes(x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, ...]:
     """``quant.act_quant(x)`` in one launch: E4M3 codes ``[..., K]`` and fp32 scales
-    ``[..., K / 32]``."""
+    ``[..., K / 32]``, and with ``values`` the round trip's bf16 values ``[..., K]`` (what
+    FP4 weights multiply) or None."""
     if x.shape[-1] % 32:
         raise ValueError(f"the last dim ({x.shape[-1]}) must be a multiple of 32")
     x = x.contiguous()
     codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(*x.shape[:-1], x.shape[-1] // 32, dtype=torch.float32, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device) if values else None
     n_blocks = x.numel() // 32
     if n_blocks:
-        _act_codes_kernel[(triton.cdiv(n_blocks, NB),)](x, codes, scale, n_blocks, NB=NB)
-    return codes, scale
+        grid = (triton.cdiv(n_blocks, NB),)
+        _act_codes_kernel[grid](
+            x, codes, scale, out if values else scale, n_blocks, VALUES=values, NB=NB
+        )
+    return codes, scale, out
 
 
 def roundtrip(x: torch.Tensor, kind: int) -> torch.Tensor:

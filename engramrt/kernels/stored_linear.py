@@ -1,15 +1,19 @@
-"""DeepSeek-V4.1's FP8 and FP4 linears on the FP8 tensor cores, reading their weights in the
+"""DeepSeek-V4.1's FP8 and FP4 linears on the tensor cores, reading their weights in the
 checkpoint's bytes (FP4 nibbles paired at load): no dequantised copy of a weight is ever written.
 
 ``y[m, n] = sum_k a[m, k] w[n, k]`` where ``a`` is the activation after ``act_quant`` (E4M3 codes
 and a power-of-two scale per 32 inputs) and ``w`` the stored codes (E4M3 bytes with 32 x 32
 E8M0 scales, or E2M1 codes two a byte with an E8M0 scale per 32 inputs, in the paired layout
 ``quant.pair_fp4`` makes at load: a byte holds element j of a block and element j of the next).
-Each 32-input block is one FP8 tensor-core product of codes, scaled on the accumulator by its
-two scales (the block scaling DeepGEMM does per 128). E2M1 codes become E4M3 bytes by moving
-their bits (``code * 2**-6`` exactly, subnormal 0.5 included), four codes a 32-bit operation on
-a GPU, the low nibbles one block and the high ones the next, each in element order (no
-shuffle before the product); the 2**6 joins the scale.
+
+- FP8: each 32-input block is one FP8 tensor-core product of codes, scaled on the accumulator by
+  its two scales (the block scaling DeepGEMM does per 128).
+- FP4: codes become bf16 values with their block's scale in a few integer operations and one
+  bf16x2 multiply for two codes (the Marlin trick: bits moved into place give ``code *
+  2**-126``, the multiply by ``2**(s - 1)`` gives the value), and meet the activation's bf16
+  values (its ``act_quant`` round trip, exact in bf16) in bf16 tensor-core products that
+  accumulate in place: no scale on the accumulator, so the products of successive blocks
+  queue without waiting. Every product is exact (2 x 4 significant bits); fp32 sums.
 
 Batch invariant by construction: the launch settings depend on the weight's shape only, never
 on the row count, and every row's sum runs over the same blocks in the same order (rows are
@@ -37,35 +41,55 @@ BM, BM_LARGE, LARGE_ROWS = 16, 64, 64
 
 
 @triton.jit
-def _e2m1_pair(byte, ASM: tl.constexpr):
-    """A byte's two E2M1 codes as E4M3 values ``code * 2**-6``, (low nibble's, high nibble's):
-    sign to bit 7, exponent and mantissa two bits up. ``ASM``: four bytes a 32-bit register
-    (Hopper converts slowly element by element); else per element (the interpreter's form)."""
+def _e2m1_pair(byte, f_lo, f_hi, ASM: tl.constexpr):
+    """A byte's two E2M1 codes times ``f_lo`` / ``f_hi`` (bf16 ``2**(s - 1)`` of the blocks'
+    E8M0 exponents ``s``), (low nibble's, high nibble's), exact. ``ASM``: four bytes a 32-bit
+    register, spread to 16-bit lanes by one byte permute; each code's sign to bit 15, exponent
+    and mantissa to bits 8..6 (a bf16 ``code * 2**-126``, subnormal for 0.5), then one bf16x2
+    multiply for two values (bf16 arithmetic keeps subnormals; Hopper converts slowly element
+    by element). Else fp32 in the same steps (the interpreter keeps subnormals too)."""
     if ASM:
-        lo, hi = tl.inline_asm_elementwise(
+        return tl.inline_asm_elementwise(
             asm="""{
-            .reg .b32 t0, t1;
-            and.b32 t0, $2, 0x08080808;
-            shl.b32 t0, t0, 4;
-            and.b32 t1, $2, 0x07070707;
-            shl.b32 t1, t1, 2;
-            or.b32 $0, t0, t1;
-            and.b32 t0, $2, 0x80808080;
-            and.b32 t1, $2, 0x70707070;
-            shr.b32 t1, t1, 2;
-            or.b32 $1, t0, t1;
+            .reg .b32 y, s, m;
+            prmt.b32 y, $4, 0, 0x4140;
+            and.b32 s, y, 0x00080008;
+            shl.b32 s, s, 12;
+            and.b32 m, y, 0x00070007;
+            shl.b32 m, m, 6;
+            or.b32 m, m, s;
+            mul.rn.bf16x2 $0, m, $5;
+            and.b32 s, y, 0x00800080;
+            shl.b32 s, s, 8;
+            and.b32 m, y, 0x00700070;
+            shl.b32 m, m, 2;
+            or.b32 m, m, s;
+            mul.rn.bf16x2 $2, m, $7;
+            prmt.b32 y, $4, 0, 0x4342;
+            and.b32 s, y, 0x00080008;
+            shl.b32 s, s, 12;
+            and.b32 m, y, 0x00070007;
+            shl.b32 m, m, 6;
+            or.b32 m, m, s;
+            mul.rn.bf16x2 $1, m, $6;
+            and.b32 s, y, 0x00800080;
+            shl.b32 s, s, 8;
+            and.b32 m, y, 0x00700070;
+            shl.b32 m, m, 2;
+            or.b32 m, m, s;
+            mul.rn.bf16x2 $3, m, $8;
             }""",
-            constraints="=r,=r,r",
-            args=[byte],
-            dtype=(tl.uint8, tl.uint8),
+            constraints="=r,=r,=r,=r,r,r,r,r,r",
+            args=[byte, f_lo, f_hi],
+            dtype=(tl.bfloat16, tl.bfloat16),
             is_pure=True,
             pack=4,
         )
     else:
         b = byte.to(tl.int32)
-        lo = (((b & 0x08) << 4) | ((b & 0x07) << 2)).to(tl.uint8)
-        hi = ((b & 0x80) | ((b & 0x70) >> 2)).to(tl.uint8)
-    return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+        lo = (((b & 0x08) << 28) | ((b & 0x07) << 22)).to(tl.float32, bitcast=True)
+        hi = (((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True)
+        return lo * f_lo.to(tl.float32), hi * f_hi.to(tl.float32)
 
 
 @triton.jit
@@ -75,17 +99,40 @@ def _e8m0(raw):
 
 
 @triton.jit
-def _scaled_dot(acc, w, a_ptr, sa_ptr, sw_ptr, src, blocks, K, blk, at, width, aok, rw, wok, unit):
-    """``acc`` plus ``w`` [BN, 32] E4M3 times the activation's 32 codes from column ``at``
-    (``width`` of them; zeros past) scaled by block ``blk``'s two scales: rows read where
-    ``aok``, the weight's scale row ``rw`` of each feature where ``wok``; ``unit``: what a
-    code's E4M3 value is worth. One FP8 tensor-core product."""
+def _bf16_factor(raw, ASM: tl.constexpr):
+    """E8M0 scale bytes ``s`` as ``2**(s - 1)``: what a decoded ``code * 2**-126`` is multiplied
+    by (bf16 on a GPU: exact for ``s <= 128``, which ``quant.check_fp4_scales`` holds at load)."""
+    f = (((raw.to(tl.int32) & 0xFF) + 126) << 23).to(tl.float32, bitcast=True)
+    return f.to(tl.bfloat16) if ASM else f
+
+
+@triton.jit
+def _scaled_dot(acc, w, a_ptr, sa_ptr, sws, src, blocks, K, blk, aok, wok):
+    """``acc`` plus ``w`` [BN, 32] E4M3 times the activation's 32 codes of block ``blk``, scaled
+    by its two scales: rows read where ``aok``, each feature's weight scale at ``sws`` where
+    ``wok``. One FP8 tensor-core product."""
+    c32 = tl.arange(0, 32)
+    amask = aok[:, None] & (c32[None, :] < 32)
+    a = tl.load(a_ptr + src[:, None] * K + blk * 32 + c32[None, :], mask=amask, other=0.0)
+    sa = tl.load(sa_ptr + src * blocks + blk, mask=aok, other=0.0)
+    sw = _e8m0(tl.load(sws, mask=wok, other=127))
+    return acc + tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
+
+
+@triton.jit
+def _value_dot(acc, w, a_ptr, src, K, at, width, aok, ASM: tl.constexpr):
+    """``acc`` plus ``w`` [BN, 32] (scaled values) times the activation's bf16 values from
+    column ``at`` (``width`` of them; zeros past), accumulated in the product: one bf16
+    tensor-core product (fp32 at full precision in the interpreter, whose bf16 product is
+    wrong; the values are exact in either)."""
     c32 = tl.arange(0, 32)
     amask = aok[:, None] & (c32[None, :] < width)
     a = tl.load(a_ptr + src[:, None] * K + at + c32[None, :], mask=amask, other=0.0)
-    sa = tl.load(sa_ptr + src * blocks + blk, mask=aok, other=0.0)
-    sw = _e8m0(tl.load(sw_ptr + rw * blocks + blk, mask=wok, other=127)) * unit
-    return acc + tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
+    if ASM:
+        acc = tl.dot(w, tl.trans(a), acc)
+    else:
+        acc = tl.dot(w, tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+    return acc
 
 
 @triton.jit
@@ -107,11 +154,12 @@ def _blocks_sum(
     G: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """``[BN, BM]``: K blocks ``[kb0, kb_stop)`` in ascending order, summed in fp32 from zero,
-    each an FP8 tensor-core product of 32 codes scaled by its two scales. FP4 weights come
-    paired (``quant.pair_fp4``): a 32-byte load holds two blocks, the low nibbles one and the
-    high the next, each already in element order (no shuffle between decoding and the
-    product); a K whose blocks are odd ends in one block split the same way in halves."""
+    """``[BN, BM]``: K blocks ``[kb0, kb_stop)`` in ascending order, summed in fp32 from zero.
+    FP8: each an FP8 tensor-core product of 32 codes scaled by its two scales. FP4 (``a_ptr``
+    the activation's bf16 values): weights come paired (``quant.pair_fp4``): a 32-byte load
+    holds two blocks, the low nibbles one and the high the next, each already in element
+    order (no shuffle between decoding and the product); a K whose blocks are odd ends in one
+    block split the same way in halves."""
     blocks = K // 32
     rn64 = rn.to(tl.int64)
     c32 = tl.arange(0, 32)
@@ -128,15 +176,17 @@ def _blocks_sum(
                     mask=nok[:, None] & (c32[None, :] < half),
                     other=0,
                 )
-                lo, hi = _e2m1_pair(byte, ASM)
-                acc = _scaled_dot(
-                    acc, lo, a_ptr, sa_ptr, sw_ptr, src, blocks, K, b, b * 32, half, aok,
-                    rn64, nok, 64.0,
-                )  # fmt: skip
-                acc = _scaled_dot(
-                    acc, hi, a_ptr, sa_ptr, sw_ptr, src, blocks, K, b + half // 32, b * 32 + half,
-                    half, aok, rn64, nok, 64.0,
-                )  # fmt: skip
+                scales = sw_ptr + rn64 * blocks + b
+                f_lo = _bf16_factor(tl.load(scales, mask=nok, other=127), ASM)
+                f_hi = _bf16_factor(tl.load(scales + half // 32, mask=nok, other=127), ASM)
+                lo, hi = _e2m1_pair(
+                    byte,
+                    tl.broadcast_to(f_lo[:, None], [BN, 32]),
+                    tl.broadcast_to(f_hi[:, None], [BN, 32]),
+                    ASM,
+                )
+                acc = _value_dot(acc, lo, a_ptr, src, K, b * 32, half, aok, ASM)
+                acc = _value_dot(acc, hi, a_ptr, src, K, b * 32 + half, half, aok, ASM)
         else:
             for g in tl.static_range(G):
                 b = kb + g
@@ -146,10 +196,8 @@ def _blocks_sum(
                     mask=nok[:, None] & (c32[None, :] < 32),
                     other=0,
                 ).to(tl.float8e4nv, bitcast=True)
-                acc = _scaled_dot(
-                    acc, w, a_ptr, sa_ptr, sw_ptr, src, blocks, K, b, b * 32, 32, aok,
-                    rn64 // 32, nok, 1.0,
-                )  # fmt: skip
+                sws = sw_ptr + rn64 // 32 * blocks + b
+                acc = _scaled_dot(acc, w, a_ptr, sa_ptr, sws, src, blocks, K, b, aok, nok)
     return acc
 
 
@@ -157,8 +205,8 @@ def _blocks_sum(
 # serving
 @triton.jit(do_not_specialize=["M", "R", "SPLITS", "PROGRAMS", "TOP_K"])
 def _stored_linear_kernel(
-    a_ptr,  # E4M3 codes [R, K]
-    sa_ptr,  # fp32 scales [R, K / 32]
+    a_ptr,  # E4M3 codes [R, K]; FP4: bf16 values [R, K]
+    sa_ptr,  # fp32 scales [R, K / 32] (FP8)
     w_ptr,
     sw_ptr,
     out_ptr,  # [M, N]
@@ -284,9 +332,7 @@ def settings(fp4: bool, n: int, k: int, programs: int = 1) -> Config:
 
 
 def _launch(
-    codes: torch.Tensor,
-    sa: torch.Tensor,
-    dtype: torch.dtype,
+    q: Codes,
     weight: torch.Tensor,
     scale: torch.Tensor,
     fp4: bool,
@@ -298,6 +344,9 @@ def _launch(
     top_k: int = 1,
 ) -> torch.Tensor:
     """``tiles`` (grouped) come with their row count ``bm``; else the rows pick it."""
+    codes, sa, dtype = q.codes, q.scale, q.dtype
+    if fp4 and q.values is None:
+        raise ValueError("FP4 weights meet the activation's bf16 values: quantize(x, values=True)")
     k = codes.shape[-1]
     n = weight.shape[-2]
     bn, g, warps, stages, splits = config
@@ -325,7 +374,7 @@ def _launch(
         else out
     )
     _stored_linear_kernel[grid](
-        codes,
+        q.values if fp4 else codes,
         sa,
         weight.view(torch.uint8),
         scale.view(torch.uint8),
@@ -358,21 +407,25 @@ def _launch(
 
 
 class Codes(NamedTuple):
-    """An activation through ``act_quant`` (E4M3 codes [R, K], fp32 scales [R, K / 32]) and the
-    dtype products of it come out in: quantised once, read by every linear it feeds."""
+    """An activation through ``act_quant`` (E4M3 codes [R, K], fp32 scales [R, K / 32]), the
+    dtype products of it come out in, and for FP4 weights its round trip's bf16 values [R, K]
+    (exact): quantised once, read by every linear it feeds."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+    values: torch.Tensor | None = None
 
 
-def quantize(x: torch.Tensor | Codes) -> Codes:
-    """``x`` [R, K] as the codes the kernel reads (one launch); ``Codes`` as they are."""
+def quantize(x: torch.Tensor | Codes, values: bool = False) -> Codes:
+    """``x`` [R, K] as the codes the kernel reads, with ``values`` for FP4 weights too (one
+    launch); ``Codes`` as they are."""
     if isinstance(x, Codes):
         return x
     if x.shape[-1] % 32:
         raise ValueError(f"inputs must come in whole 32-wide scale blocks, got {x.shape[-1]}")
-    return Codes(*act_codes(x), x.dtype)
+    codes, scale, vals = act_codes(x, values)
+    return Codes(codes, scale, x.dtype, vals)
 
 
 def stored_linear(
@@ -383,9 +436,9 @@ def stored_linear(
     (the checkpoint's order would give a wrong product) with a scale per 32; scales as E8M0
     bytes); out ``[M, N]`` in ``x``'s dtype. ``x`` may already be on ``act_quant``'s grid
     (a round trip of it is exact)."""
-    q = quantize(x)
+    q = quantize(x, fp4)
     n, k = weight.shape[0], q.codes.shape[-1]
-    return _launch(*q, weight, scale, fp4, len(q.codes), settings(fp4, n, k))
+    return _launch(q, weight, scale, fp4, len(q.codes), settings(fp4, n, k))
 
 
 def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
@@ -430,7 +483,7 @@ def grouped_stored_linear(
     ``group_tile_rows(P, E)`` rows (``group_tiles``, or on CUDA ``moe_routing.expert_rows``:
     built once, read by both of a layer's launches). Out ``[P, N]``. ``experts_hint``: the
     experts a launch is expected to touch (sets the split, never from the routing)."""
-    q = quantize(x)
+    q = quantize(x, fp4)
     p = len(rows) if rows is not None else len(q.codes)
     experts, n, k = weight.shape[0], weight.shape[-2], q.codes.shape[-1]
     bm = group_tile_rows(p, experts)
@@ -439,4 +492,4 @@ def grouped_stored_linear(
             f"tiles of {bm} rows for {p} rows and {experts} experts, got {list(tiles.shape)}"
         )
     config = settings(fp4, n, k, experts_hint)
-    return _launch(*q, weight, scale, fp4, p, config, rows, tiles, bm, top_k)
+    return _launch(q, weight, scale, fp4, p, config, rows, tiles, bm, top_k)

@@ -80,14 +80,18 @@ def test_roundtrip_keeps_the_shape_and_refuses_partial_blocks() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_act_codes_are_act_quants(dtype: torch.dtype) -> None:
     """The codes and scales the FP8 tensor cores take, bit for bit ``quant.act_quant``'s, on
-    wide random values and the adversarial grid (ties, zero blocks, saturation)."""
+    wide random values and the adversarial grid (ties, zero blocks, saturation); the values
+    FP4 weights take, bit for bit the round trip's in bf16 (exact there)."""
     from engramrt.kernels.quant_roundtrip import act_codes
 
     g = torch.Generator().manual_seed(11)
     wide = torch.randn(9, 96, generator=g) * 10.0 ** torch.randint(-5, 5, (9, 1), generator=g)
     wide[0, :5] = torch.tensor([-0.0, -1e-9, 0.0, 1e-9, 100.0])  # zeros keep their sign
     for x in (wide.to(dtype), adversarial(ACT, dtype)):
-        codes, scale = act_codes(x.to(DEVICE))
+        codes, scale, values = act_codes(x.to(DEVICE), values=True)
         want_codes, want_scale = quant.act_quant(x)
         assert torch.equal(codes.cpu().view(torch.uint8), want_codes.view(torch.uint8))
         assert torch.equal(scale.cpu(), want_scale)
+        want = quant.act_roundtrip(x.float())
+        assert torch.equal(values.cpu().float(), want)  # exact in bf16
+        assert act_codes(x.to(DEVICE))[2] is None

@@ -337,6 +337,21 @@ def test_a_paired_layer_decodes_saves_and_loads_as_stored() -> None:
     assert torch.equal(other.weight, layer.weight)
 
 
+def test_a_scale_the_gpu_kernel_cannot_decode_is_refused_at_pairing() -> None:
+    """The GPU kernel decodes FP4 blocks with scales up to ``2**1`` (a bf16 ``2**(s - 1)``):
+    a block of values up to 12 pairs, one with a larger scale (values above 12) is an error
+    naming the scale before anything is paired."""
+    layer = quant.StoredLinear(32, 64, fp4=True)
+    layer.weight, layer.scale = quant.fp4_weight(torch.full((32, 64), 12.0))
+    assert int(layer.scale.view(torch.uint8).max()) == quant.FP4_KERNEL_MAX_SCALE
+    layer.pair()
+    big = quant.StoredLinear(32, 64, fp4=True)
+    big.weight, big.scale = quant.fp4_weight(torch.full((32, 64), 12.5))
+    with pytest.raises(ValueError, match=r"scale of 2\*\*2 is above"):
+        big.pair()
+    assert not big.paired
+
+
 def test_weight_quantisers_write_what_a_checkpoint_writer_would() -> None:
     """``fp8_weight`` / ``fp4_weight`` (the preset writer's) against a Fraction restatement:
     per block the smallest power of two at or above amax / 448 (/ 6), each value rounded to the

@@ -162,14 +162,16 @@ class V41MoE(nn.Module):
         )
 
         w13, s13, w2, s2, shared13, shared_s13 = self._stacked()
-        q = quantize(x)
+        q = quantize(x, values=True)  # codes for the shared expert, values for the routed
         experts = len(self.experts)
         pairs = ExpertPairs(ids, experts, group_tile_rows(ids.numel(), experts))
         k, shared, limit = ids.shape[1], self.shared_experts, self.shared_experts.limit
         h = grouped_stored_linear(q, w13, s13, True, pairs.tiles, pairs.order, k, top_k=k)
-        h = Codes(*swiglu_codes(h, limit, weights, weight_at=pairs.order), x.dtype)
+        codes, scale, values = swiglu_codes(h, limit, weights, pairs.order, values=True)
+        h = Codes(codes, scale, x.dtype, values)
         routed = grouped_stored_linear(h, w2, s2, True, pairs.tiles, None, k)
-        h = Codes(*swiglu_codes(stored_linear(q, shared13, shared_s13, False), limit), x.dtype)
+        codes, scale, _ = swiglu_codes(stored_linear(q, shared13, shared_s13, False), limit)
+        h = Codes(codes, scale, x.dtype)
         shared_out = stored_linear(h, shared.w2.weight, shared.w2.scale, False)
         # one rank's sums are the output: stored in x's dtype (ranks add theirs in fp32)
         dtype = x.dtype if self.tp.size == 1 else torch.float32

@@ -97,6 +97,21 @@ def pair_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([o.flatten(-2) for o in out], -1).view(torch.int8)
 
 
+# the largest E8M0 exponent of an FP4 block the GPU kernel decodes exactly (2**(s - 1) in bf16):
+# a block's values up to 12; DeepSeek's experts' stay far below 1
+FP4_KERNEL_MAX_SCALE = 128
+
+
+def check_fp4_scales(scale: torch.Tensor) -> None:
+    """An FP4 weight's E8M0 scales as the GPU kernel decodes them exactly (one sync, at load)."""
+    top = int(scale.view(torch.uint8).max()) if scale.numel() else 0
+    if top > FP4_KERNEL_MAX_SCALE:
+        raise ValueError(
+            f"an FP4 block scale of 2**{top - 127} is above the GPU kernel's largest, "
+            f"2**{FP4_KERNEL_MAX_SCALE - 127} (block values above 12)"
+        )
+
+
 def unpair_fp4(paired: torch.Tensor) -> torch.Tensor:
     """``pair_fp4``'s bytes back in the checkpoint's order."""
     b = paired.view(torch.uint8)
@@ -313,6 +328,7 @@ class StoredLinear(nn.Module):
         """FP4: the weight's nibbles in the order the GPU kernel reads (``pair_fp4``), once,
         at the first use on a GPU (the MoE's, as it stacks its experts in the warm-up at load)."""
         if self.fp4 and not self.paired:
+            check_fp4_scales(self.scale)
             self.weight = pair_fp4(self.weight)
             self.paired = True
 
