@@ -26,9 +26,9 @@ TOP_K = 6
 ROWS = (1, 16, 64)
 
 
-# (BN, G, warps, stages, splits): features a program, blocks an iteration (FP4: even, a load
-# holds two; 8 only for FP4, whose blocks are half the bytes), warps, pipeline stages, K splits
-OPTIONS = ((64, 128, 256), (1, 2, 4, 8), (4, 8), (3, 4), (1, 2, 4, 8, 16))
+# (BN, G, warps, stages, splits): features a program, blocks an iteration (FP4: 2 or 4, a load
+# holds two), warps, pipeline stages, K splits
+OPTIONS = ((64, 128, 256), (1, 2, 4), (4, 8), (3, 4), (1, 2, 4, 8, 16))
 
 
 def configs(quick: bool, fp4: bool) -> list[tuple[int, int, int, int, int]]:
@@ -38,7 +38,7 @@ def configs(quick: bool, fp4: bool) -> list[tuple[int, int, int, int, int]]:
 
 def _valid(c: tuple, fp4: bool) -> bool:
     bn, g, warps = c[:3]
-    return not (bn == 64 and warps == 8) and (g % 2 == 0 if fp4 else g < 8)
+    return not (bn == 64 and warps == 8) and (g > 1 or not fp4)
 
 
 def near(current: tuple, fp4: bool) -> list[tuple[int, int, int, int, int]]:
@@ -48,7 +48,7 @@ def near(current: tuple, fp4: bool) -> list[tuple[int, int, int, int, int]]:
         out |= {(*current[:i], v, *current[i + 1 :]) for v in options}
     if fp4:  # and more bytes in flight a program together: wider tiles, longer loads, stages
         splits = current[4]
-        out |= set(itertools.product((128, 256), (2, 4, 8), (4,), (3, 4), (splits, 2 * splits)))
+        out |= set(itertools.product((128, 256), (2, 4), (4,), (3, 4), (splits, 2 * splits)))
     return sorted(c for c in out if _valid(c, fp4))
 
 

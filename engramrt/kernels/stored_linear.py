@@ -15,6 +15,10 @@ E8M0 scales, or E2M1 codes two a byte with an E8M0 scale per 32 inputs, in the p
   accumulate in place: no scale on the accumulator, so the products of successive blocks
   queue without waiting. Every product is exact (2 x 4 significant bits); fp32 sums.
 
+Triton's pipeline prefetches the weight and activation tiles a few steps ahead; the scales (a
+byte a row, too small a load for it) are loaded a step ahead by hand: waited for at each step,
+they once held every step to a memory latency, whatever the settings.
+
 Batch invariant by construction: the launch settings depend on the weight's shape only, never
 on the row count, and every row's sum runs over the same blocks in the same order (rows are
 the tensor cores' narrow dimension: weights fill the wide one). Split K is summed in a fixed
@@ -107,16 +111,41 @@ def _bf16_factor(raw, ASM: tl.constexpr):
 
 
 @triton.jit
-def _scaled_dot(acc, w, a_ptr, sa_ptr, sws, src, blocks, K, blk, aok, wok):
-    """``acc`` plus ``w`` [BN, 32] E4M3 times the activation's 32 codes of block ``blk``, scaled
-    by its two scales: rows read where ``aok``, each feature's weight scale at ``sws`` where
-    ``wok``. One FP8 tensor-core product."""
+def _scaled_dot(acc, w, a_ptr, src, K, blk, aok, sw, sa):
+    """``acc`` plus ``w`` [BN, 32] E4M3 times the activation's 32 codes of block ``blk`` (rows
+    read where ``aok``), scaled by the features' ``sw`` [BN] and the rows' ``sa`` [BM]. One
+    FP8 tensor-core product."""
     c32 = tl.arange(0, 32)
     amask = aok[:, None] & (c32[None, :] < 32)
     a = tl.load(a_ptr + src[:, None] * K + blk * 32 + c32[None, :], mask=amask, other=0.0)
-    sa = tl.load(sa_ptr + src * blocks + blk, mask=aok, other=0.0)
-    sw = _e8m0(tl.load(sws, mask=wok, other=127))
     return acc + tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
+
+
+@triton.jit
+def _scales(ptr, rows, ok, blocks, kb, kb_stop, G: tl.constexpr, other):
+    """``[len(rows), G]``: the scales of blocks ``kb ..`` of each row (``other`` past
+    ``kb_stop`` and where not ``ok``): loaded an iteration ahead of their use, since a load
+    of a byte a row is too small for the pipeline's prefetch and was waited for each step."""
+    cg = tl.arange(0, G)
+    at = kb + cg[None, :]
+    mask = ok[:, None] & (at < kb_stop)
+    return tl.load(ptr + rows[:, None] * blocks + at, mask=mask, other=other)
+
+
+@triton.jit
+def _column(tile, j: tl.constexpr, G: tl.constexpr):
+    """Column ``j`` of ``tile`` [R, G] (G: 1, 2 or 4), by splits in registers."""
+    R: tl.constexpr = tile.shape[0]
+    if G == 1:
+        col = tl.reshape(tile, [R])
+    elif G == 2:
+        c0, c1 = tl.split(tile)
+        col = c0 if j == 0 else c1
+    else:
+        even, odd = tl.split(tl.reshape(tile, [R, 2, 2]))  # columns (0, 2) and (1, 3)
+        c0, c1 = tl.split(even if j % 2 == 0 else odd)
+        col = c0 if j // 2 == 0 else c1
+    return col
 
 
 @triton.jit
@@ -164,7 +193,18 @@ def _blocks_sum(
     rn64 = rn.to(tl.int64)
     c32 = tl.arange(0, 32)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
+    # each iteration's scales come from the one before (FP4: the features'; FP8: the 32-feature
+    # groups' and the rows')
+    sw_rows = rn64 if FP4 else rn64 // 32
+    next_sw = _scales(sw_ptr, sw_rows, nmask, blocks, kb0, kb_stop, G, 127)
+    next_sa = next_sw  # FP4 multiplies values: no row scales
+    if not FP4:
+        next_sa = _scales(sa_ptr, src, live, blocks, kb0, kb_stop, G, 0.0)
     for kb in range(kb0, kb_stop, G):
+        sw_tile, sa_tile = next_sw, next_sa
+        next_sw = _scales(sw_ptr, sw_rows, nmask, blocks, kb + G, kb_stop, G, 127)
+        if not FP4:
+            next_sa = _scales(sa_ptr, src, live, blocks, kb + G, kb_stop, G, 0.0)
         if FP4:
             for g in tl.static_range(0, G, 2):  # kb, G and every split's start are even
                 b = kb + g
@@ -176,9 +216,9 @@ def _blocks_sum(
                     mask=nok[:, None] & (c32[None, :] < half),
                     other=0,
                 )
-                scales = sw_ptr + rn64 * blocks + b
-                f_lo = _bf16_factor(tl.load(scales, mask=nok, other=127), ASM)
-                f_hi = _bf16_factor(tl.load(scales + half // 32, mask=nok, other=127), ASM)
+                f_lo = _bf16_factor(_column(sw_tile, g, G), ASM)
+                # the odd last block's second half: its own scale
+                f_hi = tl.where(half == 32, _bf16_factor(_column(sw_tile, g + 1, G), ASM), f_lo)
                 lo, hi = _e2m1_pair(
                     byte,
                     tl.broadcast_to(f_lo[:, None], [BN, 32]),
@@ -196,8 +236,9 @@ def _blocks_sum(
                     mask=nok[:, None] & (c32[None, :] < 32),
                     other=0,
                 ).to(tl.float8e4nv, bitcast=True)
-                sws = sw_ptr + rn64 // 32 * blocks + b
-                acc = _scaled_dot(acc, w, a_ptr, sa_ptr, sws, src, blocks, K, b, aok, nok)
+                sw = _e8m0(_column(sw_tile, g, G))
+                sa = _column(sa_tile, g, G)
+                acc = _scaled_dot(acc, w, a_ptr, src, K, b, aok, sw, sa)
     return acc
 
 
@@ -350,8 +391,8 @@ def _launch(
     k = codes.shape[-1]
     n = weight.shape[-2]
     bn, g, warps, stages, splits = config
-    if fp4 and g % 2:
-        raise ValueError(f"FP4 weights are read two blocks a load: G must be even, got {g}")
+    if g not in ((2, 4) if fp4 else (1, 2, 4)):
+        raise ValueError(f"{'FP4' if fp4 else 'FP8'} blocks a step: G of {g} not taken")
     if tiles is None:
         bm = BM if rows_out <= LARGE_ROWS else BM_LARGE
         grid_m = triton.cdiv(rows_out, bm)
