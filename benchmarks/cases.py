@@ -285,13 +285,19 @@ def stored_linear_sweep(
 
 def save_stored_linear_settings(picks: dict[tuple[bool, int, int], tuple]) -> Path:
     """The sweep's picks where ``stored_linear`` reads them at import, beside the kept picks
-    of shapes this sweep left out."""
+    of shapes this sweep left out, each with the GPU it was picked on."""
     from engramrt.kernels import stored_linear as sl
 
-    merged = {**sl.TUNED, **picks}
-    shapes = [{"fp4": f, "n": n, "k": k, "config": list(c)} for (f, n, k), c in merged.items()]
+    raw = json.loads(sl.TUNED_FILE.read_text()) if sl.TUNED_FILE.exists() else {"shapes": []}
+    where = {(e["fp4"], e["n"], e["k"]): e.get("device", raw.get("device")) for e in raw["shapes"]}
     device = torch.cuda.get_device_name()
-    sl.TUNED_FILE.write_text(json.dumps({"device": device, "shapes": shapes}, indent=1) + "\n")
+    where |= dict.fromkeys(picks, device)
+    merged = {**sl.TUNED, **picks}
+    shapes = [
+        {"fp4": f, "n": n, "k": k, "config": list(c), "device": where.get((f, n, k), device)}
+        for (f, n, k), c in merged.items()
+    ]
+    sl.TUNED_FILE.write_text(json.dumps({"shapes": shapes}, indent=1) + "\n")
     return sl.TUNED_FILE
 
 

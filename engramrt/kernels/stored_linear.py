@@ -339,8 +339,8 @@ def _stored_linear_kernel(
 
 
 # launch settings by weight shape, (features a program, blocks an iteration, warps, stages,
-# splits), written by ``python -m benchmarks.linear_sweep --write`` on an H200;
-# other shapes take ``_default``
+# splits), written by ``python -m benchmarks.linear_sweep --write`` (each with the GPU that
+# picked it); other shapes take ``_default``
 TUNED_FILE = Path(__file__).with_name("stored_linear_tuned.json")
 
 
