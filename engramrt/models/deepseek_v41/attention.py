@@ -352,8 +352,11 @@ class StepRuns:
         closes none."""
         if ("closes", ratio) not in self.memo:
             closes = self.real & ((self.pos + 1) % ratio == 0)
-            rows = cache.entry_rows(self.tables, self.req, self.pos // ratio, ratio)
-            self.memo["closes", ratio] = torch.where(closes, rows, cache.spare_row(ratio))
+            entries = torch.where(closes, self.pos // ratio, -1)
+            spare = cache.spare_row(ratio)
+            self.memo["closes", ratio] = cache.entry_rows(
+                self.tables, self.req, entries, ratio, spare
+            )
         return self.memo["closes", ratio]
 
     def picked_rows(self, cache: V41Cache, ratio: int) -> torch.Tensor:
@@ -362,8 +365,10 @@ class StepRuns:
         kept = self.memo.get(("picked", ratio))
         if kept is None or kept[0] is not self.topk:
             picks = self.topk
-            rows = cache.entry_rows(self.tables, self.req, picks.clamp_min(0), ratio)
-            kept = self.memo["picked", ratio] = picks, torch.where(picks >= 0, rows, -1)
+            kept = self.memo["picked", ratio] = (
+                picks,
+                cache.entry_rows(self.tables, self.req, picks, ratio, -1),
+            )
         return kept[1]
 
     def chunks(self) -> list[slice]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engramrt.kernels import use_triton
 from engramrt.model.context import PagedCache
 from engramrt.models.deepseek_v41.config import REINDEX, SOURCE, V41Config
 
@@ -187,12 +188,27 @@ class V41Cache(PagedCache):
         return self.num_blocks * self.block_size // ratio
 
     def entry_rows(
-        self, tables: torch.Tensor, req: torch.Tensor, entries: torch.Tensor, ratio: int
+        self,
+        tables: torch.Tensor,
+        req: torch.Tensor,
+        entries: torch.Tensor,
+        ratio: int,
+        none: int | None = None,
     ) -> torch.Tensor:
         """Rows of the compressed cache (and index keys) holding ``entries``, each of the
         request ``req`` gives (an index into the block tables ``tables`` [B, W]; ``req`` has
         ``entries``' shape or its leading dims); an entry past a table reads its last block
-        (the caller masks what a query cannot see)."""
+        (the caller masks what a query cannot see). ``none``: the row of a negative entry
+        (one launch on CUDA, ``kernels.entry_rows``)."""
+        if use_triton(entries.device) and req.dim() == 1 and self.block_size % ratio == 0:
+            from engramrt.kernels.entry_rows import entry_rows
+
+            per = self.block_size // ratio
+            return entry_rows(tables, req, entries, per, -1 if none is None else none)
+        if none is not None:
+            return torch.where(
+                entries >= 0, self.entry_rows(tables, req, entries.clamp_min(0), ratio), none
+            )
         pos = entries * ratio
         at = (pos // self.block_size).clamp_max(tables.shape[-1] - 1)
         while req.dim() < at.dim():
