@@ -287,7 +287,8 @@ class EngineClient:
         time. A dead engine's process is given the same time: its launcher takes the stages
         down first (a stopped stage takes a kill after a grace period), so none is orphaned.
         A loop on a thread that is stuck waiting for a stage is left behind (a daemon), and so
-        is the sender thread if it is stuck sending to that loop."""
+        are the sender thread if it is stuck sending to that loop and the reader with the
+        connection open."""
         self._stopping = True  # the end of the connection that follows is no death
         self._send(Stop())
         self._outbox.put(None)
@@ -302,7 +303,13 @@ class EngineClient:
             self.worker.join(timeout=5)
         # the far end is closed by now (a loop stuck on a thread aside): no send still waits
         self._sender.join(timeout=2.0)
-        self.conn.close()
+        # and the reader has seen it end. One still in a read (a stuck loop's) keeps the
+        # connection open: closed under it, its descriptor's number would go to the next
+        # connection made, whose bytes that read would then take (a test saw a client's first
+        # message cut short so)
+        self._reader.join(timeout=2.0)
+        if not self._reader.is_alive():
+            self.conn.close()
         sys.setswitchinterval(self._old_interval)
 
     # --- the connection ------------------------------------------------------------------

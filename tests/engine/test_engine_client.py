@@ -262,6 +262,25 @@ def test_sends_never_wait_on_a_busy_engine_and_arrive_in_order() -> None:
     assert not client._sender.is_alive()
 
 
+def test_a_reader_left_waiting_keeps_its_connection() -> None:
+    """Shutting down a client whose loop is stuck in a step leaves its reader in a read with
+    the connection open: closed under that read, the descriptor's number would go to the next
+    connection made, whose bytes the read would take (a client's first message came cut
+    short so); once the loop ends, a shutdown ends the reader and closes."""
+    engine = Held()
+    stuck = EngineClient.in_thread(engine)
+    try:
+        stuck._send(Add("first", [1], SamplingParams(max_tokens=1)))
+        assert engine.stepping.wait(10)
+        stuck.shutdown(timeout=0.2)
+        assert stuck._reader.is_alive() and not stuck.conn.closed
+    finally:
+        engine.release.set()
+    ended = EngineClient.in_thread(Held())
+    ended.shutdown()
+    assert not ended._reader.is_alive() and ended.conn.closed
+
+
 def test_once_the_engine_is_dead_only_stop_is_sent() -> None:
     """Sends still waiting when the engine is declared dead are dropped (their callers have the
     error), but ``Stop`` still ends a loop that outlived its death (a hang released)."""
