@@ -242,13 +242,15 @@ def _post_kernel(
     k = tl.arange(0, HC)
     res = res_ptr + t * HC * D
     cb = comb_ptr + t * HC * HC
-    # mixed_k = sum_j comb[j][k] * residual_j, j in order; then post_k * y + mixed_k
+    # mixed_k = sum_j comb[j][k] * residual_j, j in order; then post_k * y + mixed_k. Every
+    # multiply-add an explicit FMA: left to the compiler, whether a product fuses with its sum
+    # differed between the BLOCK_D variants, so a token's bits followed its step's size
     mixed = tl.load(cb + k)[:, None] * tl.load(res + d, mask=m, other=0).to(tl.float32)[None, :]
     for j in tl.static_range(1, HC):
         rj = tl.load(res + j * D + d, mask=m, other=0).to(tl.float32)
-        mixed = mixed + tl.load(cb + j * HC + k)[:, None] * rj[None, :]
+        mixed = tl.fma(tl.load(cb + j * HC + k)[:, None], rj[None, :], mixed)
     y = tl.load(y_ptr + t * D + d, mask=m, other=0).to(tl.float32)
-    out = tl.load(post_ptr + t * HC + k)[:, None] * y[None, :] + mixed
+    out = tl.fma(tl.load(post_ptr + t * HC + k)[:, None], y[None, :], mixed)
     dst = res_ptr.dtype.element_ty
     tl.store(out_ptr + t * HC * D + k[:, None] * D + d[None, :], out.to(dst), mask=m[None, :])
 

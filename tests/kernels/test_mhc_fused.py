@@ -126,8 +126,7 @@ def test_mixes_plan_depends_on_token_count_alone() -> None:
 def test_a_tokens_mixes_ignore_its_step_under_the_flag(monkeypatch) -> None:
     """Under ``--batch-invariant`` one mixes plan serves every token count, so a token's
     outputs alone equal, bit for bit, its outputs among 99 others (without the flag the plans
-    of 1 and 100 tokens differ: their partial sums run in other orders); the expand after the
-    sublayer computes each element by itself either way."""
+    of 1 and 100 tokens differ: their partial sums run in other orders)."""
     from engramrt.kernels import mhc_fused
 
     k = 4 * 96
@@ -139,11 +138,32 @@ def test_a_tokens_mixes_ignore_its_step_under_the_flag(monkeypatch) -> None:
         alone = run_pre((inputs[0][i : i + 1], inputs[1][i : i + 1], *inputs[2:]), 4)
         for a, b in zip(alone, batch, strict=True):
             assert torch.equal(a, b[i : i + 1]), i
-    y = torch.randn(100, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
-    post, comb = batch[2].to(DEV), batch[3].to(DEV)
-    whole = mhc_fused.mhc_post(y.to(DEV), inputs[0].to(DEV), post, comb)
-    one = mhc_fused.mhc_post(y[:1].to(DEV), inputs[0][:1].to(DEV), post[:1], comb[:1])
-    assert torch.equal(one, whole[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_expand_ignores_its_step(dtype: torch.dtype) -> None:
+    """The expand after a sublayer gives a token the same bits in a step of any size, though
+    the step's size picks its column tiles (``post_block_d``: 64, 128 or 256). Left to the
+    compiler, ``c0 r0 + c1 r1`` became an FMA of either product, element by element as the
+    tile's registers fell (an H100: a bundled prompt alone parted from itself among others).
+    Copy 1 nearly cancels copy 0 here, so the product left unfused shows in the result."""
+    from engramrt.kernels.mhc_fused import mhc_post, post_block_d
+
+    g = torch.Generator().manual_seed(3)
+    t, d = 400, 256
+    res = torch.randn(t, 4, d, generator=g)
+    res[:, 1] = -res[:, 0]
+    comb = torch.rand(t, 4, 4, generator=g) + 0.2
+    comb[:, 1] = comb[:, 0] * (1 + torch.rand(t, 4, generator=g) * 2**-8)
+    post = torch.rand(t, 4, generator=g)
+    y = torch.randn(t, d, generator=g)
+    args = [a.to(DEV) for a in (y.to(dtype), res.to(dtype), post, comb)]
+    whole = mhc_post(*args)
+    parts = ((0, 1), (5, 16), (40, 17), (60, 128), (200, 200))
+    assert {post_block_d(n) for _, n in parts} == {64, 128, 256}
+    for lo, n in parts:
+        alone = mhc_post(*(a[lo : lo + n] for a in args))
+        assert torch.equal(alone, whole[lo : lo + n]), n
 
 
 def test_mhc_pre_is_deterministic_and_optional_collapse() -> None:
