@@ -44,6 +44,29 @@ from engramrt.kernels.quant_roundtrip import act_codes
 BM, BM_LARGE, LARGE_ROWS = 16, 64, 64
 
 
+def _e2m1_ptx() -> str:
+    """The PTX of ``_e2m1_pair``: output ``$i`` (i: 0, 1 the low nibbles of bytes 0-1 / 2-3, 2,
+    3 their high nibbles) is a byte pair's nibble spread to 16-bit lanes (``prmt``), its sign
+    moved to bit 15 and its exponent and mantissa to bits 8..6, times the factor ``$(i + 5)``."""
+
+    def nibble(high: int, out: int) -> str:
+        sign, mag = 0x00080008 << 4 * high, 0x00070007 << 4 * high
+        return (
+            f"and.b32 s, y, {sign:#010x}; shl.b32 s, s, {12 - 4 * high};"
+            f"and.b32 m, y, {mag:#010x}; shl.b32 m, m, {6 - 4 * high}; or.b32 m, m, s;"
+            f"mul.rn.bf16x2 ${out}, m, ${out + 5};"
+        )
+
+    pairs = (
+        f"prmt.b32 y, $4, 0, {select}; {nibble(0, pair)} {nibble(1, pair + 2)}"
+        for pair, select in ((0, "0x4140"), (1, "0x4342"))
+    )
+    return "{ .reg .b32 y, s, m; " + " ".join(pairs) + " }"
+
+
+E2M1_PTX = tl.constexpr(_e2m1_ptx())
+
+
 @triton.jit
 def _e2m1_pair(byte, f_lo, f_hi, ASM: tl.constexpr):
     """A byte's two E2M1 codes times ``f_lo`` / ``f_hi`` (bf16 ``2**(s - 1)`` of the blocks'
@@ -54,35 +77,7 @@ def _e2m1_pair(byte, f_lo, f_hi, ASM: tl.constexpr):
     by element). Else fp32 in the same steps (the interpreter keeps subnormals too)."""
     if ASM:
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 y, s, m;
-            prmt.b32 y, $4, 0, 0x4140;
-            and.b32 s, y, 0x00080008;
-            shl.b32 s, s, 12;
-            and.b32 m, y, 0x00070007;
-            shl.b32 m, m, 6;
-            or.b32 m, m, s;
-            mul.rn.bf16x2 $0, m, $5;
-            and.b32 s, y, 0x00800080;
-            shl.b32 s, s, 8;
-            and.b32 m, y, 0x00700070;
-            shl.b32 m, m, 2;
-            or.b32 m, m, s;
-            mul.rn.bf16x2 $2, m, $7;
-            prmt.b32 y, $4, 0, 0x4342;
-            and.b32 s, y, 0x00080008;
-            shl.b32 s, s, 12;
-            and.b32 m, y, 0x00070007;
-            shl.b32 m, m, 6;
-            or.b32 m, m, s;
-            mul.rn.bf16x2 $1, m, $6;
-            and.b32 s, y, 0x00800080;
-            shl.b32 s, s, 8;
-            and.b32 m, y, 0x00700070;
-            shl.b32 m, m, 2;
-            or.b32 m, m, s;
-            mul.rn.bf16x2 $3, m, $8;
-            }""",
+            asm=E2M1_PTX,
             constraints="=r,=r,=r,=r,r,r,r,r,r",
             args=[byte, f_lo, f_hi],
             dtype=(tl.bfloat16, tl.bfloat16),
@@ -118,7 +113,9 @@ def _scaled_dot(acc, w, a_ptr, src, K, blk, aok, sw, sa):
     c32 = tl.arange(0, 32)
     amask = aok[:, None] & (c32[None, :] < 32)
     a = tl.load(a_ptr + src[:, None] * K + blk * 32 + c32[None, :], mask=amask, other=0.0)
-    return acc + tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
+    # an explicit FMA: whether the compiler fuses the scaling into the sum must not depend on
+    # the tile's shape (it did for the mHC expand)
+    return tl.fma(tl.dot(w, tl.trans(a)), sw[:, None] * sa[None, :], acc)
 
 
 @triton.jit
@@ -130,6 +127,14 @@ def _scales(ptr, rows, ok, blocks, kb, kb_stop, G: tl.constexpr, other):
     at = kb + cg[None, :]
     mask = ok[:, None] & (at < kb_stop)
     return tl.load(ptr + rows[:, None] * blocks + at, mask=mask, other=other)
+
+
+@triton.jit
+def _row_scales(ptr, src, live, blocks, kb, kb_stop, G: tl.constexpr, FP4: tl.constexpr):
+    """The rows' ``_scales`` (FP8); FP4 activations come as values, scaled already: none."""
+    if FP4:
+        return tl.zeros([src.shape[0], G], dtype=tl.float32)
+    return _scales(ptr, src, live, blocks, kb, kb_stop, G, 0.0)
 
 
 @triton.jit
@@ -197,14 +202,11 @@ def _blocks_sum(
     # groups' and the rows')
     sw_rows = rn64 if FP4 else rn64 // 32
     next_sw = _scales(sw_ptr, sw_rows, nmask, blocks, kb0, kb_stop, G, 127)
-    next_sa = next_sw  # FP4 multiplies values: no row scales
-    if not FP4:
-        next_sa = _scales(sa_ptr, src, live, blocks, kb0, kb_stop, G, 0.0)
+    next_sa = _row_scales(sa_ptr, src, live, blocks, kb0, kb_stop, G, FP4)
     for kb in range(kb0, kb_stop, G):
         sw_tile, sa_tile = next_sw, next_sa
         next_sw = _scales(sw_ptr, sw_rows, nmask, blocks, kb + G, kb_stop, G, 127)
-        if not FP4:
-            next_sa = _scales(sa_ptr, src, live, blocks, kb + G, kb_stop, G, 0.0)
+        next_sa = _row_scales(sa_ptr, src, live, blocks, kb + G, kb_stop, G, FP4)
         if FP4:
             for g in tl.static_range(0, G, 2):  # kb, G and every split's start are even
                 b = kb + g

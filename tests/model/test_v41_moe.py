@@ -182,3 +182,20 @@ def test_take_rows_is_indexing_forward_and_backward() -> None:
     (out * w).sum().backward()
     (b[idx] * w).sum().backward()
     torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize(("expert", "kind"), [(5, "w3"), (2, "w2")])
+def test_stacking_refuses_a_scale_the_gpu_kernel_cannot_decode(expert: int, kind: str) -> None:
+    """The experts' scales are checked once a layer as they are stacked (not three syncs an
+    expert): a block scale above the GPU kernel's largest is an error naming the projection
+    and the expert, raised before any weight is paired; the largest it takes stacks."""
+    moe = small_moe(4)
+    lin = getattr(moe.experts[expert], kind)
+    lin.scale.view(torch.uint8)[1, 0] = quant.FP4_KERNEL_MAX_SCALE + 1
+    named = "w1/w3" if kind == "w3" else "w2"
+    with pytest.raises(ValueError, match=rf"experts' {named}, expert {expert}: an FP4 block"):
+        moe._stacked()
+    assert not any(m.paired for e in moe.experts for m in (e.w1, e.w2, e.w3))
+    lin.scale.view(torch.uint8)[1, 0] = quant.FP4_KERNEL_MAX_SCALE
+    w13 = moe._stacked()[0]
+    assert torch.equal(moe.experts[expert].w1.weight, w13[expert, :INTER])

@@ -195,15 +195,16 @@ class V41MoE(nn.Module):
         memory)."""
         if self.stack is None or self.stack[0].device != self.experts[0].w1.weight.device:
             ex, n = self.experts, self.experts[0].w1.weight.shape[0]
+            s13 = torch.stack([torch.cat([e.w1.scale, e.w3.scale]) for e in ex])
+            s2 = torch.stack([e.w2.scale for e in ex])
+            for kind, scales in (("w1/w3", s13), ("w2", s2)):  # a sync each, not three an expert
+                quant.check_fp4_scales(scales, f"the routed experts' {kind}")
             for e in ex:
                 for m in (e.w1, e.w2, e.w3):
-                    m.pair()
-            parts = [
-                torch.stack([torch.cat([getattr(e.w1, b), getattr(e.w3, b)]) for e in ex])
-                for b in ("weight", "scale")
-            ]
-            parts += [torch.stack([getattr(e.w2, b) for e in ex]) for b in ("weight", "scale")]
-            w13, s13, w2, s2 = parts
+                    m.pair(checked=True)
+            w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in ex])
+            w2 = torch.stack([e.w2.weight for e in ex])
+            parts = [w13, s13, w2, s2]
             for i, e in enumerate(ex):
                 e.w1.weight, e.w3.weight, e.w1.scale, e.w3.scale = (
                     w13[i, :n],

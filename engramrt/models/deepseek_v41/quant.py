@@ -102,12 +102,16 @@ def pair_fp4(packed: torch.Tensor) -> torch.Tensor:
 FP4_KERNEL_MAX_SCALE = 128
 
 
-def check_fp4_scales(scale: torch.Tensor) -> None:
-    """An FP4 weight's E8M0 scales as the GPU kernel decodes them exactly (one sync, at load)."""
+def check_fp4_scales(scale: torch.Tensor, what: str = "an FP4 weight") -> None:
+    """FP4 E8M0 scales as the GPU kernel decodes them exactly: one sync at load, so a stack
+    of experts is checked at once (``what`` names it; a stack's error names the expert)."""
     top = int(scale.view(torch.uint8).max()) if scale.numel() else 0
     if top > FP4_KERNEL_MAX_SCALE:
+        if scale.dim() == 3:
+            expert = int(scale.view(torch.uint8).flatten(1).amax(1).argmax())
+            what = f"{what}, expert {expert}"
         raise ValueError(
-            f"an FP4 block scale of 2**{top - 127} is above the GPU kernel's largest, "
+            f"{what}: an FP4 block scale of 2**{top - 127} is above the GPU kernel's largest, "
             f"2**{FP4_KERNEL_MAX_SCALE - 127} (block values above 12)"
         )
 
@@ -324,11 +328,13 @@ class StoredLinear(nn.Module):
         self.rounded: torch.Tensor | None = None
         self._kept: tuple[tuple, torch.Tensor] | None = None  # the CPU's decoded copy, by version
 
-    def pair(self) -> None:
+    def pair(self, checked: bool = False) -> None:
         """FP4: the weight's nibbles in the order the GPU kernel reads (``pair_fp4``), once,
-        at the first use on a GPU (the MoE's, as it stacks its experts in the warm-up at load)."""
+        at the first use on a GPU (the MoE's, as it stacks its experts in the warm-up at load).
+        ``checked``: the caller checks the scales (the MoE: once over its stacks)."""
         if self.fp4 and not self.paired:
-            check_fp4_scales(self.scale)
+            if not checked:
+                check_fp4_scales(self.scale)
             self.weight = pair_fp4(self.weight)
             self.paired = True
 
