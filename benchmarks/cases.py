@@ -307,6 +307,7 @@ FLASH_LINEARS = (
     ("wq_a", False, 1280, 5120, 0),
     ("wq_b", False, 32768, 1280, 0),
     ("wkv", False, 512, 5120, 0),
+    ("wq_a|wkv", False, 1792, 5120, 0),  # the two stacked: one launch (``low_ranks``)
     ("wo_b", False, 5120, 8192, 0),
     ("index.wq_b", False, 4096, 1280, 0),
     ("shared.w13", False, 4608, 5120, 0),  # w1 above w3: one launch

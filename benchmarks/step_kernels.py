@@ -36,7 +36,9 @@ _PARTS = """ForwardContext.engram_inputs=engram.ids EngramTable.lookup=engram.ga
 Engram.forward=engram.wkv engram_gate=engram.gate mhc_pre=mhc.pre+norm mhc_post=mhc.post
 RMSNorm.forward=norm StepRuns.of=attn.meta StepRuns.rotation=attn.meta
 StepRuns.ring_rows=attn.meta StepRuns.tail_rows=attn.meta StepRuns.closing_rows=attn.meta
-V41Attention.queries=attn.q V41Attention.latents=attn.kv V41Attention._compress=attn.compress
+V41Attention.project=attn.q V41Attention.low_ranks=attn.q V41Attention.queries=attn.q
+V41Attention.latents=attn.kv V41Attention._window_latents=attn.kv
+V41Attention._compress=attn.compress
 V41Attention._index=attn.index V41Attention.forward=attn.rows V41Attention.attend=attn.sparse
 V41Attention.output=attn.out V41MoE.route=moe.route ExpertPairs.__init__=moe.sort
 V41MoE._grouped=moe.experts ExpertPairs.combine=moe.combine Expert.forward=moe.shared
@@ -46,7 +48,7 @@ collapse_norm=head.norm head_logits=head.proj Sampler.launch=sampler
 SlotTable.keep_samples=keep_sample"""
 PARTS, NO_KERNEL = dict(pair.split("=") for pair in _PARTS.split()), set(_NO_KERNEL.split())
 # V41Attention.forward's own statements by a word of their line (the last: the rest)
-ATTN_LINES = (("wq_a", "attn.q"), ("ring", "attn.kv"), ("", "attn.rows"))
+ATTN_LINES = (("project", "attn.q"), ("ring", "attn.kv"), ("", "attn.rows"))
 _composite = torch._C._dispatch_has_kernel_for_dispatch_key
 ORDER = list(dict.fromkeys([*PARTS.values(), "other", "unattributed"]))
 

@@ -26,3 +26,15 @@ def test_kernel_is_the_torch_path(width: int) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype
     tol = 1e-6 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_a_slice_of_columns_is_read_in_place() -> None:
+    """Rows apart in memory (a column slice of a wider product, as V4.1's stacked ``wq_a`` /
+    ``wkv`` product is normalised) give the bits of the same rows copied together."""
+    g = torch.Generator().manual_seed(4)
+    wide = torch.randn(7, 96 + 40, generator=g).to(DEVICE)
+    w = (torch.randn(40, generator=g) + 1).to(DEVICE)
+    part = wide[:, 96:]
+    assert not part.is_contiguous()
+    got = kernel(part, w, 1e-6)
+    assert got.is_contiguous() and torch.equal(got, kernel(part.contiguous(), w, 1e-6))

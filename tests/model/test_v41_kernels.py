@@ -386,3 +386,34 @@ def test_over_a_pipeline_the_graph_after_the_sampler_takes_the_host_drafts(v41_s
         assert torch.equal(replayed, eager)
         outs.append(eager)
     assert not torch.equal(outs[0], outs[1])
+
+
+def test_the_low_ranks_in_one_launch_over_stacked_weights(v41_small: Path) -> None:
+    """``wq_a`` and ``wkv`` read one input: given its codes, ``low_ranks`` multiplies both
+    weights stacked in one launch, each weight a view of the stack after; the products equal
+    the two launches of before to fp32 summation order (the stack's shape sets its own split),
+    and a weight replaced afterwards (a load, a move) is stacked again, not read stale."""
+    from engramrt.kernels.stored_linear import quantize
+
+    model = StageRunner.load(v41_small, num_slots=1, max_len=64, device=DEVICE).model
+    attn = next(m for m in model.modules() if isinstance(m, v41_attention.V41Attention))
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x = torch.randn(5, attn.wq_a.weight.shape[1], generator=torch.Generator().manual_seed(2))
+    xs = quantize(x.to(DEVICE, dtype))
+    want = attn.wq_a(xs), attn.wkv(xs)
+    got = attn.low_ranks(xs)
+    stack = attn.low_stack[0]
+    assert attn.wq_a.weight.data_ptr() == stack.data_ptr()
+    assert attn.wkv.weight.data_ptr() == stack[len(attn.wq_a.weight) :].data_ptr()
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.abs().max())
+    # replaced: rows reversed (with their 32-row blocks' scales)
+    attn.wkv.weight, attn.wkv.scale = (
+        t.flip(0).contiguous() for t in (attn.wkv.weight, attn.wkv.scale)
+    )
+    flipped = attn.low_ranks(xs)[1]
+    torch.testing.assert_close(
+        flipped.float(), want[1].flip(1).float(), rtol=tol, atol=tol * want[1].abs().max()
+    )

@@ -418,6 +418,7 @@ class V41Attention(nn.Module):
             }
         )
         self.softmax_scale = cfg.head_dim**-0.5
+        self.low_stack: tuple[torch.Tensor, torch.Tensor] | None = None  # ``low_ranks``
         self.compressor = Compressor(cfg, role.ratio, dtype) if role.kind == SOURCE else None
         self.indexer = (
             Indexer(cfg, role.kind == SOURCE, dtype) if role.kind in (SOURCE, REINDEX) else None
@@ -435,9 +436,7 @@ class V41Attention(nn.Module):
         cache: V41Cache = ctx.kv
         step = StepRuns.of(ctx)
         rot = step.rotation(self.rope_key)
-        xs = quant.shared_input(x)  # wq_a and wkv read it; wq_b and the indexer's read qr
-        qr = quant.shared_input(self.q_norm(self.wq_a(xs)))
-        q, kv = self.queries(qr, rot), self.latents(xs, rot)
+        qr, q, kv = self.project(x, rot)
         comp, rows = None, None
         if self.role.kind == SOURCE:
             self._compress(x, step, cache)
@@ -452,12 +451,43 @@ class V41Attention(nn.Module):
         ring.index_copy_(0, step.ring_rows(cache), kv)
         return self.output(out, rot)
 
+    def project(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        """(qr, q, kv) of ``x``: the queries' low rank as the linears after it read it (``wq_b``
+        and the indexer's), the rotated queries and the window latents."""
+        q_low, kv_low = self.low_ranks(quant.shared_input(x))
+        qr = quant.shared_input(self.q_norm(q_low))
+        return qr, self.queries(qr, rot), self._window_latents(kv_low, rot)
+
+    def low_ranks(self, xs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``wq_a``'s and ``wkv``'s products of one input (``shared_input``'s): on a GPU in one
+        launch over their weights stacked at the first use (each a view of the stack after; a
+        weight replaced since, by a load or a move, is stacked again); else one each."""
+        a, b = self.wq_a, self.wkv
+        if isinstance(xs, torch.Tensor) or len(a.weight) % 32:  # whole scale blocks only
+            return a(xs), b(xs)
+        w, scale = self.low_stack or (None, None)
+        if (
+            w is None
+            or a.weight.data_ptr() != w.data_ptr()
+            or b.weight.data_ptr() != (w[len(a.weight) :].data_ptr())
+        ):
+            n, blocks = len(a.weight), len(a.scale)
+            w, scale = torch.cat([a.weight, b.weight]), torch.cat([a.scale, b.scale])
+            a.weight, b.weight, a.scale, b.scale = w[:n], w[n:], scale[:blocks], scale[blocks:]
+            self.low_stack = w, scale
+        from engramrt.kernels.stored_linear import stored_linear
+
+        return stored_linear(xs, w, scale, False).split([len(a.weight), len(b.weight)], -1)
+
     def queries(self, qr: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return rope_quant(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), rot)
 
     def latents(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The window latents (K and V) ``[T, D]``: rotated, FP8 round-tripped."""
-        return rope_quant(self.kv_norm(self.wkv(x)), rot, ACT)
+        return self._window_latents(self.wkv(x), rot)
+
+    def _window_latents(self, low: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]):
+        return rope_quant(self.kv_norm(low), rot, ACT)
 
     def output(self, out: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotated back, through the grouped ``wo_a`` and ``wo_b`` (all-reduced under TP)."""

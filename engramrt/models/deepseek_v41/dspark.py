@@ -106,7 +106,7 @@ class DSparkAttention(V41Attention):
     def forward(self, x: torch.Tensor, ctx: DraftContext) -> torch.Tensor:
         angles = angles_at(ctx.positions, self.rope_key)
         rot = angles.cos(), angles.sin()
-        q, kv = self.queries(self.q_norm(self.wq_a(x)), rot), self.latents(x, rot)
+        _, q, kv = self.project(x, rot)
         out = self.attend(q, kv, kv, ctx.rows, ctx.runs, ctx.kv)
         return self.output(out, rot)
 
