@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engramrt.kernels.quant_roundtrip import act_codes_of
+
 MAX_WIDTH = 16384  # one program holds a row
 
 
@@ -21,30 +23,73 @@ def normalised(x, w, eps, N: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, stride, N: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    scale_ptr,
+    eps,
+    stride,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CODES: tl.constexpr,
+):
+    """A row normalised and rounded to its dtype; ``CODES``: its ``act_quant`` instead (E4M3
+    codes to ``out``, fp32 scales to ``scale``), what the linears after it read."""
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     m = i < N
     x = tl.load(x_ptr + r * stride + i, mask=m, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r * N + i, normalised(x, w, eps, N).to(out_ptr.dtype.element_ty), mask=m)
+    y = normalised(x, w, eps, N).to(x_ptr.dtype.element_ty)
+    if CODES:
+        codes, scale, _ = act_codes_of(tl.reshape(y.to(tl.float32), [BLOCK // 32, 32]))
+        blk = tl.arange(0, BLOCK // 32)
+        at = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+        tl.store(out_ptr + r * N + at, codes, mask=at < N)
+        tl.store(scale_ptr + r * (N // 32) + blk, scale, mask=blk < N // 32)
+    else:
+        tl.store(out_ptr + r * N + i, y, mask=m)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Rows up to ``MAX_WIDTH`` wide (the caller takes the torch path above). A matrix's rows
-    may be apart (a slice of a wider product's columns: no copy); out contiguous."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out, scale=None) -> None:
     n = x.shape[-1]
-    if not (x.dim() == 2 and x.stride(-1) == 1):
-        x = x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
         _rms_norm_kernel[(x.numel() // n,)](
             x,
             weight,
             out,
+            out if scale is None else scale,
             eps,
             x.stride(0) if x.dim() == 2 else n,
             N=n,
             BLOCK=triton.next_power_of_2(n),
+            CODES=scale is not None,
         )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A matrix's rows may be apart (a slice of a wider product's columns: no copy)."""
+    return x if x.dim() == 2 and x.stride(-1) == 1 else x.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Rows up to ``MAX_WIDTH`` wide (the caller takes the torch path above); out contiguous."""
+    x = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, weight, eps, out)
     return out
+
+
+def rms_norm_codes(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant_roundtrip.act_codes(rms_norm(x, weight, eps))`` in one launch, bit for bit: (E4M3
+    codes, fp32 scales ``[..., N / 32]``); the normalised row itself is not written."""
+    if x.shape[-1] % 32:
+        raise ValueError(f"the last dim ({x.shape[-1]}) must be a multiple of 32")
+    x = _rows(x)
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(*x.shape[:-1], x.shape[-1] // 32, dtype=torch.float32, device=x.device)
+    _launch(x, weight, eps, codes, scale)
+    return codes, scale

@@ -1,16 +1,17 @@
 """DeepSeek-V4.1's RoPE, FP8/FP4 round trip and cache write of one projection in one launch
 (``engramrt.models.deepseek_v41.attention.rope_quant``; the torch path rotates in about ten
-elementwise
-launches, round-trips in another and scatters in a third, five times a layer).
+elementwise launches, round-trips in another and scatters in a third, five times a layer).
 
 A program takes one row of ``D`` values (a token's head): its pairs of adjacent values loaded as
-evens and odds, the trailing ``2 * HALF_ROT`` rotated by the token's ``cos``/``sin`` in fp32
-(inverse: the conjugate) and rounded to the input's dtype once (by its bits, to nearest even),
-then, per ``KIND``, each block
-of ``B`` values through the round trip of ``engramrt.kernels.quant_roundtrip`` (a block's evens
+evens and odds (with ``norm``, RMS-normalised first and rounded as RMSNorm's own launch rounds:
+V4.1's window latents and index keys are normalised projections), the trailing ``2 *
+HALF_ROT`` rotated by the token's ``cos``/``sin`` in fp32 (inverse: the conjugate) and rounded
+to the input's dtype once (by its bits, to nearest even), then, per ``KIND``, each block of
+``B`` values through the round trip of ``engramrt.kernels.quant_roundtrip`` (a block's evens
 and odds share its amax). The result goes to ``out`` and, where ``rows[t] >= 0``, to row
 ``rows[t]`` of ``cache``. Products and sums are not fused into FMAs (``enable_fp_fusion``), so
 the rotation rounds as the torch path's separate multiplies and subtract do: bitwise equal.
+The norm's sum of squares runs in another order than torch's (fp32 rounding apart).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def _rope_quant_kernel(
     out_ptr,
     cache_ptr,
     rows_ptr,
+    norm_ptr,
+    eps,
     H,
     D: tl.constexpr,
     HALF_ROT: tl.constexpr,
@@ -41,6 +44,7 @@ def _rope_quant_kernel(
     B: tl.constexpr,
     INVERSE: tl.constexpr,
     WRITE: tl.constexpr,
+    NORM: tl.constexpr,
     MBITS: tl.constexpr,
     EMIN: tl.constexpr,
 ):
@@ -49,6 +53,12 @@ def _rope_quant_kernel(
     j = tl.arange(0, D // 2)
     e = tl.load(x_ptr + r * D + 2 * j).to(tl.float32)
     o = tl.load(x_ptr + r * D + 2 * j + 1).to(tl.float32)
+    if NORM:  # the row's RMSNorm first, rounded to the input's dtype as its own launch's was
+        rr = tl.rsqrt((tl.sum(e * e, axis=0) + tl.sum(o * o, axis=0)) / D + eps)
+        e = e * rr * tl.load(norm_ptr + 2 * j).to(tl.float32)
+        o = o * rr * tl.load(norm_ptr + 2 * j + 1).to(tl.float32)
+        if MBITS:
+            e, o = round_to_grid(e, MBITS, EMIN), round_to_grid(o, MBITS, EMIN)
     first: tl.constexpr = D // 2 - HALF_ROT  # the first rotated pair
     tail = j >= first
     c = tl.load(cos_ptr + t * HALF_ROT + j - first, mask=tail, other=1.0)
@@ -85,10 +95,12 @@ def rope_quant(
     inverse: bool = False,
     cache: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """``x`` [T, ..., D] rotated on its last ``2 * cos.shape[-1]`` dims (``cos``/``sin``
     [T, rd / 2] fp32), through the ``kind`` round trip; also written to ``cache`` [R, ...] at
-    ``rows`` [T] (-1: nowhere)."""
+    ``rows`` [T] (-1: nowhere). ``norm`` (weight [D], eps): each row RMS-normalised first
+    (a projection's norm in the same launch)."""
     t, d = x.shape[0], x.shape[-1]
     if d & (d - 1) or d < 2:
         raise ValueError(f"the rotated width must be a power of two, got {d}")
@@ -108,6 +120,8 @@ def rope_quant(
         out,
         cache if write else out,
         rows if write else cos,
+        norm[0] if norm is not None else cos,
+        norm[1] if norm is not None else 0.0,
         heads,
         D=d,
         HALF_ROT=cos.shape[-1],
@@ -115,6 +129,7 @@ def rope_quant(
         B=block,
         INVERSE=inverse,
         WRITE=write,
+        NORM=norm is not None,
         MBITS=GRID[x.dtype][0],
         EMIN=GRID[x.dtype][1],
         enable_fp_fusion=False,

@@ -38,3 +38,28 @@ def test_a_slice_of_columns_is_read_in_place() -> None:
     assert not part.is_contiguous()
     got = kernel(part, w, 1e-6)
     assert got.is_contiguous() and torch.equal(got, kernel(part.contiguous(), w, 1e-6))
+
+
+@pytest.mark.parametrize("width", [96, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_normed_rows_codes_in_one_launch(width: int, dtype: torch.dtype) -> None:
+    """``rms_norm_codes`` gives, bit for bit, ``act_codes`` of the normalised row (two launches
+    before): rows apart in memory too, magnitudes across blocks' scales; a width that is not
+    whole 32-wide blocks is refused."""
+    from engramrt.kernels.quant_roundtrip import act_codes
+    from engramrt.kernels.rms_norm import rms_norm_codes
+
+    g = torch.Generator().manual_seed(width)
+
+    def spread(*shape: int) -> torch.Tensor:  # powers of two over a wide range
+        return torch.exp2(torch.randint(-8, 8, shape, generator=g).float())
+
+    x = (torch.randn(5, width + 32, generator=g) * spread(5, 1)).to(dtype).to(DEVICE)[:, 32:]
+    w = (torch.rand(width, generator=g) * spread(width)).to(dtype).to(DEVICE)
+    codes, scale = rms_norm_codes(x, w, 1e-6)
+    want_codes, want_scale, _ = act_codes(kernel(x, w, 1e-6))
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (5, width // 32)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        rms_norm_codes(x[:, :40], w[:40], 1e-6)

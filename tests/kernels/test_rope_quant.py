@@ -51,3 +51,36 @@ def test_rows_of_minus_one_write_nothing() -> None:
     out = fused(x, cos, sin, NONE, False, cache, torch.tensor([2, -1, 0], device=DEVICE))
     assert torch.equal(out, x)  # a zero angle turns nothing
     assert torch.equal(cache[[2, 0]], x[[0, 2]]) and not cache[[1, 3]].any()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_norm_in_the_same_launch(kind) -> None:
+    """With ``norm`` the row is RMS-normalised first, as RMSNorm's own launch then the fused
+    kernel without it give, bit for bit: integer inputs keep the sum of squares exact in any
+    order, so the one rsqrt is the same (bf16 only on a GPU: the interpreter's casts truncate
+    where its round trip rounds). The torch path's order (norm, rotation) to fp32 rounding."""
+    from engramrt.kernels.rms_norm import rms_norm
+    from engramrt.model.layers import RMSNorm
+
+    dtypes = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+    g = torch.Generator().manual_seed(5)
+    t, d, rd = 6, 64, 16
+    for dtype in dtypes:
+        x = torch.randint(-8, 9, (t, d), generator=g).to(dtype).to(DEVICE)
+        norm = RMSNorm(d, 1e-6, dtype).to(DEVICE)
+        norm.weight.data = (torch.rand(d, generator=g) + 0.5).to(dtype).to(DEVICE)
+        angles = torch.rand(t, rd // 2, generator=g) * 40
+        cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+        rows = torch.arange(t).to(DEVICE)
+        caches = [torch.zeros(t, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+        held = (norm.weight, norm.eps)
+        got = fused(x, cos, sin, KINDS[kind], False, caches[0], rows, held)
+        normed = rms_norm(x, norm.weight, norm.eps)
+        want = fused(normed, cos, sin, KINDS[kind], False, caches[1], rows)
+        assert torch.equal(got, want) and torch.equal(caches[0], caches[1]), dtype
+    x32, w32 = x.float().cpu(), norm.weight.float().cpu()
+    torch_norm = RMSNorm(d, 1e-6, torch.float32)
+    torch_norm.weight.data = w32
+    want = rope_quant(x32, (cos.cpu(), sin.cpu()), None, norm=torch_norm)
+    got = fused(x32.to(DEVICE), cos, sin, NONE, norm=(w32.to(DEVICE), 1e-6)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

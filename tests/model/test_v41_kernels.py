@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engramrt.model import mhc
+from engramrt.model.layers import rms_norm
 from engramrt.models.deepseek_v41 import attention as v41_attention
 from engramrt.models.deepseek_v41 import dspark
 from engramrt.runner.stage import StageRunner
@@ -76,9 +77,10 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
 
     names = {fused.NONE: None, ACT: v41_attention.ACT, FP4_POW2: POW2_SCALE, FP4_E4M3: E4M3_SCALE}
 
-    def rope_on_torch(x, cos, sin, kind, inverse, cache, rows):  # bitwise the same (its test),
-        current = v41_attention.use_triton  # and the interpreter's is slow
+    def rope_on_torch(x, cos, sin, kind, inverse, cache, rows, norm=None):  # its test: the
+        current = v41_attention.use_triton  # same to the norm's rounding; the interpreter's slow
         monkeypatch.setattr(v41_attention, "use_triton", lambda device: False)
+        x = x if norm is None else rms_norm(x, *norm)
         out = v41_attention.rope_quant(x, (cos, sin), names[kind], inverse, cache, rows)
         monkeypatch.setattr(v41_attention, "use_triton", current)
         return out

@@ -105,10 +105,12 @@ def rope_quant(
     inverse: bool = False,
     cache: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    norm: RMSNorm | None = None,
 ) -> torch.Tensor:
-    """``rotate_tail`` by ``rot`` (cos, sin), then the ``kind`` round trip (None: none;
-    ``ACT``; ``quant.POW2_SCALE`` or ``quant.E4M3_SCALE``: FP4), also written to ``cache`` at
-    ``rows`` [T] (one row a token). On CUDA one launch (``engramrt.kernels.rope_quant``)."""
+    """``norm`` (a one-head projection's) first, ``rotate_tail`` by ``rot`` (cos, sin), then
+    the ``kind`` round trip (None: none; ``ACT``; ``quant.POW2_SCALE`` or
+    ``quant.E4M3_SCALE``: FP4), also written to ``cache`` at ``rows`` [T] (one row a token).
+    On CUDA one launch (``engramrt.kernels.rope_quant``)."""
     if use_triton(x.device):
         from engramrt.kernels import quant_roundtrip as rt
         from engramrt.kernels.rope_quant import NONE
@@ -120,8 +122,9 @@ def rope_quant(
             quant.POW2_SCALE: rt.FP4_POW2,
             quant.E4M3_SCALE: rt.FP4_E4M3,
         }[kind]
-        return fused(x, *rot, code, inverse, cache, rows)
-    y = rotate_tail(x, *rot, inverse)
+        held = None if norm is None else (norm.weight, norm.eps)
+        return fused(x, *rot, code, inverse, cache, rows, held)
+    y = rotate_tail(x if norm is None else norm(x), *rot, inverse)
     if kind == ACT:
         y = quant.act_roundtrip(y)
     elif kind is not None:
@@ -200,7 +203,7 @@ class Indexer(nn.Module):
     def write_keys(self, latent, rot, keys: torch.Tensor, rows: torch.Tensor) -> None:
         """Index keys of pre-RoPE latents into ``keys`` at ``rows``: RoPE at each group's first
         position (``rot``), FP4 (pow2/32)."""
-        rope_quant(self.k_norm(self.wk(latent)), rot, quant.POW2_SCALE, cache=keys, rows=rows)
+        rope_quant(self.wk(latent), rot, quant.POW2_SCALE, cache=keys, rows=rows, norm=self.k_norm)
 
     def queries(self, x, qr, rot) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's FP4 queries ``[T, heads, dim]`` and head weights ``[T, heads]``."""
@@ -455,7 +458,7 @@ class V41Attention(nn.Module):
         """(qr, q, kv) of ``x``: the queries' low rank as the linears after it read it (``wq_b``
         and the indexer's), the rotated queries and the window latents."""
         q_low, kv_low = self.low_ranks(quant.shared_input(x))
-        qr = quant.shared_input(self.q_norm(q_low))
+        qr = quant.normed_input(q_low, self.q_norm)
         return qr, self.queries(qr, rot), self._window_latents(kv_low, rot)
 
     def low_ranks(self, xs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -487,7 +490,7 @@ class V41Attention(nn.Module):
         return self._window_latents(self.wkv(x), rot)
 
     def _window_latents(self, low: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]):
-        return rope_quant(self.kv_norm(low), rot, ACT)
+        return rope_quant(low, rot, ACT, norm=self.kv_norm)
 
     def output(self, out: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotated back, through the grouped ``wo_a`` and ``wo_b`` (all-reduced under TP)."""

@@ -401,6 +401,23 @@ def shared_input(x: torch.Tensor):
     return quantize(x)
 
 
+def normed_input(x: torch.Tensor, norm: nn.Module):
+    """``shared_input(norm(x))`` (``norm`` an ``RMSNorm``): on a GPU the norm and ``act_quant``
+    in one launch, the same codes (the normalised row itself is never written)."""
+    from engramrt.kernels import rms_norm as kernel
+
+    if (
+        not use_triton(x.device)
+        or _training(x)
+        or x.shape[-1] % 32
+        or x.shape[-1] > kernel.MAX_WIDTH
+    ):
+        return shared_input(norm(x))
+    from engramrt.kernels.stored_linear import Codes
+
+    return Codes(*kernel.rms_norm_codes(x, norm.weight, norm.eps), x.dtype)
+
+
 def _stored_values(w: torch.Tensor, fp4: bool) -> torch.Tensor:
     if fp4:
         return dequant_fp4_weight(*fp4_weight(w), w.dtype)
