@@ -107,6 +107,11 @@ def rope_quant(
     block = BLOCK_OF.get(kind, 2)
     if d % block:
         raise ValueError(f"the width ({d}) must be a multiple of the round trip's block {block}")
+    if norm is not None and (x.dim() != 2 or norm[0].numel() != d):
+        raise ValueError(
+            f"a norm in the launch takes rows [T, D] (one head) and a weight of D values, "
+            f"got {list(x.shape)} and {norm[0].numel()} weights"
+        )
     x = x.contiguous()
     out = torch.empty_like(x)
     heads = x.numel() // max(t * d, 1)

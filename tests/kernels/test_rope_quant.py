@@ -84,3 +84,18 @@ def test_the_norm_in_the_same_launch(kind) -> None:
     want = rope_quant(x32, (cos.cpu(), sin.cpu()), None, norm=torch_norm)
     got = fused(x32.to(DEVICE), cos, sin, NONE, norm=(w32.to(DEVICE), 1e-6)).cpu()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_norm_over_several_heads_is_refused() -> None:
+    """The launch's norm is a one-head projection's: several heads (or a weight of another
+    width) would normalise each head alone, which no V4.1 norm does; refused, naming the
+    shapes. An empty step is no error."""
+    x = torch.randn(3, 2, 16).to(DEVICE)
+    none = torch.zeros(0, 16).to(DEVICE)  # an empty step is no error
+    got = fused(none, none[:, :4], none[:, :4], NONE, norm=(torch.ones(16).to(DEVICE), 1e-6))
+    assert got.shape == (0, 16)
+    cos, sin = torch.ones(3, 4).to(DEVICE), torch.zeros(3, 4).to(DEVICE)
+    with pytest.raises(ValueError, match=r"rows \[T, D\] \(one head\).*got \[3, 2, 16\]"):
+        fused(x, cos, sin, NONE, norm=(torch.ones(16).to(DEVICE), 1e-6))
+    with pytest.raises(ValueError, match=r"got \[3, 16\] and 32 weights"):
+        fused(x[:, 0], cos, sin, NONE, norm=(torch.ones(32).to(DEVICE), 1e-6))

@@ -474,10 +474,7 @@ class V41Attention(nn.Module):
             or a.weight.data_ptr() != w.data_ptr()
             or b.weight.data_ptr() != (w[len(a.weight) :].data_ptr())
         ):
-            n, blocks = len(a.weight), len(a.scale)
-            w, scale = torch.cat([a.weight, b.weight]), torch.cat([a.scale, b.scale])
-            a.weight, b.weight, a.scale, b.scale = w[:n], w[n:], scale[:blocks], scale[blocks:]
-            self.low_stack = w, scale
+            w, scale = self.low_stack = quant.stack_outputs(a, b)
         from engramrt.kernels.stored_linear import stored_linear
 
         return stored_linear(xs, w, scale, False).split([len(a.weight), len(b.weight)], -1)

@@ -213,13 +213,7 @@ class V41MoE(nn.Module):
                     s13[i, n:],
                 )
                 e.w2.weight, e.w2.scale = w2[i], s2[i]
-            sh = self.shared_experts
-            for b in ("weight", "scale"):
-                both = torch.cat([getattr(sh.w1, b), getattr(sh.w3, b)])
-                rows = len(getattr(sh.w1, b))
-                setattr(sh.w1, b, both[:rows])
-                setattr(sh.w3, b, both[rows:])
-                parts.append(both)
+            parts += quant.stack_outputs(self.shared_experts.w1, self.shared_experts.w3)
             self.stack = tuple(parts)
         return self.stack
 

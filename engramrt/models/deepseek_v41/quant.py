@@ -379,6 +379,20 @@ class StoredLinear(nn.Module):
         return y.view(*shape[:-1], -1)
 
 
+def stack_outputs(a: StoredLinear, b: StoredLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a``'s weight and scale above ``b``'s, for one launch over both (they read one input);
+    each layer's tensors are views of the stack after (one copy in memory). ``a``'s features
+    must fill whole 32-row scale blocks (FP8)."""
+    stacked = []
+    for name in ("weight", "scale"):
+        top = getattr(a, name)
+        both = torch.cat([top, getattr(b, name)])
+        setattr(a, name, both[: len(top)])
+        setattr(b, name, both[len(top) :])
+        stacked.append(both)
+    return stacked[0], stacked[1]
+
+
 def _saved_as_stored(module: StoredLinear, state: dict, prefix: str, local_metadata) -> None:
     """A paired FP4 weight goes into a state dict in the checkpoint's order."""
     if module.paired:
