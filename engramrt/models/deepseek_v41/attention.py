@@ -279,6 +279,42 @@ def sorted_picks(
     return torch.where(picks < seen.unsqueeze(-1), picks, -1)
 
 
+def rope_key(cfg: V41Config, ratio: int) -> tuple:
+    """``rope_frequencies``' arguments for a layer of ``ratio``: compressed layers rotate by
+    a YaRN-ramped ``compress_rope_theta`` (no mscale), window-only ones by ``rope_theta``."""
+    if not ratio:
+        return (cfg.rope_head_dim, cfg.rope_theta, None)
+    yarn = (cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+    return (cfg.rope_head_dim, cfg.compress_rope_theta, yarn)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the layers of a model ask a step's ``StepRuns`` for, so that a GPU makes it all in
+    one launch: the rotations (rope key, back) and the sources' ratios (the rows of the groups
+    tokens close). Anything else is still made when first asked for."""
+
+    rotations: tuple[tuple[tuple, int], ...]
+    ratios: tuple[int, ...]
+
+    @classmethod
+    def of(cls, cfg: V41Config) -> StepPlan:
+        ratios = tuple(sorted({r.ratio for r in cfg.roles if r.kind == SOURCE}))
+        rotations = [(rope_key(cfg, 0), 0)]  # window layers and DSpark stages
+        if any(r.ratio for r in cfg.roles):
+            squeezed = rope_key(cfg, 1)
+            rotations += [(squeezed, 0)] + [(squeezed, r - 1) for r in ratios]
+        return cls(tuple(dict.fromkeys(rotations)), ratios)
+
+    @cache  # noqa: B019 (a plan per model, a few devices: kept for the process)
+    def tensors(self, spares: tuple[int, ...], device: torch.device) -> tuple:
+        """(ratios, their ``spares`` rows and the backs as int64, the frequencies [A, H] fp32)
+        on ``device``, once: ``kernels.step_rows``' constants."""
+        small = [*self.ratios, *spares, *(back for _, back in self.rotations)]
+        freqs = torch.stack([rope_frequencies(*key) for key, _ in self.rotations])
+        return torch.tensor(small, dtype=torch.int64, device=device), freqs.to(device)
+
+
 @dataclass
 class StepRuns:
     """A step's runs seen from each of its ``T`` tokens, built by the step's first V4.1 layer
@@ -299,26 +335,70 @@ class StepRuns:
     memo: dict = field(default_factory=dict)  # what every layer of the step would recompute
 
     @classmethod
-    def of(cls, ctx: ForwardContext) -> StepRuns:
+    def of(cls, ctx: ForwardContext, plan: StepPlan | None = None) -> StepRuns:
+        """The step's runs, built by its first caller: on a GPU, given the layers' ``plan``, in
+        one launch with every row the plan names (``kernels.step_rows``), the same values."""
         runs = ctx.step_cache.get("v41")
         if runs is None:
-            req = ctx.token_req
-            p0 = ctx.start_pos_t[req]
-            lens = ctx.query_start[1:] - ctx.query_start[:-1]
             ends = [p + n for p, n in zip(ctx.start_pos, ctx.run_lens, strict=True)]
             if ctx.padded:  # a graph replays any lengths: scan what the cache can hold
                 ends = [ctx.kv.max_len]
-            runs = ctx.step_cache["v41"] = cls(
-                ctx.positions,
-                p0,
-                ctx.query_start[req],
-                p0 + lens[req],
-                ctx.slot_ids[req],
-                ctx.slot_mapping >= 0,
-                req,
-                ctx.block_table,
-                max(ends, default=0),
-            )
+            cache: V41Cache = ctx.kv
+            if (
+                plan is not None
+                and use_triton(ctx.positions.device)
+                and all(cache.block_size % r == 0 for r in plan.ratios)
+            ):
+                runs = cls._planned(ctx, plan, max(ends, default=0))
+            else:
+                req = ctx.token_req
+                p0 = ctx.start_pos_t[req]
+                lens = ctx.query_start[1:] - ctx.query_start[:-1]
+                runs = cls(
+                    ctx.positions,
+                    p0,
+                    ctx.query_start[req],
+                    p0 + lens[req],
+                    ctx.slot_ids[req],
+                    ctx.slot_mapping >= 0,
+                    req,
+                    ctx.block_table,
+                    max(ends, default=0),
+                )
+            ctx.step_cache["v41"] = runs
+        return runs
+
+    @classmethod
+    def _planned(cls, ctx: ForwardContext, plan: StepPlan, max_end: int) -> StepRuns:
+        from engramrt.kernels import step_rows as k
+
+        cache: V41Cache = ctx.kv
+        consts, freqs = plan.tensors(tuple(map(cache.spare_row, plan.ratios)), ctx.positions.device)
+        sizes = (cache.num_slots, cache.ring_len, cache.tail_rows, cache.block_size)
+        got = k.step_rows(
+            ctx.positions,
+            ctx.token_req,
+            ctx.start_pos_t,
+            ctx.query_start,
+            ctx.slot_ids,
+            ctx.slot_mapping,
+            ctx.block_table,
+            sizes,
+            consts,
+            freqs,
+        )
+        n = got.ints
+        runs = cls(
+            ctx.positions, n[k.RUN], n[k.Q0], n[k.END], n[k.SLOT], got.real, ctx.token_req,
+            ctx.block_table, max_end,
+        )  # fmt: skip
+        runs.memo["ring"] = n[k.RING]
+        runs.memo["tail"] = n[k.TAIL_READ], n[k.TAIL_WRITE]
+        for j, r in enumerate(plan.ratios):
+            runs.memo["closes", r] = n[k.CLOSES + j]
+        cos, sin = got.angles.cos(), got.angles.sin()  # every table's at once: two launches
+        for a, key_back in enumerate(plan.rotations):
+            runs.memo[key_back] = cos[a], sin[a]
         return runs
 
     def rotation(self, key: tuple, back: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -426,18 +506,12 @@ class V41Attention(nn.Module):
         self.indexer = (
             Indexer(cfg, role.kind == SOURCE, dtype) if role.kind in (SOURCE, REINDEX) else None
         )
-        yarn = None
-        if role.ratio:  # compressed layers: YaRN-ramped compress_rope_theta, no mscale
-            yarn = (cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
-        self.rope_key = (
-            cfg.rope_head_dim,
-            cfg.compress_rope_theta if role.ratio else cfg.rope_theta,
-            yarn,
-        )
+        self.rope_key = rope_key(cfg, role.ratio)
+        self.plan = StepPlan.of(cfg)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cache: V41Cache = ctx.kv
-        step = StepRuns.of(ctx)
+        step = StepRuns.of(ctx, self.plan)
         rot = step.rotation(self.rope_key)
         qr, q, kv = self.project(x, rot)
         comp, rows = None, None
