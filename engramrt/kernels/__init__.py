@@ -15,6 +15,9 @@ import torch
 
 FORCE_TORCH_ENV = "ENGRAMRT_TORCH_ENGRAM"
 _batch_invariant = False  # --batch-invariant: dense products through ``dense_linear``
+# what a sublayer asks its norm's launch to make for its linears (``norm_inputs``,
+# ``mhc_fused.NormInputs``): act_quant codes and scales, or those and the bf16 values and fp32 row
+NORM_CODES, NORM_VALUES = 1, 2
 
 
 @functools.cache

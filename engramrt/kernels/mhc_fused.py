@@ -32,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt.kernels import batch_invariant
+from engramrt.kernels import NORM_CODES, NORM_VALUES, batch_invariant
 from engramrt.kernels.mhc_sinkhorn import split_tile
+from engramrt.kernels.quant_roundtrip import act_codes_of
 
 TARGET_PROGRAMS = 512  # mixes programs to aim for: a few per SM of a large GPU
 MAX_SPLITS = 64  # chunks per token at most: the split kernel adds them one program per token
@@ -95,6 +96,35 @@ def _collapse(x_row, w_ptr, d, m, D, HC: tl.constexpr, dtype: tl.constexpr):
     return acc.to(dtype)
 
 
+# what the linears after a sublayer's norm read, made with the row (``QUANT``): its act_quant
+# codes and scales (FP8 weights), and with ``NORM_VALUES`` the round trip's bf16 values (FP4
+# weights) and the row in fp32 (a router's input)
+CODES, VALUES = NORM_CODES, NORM_VALUES
+
+
+class NormInputs(NamedTuple):
+    codes: torch.Tensor  # E4M3 [T, D]
+    scale: torch.Tensor  # fp32 [T, D / 32]
+    values: torch.Tensor | None  # bf16 [T, D] (``VALUES``)
+    wide: torch.Tensor | None  # fp32 [T, D] (``VALUES``)
+
+
+@triton.jit
+def _store_inputs(y, t, D, codes_ptr, scale_ptr, values_ptr, wide_ptr, QUANT: tl.constexpr,
+                  BLOCK_D: tl.constexpr):  # fmt: skip
+    """Row ``t``'s ``y`` [BLOCK_D] fp32 (zeros past ``D``) as ``quant_roundtrip.act_codes``
+    makes it from the rounded row, bit for bit (and ``y`` itself in fp32)."""
+    codes, scale, values = act_codes_of(tl.reshape(y, [BLOCK_D // 32, 32]))
+    blk = tl.arange(0, BLOCK_D // 32)
+    at = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.store(codes_ptr + t * D + at, codes, mask=at < D)
+    tl.store(scale_ptr + t * (D // 32) + blk, scale, mask=blk < D // 32)
+    if QUANT >= VALUES:
+        tl.store(values_ptr + t * D + at, values, mask=at < D)
+        d = tl.arange(0, BLOCK_D)
+        tl.store(wide_ptr + t * D + d, y, mask=d < D)
+
+
 @triton.jit
 def _collapse_norm(
     x_ptr,
@@ -109,10 +139,16 @@ def _collapse_norm(
     BLOCK_D: tl.constexpr,
     SINGLE: tl.constexpr,
     STORE_C: tl.constexpr,
+    codes_ptr,
+    scale_ptr,
+    values_ptr,
+    wide_ptr,
+    QUANT: tl.constexpr,
 ):
     """Row ``t`` collapsed with its lagged pre, then RMSNorm of the rounded row. ``SINGLE``: the
     row fits one block and stays in registers; otherwise it goes to ``coll_ptr`` and is read
-    back (``STORE_C`` is then set)."""
+    back (``STORE_C`` is then set). ``QUANT`` (single rows): the rounded normed row's
+    ``_store_inputs`` too."""
     x_row = x_ptr + t * HC * D
     c_row = coll_ptr + t * D
     o_row = out_ptr + t * D
@@ -127,7 +163,11 @@ def _collapse_norm(
         cf = c.to(tl.float32)
         rr = tl.rsqrt(tl.sum(cf * cf, axis=0) / D + norm_eps)
         w = tl.load(w_ptr + d, mask=m, other=0).to(tl.float32)
-        tl.store(o_row + d, (cf * rr * w).to(dtype), mask=m)
+        y = (cf * rr * w).to(dtype)
+        tl.store(o_row + d, y, mask=m)
+        if QUANT > 0:
+            ins = (codes_ptr, scale_ptr, values_ptr, wide_ptr)
+            _store_inputs(y.to(tl.float32), t, D, *ins, QUANT, BLOCK_D)
     else:
         sq = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
@@ -163,6 +203,10 @@ def _mixes_collapse_kernel(
     SPLITS,
     MIX_PROGRAMS,
     norm_eps,
+    codes_ptr,
+    scale_ptr,
+    values_ptr,
+    wide_ptr,
     HC: tl.constexpr,
     MIX: tl.constexpr,
     P: tl.constexpr,
@@ -171,6 +215,7 @@ def _mixes_collapse_kernel(
     BLOCK_D: tl.constexpr,
     SINGLE: tl.constexpr,
     STORE_C: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < MIX_PROGRAMS:
@@ -178,8 +223,9 @@ def _mixes_collapse_kernel(
     else:
         t = (pid - MIX_PROGRAMS).to(tl.int64)
         _collapse_norm(
-            x_ptr, prev_ptr, w_ptr, coll_ptr, out_ptr, t, D, norm_eps, HC, BLOCK_D, SINGLE, STORE_C
-        )
+            x_ptr, prev_ptr, w_ptr, coll_ptr, out_ptr, t, D, norm_eps, HC, BLOCK_D, SINGLE,
+            STORE_C, codes_ptr, scale_ptr, values_ptr, wide_ptr, QUANT,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
@@ -297,9 +343,11 @@ def _first_launch(
     norm_eps: float,
     keep_collapsed: bool,
     fn: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(normed, collapsed or None, partials or None): the collapse programs always, the mixes
-    programs when ``fn`` is given."""
+    quant: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, NormInputs | None]:
+    """(normed, collapsed or None, partials or None, the normed rows' ``NormInputs`` or None):
+    the collapse programs always, the mixes programs when ``fn`` is given; ``quant``: ``CODES``
+    or ``VALUES`` (rows held whole in registers and whole scale blocks only, else None)."""
     x = x.contiguous()
     tokens, hc, dim = x.shape
     k = hc * dim
@@ -307,6 +355,20 @@ def _first_launch(
     collapsed = torch.empty_like(normed) if keep_collapsed else None
     block_d = min(MAX_BLOCK_D, triton.next_power_of_2(dim))
     single = dim <= block_d
+    inputs = None
+    if quant and single and dim % 32 == 0:
+        wide = quant >= VALUES
+        inputs = NormInputs(
+            *(
+                torch.empty(tokens, n, dtype=dt, device=x.device) if made else None
+                for n, dt, made in (
+                    (dim, torch.float8_e4m3fn, True),
+                    (dim // 32, torch.float32, True),
+                    (dim, torch.bfloat16, wide),
+                    (dim, torch.float32, wide),
+                )
+            )
+        )
     mix = (2 + hc) * hc
     p = triton.next_power_of_2(mix + 1)  # the mixes, then the sum of squares
     plan = mixes_plan(tokens, k, batch_invariant(x.device))
@@ -336,6 +398,7 @@ def _first_launch(
             plan.splits,
             mix_programs,
             norm_eps,
+            *(normed if t is None else t for t in inputs or (None,) * 4),
             HC=hc,
             MIX=mix,
             P=p,
@@ -344,9 +407,10 @@ def _first_launch(
             BLOCK_D=block_d,
             SINGLE=single,
             STORE_C=collapsed is not None or not single,
+            QUANT=0 if inputs is None else quant,
             num_warps=plan.warps,
         )
-    return normed, collapsed, part
+    return normed, collapsed, part, inputs
 
 
 def mhc_pre(
@@ -361,10 +425,13 @@ def mhc_pre(
     hc_eps: float,
     norm_eps: float,
     keep_collapsed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    quant: int = 0,
+) -> tuple:
     """``engramrt.model.mhc.mhc_pre`` for a power-of-two ``hc``, in two launches:
-    (normed, pre, post, comb, collapsed or None)."""
-    normed, collapsed, part = _first_launch(x, pre_prev, norm_weight, norm_eps, keep_collapsed, fn)
+    (normed, pre, post, comb, collapsed or None, ``NormInputs`` or None: ``_first_launch``)."""
+    normed, collapsed, part, inputs = _first_launch(
+        x, pre_prev, norm_weight, norm_eps, keep_collapsed, fn, quant
+    )
     tokens = x.shape[0]
     pre = torch.empty(tokens, hc, dtype=torch.float32, device=x.device)
     post = torch.empty_like(pre)
@@ -387,7 +454,7 @@ def mhc_pre(
             SB=SPLIT_BLOCK,
             num_warps=SPLIT_WARPS,
         )
-    return normed, pre, post, comb, collapsed
+    return normed, pre, post, comb, collapsed, inputs
 
 
 def collapse_norm(

@@ -66,6 +66,7 @@ class Block(nn.Module):
         scale: torch.Tensor,
         base: torch.Tensor,
         norm: RMSNorm,
+        sublayer: nn.Module,
         keep_collapsed: bool = False,
     ) -> PreMix:
         return mhc_pre(
@@ -80,7 +81,16 @@ class Block(nn.Module):
             self.hc_eps,
             self.norm_eps,
             keep_collapsed,
+            getattr(sublayer, "norm_inputs", 0),
         )
+
+    @staticmethod
+    def _run(sublayer: nn.Module, a: PreMix, *args) -> torch.Tensor:
+        """The sublayer on its normed input, with the ``inputs`` its norm's launch made for
+        it when it asked (``norm_inputs``: what its linears read, quantised once there)."""
+        if a.inputs is None:
+            return sublayer(a.normed, *args)
+        return sublayer(a.normed, *args, inputs=a.inputs)
 
     def forward(
         self, x: torch.Tensor, pre: torch.Tensor, ctx: ForwardContext
@@ -102,13 +112,16 @@ class Block(nn.Module):
             self.hc_attn_scale,
             self.hc_attn_base,
             self.attn_norm,
+            self.attn,
             keep_collapsed=ctx.tracer is not None,
         )
         if a.collapsed is not None:
             ctx.trace("attn_collapse_in", self.layer_id, a.collapsed)
-        x = mhc_post(self.attn(a.normed, ctx), x, a.post, a.comb)
-        f = self._pre(x, a.pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm)
-        x = mhc_post(self.ffn(f.normed), x, f.post, f.comb)
+        x = mhc_post(self._run(self.attn, a, ctx), x, a.post, a.comb)
+        f = self._pre(
+            x, a.pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm, self.ffn
+        )
+        x = mhc_post(self._run(self.ffn, f), x, f.post, f.comb)
         return x, f.pre
 
 

@@ -95,6 +95,9 @@ class PreMix(NamedTuple):
     post: torch.Tensor
     comb: torch.Tensor
     collapsed: torch.Tensor | None
+    # on a GPU, what the linears after the norm read, made in the norm's launch when the
+    # sublayer asks (``mhc_fused.NormInputs``); None: they quantise ``normed`` themselves
+    inputs: tuple | None = None
 
 
 def mhc_pre(
@@ -109,10 +112,12 @@ def mhc_pre(
     hc_eps: float,
     norm_eps: float,
     keep_collapsed: bool = False,
+    quant: int = 0,
 ) -> PreMix:
     """Split the mixes of ``x [T, hc, D]`` into (pre, post, comb), collapse ``x`` with the
     previous sublayer's ``pre_prev [T, hc]`` and RMS-normalise the rounded collapsed row.
-    ``norm_eps`` is both the mixes' and the norm's eps (the model's rms_norm_eps)."""
+    ``norm_eps`` is both the mixes' and the norm's eps (the model's rms_norm_eps). ``quant``
+    (``mhc_fused.CODES`` or ``VALUES``): on a GPU, the normed rows' ``inputs`` too."""
     if _fused(x.device, hc):
         from engramrt.kernels import mhc_fused
 
@@ -129,6 +134,7 @@ def mhc_pre(
                 hc_eps,
                 norm_eps,
                 keep_collapsed,
+                quant,
             )
         )
     mixes = hc_mixes(x, fn, norm_eps)

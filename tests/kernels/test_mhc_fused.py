@@ -48,7 +48,7 @@ def run_pre(inputs: tuple, hc: int, keep_collapsed: bool = True) -> tuple:
     from engramrt.kernels.mhc_fused import mhc_pre
 
     got = mhc_pre(*(t.to(DEV) for t in inputs), hc, ITERS, HC_EPS, NORM_EPS, keep_collapsed)
-    return tuple(None if t is None else t.cpu() for t in got)
+    return tuple(None if t is None else t.cpu() for t in got[:5])
 
 
 def assert_pre_close(got: tuple, want: mhc.PreMix, dtype: torch.dtype) -> None:
@@ -104,6 +104,34 @@ def test_mhc_pre_splits_and_long_rows(monkeypatch, target: int, max_block_d: int
     got = run_pre(inputs, 2)
     assert_pre_close(got, want, torch.float32)
     assert torch.equal(run_pre(inputs, 2, keep_collapsed=False)[0], got[0])
+
+
+@pytest.mark.parametrize(("tokens", "dim", "quant"), [(1, 64, 1), (3, 96, 2), (5, 200, 2)])
+def test_norm_inputs_are_act_quant_of_the_normed_rows(tokens: int, dim: int, quant: int) -> None:
+    """What the linears after the norm read, made in the norm's launch: ``act_codes`` of the
+    rounded normed row bit for bit (codes, scales; values with ``VALUES``) and the row in fp32;
+    a width of partial scale blocks gets none (the linears quantise the row themselves)."""
+    from engramrt.kernels.mhc_fused import mhc_pre
+    from engramrt.kernels.quant_roundtrip import act_codes
+
+    inputs = pre_inputs(dim, tokens, 4, dim, torch.bfloat16)
+    got = mhc_pre(*(t.to(DEV) for t in inputs), 4, ITERS, HC_EPS, NORM_EPS, quant=quant)
+    normed, made = got[0], got[5]
+    plain = mhc_pre(*(t.to(DEV) for t in inputs), 4, ITERS, HC_EPS, NORM_EPS)
+    for a, b in zip(got[:5], plain[:5], strict=True):  # the rest as without
+        assert a is b is None or torch.equal(a, b)
+    if dim % 32:
+        assert made is None and plain[5] is None
+        return
+    codes, scale, values = act_codes(normed, values=True)
+    assert made.codes.dtype == torch.float8_e4m3fn
+    assert torch.equal(made.codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(made.scale, scale)
+    if quant == 1:
+        assert made.values is None and made.wide is None
+        return
+    assert torch.equal(made.values, values)
+    assert torch.equal(made.wide, normed.float())
 
 
 def test_mixes_plan_depends_on_token_count_alone() -> None:

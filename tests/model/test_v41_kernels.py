@@ -419,3 +419,39 @@ def test_the_low_ranks_in_one_launch_over_stacked_weights(v41_small: Path) -> No
     torch.testing.assert_close(
         flipped.float(), want[1].flip(1).float(), rtol=tol, atol=tol * want[1].abs().max()
     )
+
+
+def test_the_norms_inputs_for_the_linears_change_no_bit(v41_small: Path, monkeypatch) -> None:
+    """The codes, values and fp32 rows that the mHC norm's launch makes for the attention's and
+    the MoE's linears (``norm_inputs``) leave every layer's output of two decode steps on the
+    kernel path bit for bit as quantising the normed rows where the linears read them does;
+    and they are what those linears read (every layer, both sublayers)."""
+    from benchmarks import cases
+    from engramrt.models.deepseek_v41 import quant
+
+    real, made = quant.shared_input, []
+
+    def spy(x, inputs=None, values=False):
+        made.append(inputs is not None)
+        return real(x, inputs, values)
+
+    monkeypatch.setattr(quant, "shared_input", spy)
+    outs = []
+    for asks in (True, False):
+        runner = cases.census_stage(v41_small, DEVICE, 2, 12, 0.0, 1.0)
+        for m in runner.model.modules():
+            if hasattr(m, "norm_inputs") and not asks:
+                m.norm_inputs = 0
+        seen: list[torch.Tensor] = []
+        for block in runner.model.layers.values():
+            block.register_forward_hook(lambda m, args, out: seen.append(out[0].clone()))
+        made.clear()
+        positions = [12, 12]
+        with cases.kernel_path():
+            for _ in range(2):
+                cases.census_decode(runner, positions, 2)
+        assert made == [asks] * (2 * 2 * len(runner.model.layers)), made
+        outs.append(seen)
+    assert len(outs[0]) == len(outs[1]) > 0
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

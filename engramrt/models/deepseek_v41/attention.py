@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engramrt.kernels import use_triton
+from engramrt.kernels import NORM_CODES, use_triton
 from engramrt.kernels.linear import Linear, linear
 from engramrt.model.context import ForwardContext
 from engramrt.model.layers import RMSNorm, take_rows
@@ -508,12 +508,14 @@ class V41Attention(nn.Module):
         )
         self.rope_key = rope_key(cfg, role.ratio)
         self.plan = StepPlan.of(cfg)
+        self.norm_inputs = NORM_CODES  # the norm before makes the codes wq_a and wkv read
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, inputs=None) -> torch.Tensor:
+        """``inputs``: ``x``'s codes from the norm's launch (``norm_inputs``)."""
         cache: V41Cache = ctx.kv
         step = StepRuns.of(ctx, self.plan)
         rot = step.rotation(self.rope_key)
-        qr, q, kv = self.project(x, rot)
+        qr, q, kv = self.project(x, rot, inputs)
         comp, rows = None, None
         if self.role.kind == SOURCE:
             self._compress(x, step, cache)
@@ -528,10 +530,10 @@ class V41Attention(nn.Module):
         ring.index_copy_(0, step.ring_rows(cache), kv)
         return self.output(out, rot)
 
-    def project(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    def project(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], inputs=None):
         """(qr, q, kv) of ``x``: the queries' low rank as the linears after it read it (``wq_b``
         and the indexer's), the rotated queries and the window latents."""
-        q_low, kv_low = self.low_ranks(quant.shared_input(x))
+        q_low, kv_low = self.low_ranks(quant.shared_input(x, inputs))
         qr = quant.normed_input(q_low, self.q_norm)
         return qr, self.queries(qr, rot), self._window_latents(kv_low, rot)
 

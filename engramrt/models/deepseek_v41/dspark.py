@@ -103,10 +103,10 @@ class DSparkAttention(V41Attention):
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
         ring.index_copy_(0, step.ring_rows(cache), kv)
 
-    def forward(self, x: torch.Tensor, ctx: DraftContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: DraftContext, inputs=None) -> torch.Tensor:
         angles = angles_at(ctx.positions, self.rope_key)
         rot = angles.cos(), angles.sin()
-        _, q, kv = self.project(x, rot)
+        _, q, kv = self.project(x, rot, inputs)
         out = self.attend(q, kv, kv, ctx.rows, ctx.runs, ctx.kv)
         return self.output(out, rot)
 

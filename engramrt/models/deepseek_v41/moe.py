@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engramrt.kernels import use_triton
+from engramrt.kernels import NORM_VALUES, use_triton
 from engramrt.kernels.linear import linear
 from engramrt.model.layers import take_rows
 from engramrt.models.deepseek_v41 import quant
@@ -144,25 +144,29 @@ class V41MoE(nn.Module):
         )
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, False, cfg.swiglu_limit, span)
         self.stack: tuple[torch.Tensor, ...] | None = None  # ``_stacked``
+        # the norm before makes the experts' codes and values and the router's fp32 row
+        self.norm_inputs = NORM_VALUES
 
-    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _grouped(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, inputs=None
+    ) -> torch.Tensor:
         """The experts as ``Expert.forward`` computes them, the routed ones in two grouped
         launches over the (token, expert) pairs sorted by expert, without a host sync: ``x``
         quantised once for every expert, the SwiGLU, routing weight and the down projection's
         quantisation in one launch, and each token's outputs added in ascending expert id and
         then the shared expert's (the torch path's order) in one. Out: fp32 sums (``x``'s dtype
-        on one rank: the sums rounded once)."""
+        on one rank: the sums rounded once). ``inputs``: ``x``'s codes and values from the
+        norm's launch."""
         from engramrt.kernels.moe_epilogues import combine, swiglu_codes
         from engramrt.kernels.stored_linear import (
             Codes,
             group_tile_rows,
             grouped_stored_linear,
-            quantize,
             stored_linear,
         )
 
         w13, s13, w2, s2, shared13, shared_s13 = self._stacked()
-        q = quantize(x, values=True)  # codes for the shared expert, values for the routed
+        q = quant.shared_input(x, inputs, values=True)  # codes: shared expert; values: routed
         experts = len(self.experts)
         pairs = ExpertPairs(ids, experts, group_tile_rows(ids.numel(), experts))
         k, shared, limit = ids.shape[1], self.shared_experts, self.shared_experts.limit
@@ -218,13 +222,13 @@ class V41MoE(nn.Module):
         return self.stack
 
     def route(
-        self, x: torch.Tensor, image: torch.Tensor | None = None
+        self, x: torch.Tensor, image: torch.Tensor | None = None, wide: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) of each token: the gate's fp32
         logits, then ``route_logits`` (on CUDA its kernel, ``moe_routing.route``: one launch, the
-        same bits)."""
+        same bits). ``wide``: ``x`` in fp32 already (the norm's launch made it)."""
         gate = self.gate
-        logits = linear(x.float(), gate.weight.float())
+        logits = linear(x.float() if wide is None else wide, gate.weight.float())
         if use_triton(x.device):
             from engramrt.kernels.moe_routing import route as routed
         else:
@@ -254,12 +258,15 @@ class V41MoE(nn.Module):
             weights = torch.ones(tokens, self.k, device=device)
             self._grouped(x, weights, ids)
 
-    def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` ``[T, dim]``; ``image`` ``[T]`` bool (image-span tokens) or None."""
-        weights, ids = self.route(x, image)
+    def forward(
+        self, x: torch.Tensor, image: torch.Tensor | None = None, inputs=None
+    ) -> torch.Tensor:
+        """``x`` ``[T, dim]``; ``image`` ``[T]`` bool (image-span tokens) or None; ``inputs``:
+        ``x``'s codes, values and fp32 row from the norm's launch (``norm_inputs``)."""
+        weights, ids = self.route(x, image, None if inputs is None else inputs.wide)
         # a GPU: grouped launches of any size (no host sync, graph-safe); the torch path loops
         if use_triton(x.device):
-            y = self._grouped(x, weights, ids)
+            y = self._grouped(x, weights, ids, inputs)
         else:
             y = self._looped(x, weights, ids) + self.shared_experts(x)
         return self.tp.all_reduce(y).to(x.dtype)

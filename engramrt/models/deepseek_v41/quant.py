@@ -405,14 +405,18 @@ def _loaded_as_held(module: StoredLinear, state: dict, prefix: str, *rest) -> No
         state[prefix + "weight"] = pair_fp4(state[prefix + "weight"])
 
 
-def shared_input(x: torch.Tensor):
+def shared_input(x: torch.Tensor, inputs=None, values: bool = False):
     """``x`` [T, K] as the stored-format linears it feeds read it: on a GPU its ``act_quant``
-    codes, made once for all of them (``StoredLinear`` takes either); ``x`` elsewhere."""
+    codes (with ``values``, the round trip's bf16 values too: FP4 weights), made once for all
+    of them (``StoredLinear`` takes either), or taken from ``inputs`` (``mhc_fused.NormInputs``:
+    made by the norm's launch before, the same bits); ``x`` elsewhere."""
     if not use_triton(x.device) or _training(x):
         return x
-    from engramrt.kernels.stored_linear import quantize
+    from engramrt.kernels.stored_linear import Codes, quantize
 
-    return quantize(x)
+    if inputs is not None and (inputs.values is not None or not values):
+        return Codes(inputs.codes, inputs.scale, x.dtype, inputs.values)
+    return quantize(x, values)
 
 
 def normed_input(x: torch.Tensor, norm: nn.Module):
