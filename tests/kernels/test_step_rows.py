@@ -62,7 +62,7 @@ def test_planned_rows_equal_the_torch_statements(seed: int, pad: bool) -> None:
     got = StepRuns._planned(ctx, plan, want.max_end)
     for name in FIELDS:
         a, b = getattr(got, name), getattr(want, name)
-        assert (a == b if isinstance(a, int) else torch.equal(a, b)), name
+        assert a == b if isinstance(a, int) else torch.equal(a, b), name
         assert isinstance(a, int) or a.dtype == b.dtype, name
     assert torch.equal(got.ring_rows(cache), want.ring_rows(cache))
     for a, b in zip(got.tail_rows(cache), want.tail_rows(cache), strict=True):
@@ -75,4 +75,3 @@ def test_planned_rows_equal_the_torch_statements(seed: int, pad: bool) -> None:
     # the plan's rows came from the launch: nothing left for a layer to compute
     assert set(got.memo) == {"ring", "tail", *(("closes", r) for r in plan.ratios),
                              *plan.rotations}  # fmt: skip
-

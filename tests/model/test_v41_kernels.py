@@ -444,7 +444,7 @@ def test_the_norms_inputs_for_the_linears_change_no_bit(v41_small: Path, monkeyp
                 m.norm_inputs = 0
         seen: list[torch.Tensor] = []
         for block in runner.model.layers.values():
-            block.register_forward_hook(lambda m, args, out: seen.append(out[0].clone()))
+            block.register_forward_hook(lambda m, args, out, seen=seen: seen.append(out[0].clone()))
         made.clear()
         positions = [12, 12]
         with cases.kernel_path():
