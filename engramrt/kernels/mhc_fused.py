@@ -100,6 +100,7 @@ def _collapse(x_row, w_ptr, d, m, D, HC: tl.constexpr, dtype: tl.constexpr):
 # codes and scales (FP8 weights), and with ``NORM_VALUES`` the round trip's bf16 values (FP4
 # weights) and the row in fp32 (a router's input)
 CODES, VALUES = NORM_CODES, NORM_VALUES
+_VALUES = tl.constexpr(VALUES)  # (a kernel reads only constexpr globals)
 
 
 class NormInputs(NamedTuple):
@@ -119,7 +120,7 @@ def _store_inputs(y, t, D, codes_ptr, scale_ptr, values_ptr, wide_ptr, QUANT: tl
     at = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
     tl.store(codes_ptr + t * D + at, codes, mask=at < D)
     tl.store(scale_ptr + t * (D // 32) + blk, scale, mask=blk < D // 32)
-    if QUANT >= VALUES:
+    if QUANT >= _VALUES:
         tl.store(values_ptr + t * D + at, values, mask=at < D)
         d = tl.arange(0, BLOCK_D)
         tl.store(wide_ptr + t * D + d, y, mask=d < D)

@@ -19,6 +19,7 @@ import triton.language as tl
 
 BLOCK = 128
 RUN, Q0, END, SLOT, RING, TAIL_READ, TAIL_WRITE, CLOSES = range(8)  # rows of ``ints``
+_CLOSES = tl.constexpr(CLOSES)  # (a kernel reads only constexpr globals)
 
 
 @triton.jit
@@ -55,13 +56,13 @@ def _step_rows_kernel(
     read = slot * n + _floormod(_floordiv(pos - 1, 2), n)
     keep = real & (_floormod(pos, 2) == 0) & (pos >= end - 2 * n)
     write = tl.where(keep, slot * n + _floormod(_floordiv(pos, 2), n), (num_slots + 1) * n - 1)
-    tl.store(ints_ptr + RUN * T + t, p0, mask=ok)
-    tl.store(ints_ptr + Q0 * T + t, q0, mask=ok)
-    tl.store(ints_ptr + END * T + t, end, mask=ok)
-    tl.store(ints_ptr + SLOT * T + t, slot, mask=ok)
-    tl.store(ints_ptr + RING * T + t, ring, mask=ok)
-    tl.store(ints_ptr + TAIL_READ * T + t, read, mask=ok)
-    tl.store(ints_ptr + TAIL_WRITE * T + t, write, mask=ok)
+    tl.store(ints_ptr + t, p0, mask=ok)  # rows RUN .. TAIL_WRITE: 0 .. 6
+    tl.store(ints_ptr + T + t, q0, mask=ok)
+    tl.store(ints_ptr + 2 * T + t, end, mask=ok)
+    tl.store(ints_ptr + 3 * T + t, slot, mask=ok)
+    tl.store(ints_ptr + 4 * T + t, ring, mask=ok)
+    tl.store(ints_ptr + 5 * T + t, read, mask=ok)
+    tl.store(ints_ptr + 6 * T + t, write, mask=ok)
     tl.store(real_ptr + t, real, mask=ok)
     for j in tl.static_range(NR):  # the compressed row of the group a token closes (spare: none)
         r = tl.load(ratios_ptr + j)
@@ -71,7 +72,7 @@ def _step_rows_kernel(
         block = tl.load(tables_ptr + req * width + at, mask=ok, other=0)
         closes = real & (_floormod(pos + 1, r) == 0)
         row = tl.where(closes, block * per + e % per, tl.load(ratios_ptr + NR + j))
-        tl.store(ints_ptr + (CLOSES + j) * T + t, row, mask=ok)
+        tl.store(ints_ptr + (_CLOSES + j) * T + t, row, mask=ok)
     h = tl.arange(0, HP)
     hok = h < H
     for a in tl.static_range(NA):
