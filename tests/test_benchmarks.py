@@ -307,7 +307,7 @@ def test_the_step_census_counts_every_layer_of_a_decode_step() -> None:
     c = census(cases.BUNDLED_MODEL, device, [1], prompt=24)[1]
     cfg = json.loads((Path(cases.BUNDLED_MODEL) / "config.json").read_text())["text_config"]
     layers = range(cfg["num_hidden_layers"])
-    assert c.total == sum(c.sites.values()) == sum(c.ops.values()) > 300
+    assert c.total == sum(c.sites.values()) == sum(c.ops.values()) > 10 * len(layers)
     if device == "cpu":  # an op a launch; and Triton's launcher is Triton's again
         from triton.runtime import interpreter
 

@@ -33,11 +33,12 @@ def _floormod(a, b):
     return a - _floordiv(a, b) * b
 
 
-# a step's token count varies: left unspecialised so that no count compiles a variant mid-run
-@triton.jit(do_not_specialize=["T"])
+# a step's token count and tables' width vary: left unspecialised so that none compiles a
+# variant mid-run
+@triton.jit(do_not_specialize=["T", "S", "width"])
 def _step_rows_kernel(
     pos_ptr, req_ptr, start_ptr, qs_ptr, slots_ptr, map_ptr, tables_ptr, ratios_ptr,
-    freqs_ptr, backs_ptr, ints_ptr, real_ptr, angles_ptr, T, width, num_slots, ring_len,
+    freqs_ptr, backs_ptr, ints_ptr, real_ptr, angles_ptr, T, S, width, num_slots, ring_len,
     tail_n, block_size, NR: tl.constexpr, NA: tl.constexpr, H: tl.constexpr,
     HP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -56,13 +57,13 @@ def _step_rows_kernel(
     read = slot * n + _floormod(_floordiv(pos - 1, 2), n)
     keep = real & (_floormod(pos, 2) == 0) & (pos >= end - 2 * n)
     write = tl.where(keep, slot * n + _floormod(_floordiv(pos, 2), n), (num_slots + 1) * n - 1)
-    tl.store(ints_ptr + t, p0, mask=ok)  # rows RUN .. TAIL_WRITE: 0 .. 6
-    tl.store(ints_ptr + T + t, q0, mask=ok)
-    tl.store(ints_ptr + 2 * T + t, end, mask=ok)
-    tl.store(ints_ptr + 3 * T + t, slot, mask=ok)
-    tl.store(ints_ptr + 4 * T + t, ring, mask=ok)
-    tl.store(ints_ptr + 5 * T + t, read, mask=ok)
-    tl.store(ints_ptr + 6 * T + t, write, mask=ok)
+    tl.store(ints_ptr + t, p0, mask=ok)  # rows RUN .. TAIL_WRITE: 0 .. 6, ``S`` apart
+    tl.store(ints_ptr + S + t, q0, mask=ok)
+    tl.store(ints_ptr + 2 * S + t, end, mask=ok)
+    tl.store(ints_ptr + 3 * S + t, slot, mask=ok)
+    tl.store(ints_ptr + 4 * S + t, ring, mask=ok)
+    tl.store(ints_ptr + 5 * S + t, read, mask=ok)
+    tl.store(ints_ptr + 6 * S + t, write, mask=ok)
     tl.store(real_ptr + t, real, mask=ok)
     for j in tl.static_range(NR):  # the compressed row of the group a token closes (spare: none)
         r = tl.load(ratios_ptr + j)
@@ -72,7 +73,7 @@ def _step_rows_kernel(
         block = tl.load(tables_ptr + req * width + at, mask=ok, other=0)
         closes = real & (_floormod(pos + 1, r) == 0)
         row = tl.where(closes, block * per + e % per, tl.load(ratios_ptr + NR + j))
-        tl.store(ints_ptr + (_CLOSES + j) * T + t, row, mask=ok)
+        tl.store(ints_ptr + (_CLOSES + j) * S + t, row, mask=ok)
     h = tl.arange(0, HP)
     hok = h < H
     for a in tl.static_range(NA):
@@ -83,7 +84,7 @@ def _step_rows_kernel(
 
 
 class Rows(NamedTuple):
-    ints: torch.Tensor  # int64 [CLOSES + len(ratios), T]: the rows named above
+    ints: torch.Tensor  # int64 [CLOSES + len(ratios), T]: the rows named above (16-byte aligned)
     real: torch.Tensor  # bool [T]: False for a CUDA graph's padding
     angles: torch.Tensor  # fp32 [len(backs), T, H]
 
@@ -108,14 +109,16 @@ def step_rows(
     t, dev = len(positions), positions.device
     a, h = freqs.shape
     nr = (len(consts) - a) // 2
-    ints = torch.empty(CLOSES + nr, t, dtype=torch.int64, device=dev)
+    # rows an even count apart: each starts 16-byte aligned, as Triton specialises pointers on
+    # it (an odd token count would compile other variants of the kernels reading them)
+    ints = torch.empty(CLOSES + nr, t + t % 2, dtype=torch.int64, device=dev)[:, :t]
     real = torch.empty(t, dtype=torch.bool, device=dev)
     angles = torch.empty(a, t, h, dtype=torch.float32, device=dev)
     if t:
         _step_rows_kernel[(triton.cdiv(t, BLOCK),)](
             positions, token_req, start_pos, query_start, slot_ids, slot_mapping, tables,
-            consts, freqs, consts[2 * nr :], ints, real, angles, t, tables.shape[-1], num_slots,
-            ring_len, tail_n, block_size, NR=nr, NA=a, H=h, HP=triton.next_power_of_2(h),
-            BLOCK=BLOCK,
+            consts, freqs, consts[2 * nr :], ints, real, angles, t, ints.stride(0),
+            tables.shape[-1], num_slots, ring_len, tail_n, block_size, NR=nr, NA=a, H=h,
+            HP=triton.next_power_of_2(h), BLOCK=BLOCK,
         )  # fmt: skip
     return Rows(ints, real, angles)

@@ -72,6 +72,9 @@ def test_planned_rows_equal_the_torch_statements(seed: int, pad: bool) -> None:
     for key, back in plan.rotations:
         for a, b in zip(got.rotation(key, back), want.rotation(key, back), strict=True):
             assert torch.equal(a, b), (key, back)
+    # every row starts 16-byte aligned whatever the token count (Triton specialises on it)
+    rows = [got.p0, got.q0, got.end, got.slot, got.memo["ring"], *got.memo["tail"]]
+    assert all(r.data_ptr() % 16 == 0 for r in rows)
     # the plan's rows came from the launch: nothing left for a layer to compute
     assert set(got.memo) == {"ring", "tail", *(("closes", r) for r in plan.ratios),
                              *plan.rotations}  # fmt: skip
