@@ -244,6 +244,13 @@ def _blocks_sum(
     return acc
 
 
+@triton.jit
+def _partial(parts, p, programs, stride, omask):
+    """Split ``p``'s partial sums (zeros past the last split), from L2."""
+    ok = omask & (omask.to(tl.int32) * 0 + p < programs)  # (a tensor mask: the interpreter's)
+    return tl.load(parts + p * stride, mask=ok, other=0.0, cache_modifier=".cg")
+
+
 # the row count varies by step (and by routing): specialising on it compiled variants while
 # serving
 @triton.jit(do_not_specialize=["M", "R", "SPLITS", "PROGRAMS", "TOP_K"])
@@ -334,8 +341,15 @@ def _stored_linear_kernel(
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == PROGRAMS - 1:
             total = tl.zeros([BN, BM], dtype=tl.float32)
-            for p in range(PROGRAMS):
-                total += tl.load(parts + p * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+            # four partials loaded at once, then added in split order: one partial at a time
+            # held the reduction to a round trip to L2 per split (a split past the last adds
+            # +0.0, which leaves a sum that starts at +0.0 as it is)
+            for p in range(0, PROGRAMS, 4):
+                p0 = _partial(parts, p, PROGRAMS, M * N, omask)
+                p1 = _partial(parts, p + 1, PROGRAMS, M * N, omask)
+                p2 = _partial(parts, p + 2, PROGRAMS, M * N, omask)
+                p3 = _partial(parts, p + 3, PROGRAMS, M * N, omask)
+                total = (((total + p0) + p1) + p2) + p3
             tl.store(outs, total.to(out_ptr.dtype.element_ty), mask=omask)
             tl.atomic_xchg(count_ptr + tile, 0)
 
