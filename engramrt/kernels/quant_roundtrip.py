@@ -110,7 +110,8 @@ def act_codes_of(g):
     return _e4m3_bits(q, v).to(tl.float8e4nv, bitcast=True), scale, values
 
 
-@triton.jit
+# a step's block count varies: left unspecialised so that no count compiles a variant mid-run
+@triton.jit(do_not_specialize=["n_blocks"])
 def _act_codes_kernel(
     x_ptr, codes_ptr, scale_ptr, values_ptr, n_blocks, VALUES: tl.constexpr, NB: tl.constexpr
 ):

@@ -245,7 +245,7 @@ class V41MoE(nn.Module):
         """Compile the stored-format kernel's variants a step can meet (the row tile follows the
         rows an expert averages, and routing decides that while serving; the engine's warm-up
         steps repeat one token, so every token goes to the same experts): the grouped experts
-        and the shared one at one token and at more than a small tile takes."""
+        and the shared one at one token and at more than a small tile takes, and the router."""
         from engramrt.kernels.stored_linear import BM, LARGE_ROWS
 
         device = self.gate.weight.device
@@ -257,6 +257,7 @@ class V41MoE(nn.Module):
             ids = torch.arange(tokens * self.k, device=device).view(tokens, -1) % len(self.experts)
             weights = torch.ones(tokens, self.k, device=device)
             self._grouped(x, weights, ids)
+            self.route(x)  # the router's launch (its variant the count's alone)
 
     def forward(
         self, x: torch.Tensor, image: torch.Tensor | None = None, inputs=None
