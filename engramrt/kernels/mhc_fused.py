@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt.kernels import NORM_CODES, NORM_VALUES, batch_invariant
+from engramrt.kernels import NORM_VALUES, batch_invariant
 from engramrt.kernels.mhc_sinkhorn import split_tile
-from engramrt.kernels.quant_roundtrip import act_codes_of
+from engramrt.kernels.quant_roundtrip import store_act_codes
 
 TARGET_PROGRAMS = 512  # mixes programs to aim for: a few per SM of a large GPU
 MAX_SPLITS = 64  # chunks per token at most: the split kernel adds them one program per token
@@ -99,15 +99,14 @@ def _collapse(x_row, w_ptr, d, m, D, HC: tl.constexpr, dtype: tl.constexpr):
 # what the linears after a sublayer's norm read, made with the row (``QUANT``): its act_quant
 # codes and scales (FP8 weights), and with ``NORM_VALUES`` the round trip's bf16 values (FP4
 # weights) and the row in fp32 (a router's input)
-CODES, VALUES = NORM_CODES, NORM_VALUES
-_VALUES = tl.constexpr(VALUES)  # (a kernel reads only constexpr globals)
+_VALUES = tl.constexpr(NORM_VALUES)  # (a kernel reads only constexpr globals)
 
 
 class NormInputs(NamedTuple):
     codes: torch.Tensor  # E4M3 [T, D]
     scale: torch.Tensor  # fp32 [T, D / 32]
-    values: torch.Tensor | None  # bf16 [T, D] (``VALUES``)
-    wide: torch.Tensor | None  # fp32 [T, D] (``VALUES``)
+    values: torch.Tensor | None  # bf16 [T, D] (``NORM_VALUES``)
+    wide: torch.Tensor | None  # fp32 [T, D] (``NORM_VALUES``)
 
 
 @triton.jit
@@ -115,13 +114,11 @@ def _store_inputs(y, t, D, codes_ptr, scale_ptr, values_ptr, wide_ptr, QUANT: tl
                   BLOCK_D: tl.constexpr):  # fmt: skip
     """Row ``t``'s ``y`` [BLOCK_D] fp32 (zeros past ``D``) as ``quant_roundtrip.act_codes``
     makes it from the rounded row, bit for bit (and ``y`` itself in fp32)."""
-    codes, scale, values = act_codes_of(tl.reshape(y, [BLOCK_D // 32, 32]))
     blk = tl.arange(0, BLOCK_D // 32)
-    at = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
-    tl.store(codes_ptr + t * D + at, codes, mask=at < D)
-    tl.store(scale_ptr + t * (D // 32) + blk, scale, mask=blk < D // 32)
+    g = tl.reshape(y, [BLOCK_D // 32, 32])
+    at, live = t * (D // 32) + blk, blk < D // 32
+    store_act_codes(g, at, live, codes_ptr, scale_ptr, values_ptr, QUANT >= _VALUES)
     if QUANT >= _VALUES:
-        tl.store(values_ptr + t * D + at, values, mask=at < D)
         d = tl.arange(0, BLOCK_D)
         tl.store(wide_ptr + t * D + d, y, mask=d < D)
 
@@ -347,8 +344,9 @@ def _first_launch(
     quant: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, NormInputs | None]:
     """(normed, collapsed or None, partials or None, the normed rows' ``NormInputs`` or None):
-    the collapse programs always, the mixes programs when ``fn`` is given; ``quant``: ``CODES``
-    or ``VALUES`` (rows held whole in registers and whole scale blocks only, else None)."""
+    the collapse programs always, the mixes programs when ``fn`` is given; ``quant``:
+    ``NORM_CODES`` or ``NORM_VALUES`` (rows held whole in registers and whole scale blocks
+    only, else None)."""
     x = x.contiguous()
     tokens, hc, dim = x.shape
     k = hc * dim
@@ -358,7 +356,7 @@ def _first_launch(
     single = dim <= block_d
     inputs = None
     if quant and single and dim % 32 == 0:
-        wide = quant >= VALUES
+        wide = quant >= NORM_VALUES
         inputs = NormInputs(
             *(
                 torch.empty(tokens, n, dtype=dt, device=x.device) if made else None
@@ -427,7 +425,9 @@ def mhc_pre(
     norm_eps: float,
     keep_collapsed: bool = False,
     quant: int = 0,
-) -> tuple:
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, NormInputs | None
+]:
     """``engramrt.model.mhc.mhc_pre`` for a power-of-two ``hc``, in two launches:
     (normed, pre, post, comb, collapsed or None, ``NormInputs`` or None: ``_first_launch``)."""
     normed, collapsed, part, inputs = _first_launch(

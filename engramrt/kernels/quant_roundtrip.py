@@ -110,6 +110,21 @@ def act_codes_of(g):
     return _e4m3_bits(q, v).to(tl.float8e4nv, bitcast=True), scale, values
 
 
+@triton.jit
+def store_act_codes(g, blk, live, codes_ptr, scale_ptr, values_ptr, VALUES: tl.constexpr):
+    """``act_codes_of(g)`` stored where ``act_codes`` keeps it: blocks ``g`` [NB, 32] are the
+    flat blocks ``blk`` [NB] of a ``[..., K]`` tensor (stored where ``live``), their codes (and
+    with ``VALUES`` the bf16 values) at ``blk * 32 ..``, their scales at ``blk``. Every launch
+    that quantises for the linears after it stores through here."""
+    codes, scale, values = act_codes_of(g)
+    offs = blk[:, None].to(tl.int64) * 32 + tl.arange(0, 32)[None, :]
+    mask = live[:, None] & (offs >= 0)
+    tl.store(codes_ptr + offs, codes, mask=mask)
+    tl.store(scale_ptr + blk, scale, mask=live)
+    if VALUES:
+        tl.store(values_ptr + offs, values, mask=mask)
+
+
 # a step's block count varies: left unspecialised so that no count compiles a variant mid-run
 @triton.jit(do_not_specialize=["n_blocks"])
 def _act_codes_kernel(
@@ -117,13 +132,8 @@ def _act_codes_kernel(
 ):
     blk = tl.program_id(0) * NB + tl.arange(0, NB)
     offs = blk[:, None].to(tl.int64) * 32 + tl.arange(0, 32)[None, :]
-    mask = blk[:, None] < n_blocks
-    g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    codes, scale, values = act_codes_of(g)
-    tl.store(codes_ptr + offs, codes, mask=mask)
-    tl.store(scale_ptr + blk, scale, mask=blk < n_blocks)
-    if VALUES:
-        tl.store(values_ptr + offs, values, mask=mask)
+    g = tl.load(x_ptr + offs, mask=blk[:, None] < n_blocks, other=0.0).to(tl.float32)
+    store_act_codes(g, blk, blk < n_blocks, codes_ptr, scale_ptr, values_ptr, VALUES)
 
 
 def act_codes(x: torch.Tensor, values: bool = False) -> tuple[torch.Tensor, ...]:

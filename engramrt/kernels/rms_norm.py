@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt.kernels.quant_roundtrip import act_codes_of
+from engramrt.kernels.quant_roundtrip import store_act_codes
 
 MAX_WIDTH = 16384  # one program holds a row
 
@@ -43,11 +43,9 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)
     y = normalised(x, w, eps, N).to(x_ptr.dtype.element_ty)
     if CODES:
-        codes, scale, _ = act_codes_of(tl.reshape(y.to(tl.float32), [BLOCK // 32, 32]))
         blk = tl.arange(0, BLOCK // 32)
-        at = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
-        tl.store(out_ptr + r * N + at, codes, mask=at < N)
-        tl.store(scale_ptr + r * (N // 32) + blk, scale, mask=blk < N // 32)
+        g = tl.reshape(y.to(tl.float32), [BLOCK // 32, 32])
+        store_act_codes(g, r * (N // 32) + blk, blk < N // 32, out_ptr, scale_ptr, out_ptr, False)
     else:
         tl.store(out_ptr + r * N + i, y, mask=m)
 

@@ -9,12 +9,15 @@ them on the CPU; on CUDA (power-of-two hc) it runs the fused kernels of
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from engramrt.kernels import use_triton
 from engramrt.model.layers import rms_norm
+
+if TYPE_CHECKING:  # the kernels need Triton; the CPU path never imports them
+    from engramrt.kernels.mhc_fused import NormInputs
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,8 +99,8 @@ class PreMix(NamedTuple):
     comb: torch.Tensor
     collapsed: torch.Tensor | None
     # on a GPU, what the linears after the norm read, made in the norm's launch when the
-    # sublayer asks (``mhc_fused.NormInputs``); None: they quantise ``normed`` themselves
-    inputs: tuple | None = None
+    # sublayer asks; None: they quantise ``normed`` themselves
+    inputs: NormInputs | None = None
 
 
 def mhc_pre(
@@ -117,7 +120,7 @@ def mhc_pre(
     """Split the mixes of ``x [T, hc, D]`` into (pre, post, comb), collapse ``x`` with the
     previous sublayer's ``pre_prev [T, hc]`` and RMS-normalise the rounded collapsed row.
     ``norm_eps`` is both the mixes' and the norm's eps (the model's rms_norm_eps). ``quant``
-    (``mhc_fused.CODES`` or ``VALUES``): on a GPU, the normed rows' ``inputs`` too."""
+    (``kernels.NORM_CODES`` or ``NORM_VALUES``): on a GPU, the normed rows' ``inputs`` too."""
     if _fused(x.device, hc):
         from engramrt.kernels import mhc_fused
 
