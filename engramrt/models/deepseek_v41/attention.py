@@ -524,11 +524,11 @@ class V41Attention(nn.Module):
         if self.role.kind != WINDOW:
             comp = cache.compressed[self.role.kv_source]
             rows = step.picked_rows(cache, self.role.ratio)
-        out = self.attend(q, kv, comp, rows, step, cache)
+        out = self.attend(q, kv, comp, rows, step, cache, rot)
         # after attending: a run's own latents may overwrite ring rows its first tokens read
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
         ring.index_copy_(0, step.ring_rows(cache), kv)
-        return self.output(out, rot)
+        return self.output(out)
 
     def project(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], inputs=None):
         """(qr, q, kv) of ``x``: the queries' low rank as the linears after it read it (``wq_b``
@@ -565,9 +565,10 @@ class V41Attention(nn.Module):
     def _window_latents(self, low: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]):
         return rope_quant(low, rot, ACT, norm=self.kv_norm)
 
-    def output(self, out: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotated back, through the grouped ``wo_a`` and ``wo_b`` (all-reduced under TP)."""
-        o = rope_quant(out, rot, inverse=True).flatten(1).unflatten(-1, (self.groups, -1))
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention's output (rotated back: ``attend``) through the grouped ``wo_a`` and
+        ``wo_b`` (all-reduced under TP)."""
+        o = out.flatten(1).unflatten(-1, (self.groups, -1))
         u = linear(o, self.wo_a.weight.unflatten(0, (self.groups, self.rank)))
         y = self.wo_b(u.flatten(1))
         return y if self.tp.solo else self.tp.all_reduce(y.float()).to(y.dtype)
@@ -629,12 +630,13 @@ class V41Attention(nn.Module):
             step.candidates = cands[0] if len(cands) == 1 else torch.cat(cands)
         step.topk = picks[0] if len(picks) == 1 else torch.cat(picks)  # (a decode: one chunk)
 
-    def attend(self, q, kv, comp, rows, step: StepRuns, cache: V41Cache) -> torch.Tensor:
+    def attend(self, q, kv, comp, rows, step: StepRuns, cache: V41Cache, rot) -> torch.Tensor:
         """Each query over its window (positions ``p - window + 1 .. p``, this run's latents
         from ``kv``, earlier ones from the ring) and the rows ``rows`` [T, k] of ``comp`` (-1:
         none; None: no such rows): fp32 scores, the sink's ``exp`` in the denominator only,
         probabilities in the activation dtype (as the reference's kernel casts them) before
-        they weigh the rows."""
+        they weigh the rows; the output rotated back by ``rot`` (the queries' angles: on a GPU
+        in the same launch)."""
         w, dev = self.window, q.device
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
         if use_triton(dev):  # the same, one launch, no rows gathered into memory
@@ -654,6 +656,7 @@ class V41Attention(nn.Module):
                 self.softmax_scale,
                 w,
                 cache.ring_len,
+                rot,
             )
         out = torch.empty_like(q)
         span = torch.arange(w, device=dev)
@@ -681,4 +684,4 @@ class V41Attention(nn.Module):
             denom = p.sum(-1) + torch.exp(self.attn_sink.float() - top.squeeze(-1))
             o = torch.einsum("mhr,mrd->mhd", p.to(q.dtype).float(), both.float())
             out[c] = (o / denom.unsqueeze(-1)).to(q.dtype)
-        return out
+        return rotate_tail(out, *rot, inverse=True)

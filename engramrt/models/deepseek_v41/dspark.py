@@ -107,8 +107,7 @@ class DSparkAttention(V41Attention):
         angles = angles_at(ctx.positions, self.rope_key)
         rot = angles.cos(), angles.sin()
         _, q, kv = self.project(x, rot, inputs)
-        out = self.attend(q, kv, kv, ctx.rows, ctx.runs, ctx.kv)
-        return self.output(out, rot)
+        return self.output(self.attend(q, kv, kv, ctx.rows, ctx.runs, ctx.kv, rot))
 
 
 class MarkovHead(nn.Module):

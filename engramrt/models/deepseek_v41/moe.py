@@ -165,16 +165,15 @@ class V41MoE(nn.Module):
     ) -> torch.Tensor:
         """The experts as ``Expert.forward`` computes them, without a host sync, in four
         launches: the routed experts' gate/up projection grouped over the (token, expert) pairs
-        sorted by expert (``x`` quantised once for every expert), the shared expert's; one
-        launch of the SwiGLU, routing weight and the down projections' quantisation for both;
-        the routed down projection grouped; the shared one, whose epilogue adds each token's
-        routed outputs in ascending expert id and then its own (the torch path's order). Out:
-        fp32 sums (``x``'s dtype on one rank: the sums rounded once). ``inputs``: ``x``'s codes
-        and values from the norm's launch; ``pairs``: the pairs' rows when routing made them."""
-        from engramrt.kernels.moe_epilogues import swiglu_codes
+        sorted by expert (``x`` quantised once for every expert), the shared expert's, each
+        ending in the SwiGLU, routing weight and quantisation for the down projection; the
+        routed down projection grouped; the shared one, whose epilogue adds each token's routed
+        outputs in ascending expert id and then its own (the torch path's order). Out: fp32
+        sums (``x``'s dtype on one rank: the sums rounded once). ``inputs``: ``x``'s codes and
+        values from the norm's launch; ``pairs``: the pairs' rows when routing made them."""
         from engramrt.kernels.stored_linear import (
             Added,
-            Codes,
+            SwiGLU,
             group_tile_rows,
             grouped_stored_linear,
             stored_linear,
@@ -185,19 +184,14 @@ class V41MoE(nn.Module):
         if pairs is None:
             experts = len(self.experts)
             pairs = ExpertPairs(ids, experts, group_tile_rows(ids.numel(), experts))
-        (tokens, k), shared, limit = ids.shape, self.shared_experts, self.shared_experts.limit
-        p = tokens * k  # the routed rows, then the shared expert's
-        h = torch.empty(p + tokens, w13.shape[1], dtype=x.dtype, device=x.device)
-        grouped_stored_linear(q, w13, s13, True, pairs.tiles, pairs.order, k, top_k=k, out=h[:p])
-        stored_linear(q, shared13, shared_s13, False, out=h[p:])
-        codes, scale, values = swiglu_codes(h, limit, weights, pairs.order, True, weighted=p)
-        h = Codes(codes[:p], scale[:p], x.dtype, values[:p])
+        k, shared, limit = ids.shape[1], self.shared_experts, self.shared_experts.limit
+        glu = SwiGLU(limit, weights)
+        h = grouped_stored_linear(q, w13, s13, True, pairs.tiles, pairs.order, k, k, glu)
         routed = grouped_stored_linear(h, w2, s2, True, pairs.tiles, None, k)
+        h = stored_linear(q, shared13, shared_s13, False, swiglu=SwiGLU(limit))
         # one rank's sums are the output: stored in x's dtype (ranks add theirs in fp32)
-        y = torch.empty(
-            x.shape, dtype=x.dtype if self.tp.size == 1 else torch.float32, device=x.device
-        )
-        h = Codes(codes[p:], scale[p:], x.dtype)
+        dtype = x.dtype if self.tp.size == 1 else torch.float32
+        y = torch.empty(x.shape, dtype=dtype, device=x.device)
         return stored_linear(
             h, shared.w2.weight, shared.w2.scale, False, y, Added(routed, pairs.by_id)
         )
