@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from engramrt.kernels import batch_invariant
 from engramrt.kernels.common import (
@@ -35,7 +34,7 @@ from engramrt.kernels.common import (
     interpreted,
 )
 from engramrt.kernels.quant_roundtrip import round_to_grid
-from engramrt.kernels.rope_quant import GRID
+from engramrt.kernels.rope_quant import GRID, rotate_pairs
 
 NO_SCORE = tl.constexpr(-1e30)  # the running max before any row: exp(-inf - it) is 0, not NaN
 SPLIT_ROWS = 64  # rows a split: fixed, so a token's sums are the same in any step
@@ -67,8 +66,7 @@ def _turned_back(out, cos_ptr, sin_ptr, t, HALF_ROT: tl.constexpr, MBITS: tl.con
                  EMIN: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
     """``out`` [BLOCK_H, D] (fp32 of the output dtype's values) with its trailing ``2 *
     HALF_ROT`` values rotated back by token ``t``'s angles, as ``rope_quant(inverse=True)``
-    does it: adjacent pairs, separate multiplies and subtract (libdevice's, which the compiler
-    never fuses into an FMA), rounded to the dtype once."""
+    does it: adjacent pairs, ``rotate_pairs``, rounded to the dtype once."""
     BH: tl.constexpr = out.shape[0]
     D: tl.constexpr = out.shape[1]
     e, o = tl.split(tl.reshape(out, [BH, D // 2, 2]))
@@ -77,11 +75,7 @@ def _turned_back(out, cos_ptr, sin_ptr, t, HALF_ROT: tl.constexpr, MBITS: tl.con
     tail = j >= first
     c = tl.load(cos_ptr + t * HALF_ROT + j - first, mask=tail, other=1.0)[None, :]
     s = -tl.load(sin_ptr + t * HALF_ROT + j - first, mask=tail, other=0.0)[None, :]
-    if LIBDEVICE:
-        re = libdevice.sub_rn(libdevice.mul_rn(e, c), libdevice.mul_rn(o, s))
-        im = libdevice.add_rn(libdevice.mul_rn(e, s), libdevice.mul_rn(o, c))
-    else:
-        re, im = e * c - o * s, e * s + o * c
+    re, im = rotate_pairs(e, o, c, s, LIBDEVICE)
     re, im = tl.where(tail[None, :], re, e), tl.where(tail[None, :], im, o)
     if MBITS:  # rounded to the output's dtype by bits (the interpreter's casts truncate)
         re, im = round_to_grid(re, MBITS, EMIN), round_to_grid(im, MBITS, EMIN)

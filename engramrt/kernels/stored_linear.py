@@ -39,7 +39,7 @@ import triton.language as tl
 from engramrt.kernels.common import MAX_TILES, SMS, SPREAD_BELOW, arrival_counters, interpreted
 from engramrt.kernels.moe_epilogues import combined, swiglu_store
 from engramrt.kernels.quant_roundtrip import act_codes
-from engramrt.kernels.rope_quant import GRID
+from engramrt.kernels.rope_quant import GRID, rotated_tile
 
 # rows a program: the tensor cores' narrow side, 16 for decode-sized steps, 64 above (fewer
 # reads of each weight tile); a row's operations are the same in either
@@ -256,16 +256,22 @@ def _partial(parts, p, programs, stride, omask):
 @triton.jit
 def _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K, pair, f0,
                LIMIT, scale_ptr, values_ptr, EPILOGUE: tl.constexpr, HAS_W: tl.constexpr,
-               MBITS: tl.constexpr, EMIN: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+               MBITS: tl.constexpr, EMIN: tl.constexpr, HALF_ROT: tl.constexpr,
+               ASM: tl.constexpr):  # fmt: skip
     """The tile's sums ``total`` [BN, BM] as the output's rows ``rm`` (``EPILOGUE`` 0), with
-    rows added first (1: ``moe_epilogues.combined``), or as the SwiGLU's codes (2:
-    ``moe_epilogues.swiglu_store``; ``out_ptr`` the codes)."""
+    rows added first (1: ``moe_epilogues.combined``), as the SwiGLU's codes (2:
+    ``moe_epilogues.swiglu_store``; ``out_ptr`` the codes), or rotated (3:
+    ``rope_quant.rotated_tile``: ``add_ptr``/``by_id_ptr`` the angles' cos/sin, ``TOP_K`` the
+    head's width)."""
     if EPILOGUE == 2:
         swiglu_store(total, rm, live, f0, pair, N // 2, LIMIT, add_ptr, out_ptr, scale_ptr,
                      values_ptr, HAS_W, MBITS, EMIN, ASM)  # fmt: skip
     else:
         if EPILOGUE == 1:
             total = combined(total, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K)
+        elif EPILOGUE == 3:
+            total = rotated_tile(total, f0 * 2, rm, live, add_ptr, by_id_ptr, TOP_K, HALF_ROT,
+                                 MBITS, EMIN, ASM)  # fmt: skip
         outs = out_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
         tl.store(outs, total.to(out_ptr.dtype.element_ty), mask=omask)
 
@@ -305,6 +311,7 @@ def _stored_linear_kernel(
     HAS_W: tl.constexpr,
     MBITS: tl.constexpr,
     EMIN: tl.constexpr,
+    HALF_ROT: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     G: tl.constexpr,
@@ -366,7 +373,8 @@ def _stored_linear_kernel(
     omask = live[None, :] & nmask[:, None]
     if PROGRAMS == 1:
         _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K, pair, f0,
-                   LIMIT, scale_ptr, values_ptr, EPILOGUE, HAS_W, MBITS, EMIN, ASM)  # fmt: skip
+                   LIMIT, scale_ptr, values_ptr, EPILOGUE, HAS_W, MBITS, EMIN, HALF_ROT,
+                   ASM)  # fmt: skip
     else:
         # each split's sum to memory; the last to arrive adds them in split order
         parts = part_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
@@ -387,7 +395,7 @@ def _stored_linear_kernel(
                 total = (((total + p0) + p1) + p2) + p3
             _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K,
                        pair, f0, LIMIT, scale_ptr, values_ptr, EPILOGUE, HAS_W, MBITS, EMIN,
-                       ASM)  # fmt: skip
+                       HALF_ROT, ASM)  # fmt: skip
             tl.atomic_xchg(count_ptr + tile, 0)
 
 
@@ -439,6 +447,7 @@ def _launch(
     out: torch.Tensor | None = None,
     added: Added | None = None,
     swiglu: SwiGLU | None = None,
+    rope: Rope | None = None,
 ) -> torch.Tensor | Codes:
     """``tiles`` (grouped) come with their row count ``bm``; else the rows pick it."""
     codes, sa, dtype = q.codes, q.scale, q.dtype
@@ -491,8 +500,13 @@ def _launch(
     part = (
         torch.empty(splits, rows_out, n, dtype=torch.float32, device=dev) if programs > 1 else out
     )
+    second = added.by_id.contiguous() if added is not None else sa
     if swiglu is not None:
         operand = swiglu.weights.reshape(-1).float() if swiglu.weights is not None else sa
+    elif rope is not None:
+        if rope.cos.shape != (rows_out, rope.cos.shape[-1]) or rope.head_dim % 2:
+            raise ValueError(f"angles [{rows_out}, rd / 2] and an even head, got {rope}")
+        operand, second, top_k = rope.cos.contiguous(), rope.sin.contiguous(), rope.head_dim
     else:
         operand = added.rows.contiguous() if added is not None else sa
     mbits, emin = GRID[dtype]
@@ -507,7 +521,7 @@ def _launch(
         rows if rows is not None else sa,
         tiles if tiles is not None else sa,
         operand,
-        added.by_id.contiguous() if added is not None else sa,
+        second,
         *extra,
         rows_out,
         len(codes),
@@ -523,10 +537,11 @@ def _launch(
         FP4=fp4,
         GROUPED=tiles is not None,
         GATHER=rows is not None,
-        EPILOGUE=2 if swiglu is not None else int(added is not None),
+        EPILOGUE=2 if swiglu is not None else 3 if rope is not None else int(added is not None),
         HAS_W=swiglu is not None and swiglu.weights is not None,
         MBITS=mbits,
         EMIN=emin,
+        HALF_ROT=rope.cos.shape[-1] if rope is not None else 1,
         BM=bm,
         BN=bn,
         G=g,
@@ -535,6 +550,16 @@ def _launch(
         num_stages=stages,
     )
     return result
+
+
+class Rope(NamedTuple):
+    """The output's RoPE (``rope_quant`` of the product, no round trip): each ``head_dim``-wide
+    head's last ``2 * cos.shape[-1]`` features rotated by its row's angles (``cos``/``sin``
+    [M, rd / 2] fp32)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    head_dim: int
 
 
 class SwiGLU(NamedTuple):
@@ -587,6 +612,7 @@ def stored_linear(
     out: torch.Tensor | None = None,
     added: Added | None = None,
     swiglu: SwiGLU | None = None,
+    rope: Rope | None = None,
 ) -> torch.Tensor | Codes:
     """``x`` [M, K] through ``act_quant`` (or its ``Codes``) times the stored weight (``weight``
     E4M3 ``[N, K]`` with 32 x 32 scales, or I8 ``[N, K / 2]`` paired by ``quant.pair_fp4``
@@ -594,13 +620,12 @@ def stored_linear(
     bytes); out ``[M, N]`` in ``x``'s dtype. ``x`` may already be on ``act_quant``'s grid
     (a round trip of it is exact). ``out``: where the output goes (its dtype); ``added``:
     rows summed in before each output row (``Added``); ``swiglu``: the output the SwiGLU's
-    ``Codes`` instead (``SwiGLU``)."""
+    ``Codes`` instead (``SwiGLU``); ``rope``: the output rotated (``Rope``)."""
     q = quantize(x, fp4)
     n, k = weight.shape[0], q.codes.shape[-1]
     config = settings(fp4, n, k)
-    return _launch(
-        q, weight, scale, fp4, len(q.codes), config, None, None, None, 1, out, added, swiglu
-    )
+    epilogues = {"out": out, "added": added, "swiglu": swiglu, "rope": rope}
+    return _launch(q, weight, scale, fp4, len(q.codes), config, **epilogues)
 
 
 def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:

@@ -555,8 +555,15 @@ class V41Attention(nn.Module):
 
         return stored_linear(xs, w, scale, False).split([len(a.weight), len(b.weight)], -1)
 
-    def queries(self, qr: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return rope_quant(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), rot)
+    def queries(self, qr, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The rotated queries ``[T, heads, head_dim]``: on a GPU (``qr`` codes) rotated in
+        ``wq_b``'s launch, bit for bit ``rope_quant`` of its product."""
+        if isinstance(qr, torch.Tensor):
+            return rope_quant(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), rot)
+        from engramrt.kernels.stored_linear import Rope
+
+        q = self.wq_b(qr, Rope(*rot, self.head_dim))
+        return q.unflatten(-1, (self.heads, self.head_dim))
 
     def latents(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The window latents (K and V) ``[T, D]``: rotated, FP8 round-tripped."""
