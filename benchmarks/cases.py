@@ -160,18 +160,11 @@ def _stored_linear(p: dict, dev: str) -> Built:
 
 
 def _grouped_experts(p: dict, dev: str) -> Built:
-    """The routed experts' grouped FP4 w1|w3 launch at a decode step's routing, ending in the
-    SwiGLU, routing weight and act_quant for w2 (as the MoE runs it): random top-k of ``e``
-    experts a token, the token rows gathered in the kernel; the torch path loops the touched
-    experts over dequantised weights (random bytes: the kernel's paired ones, the torch path's
-    the same unpaired), then the SwiGLU and the round trip."""
-    from engramrt.kernels.stored_linear import (
-        SwiGLU,
-        group_tile_rows,
-        group_tiles,
-        grouped_stored_linear,
-    )
-    from engramrt.models.deepseek_v41.moe import clamped_swiglu
+    """The routed experts' grouped FP4 w1|w3 launch at a decode step's routing: random top-k of
+    ``e`` experts a token, the token rows gathered in the kernel; the torch path loops the
+    touched experts over dequantised weights (random bytes: the kernel's paired ones, the
+    torch path's the same unpaired)."""
+    from engramrt.kernels.stored_linear import group_tile_rows, group_tiles, grouped_stored_linear
 
     e, k, t, n, kk = p["experts"], p["k"], p["tokens"], p["n"], p["kdim"]
     g = _gen(dev, e + t)
@@ -179,10 +172,10 @@ def _grouped_experts(p: dict, dev: str) -> Built:
     scale = torch.randint(118, 124, (e, n, kk // 32), device=dev, generator=g, dtype=torch.uint8)
     scale = scale.view(torch.float8_e8m0fnu)
     ids = torch.rand(t, e, device=dev, generator=g).argsort(1)[:, :k]
-    weights = torch.rand(t, k, device=dev, generator=g)
     order = torch.sort(ids.flatten(), stable=True).indices
     counts = torch.bincount(ids.flatten(), minlength=e)
     tiles = group_tiles(counts, len(order), group_tile_rows(len(order), e))
+    rows = order // k
     x = torch.randn(t, kk, device=dev, generator=g).to(_dtype(dev))
     sorted_ids = ids.flatten()[order]
     # the torch path reads the checkpoint's order: each touched expert's bytes unpaired once
@@ -193,19 +186,16 @@ def _grouped_experts(p: dict, dev: str) -> Built:
         for j in sorted_ids.unique().tolist():
             at = (sorted_ids == j).nonzero().flatten()
             w = quant.dequant_fp4_weight(stored[j], scale[j], x.dtype)
-            out[at] = quant.quantized_linear(x[order[at] // k], w)
-        gate, up = out.chunk(2, dim=-1)
-        h = clamped_swiglu(gate, up, 10.0, weights.flatten()[order, None]).to(x.dtype)
-        return quant.act_roundtrip(h).bfloat16()
+            out[at] = quant.quantized_linear(x[rows[at]], w)
+        return out
 
-    glu = SwiGLU(10.0, weights)
     touched = int((counts > 0).sum())
     return Built(
-        kernel=lambda: grouped_stored_linear(x, codes, scale, True, tiles, order, k, k, glu).values,
+        kernel=lambda: grouped_stored_linear(x, codes, scale, True, tiles, rows, k),
         reference=reference,
         bytes=touched * (codes[0].numel() + scale[0].numel())
-        + _nbytes(x, weights)
-        + len(order) * (n // 2) * (1 + 2 + 4 / 32),  # codes, values, scales
+        + _nbytes(x)
+        + len(order) * n * x.element_size(),
         flops=2 * len(order) * n * kk,
         tol=1e-2 if dev == "cuda" else 1e-5,
         ref_graph=False,
@@ -225,6 +215,32 @@ def _route(p: dict, dev: str) -> Built:
         bytes=_nbytes(logits, bias) + p["tokens"] * p["k"] * 12,
         exact=dev == "cuda",  # the interpreter has no libdevice
         tol=1e-5,
+    )
+
+
+def _swiglu_codes(p: dict, dev: str) -> Built:
+    from engramrt.kernels.moe_epilogues import swiglu_codes
+    from engramrt.models.deepseek_v41.moe import clamped_swiglu
+
+    g = _gen(dev, p["tokens"])
+    gate_up = (torch.randn(p["tokens"], 2 * p["inter"], device=dev, generator=g) * 3).to(
+        _dtype(dev)
+    )
+    w = torch.rand(p["tokens"], device=dev, generator=g)
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = gate_up.chunk(2, dim=-1)
+        codes, scale = quant.act_quant(clamped_swiglu(gate, up, 10.0, w[:, None]).to(x_dtype))
+        return codes.view(torch.uint8), scale
+
+    x_dtype = gate_up.dtype
+    return Built(
+        kernel=lambda: (lambda c, s, _: (c.view(torch.uint8), s))(*swiglu_codes(gate_up, 10.0, w)),
+        reference=reference,
+        bytes=_nbytes(gate_up, w) + p["tokens"] * p["inter"] * (1 + 4 / 32),
+        exact=dev == "cuda",
+        tol=1e-2,
+        ref_graph=False,
     )
 
 
@@ -791,7 +807,7 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
     KernelCase(
         "stored_linear.grouped",
         "engramrt/kernels/stored_linear.py",
-        "the routed experts' grouped FP4 w1|w3 and SwiGLU at Flash's widths, top-6 of 384",
+        "the routed experts' grouped FP4 w1|w3 at Flash's widths, top-6 of 384",
         _grouped_experts,
         tuple(
             Shape(
@@ -810,6 +826,14 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
         _route,
         _rows((1, 64, 4096), 64, experts=384, k=6),
         (Shape("5 rows", {"tokens": 5, "experts": 16, "k": 3}),),
+    ),
+    KernelCase(
+        "moe_epilogues.swiglu_codes",
+        "engramrt/kernels/moe_epilogues.py",
+        "the clamped SwiGLU, routing weight and act_quant between the expert projections",
+        _swiglu_codes,
+        _rows((6, 384), 0, inter=2304),
+        (Shape("3 rows", {"tokens": 3, "inter": 96}),),
     ),
     KernelCase(
         "engram_hash.decode",

@@ -40,7 +40,7 @@ V41Attention.project=attn.q V41Attention.low_ranks=attn.q V41Attention.queries=a
 V41Attention.latents=attn.kv V41Attention._window_latents=attn.kv
 V41Attention._compress=attn.compress
 V41Attention._index=attn.index V41Attention.forward=attn.rows V41Attention.attend=attn.sparse
-V41Attention.output=attn.out V41MoE._route=moe.route ExpertPairs.__init__=moe.sort
+V41Attention.output=attn.out V41MoE.route=moe.route ExpertPairs.__init__=moe.sort
 V41MoE._grouped=moe.experts ExpertPairs.combine=moe.combine Expert.forward=moe.shared
 V41MoE.forward=moe.combine SlotTable.token_ids=tokens StageRunner._hash=hash
 EngramMHCModel.embed_tokens=embed ForwardContext.for_runs=context StageRunner.forward=head.rows

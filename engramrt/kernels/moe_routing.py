@@ -1,8 +1,9 @@
-"""DeepSeek-V4.1's MoE routing on CUDA with no sort and no host sync: a step of a few tokens
-in one launch (``gate_route``: the gate's logits, the router, the rows the grouped expert kernel
-reads), a larger one in two after the gate's product (``route``, ``expert_rows``). The torch path
-(``route_logits``, ``ExpertPairs``' sort, ``group_tiles`` once per grouped launch) took 84 small
-launches a layer for the same values (an H200's profile at Flash's 384 experts, top-6).
+"""DeepSeek-V4.1's MoE routing on CUDA in two launches: the router after its logits (scores,
+top-k, weights) and the rows the grouped expert kernel reads, with no sort and no host sync.
+The torch path (``route_logits``, ``ExpertPairs``' sort, ``group_tiles`` once per grouped
+launch) took 84 small launches a layer for the same values (an H200's profile at Flash's 384
+experts, top-6: the router 16 launches, now 4 with the gate's cast and GEMV; the rows and tiles
+73, now 1).
 
 ``route``: a program a token. Scores are ``sqrt(softplus(logits))`` as torch's CUDA kernels
 compute them (``x > 20 ? x : log1p(exp(x))`` through libdevice's ``expf`` and ``log1pf``,
@@ -16,13 +17,9 @@ CUDA reduction of a ``k``-wide row (the upper half folded onto the lower, repeat
 of torch's warp reduction since its shuffle offsets decrease) and divided with IEEE rounding, so
 the weights are torch's bits too.
 
-``gate_route``: programs (16 experts, a split of K) sum every token's logits over their split
-in one chain of FMAs, from zero; the last to arrive adds the splits in order (the gate's shape
-alone sets them, so a token's logits are the same bits in any step it takes), routes every token
-as ``route`` does and builds the rows as ``expert_rows`` lays them out, each pair's row the count
-of pairs before it (a comparison of all pairs with all: a decode step has at most 128). cuBLAS
-sums larger steps' logits (or ``dense_linear`` under ``--batch-invariant``, which therefore
-routes every step so).
+The gate's logits stay an fp32 ``F.linear`` before it: in the kernel each token would read the
+whole gate (``E x dim`` fp32, 7.5 MiB for Flash) in one program, or the GEMV would be split over
+programs and need a second pass; cuBLAS already reads it at full bandwidth in one launch.
 
 ``expert_rows``: a program an expert, each reading all ``T * k`` ids (a few KiB from L2). It
 counts every expert's pairs (a histogram), so it knows its rows' offset; its pairs' ranks are
@@ -42,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engramrt.kernels.common import SMS, arrival_counters, interpreted
+from engramrt.kernels.common import interpreted
 
 MAX_EXPERTS = 1 << 16  # an expert id fits the low 16 bits of a key
 MAX_K = 32  # torch sums a row of up to a warp's width as ``_torch_row_sum`` does
@@ -78,50 +75,23 @@ def _order_keys(v):
 
 @triton.jit
 def _torch_row_sum(w, KP: tl.constexpr):
-    """Each row's sum of ``w`` [R, KP] (zeros past ``k``) in the order torch's CUDA reduction
-    adds a contiguous ``k``-wide row (``k <= 32``): ``W`` threads (the largest power of two up
-    to ``k``), thread ``j`` adding slots ``j`` and ``j + W``, then warp shuffles at offsets
+    """The sum of ``w`` [KP] (zeros past ``k``) in the order torch's CUDA reduction adds a
+    contiguous ``k``-wide row (``k <= 32``): ``W`` threads (the largest power of two up to
+    ``k``), thread ``j`` adding slots ``j`` and ``j + W``, then warp shuffles at offsets
     ``W/2, W/4, ..., 1``. Both steps fold the upper half onto the lower: ``w[j] + w[j + KP/2]``
     until one value is left. Each ``tl.sum`` below adds two values (one rounding, either
     order)."""
-    R: tl.constexpr = w.shape[0]
     if KP >= 32:
-        w = tl.sum(tl.reshape(w, [R, 2, 16]), axis=1)
+        w = tl.sum(tl.reshape(w, [2, 16]), axis=0)
     if KP >= 16:
-        w = tl.sum(tl.reshape(w, [R, 2, 8]), axis=1)
+        w = tl.sum(tl.reshape(w, [2, 8]), axis=0)
     if KP >= 8:
-        w = tl.sum(tl.reshape(w, [R, 2, 4]), axis=1)
+        w = tl.sum(tl.reshape(w, [2, 4]), axis=0)
     if KP >= 4:
-        w = tl.sum(tl.reshape(w, [R, 2, 2]), axis=1)
+        w = tl.sum(tl.reshape(w, [2, 2]), axis=0)
     if KP >= 2:
-        w = tl.sum(tl.reshape(w, [R, 2, 1]), axis=1)
-    return tl.sum(w, axis=1)
-
-
-@triton.jit
-def _route_tile(logits, bias, e, valid, route_scale, K: tl.constexpr, KP: tl.constexpr,
-                LIBDEVICE: tl.constexpr):  # fmt: skip
-    """(weights [R, KP] fp32, ids [R, KP] int64; slots past ``K`` zero) of fp32 ``logits`` [R,
-    BE] whose experts are ``e`` [BE] (those past E not ``valid``), chosen by score plus ``bias``
-    ([R, BE] or [1, BE]): ``K`` passes of a max over each row's keys."""
-    R: tl.constexpr = logits.shape[0]
-    scores = sqrt_softplus(logits, LIBDEVICE)
-    key = _order_keys(scores + bias).to(tl.int64) * 65536 + (65535 - e[None, :])
-    taken: tl.constexpr = -(1 << 62)  # below every key (keys are above -2**47)
-    key = tl.where(valid[None, :], key, taken)
-    slot = tl.arange(0, KP)[None, :]
-    w = tl.zeros([R, KP], tl.float32)
-    ids = tl.zeros([R, KP], tl.int64)
-    for j in tl.static_range(K):
-        best = tl.max(key, axis=1)
-        pick = 65535 - (best & 65535)
-        chosen = tl.sum(tl.where(e[None, :] == pick[:, None], scores, 0.0), axis=1)
-        w = tl.where(slot == j, chosen[:, None], w)
-        ids = tl.where(slot == j, pick[:, None], ids)
-        key = tl.where(key == best[:, None], taken, key)
-    if K > 1:
-        w = tl.div_rn(w, tl.broadcast_to((_torch_row_sum(w, KP) + 1e-20)[:, None], [R, KP]))
-    return w * route_scale, ids
+        w = tl.sum(tl.reshape(w, [2, 1]), axis=0)
+    return tl.sum(w, axis=0)
 
 
 @triton.jit
@@ -143,15 +113,26 @@ def _route_kernel(
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)
     valid = e < E
-    logits = tl.load(logits_ptr + t * E + e[None, :], mask=valid[None, :], other=0.0)
-    bias = tl.load(bias_ptr + e[None, :], mask=valid[None, :], other=0.0)
+    scores = sqrt_softplus(tl.load(logits_ptr + t * E + e, mask=valid, other=0.0), LIBDEVICE)
+    bias = tl.load(bias_ptr + e, mask=valid, other=0.0)
     if IMAGE:
         image = tl.load(image_ptr + t).to(tl.int32)
-        vl = tl.load(bias_vl_ptr + e[None, :], mask=valid[None, :], other=0.0)
-        bias = tl.where(image != 0, vl, bias)
-    w, ids = _route_tile(logits, bias, e, valid, route_scale, K, KP, LIBDEVICE)
-    slot = tl.arange(0, KP)[None, :]
-    tl.store(weights_ptr + t * K + slot, w, mask=slot < K)
+        bias = tl.where(image != 0, tl.load(bias_vl_ptr + e, mask=valid, other=0.0), bias)
+    key = _order_keys(scores + bias).to(tl.int64) * 65536 + (65535 - e)
+    taken: tl.constexpr = -(1 << 62)  # below every key (keys are above -2**47)
+    key = tl.where(valid, key, taken)
+    slot = tl.arange(0, KP)
+    w = tl.zeros([KP], tl.float32)
+    ids = tl.zeros([KP], tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(key, axis=0)
+        pick = 65535 - (best & 65535)
+        w = tl.where(slot == j, tl.sum(tl.where(e == pick, scores, 0.0), axis=0), w)
+        ids = tl.where(slot == j, pick, ids)
+        key = tl.where(key == best, taken, key)
+    if K > 1:
+        w = tl.div_rn(w, tl.broadcast_to(_torch_row_sum(w, KP) + 1e-20, [KP]))
+    tl.store(weights_ptr + t * K + slot, w * route_scale, mask=slot < K)
     tl.store(ids_ptr + t * K + slot, ids, mask=slot < K)
 
 
@@ -328,249 +309,3 @@ def expert_rows(ids: torch.Tensor, experts: int, tile_rows: int | None = None) -
         TILE_BLOCK=TILE_BLOCK,
     )
     return ExpertRows(order, counts, by_id, tiles)
-
-
-# a step of up to ``ONE_LAUNCH_TOKENS`` tokens (``k`` up to ``ONE_LAUNCH_K``) routes in one launch
-ONE_LAUNCH_TOKENS, ONE_LAUNCH_K = 16, 8
-GATE_BK, GATE_BG = 64, 16  # inputs a step, experts a program of the gate's product
-
-
-@triton.jit
-def _rows_of(
-    ids,
-    live,
-    order_ptr,
-    counts_ptr,
-    by_id_ptr,
-    tiles_ptr,
-    N,
-    BM,
-    E: tl.constexpr,
-    K: tl.constexpr,
-    BE: tl.constexpr,
-    TILE_BLOCK: tl.constexpr,
-):
-    """``expert_rows`` of a step's ids [R, KP] (pairs where ``live``; ``N`` of them) held by one
-    program: each pair's row is the count of pairs before it in (expert, flat pair) order,
-    its place among its token's rows the count of those of its token; tiles as
-    ``stored_linear.group_tiles`` lays them out, ``BM`` rows each."""
-    R: tl.constexpr = ids.shape[0]
-    KP: tl.constexpr = ids.shape[1]
-    NP: tl.constexpr = R * KP
-    tok = tl.reshape(tl.arange(0, R)[:, None] + tl.zeros([R, KP], tl.int32), [NP])
-    slot = tl.reshape(tl.arange(0, KP)[None, :] + tl.zeros([R, KP], tl.int32), [NP])
-    ok = tl.reshape(live, [NP])
-    idf = tl.reshape(ids, [NP]).to(tl.int32)
-    key = tl.where(ok, idf, E)
-    p = tok * K + slot
-    before = ok[None, :] & (
-        (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (p[None, :] < p[:, None]))
-    )
-    row = tl.sum(before.to(tl.int32), axis=1).to(tl.int64)
-    tl.store(order_ptr + row, p.to(tl.int64), mask=ok)
-    place = tl.sum((before & (tok[None, :] == tok[:, None])).to(tl.int32), axis=1)
-    tl.store(by_id_ptr + p - slot + place, row, mask=ok)
-
-    bins = tl.arange(0, BE)
-    hist = tl.histogram(tl.where(ok, idf, 0), BE)
-    counts = hist - tl.where(bins == 0, NP - N, 0)  # the padding was counted as expert 0
-    tl.store(counts_ptr + bins, counts.to(tl.int64), mask=bins < E)
-    per = (counts + BM - 1) // BM
-    tile_end = tl.cumsum(per, 0)
-    first = tile_end - per
-    ends = tl.cumsum(counts, 0)
-    base = ends - counts - first * BM  # a tile's first row less BM times its index
-    used = tl.sum(per, axis=0)
-    n_tiles = tl.cdiv(N, BM) + E
-    for j0 in range(0, n_tiles, TILE_BLOCK):
-        j = j0 + tl.arange(0, TILE_BLOCK)
-        match = (first[None, :] <= j[:, None]) & (j[:, None] < tile_end[None, :])  # one expert
-        ex = tl.sum(tl.where(match, bins[None, :], 0), axis=1)
-        start = tl.sum(tl.where(match, base[None, :], 0), axis=1) + j * BM
-        end = tl.sum(tl.where(match, ends[None, :], 0), axis=1)
-        in_use = j < used
-        at = tiles_ptr + j.to(tl.int64) * 3
-        m = j < n_tiles
-        tl.store(at, tl.where(in_use, ex, E - 1).to(tl.int64), mask=m)
-        tl.store(at + 1, tl.where(in_use, start, 0).to(tl.int64), mask=m)
-        tl.store(at + 2, tl.where(in_use, tl.minimum(start + BM, end), 0).to(tl.int64), mask=m)
-
-
-@triton.jit(do_not_specialize=["T", "BM"])
-def _gate_route_kernel(
-    x_ptr,  # fp32 [T, D]
-    gate_ptr,  # fp32 [E, D]
-    bias_ptr,
-    bias_vl_ptr,
-    image_ptr,
-    part_ptr,  # fp32 [SPLITS, TM, E]
-    count_ptr,  # int32 arrival counter, zero between launches
-    logits_ptr,  # fp32 [T, E]
-    weights_ptr,
-    ids_ptr,
-    order_ptr,
-    counts_ptr,
-    by_id_ptr,
-    tiles_ptr,
-    T,
-    D,
-    route_scale,
-    BM,
-    E: tl.constexpr,
-    K: tl.constexpr,
-    SPLITS: tl.constexpr,
-    PER: tl.constexpr,
-    TM: tl.constexpr,
-    BG: tl.constexpr,
-    BK: tl.constexpr,
-    BE: tl.constexpr,
-    KP: tl.constexpr,
-    TILE_BLOCK: tl.constexpr,
-    IMAGE: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
-):
-    """Program (expert block, K split): the split's sum of every token's logits over its
-    experts, from zero in one chain of FMAs; the last program to arrive adds the splits in
-    order (so a token's logits are the same bits whatever the other tokens), routes every
-    token and builds the rows."""
-    pid_e, pid_s = tl.program_id(0), tl.program_id(1)
-    t = tl.arange(0, TM)
-    tok = t < T
-    eg = pid_e * BG + tl.arange(0, BG)
-    kk = tl.arange(0, BK)
-    acc = tl.zeros([TM, BG], tl.float32)
-    for k in range(pid_s * PER, tl.minimum(pid_s * PER + PER, D), BK):
-        kok = k + kk < D
-        xmask = tok[:, None] & kok[None, :]
-        xs = tl.load(x_ptr + t[:, None] * D + k + kk[None, :], mask=xmask, other=0.0)
-        wmask = (eg < E)[:, None] & kok[None, :]
-        ws = tl.load(gate_ptr + eg[:, None] * D + k + kk[None, :], mask=wmask, other=0.0)
-        acc = tl.dot(xs, tl.trans(ws), acc, input_precision="ieee")
-    tl.store(part_ptr + (pid_s * TM + t[:, None]) * E + eg[None, :], acc, mask=(eg < E)[None, :])
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
-        e = tl.arange(0, BE)
-        valid = e < E
-        at = t[:, None] * E + e[None, :]
-        logits = tl.zeros([TM, BE], tl.float32)
-        for s in tl.static_range(SPLITS):
-            part = part_ptr + s * TM * E + at
-            logits += tl.load(part, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-        tl.store(logits_ptr + at, logits, mask=tok[:, None] & valid[None, :])
-        bias = tl.load(bias_ptr + e[None, :], mask=valid[None, :], other=0.0)
-        if IMAGE:
-            image = tl.load(image_ptr + t, mask=tok, other=0).to(tl.int32)
-            vl = tl.load(bias_vl_ptr + e[None, :], mask=valid[None, :], other=0.0)
-            bias = tl.where(image[:, None] != 0, vl, bias)
-        w, ids = _route_tile(logits, bias, e, valid, route_scale, K, KP, LIBDEVICE)
-        slot = tl.arange(0, KP)[None, :]
-        live = tok[:, None] & (slot < K)
-        tl.store(weights_ptr + t[:, None] * K + slot, w, mask=live)
-        tl.store(ids_ptr + t[:, None] * K + slot, ids, mask=live)
-        _rows_of(
-            ids, live, order_ptr, counts_ptr, by_id_ptr, tiles_ptr, T * K, BM, E, K, BE, TILE_BLOCK
-        )
-        tl.atomic_xchg(count_ptr, 0)
-
-
-@dataclass
-class Routing:
-    """A step's routing: ``weights`` [T, k] fp32, expert ids ``ids`` [T, k], the gate's fp32
-    ``logits`` [T, E] and the pairs' ``rows``."""
-
-    weights: torch.Tensor
-    ids: torch.Tensor
-    logits: torch.Tensor
-    rows: ExpertRows
-
-
-def one_launch(tokens: int, k: int) -> bool:
-    """Whether ``gate_route`` takes a step of ``tokens`` tokens."""
-    return tokens <= ONE_LAUNCH_TOKENS and k <= ONE_LAUNCH_K
-
-
-def gate_splits(experts: int, dim: int) -> tuple[int, int]:
-    """(splits, inputs a split) of the gate's product: the gate's shape alone decides them (so
-    a token's logits never depend on its step), enough programs to fill the GPU twice, at
-    least four steps a split."""
-    steps = triton.cdiv(dim, GATE_BK)
-    splits = max(1, min(16, steps // 4, triton.cdiv(2 * SMS, triton.cdiv(experts, GATE_BG))))
-    per = triton.cdiv(steps, splits) * GATE_BK
-    return triton.cdiv(dim, per), per
-
-
-def gate_route(
-    x: torch.Tensor,
-    gate: torch.Tensor,
-    bias: torch.Tensor,
-    k: int,
-    route_scale: float,
-    tile_rows: int,
-    bias_vl: torch.Tensor | None = None,
-    image: torch.Tensor | None = None,
-) -> Routing:
-    """A small step's router in one launch: the gate's fp32 logits of ``x`` [T, D] (fp32) in a
-    fixed order of K splits, ``route``'s weights and ids of them (the same bits as ``route`` of
-    these logits) and their ``expert_rows`` with tiles of ``tile_rows`` rows. ``one_launch``
-    says which steps it takes."""
-    tokens, dim = x.shape
-    experts = gate.shape[0]
-    if not one_launch(tokens, k) or not 0 < k <= experts or tile_rows < 1:
-        raise ValueError(
-            f"up to {ONE_LAUNCH_TOKENS} tokens, 0 < k <= min(E, {ONE_LAUNCH_K}) and tiles of a "
-            f"row or more, got {tokens} tokens, k {k}, E {experts}, tiles of {tile_rows}"
-        )
-    dev, n = x.device, tokens * k
-    splits, per = gate_splits(experts, dim)
-    logits = torch.empty(tokens, experts, dtype=torch.float32, device=dev)
-    weights = torch.empty(tokens, k, dtype=torch.float32, device=dev)
-    ids = torch.empty(tokens, k, dtype=torch.int64, device=dev)
-    rows = ExpertRows(
-        torch.empty(n, dtype=torch.int64, device=dev),
-        torch.empty(experts, dtype=torch.int64, device=dev),
-        torch.empty(tokens, k, dtype=torch.int64, device=dev),
-        torch.empty(triton.cdiv(n, tile_rows) + experts, 3, dtype=torch.int64, device=dev),
-    )
-    if tokens == 0:
-        rows.counts.zero_()
-        rows.tiles.copy_(torch.tensor([experts - 1, 0, 0], device=dev).expand_as(rows.tiles))
-        return Routing(weights, ids, logits, rows)
-    with_image = image is not None and bias_vl is not None
-    part = torch.empty(splits, ONE_LAUNCH_TOKENS, experts, dtype=torch.float32, device=dev)
-    grid = (triton.cdiv(experts, GATE_BG), splits)
-    _gate_route_kernel[grid](
-        x.float().contiguous(),
-        gate.float().contiguous(),
-        bias.float().contiguous(),
-        bias_vl.float().contiguous() if with_image else bias,
-        image.contiguous() if with_image else bias,
-        part,
-        arrival_counters(dev),
-        logits,
-        weights,
-        ids,
-        rows.order,
-        rows.counts,
-        rows.by_id,
-        rows.tiles,
-        tokens,
-        dim,
-        route_scale,
-        tile_rows,
-        E=experts,
-        K=k,
-        SPLITS=splits,
-        PER=per,
-        TM=ONE_LAUNCH_TOKENS,
-        BG=GATE_BG,
-        BK=GATE_BK,
-        BE=triton.next_power_of_2(experts),
-        KP=triton.next_power_of_2(k),
-        TILE_BLOCK=TILE_BLOCK,
-        IMAGE=with_image,
-        LIBDEVICE=not interpreted(),
-        num_warps=8 if experts > 128 else 4,  # the last program's tiles over every expert
-        **exact_options(),
-    )
-    return Routing(weights, ids, logits, rows)

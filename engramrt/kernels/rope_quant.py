@@ -9,9 +9,8 @@ HALF_ROT`` rotated by the token's ``cos``/``sin`` in fp32 (inverse: the conjugat
 to the input's dtype once (by its bits, to nearest even), then, per ``KIND``, each block of
 ``B`` values through the round trip of ``engramrt.kernels.quant_roundtrip`` (a block's evens
 and odds share its amax). The result goes to ``out`` and, where ``rows[t] >= 0``, to row
-``rows[t]`` of ``cache``. Products and sums are not fused into FMAs (``rotate_pairs``, which
-the sparse attention's and the stored-format kernel's epilogues rotate with too), so the
-rotation rounds as the torch path's separate multiplies and subtract do: bitwise equal.
+``rows[t]`` of ``cache``. Products and sums are not fused into FMAs (``enable_fp_fusion``), so
+the rotation rounds as the torch path's separate multiplies and subtract do: bitwise equal.
 The norm's sum of squares runs in another order than torch's (fp32 rounding apart).
 """
 
@@ -20,53 +19,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from engramrt.kernels.common import interpreted
 from engramrt.kernels.quant_roundtrip import BLOCK_OF, block_scales, on_grid, round_to_grid
 
 NONE = -1  # no round trip; else quant_roundtrip's ACT, FP4_POW2, FP4_E4M3
 # (mantissa bits, least normal exponent) of a 16-bit input dtype; fp32 needs no rounding
 GRID = {torch.bfloat16: (7, -126), torch.float16: (10, -14), torch.float32: (0, 0)}
-
-
-@triton.jit
-def rotate_pairs(e, o, c, s, LIBDEVICE: tl.constexpr):
-    """``(e * c - o * s, e * s + o * c)``, each product and sum rounded on its own, as the torch
-    path's separate multiplies and subtract do: libdevice's ``mul_rn``/``add_rn``, which the
-    compiler never fuses into an FMA (the interpreter's plain ops round alike)."""
-    if LIBDEVICE:
-        re = libdevice.sub_rn(libdevice.mul_rn(e, c), libdevice.mul_rn(o, s))
-        im = libdevice.add_rn(libdevice.mul_rn(e, s), libdevice.mul_rn(o, c))
-    else:
-        re, im = e * c - o * s, e * s + o * c
-    return re, im
-
-
-@triton.jit
-def rotated_tile(total, n0, rm, live, cos_ptr, sin_ptr, HEAD_DIM, HALF_ROT: tl.constexpr,
-                 MBITS: tl.constexpr, EMIN: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
-    """A linear's output tile ``total`` [BN, BM] (fp32 sums of features ``n0 ..``, an even
-    start; columns the rows ``rm``) as ``rope_quant`` of the product rounded to its dtype: each
-    head's last ``2 * HALF_ROT`` features (adjacent pairs) rotated by row ``rm``'s angles
-    (``cos``/``sin`` [rows, HALF_ROT]), rounded once more."""
-    BN: tl.constexpr = total.shape[0]
-    BM: tl.constexpr = total.shape[1]
-    if MBITS:
-        total = round_to_grid(total, MBITS, EMIN)
-    e, o = tl.split(tl.permute(tl.reshape(total, [BN // 2, 2, BM]), [0, 2, 1]))  # [BN/2, BM]
-    j = (n0 + 2 * tl.arange(0, BN // 2)) % HEAD_DIM // 2  # each pair's place in its head
-    first = HEAD_DIM // 2 - HALF_ROT
-    tail = j >= first
-    at = rm[None, :].to(tl.int64) * HALF_ROT + (j - first)[:, None]
-    m = tail[:, None] & live[None, :]
-    c = tl.load(cos_ptr + at, mask=m, other=1.0)
-    s = tl.load(sin_ptr + at, mask=m, other=0.0)
-    re, im = rotate_pairs(e, o, c, s, LIBDEVICE)
-    re, im = tl.where(tail[:, None], re, e), tl.where(tail[:, None], im, o)
-    if MBITS:
-        re, im = round_to_grid(re, MBITS, EMIN), round_to_grid(im, MBITS, EMIN)
-    return tl.reshape(tl.permute(tl.join(re, im), [0, 2, 1]), [BN, BM])
 
 
 @triton.jit
@@ -89,7 +47,6 @@ def _rope_quant_kernel(
     NORM: tl.constexpr,
     MBITS: tl.constexpr,
     EMIN: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)  # token t's head h
     t = r // H
@@ -109,8 +66,8 @@ def _rope_quant_kernel(
     if INVERSE:
         s = -s
     dtype = x_ptr.dtype.element_ty
-    re, im = rotate_pairs(e, o, c, s, LIBDEVICE)
-    re, im = tl.where(tail, re, e), tl.where(tail, im, o)
+    re = tl.where(tail, e * c - o * s, e)
+    im = tl.where(tail, e * s + o * c, o)
     if MBITS:  # rounded to the input's dtype by bits (the interpreter's casts truncate)
         re, im = round_to_grid(re, MBITS, EMIN), round_to_grid(im, MBITS, EMIN)
     if KIND >= 0:  # block b holds pairs b * B / 2 .. (b + 1) * B / 2 - 1
@@ -180,7 +137,6 @@ def rope_quant(
         NORM=norm is not None,
         MBITS=GRID[x.dtype][0],
         EMIN=GRID[x.dtype][1],
-        LIBDEVICE=not interpreted(),
-        enable_fp_fusion=False,  # the norm's products too
+        enable_fp_fusion=False,
     )
     return out

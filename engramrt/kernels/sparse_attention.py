@@ -14,9 +14,8 @@ split, the tile's last program to arrive merging the others' from memory. The sa
 in the same order either way. A larger step takes its rows as one split (the merges cost
 about as much as the rest: 2x at 64 tokens), unless ``--batch-invariant`` asks that a token's
 bits not depend on its batch. Rows it cannot see
-score ``-inf``; a token that sees nothing outputs zeros. The output is rotated back (the inverse
-RoPE of its last dims) before it is stored, as ``rope_quant`` would in a launch of its own.
-Shapes depend on the token count only: CUDA-graph safe.
+score ``-inf``; a token that sees nothing outputs zeros. Shapes depend on the token count only:
+CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -33,8 +32,6 @@ from engramrt.kernels.common import (
     dot_f32,
     interpreted,
 )
-from engramrt.kernels.quant_roundtrip import round_to_grid
-from engramrt.kernels.rope_quant import GRID, rotate_pairs
 
 NO_SCORE = tl.constexpr(-1e30)  # the running max before any row: exp(-inf - it) is 0, not NaN
 SPLIT_ROWS = 64  # rows a split: fixed, so a token's sums are the same in any step
@@ -61,27 +58,6 @@ def _merge(acc, m_i, l_i, acc_s, m_s, l_s):
     return acc, m_new, tl.fma(l_s, b, l_i * a)
 
 
-@triton.jit
-def _turned_back(out, cos_ptr, sin_ptr, t, HALF_ROT: tl.constexpr, MBITS: tl.constexpr,
-                 EMIN: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
-    """``out`` [BLOCK_H, D] (fp32 of the output dtype's values) with its trailing ``2 *
-    HALF_ROT`` values rotated back by token ``t``'s angles, as ``rope_quant(inverse=True)``
-    does it: adjacent pairs, ``rotate_pairs``, rounded to the dtype once."""
-    BH: tl.constexpr = out.shape[0]
-    D: tl.constexpr = out.shape[1]
-    e, o = tl.split(tl.reshape(out, [BH, D // 2, 2]))
-    j = tl.arange(0, D // 2)
-    first: tl.constexpr = D // 2 - HALF_ROT
-    tail = j >= first
-    c = tl.load(cos_ptr + t * HALF_ROT + j - first, mask=tail, other=1.0)[None, :]
-    s = -tl.load(sin_ptr + t * HALF_ROT + j - first, mask=tail, other=0.0)[None, :]
-    re, im = rotate_pairs(e, o, c, s, LIBDEVICE)
-    re, im = tl.where(tail[None, :], re, e), tl.where(tail[None, :], im, o)
-    if MBITS:  # rounded to the output's dtype by bits (the interpreter's casts truncate)
-        re, im = round_to_grid(re, MBITS, EMIN), round_to_grid(im, MBITS, EMIN)
-    return tl.reshape(tl.join(re, im), [BH, D])
-
-
 @triton.jit(do_not_specialize=["K_PICKS", "SPLITS", "ROWS"])  # K_PICKS: varies by step
 def _sparse_attention_kernel(
     q_ptr,
@@ -94,8 +70,6 @@ def _sparse_attention_kernel(
     q0_ptr,
     slot_ptr,
     sink_ptr,
-    cos_ptr,  # TURN: each token's output rotated back by its angles
-    sin_ptr,
     out_ptr,
     part_ptr,
     ml_ptr,
@@ -113,11 +87,6 @@ def _sparse_attention_kernel(
     ROWS,
     SPREAD: tl.constexpr,
     F32: tl.constexpr,
-    HALF_ROT: tl.constexpr,
-    TURN: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -185,9 +154,6 @@ def _sparse_attention_kernel(
     if last:
         sink = tl.load(sink_ptr + heads, mask=hm, other=0.0).to(tl.float32)
         out = acc / (l_i + tl.exp(sink - m_i))[:, None]
-        if TURN:
-            out = out.to(out_ptr.dtype.element_ty).to(tl.float32)
-            out = _turned_back(out, cos_ptr, sin_ptr, t, HALF_ROT, MBITS, EMIN, LIBDEVICE)
         tl.store(
             out_ptr + (t * H + heads)[:, None] * D + d[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -209,14 +175,11 @@ def sparse_attention(
     scale: float,
     window: int,
     ring_len: int | None = None,
-    rot: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``q`` [T, H, D] over each token's window (``kv`` [T, D] this step's latents, ``ring``
     [slots * window, D] the earlier ones) and its ``picks`` [T, k] (rows of ``comp``, -1:
     none); ``pos``/``p0``/``q0``/``slot`` [T]: position, its run's first position and first
-    row, its ring slot. Out ``[T, H, D]`` in ``q``'s dtype; with ``rot`` (cos, sin [T, rd /
-    2] fp32) each head's output rotated back on its last ``rd`` values as
-    ``rope_quant(out, cos, sin, inverse=True)`` gives it, bit for bit."""
+    row, its ring slot. Out ``[T, H, D]`` in ``q``'s dtype."""
     t, h, d = q.shape
     if d & (d - 1):
         raise ValueError(f"the latent width must be a power of two, got {d}")
@@ -250,8 +213,6 @@ def sparse_attention(
         q0,
         slot,
         sink,
-        rot[0].contiguous() if rot is not None else sink,
-        rot[1].contiguous() if rot is not None else sink,
         out,
         part,
         ml,
@@ -269,10 +230,5 @@ def sparse_attention(
         ROWS=rows,
         SPREAD=spread,
         F32=q.dtype == torch.float32 or interpreted(),
-        HALF_ROT=rot[0].shape[-1] if rot is not None else 1,
-        TURN=rot is not None,
-        MBITS=GRID[q.dtype][0],
-        EMIN=GRID[q.dtype][1],
-        LIBDEVICE=not interpreted(),
     )
     return out

@@ -37,9 +37,7 @@ import triton
 import triton.language as tl
 
 from engramrt.kernels.common import MAX_TILES, SMS, SPREAD_BELOW, arrival_counters, interpreted
-from engramrt.kernels.moe_epilogues import combined, swiglu_store
 from engramrt.kernels.quant_roundtrip import act_codes
-from engramrt.kernels.rope_quant import GRID, rotated_tile
 
 # rows a program: the tensor cores' narrow side, 16 for decode-sized steps, 64 above (fewer
 # reads of each weight tile); a row's operations are the same in either
@@ -254,26 +252,22 @@ def _partial(parts, p, programs, stride, omask):
 
 
 @triton.jit
-def _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K, pair, f0,
-               LIMIT, scale_ptr, values_ptr, EPILOGUE: tl.constexpr, HAS_W: tl.constexpr,
-               MBITS: tl.constexpr, EMIN: tl.constexpr, HALF_ROT: tl.constexpr,
-               ASM: tl.constexpr):  # fmt: skip
-    """The tile's sums ``total`` [BN, BM] as the output's rows ``rm`` (``EPILOGUE`` 0), with
-    rows added first (1: ``moe_epilogues.combined``), as the SwiGLU's codes (2:
-    ``moe_epilogues.swiglu_store``; ``out_ptr`` the codes), or rotated (3:
-    ``rope_quant.rotated_tile``: ``add_ptr``/``by_id_ptr`` the angles' cos/sin, ``TOP_K`` the
-    head's width)."""
-    if EPILOGUE == 2:
-        swiglu_store(total, rm, live, f0, pair, N // 2, LIMIT, add_ptr, out_ptr, scale_ptr,
-                     values_ptr, HAS_W, MBITS, EMIN, ASM)  # fmt: skip
-    else:
-        if EPILOGUE == 1:
-            total = combined(total, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K)
-        elif EPILOGUE == 3:
-            total = rotated_tile(total, f0 * 2, rm, live, add_ptr, by_id_ptr, TOP_K, HALF_ROT,
-                                 MBITS, EMIN, ASM)  # fmt: skip
-        outs = out_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
-        tl.store(outs, total.to(out_ptr.dtype.element_ty), mask=omask)
+def _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K,
+               ADD: tl.constexpr):  # fmt: skip
+    """The tile's sums ``total`` [BN, BM] as the output's rows ``rm``; ``ADD``: rounded to the
+    added rows' dtype, after the fp32 sum of each row's ``TOP_K`` added rows (``by_id``'s, in
+    order; the MoE's combine: the routed experts' outputs in ascending id, then the shared
+    one's)."""
+    if ADD:
+        own = total.to(add_ptr.dtype.element_ty).to(tl.float32)
+        total = tl.zeros(total.shape, tl.float32)
+        for s in range(TOP_K):
+            row = tl.load(by_id_ptr + rm.to(tl.int64) * TOP_K + s, mask=live, other=0)
+            rows = add_ptr + row[None, :].to(tl.int64) * N + rn[:, None]
+            total += tl.load(rows, mask=omask, other=0.0).to(tl.float32)
+        total += own
+    outs = out_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
+    tl.store(outs, total.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 # the row count varies by step (and by routing): specialising on it compiled variants while
@@ -289,10 +283,8 @@ def _stored_linear_kernel(
     count_ptr,  # int32 arrival counters, zero between launches
     rows_ptr,  # GATHER: the activation row of each output row, times TOP_K
     tiles_ptr,  # GROUPED: (expert, lo, hi) a row tile
-    add_ptr,  # EPILOGUE 1: rows added to the output's, [P, N]; 2: routing weights
-    by_id_ptr,  # EPILOGUE 1: each output row's TOP_K added rows, [M, TOP_K]
-    scale_ptr,  # EPILOGUE 2: the codes' scales [M, N / 64]
-    values_ptr,  # EPILOGUE 2: their bf16 values [M, N / 2]
+    add_ptr,  # ADD: rows added to the output's, [P, N]
+    by_id_ptr,  # ADD: each output row's TOP_K added rows, [M, TOP_K]
     M,
     R,
     N,
@@ -303,15 +295,10 @@ def _stored_linear_kernel(
     SPLITS,
     PROGRAMS,
     TOP_K,
-    LIMIT,
     FP4: tl.constexpr,
     GROUPED: tl.constexpr,
     GATHER: tl.constexpr,
-    EPILOGUE: tl.constexpr,
-    HAS_W: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    HALF_ROT: tl.constexpr,
+    ADD: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     G: tl.constexpr,
@@ -323,8 +310,7 @@ def _stored_linear_kernel(
     partials (``PROGRAMS == SPLITS``, few rows), or by one program in turn (``PROGRAMS == 1``,
     many rows): the same operations, so the same bits. ``GROUPED``: row tile ``pid_m`` is
     ``tiles[pid_m]`` against its expert's weight (``W_STRIDE`` / ``S_STRIDE`` apart); an empty
-    tile reads nothing. ``EPILOGUE`` 2 (SwiGLU): feature tile ``pid_n`` is ``BN / 2``
-    features' gate rows (the weight's first half) above their up rows (its second)."""
+    tile reads nothing."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if GROUPED:
         e = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
@@ -335,16 +321,10 @@ def _stored_linear_kernel(
         lo, end = pid_m * BM, M
     rm = lo + tl.arange(0, BM)
     live = rm < end
-    pair = tl.load(rows_ptr + rm, mask=live, other=0) if GATHER else rm
-    src = (pair // TOP_K).to(tl.int64) if GATHER else rm.to(tl.int64)
-    i = tl.arange(0, BN)
-    f0 = pid_n * (BN // 2)
-    if EPILOGUE == 2:
-        rn = f0 + i % (BN // 2) + (i // (BN // 2)) * (N // 2)
-        nmask = f0 + i % (BN // 2) < N // 2
-    else:
-        rn = pid_n * BN + i
-        nmask = rn < N
+    src = tl.load(rows_ptr + rm, mask=live, other=0) // TOP_K if GATHER else rm
+    src = src.to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
     blocks = K // 32
     total = tl.zeros([BN, BM], dtype=tl.float32)
     mine = SPLITS // PROGRAMS
@@ -372,9 +352,7 @@ def _stored_linear_kernel(
         )
     omask = live[None, :] & nmask[:, None]
     if PROGRAMS == 1:
-        _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K, pair, f0,
-                   LIMIT, scale_ptr, values_ptr, EPILOGUE, HAS_W, MBITS, EMIN, HALF_ROT,
-                   ASM)  # fmt: skip
+        _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K, ADD)
     else:
         # each split's sum to memory; the last to arrive adds them in split order
         parts = part_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
@@ -393,9 +371,7 @@ def _stored_linear_kernel(
                 p2 = _partial(parts, p + 2, PROGRAMS, M * N, omask)
                 p3 = _partial(parts, p + 3, PROGRAMS, M * N, omask)
                 total = (((total + p0) + p1) + p2) + p3
-            _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K,
-                       pair, f0, LIMIT, scale_ptr, values_ptr, EPILOGUE, HAS_W, MBITS, EMIN,
-                       HALF_ROT, ASM)  # fmt: skip
+            _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K, ADD)
             tl.atomic_xchg(count_ptr + tile, 0)
 
 
@@ -446,9 +422,7 @@ def _launch(
     top_k: int = 1,
     out: torch.Tensor | None = None,
     added: Added | None = None,
-    swiglu: SwiGLU | None = None,
-    rope: Rope | None = None,
-) -> torch.Tensor | Codes:
+) -> torch.Tensor:
     """``tiles`` (grouped) come with their row count ``bm``; else the rows pick it."""
     codes, sa, dtype = q.codes, q.scale, q.dtype
     if fp4 and q.values is None:
@@ -466,23 +440,10 @@ def _launch(
     blocks = k // 32
     per = triton.cdiv(triton.cdiv(blocks, splits), g) * g
     splits = triton.cdiv(blocks, per)
-    dev, extra = codes.device, (sa, sa)
-    if swiglu is not None:  # a tile holds bn / 2 features' gate and up rows: whole 32-blocks
-        bn, inter = max(bn, 64), n // 2
-        if n % 64:
-            raise ValueError(f"a SwiGLU's gate and up rows: whole 32-blocks each, got {n} rows")
-        out = torch.empty(rows_out, inter, dtype=torch.float8_e4m3fn, device=dev)
-        extra = (
-            torch.empty(rows_out, inter // 32, dtype=torch.float32, device=dev),
-            torch.empty(rows_out, inter, dtype=torch.bfloat16, device=dev),
-        )
-        result = Codes(out, extra[0], dtype, extra[1])
-    elif out is None:
-        out = result = torch.empty(rows_out, n, dtype=dtype, device=dev)
+    if out is None:
+        out = torch.empty(rows_out, n, dtype=dtype, device=codes.device)
     elif out.shape != (rows_out, n) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{rows_out}, {n}], got {list(out.shape)}")
-    else:
-        result = out
     if added is not None:
         top_k = added.by_id.shape[1]
         if added.by_id.shape[0] != rows_out or added.rows.shape[1] != n:
@@ -491,25 +452,17 @@ def _launch(
                 f"{list(added.by_id.shape)}"
             )
     if rows_out == 0:
-        return result
+        return out
     # a program a split while the tiles alone leave multiprocessors idle
     programs = splits if grid_m * triton.cdiv(n, bn) < SPREAD_BELOW else 1
     grid = (grid_m, triton.cdiv(n, bn), programs)
     if programs > 1 and grid[0] * grid[1] > MAX_TILES:
         raise ValueError(f"{grid[0] * grid[1]} tiles exceed the {MAX_TILES} counters")
     part = (
-        torch.empty(splits, rows_out, n, dtype=torch.float32, device=dev) if programs > 1 else out
+        torch.empty(splits, rows_out, n, dtype=torch.float32, device=codes.device)
+        if programs > 1
+        else out
     )
-    second = added.by_id.contiguous() if added is not None else sa
-    if swiglu is not None:
-        operand = swiglu.weights.reshape(-1).float() if swiglu.weights is not None else sa
-    elif rope is not None:
-        if rope.cos.shape != (rows_out, rope.cos.shape[-1]) or rope.head_dim % 2:
-            raise ValueError(f"angles [{rows_out}, rd / 2] and an even head, got {rope}")
-        operand, second, top_k = rope.cos.contiguous(), rope.sin.contiguous(), rope.head_dim
-    else:
-        operand = added.rows.contiguous() if added is not None else sa
-    mbits, emin = GRID[dtype]
     _stored_linear_kernel[grid](
         q.values if fp4 else codes,
         sa,
@@ -517,12 +470,11 @@ def _launch(
         scale.view(torch.uint8),
         out,
         part,
-        arrival_counters(dev),
+        arrival_counters(codes.device),
         rows if rows is not None else sa,
         tiles if tiles is not None else sa,
-        operand,
-        second,
-        *extra,
+        added.rows.contiguous() if added is not None else sa,
+        added.by_id.contiguous() if added is not None else sa,
         rows_out,
         len(codes),
         n,
@@ -533,15 +485,10 @@ def _launch(
         splits,
         programs,
         top_k,
-        swiglu.limit if swiglu is not None else 0.0,
         FP4=fp4,
         GROUPED=tiles is not None,
         GATHER=rows is not None,
-        EPILOGUE=2 if swiglu is not None else 3 if rope is not None else int(added is not None),
-        HAS_W=swiglu is not None and swiglu.weights is not None,
-        MBITS=mbits,
-        EMIN=emin,
-        HALF_ROT=rope.cos.shape[-1] if rope is not None else 1,
+        ADD=added is not None,
         BM=bm,
         BN=bn,
         G=g,
@@ -549,27 +496,7 @@ def _launch(
         num_warps=warps,
         num_stages=stages,
     )
-    return result
-
-
-class Rope(NamedTuple):
-    """The output's RoPE (``rope_quant`` of the product, no round trip): each ``head_dim``-wide
-    head's last ``2 * cos.shape[-1]`` features rotated by its row's angles (``cos``/``sin``
-    [M, rd / 2] fp32)."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    head_dim: int
-
-
-class SwiGLU(NamedTuple):
-    """A gate/up projection's epilogue (the weight's first half of rows the gate's, the rest
-    the up's): ``act_quant(clamped_swiglu(gate, up, limit) * weight)`` for the down projection,
-    the output ``Codes`` with their values; ``weights``: the routing weights (flat), each
-    output row's at the pair it gathers (``rows``), or None."""
-
-    limit: float
-    weights: torch.Tensor | None = None
+    return out
 
 
 class Added(NamedTuple):
@@ -611,21 +538,17 @@ def stored_linear(
     fp4: bool,
     out: torch.Tensor | None = None,
     added: Added | None = None,
-    swiglu: SwiGLU | None = None,
-    rope: Rope | None = None,
-) -> torch.Tensor | Codes:
+) -> torch.Tensor:
     """``x`` [M, K] through ``act_quant`` (or its ``Codes``) times the stored weight (``weight``
     E4M3 ``[N, K]`` with 32 x 32 scales, or I8 ``[N, K / 2]`` paired by ``quant.pair_fp4``
     (the checkpoint's order would give a wrong product) with a scale per 32; scales as E8M0
     bytes); out ``[M, N]`` in ``x``'s dtype. ``x`` may already be on ``act_quant``'s grid
     (a round trip of it is exact). ``out``: where the output goes (its dtype); ``added``:
-    rows summed in before each output row (``Added``); ``swiglu``: the output the SwiGLU's
-    ``Codes`` instead (``SwiGLU``); ``rope``: the output rotated (``Rope``)."""
+    rows summed in before each output row (``Added``)."""
     q = quantize(x, fp4)
     n, k = weight.shape[0], q.codes.shape[-1]
     config = settings(fp4, n, k)
-    epilogues = {"out": out, "added": added, "swiglu": swiglu, "rope": rope}
-    return _launch(q, weight, scale, fp4, len(q.codes), config, **epilogues)
+    return _launch(q, weight, scale, fp4, len(q.codes), config, out=out, added=added)
 
 
 def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
@@ -661,8 +584,8 @@ def grouped_stored_linear(
     rows: torch.Tensor | None = None,
     experts_hint: int = 8,
     top_k: int = 1,
-    swiglu: SwiGLU | None = None,
-) -> torch.Tensor | Codes:
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rows sorted by expert times their expert's stored weight (``weight`` [E, N, ...], FP4
     paired as ``stored_linear`` takes it, ``scale`` [E, ...]) in one launch. The rows are ``x``
     [P, K]'s (through ``act_quant``), or, given ``rows`` [P], ``x[rows // top_k]`` (the gather
@@ -670,8 +593,8 @@ def grouped_stored_linear(
     expert) pairs, ``token * top_k + slot``). ``tiles``: the rows' (expert, lo, hi) tiles of
     ``group_tile_rows(P, E)`` rows (``group_tiles``, or on CUDA ``moe_routing.expert_rows``:
     built once, read by both of a layer's launches). Out ``[P, N]``. ``experts_hint``: the
-    experts a launch is expected to touch (sets the split, never from the routing);
-    ``swiglu``: as ``stored_linear``'s."""
+    experts a launch is expected to touch (sets the split, never from the routing); ``out``:
+    where the output goes."""
     q = quantize(x, fp4)
     p = len(rows) if rows is not None else len(q.codes)
     experts, n, k = weight.shape[0], weight.shape[-2], q.codes.shape[-1]
@@ -681,4 +604,4 @@ def grouped_stored_linear(
             f"tiles of {bm} rows for {p} rows and {experts} experts, got {list(tiles.shape)}"
         )
     config = settings(fp4, n, k, experts_hint)
-    return _launch(q, weight, scale, fp4, p, config, rows, tiles, bm, top_k, swiglu=swiglu)
+    return _launch(q, weight, scale, fp4, p, config, rows, tiles, bm, top_k, out)

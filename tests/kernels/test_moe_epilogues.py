@@ -1,93 +1,76 @@
-"""The MoE's epilogues of the stored-format kernel (``engramrt.kernels.moe_epilogues`` through
-``stored_linear``'s ``swiglu``) against the torch path they replace: the plain product of the
-same launch settings, then ``moe.clamped_swiglu`` and ``act_quant``. Random rows past the
-clamps, with and without routing weights, FP8 and FP4 (grouped, rows gathered), split K by
-several programs and by one, features that leave a partial tile."""
+"""The MoE's fused SwiGLU (``engramrt.kernels.moe_epilogues``) against the torch path it
+replaces (``moe.clamped_swiglu`` then ``act_quant``): random rows past the clamps, with and
+without routing weights, odd widths of blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engramrt.kernels import stored_linear as module
-from engramrt.kernels.stored_linear import (
-    SwiGLU,
-    group_tile_rows,
-    group_tiles,
-    grouped_stored_linear,
-    stored_linear,
-)
+from engramrt.kernels.moe_epilogues import swiglu_codes
 from engramrt.models.deepseek_v41 import quant
 from engramrt.models.deepseek_v41.moe import clamped_swiglu
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter's dot: fp32
-LIMIT = 4.0
 
 
-def assert_codes_match(got, gate_up: torch.Tensor, weight: torch.Tensor | None) -> None:
-    """``got`` (``Codes``) against ``act_quant(clamped_swiglu(...))`` of the plain product:
-    bit for bit on a GPU (CUDA's expf and a correctly rounded division, as torch's silu); the
-    interpreter's exp is numpy's, which may round a last fp32 bit differently, so there the
-    dequantised values agree but for rare one-step E4M3 roundings. The values are the codes'
-    round trip (exact in bf16) either way."""
-    gate, up = gate_up.cpu().chunk(2, dim=-1)
-    w = None if weight is None else weight.cpu()[:, None]
-    want_codes, want_scale = quant.act_quant(clamped_swiglu(gate, up, LIMIT, w).to(DTYPE))
-    codes, scale, values = got.codes.cpu(), got.scale.cpu(), got.values.cpu().float()
+@pytest.mark.parametrize("weighted", [True, False])
+def test_swiglu_codes_are_the_torch_paths(weighted: bool) -> None:
+    """Bit for bit on a GPU (CUDA's expf and a correctly rounded division, as torch's silu);
+    the interpreter's exp is numpy's, which may round a last fp32 bit differently, so there the
+    dequantised values agree but for rare one-step E4M3 roundings."""
+    g = torch.Generator().manual_seed(int(weighted))
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    rows, inter, limit = 37, 9 * 32, 4.0
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 3).to(dtype)
+    w = torch.rand(rows, generator=g) if weighted else None
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = clamped_swiglu(gate, up, limit, None if w is None else w[:, None]).to(dtype)
+    want_codes, want_scale = quant.act_quant(h)
+    codes, scale, values = swiglu_codes(
+        gate_up.to(DEVICE), limit, None if w is None else w.to(DEVICE), values=True
+    )
+    codes, scale, values = codes.cpu(), scale.cpu(), values.cpu().float()
+    # the values FP4 weights take: the codes' round trip, exact in bf16
     trip = (codes.float().unflatten(-1, (-1, 32)) * scale[..., None]).flatten(-2)
     assert torch.equal(values, trip)
     if DEVICE == "cuda":
         assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
         assert torch.equal(scale, want_scale)
         return
+    got = (codes.float().unflatten(-1, (-1, 32)) * scale[..., None]).flatten(-2)
     want = (want_codes.float().unflatten(-1, (-1, 32)) * want_scale[..., None]).flatten(-2)
-    same = trip == want
-    assert same.float().mean() > 0.995
-    assert bool(((trip - want).abs() <= want.abs() / 8 + 1e-30)[~same].all())
+    same = got == want
+    assert same.float().mean() > 0.999
+    assert bool(((got - want).abs() <= want.abs() / 8 + 1e-30)[~same].all())
 
 
-@pytest.mark.parametrize("spread", [True, False])
-@pytest.mark.parametrize("inter", [96, 160])
-def test_the_shared_experts_swiglu_epilogue_is_the_torch_paths(inter: int, spread, monkeypatch):
-    """FP8 w1|w3 (the shared expert), no routing weight: ``inter`` 96 leaves a partial feature
-    tile (a tile holds 64 features' gate and up rows)."""
-    if not spread:
-        monkeypatch.setattr(module, "SPREAD_BELOW", 0)
-    g = torch.Generator().manual_seed(inter)
-    k = 256
-    stored, scale = quant.fp8_weight(torch.randn(2 * inter, k, generator=g) / 4)
-    stored, scale = stored.to(DEVICE), scale.to(DEVICE)
-    x = (torch.randn(37, k, generator=g) * 2).to(DEVICE, DTYPE)
-    got = stored_linear(x, stored, scale, False, swiglu=SwiGLU(LIMIT))
-    assert_codes_match(got, stored_linear(x, stored, scale, False), None)
-
-
-def test_the_routed_experts_swiglu_epilogue_is_the_torch_paths() -> None:
-    """FP4 experts grouped, the token rows gathered from the sorted (token, expert) pairs, each
-    row's routing weight read at its pair."""
+def test_routing_weights_read_through_an_index() -> None:
+    """``weight_at``: each row's routing weight read from the flat weights in the kernel, the
+    same bits as the weights gathered beforehand (the sorted pairs' weights)."""
     g = torch.Generator().manual_seed(5)
-    e, n, k, tokens, top = 4, 2 * 96, 128, 9, 2
-    stored = [quant.fp4_weight(torch.randn(n, k, generator=g) / 4) for _ in range(e)]
-    w = quant.pair_fp4(torch.stack([s[0] for s in stored])).to(DEVICE)
-    s = torch.stack([s[1] for s in stored]).to(DEVICE)
-    ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(tokens)])
-    weights = torch.rand(tokens, top, generator=g).to(DEVICE)
-    order = torch.sort(ids.flatten(), stable=True).indices
-    counts = torch.bincount(ids.flatten(), minlength=e)
-    tiles = group_tiles(counts, len(order), group_tile_rows(len(order), e)).to(DEVICE)
-    x = (torch.randn(tokens, k, generator=g) * 2).to(DEVICE, DTYPE)
-    order = order.to(DEVICE)
-    plain = grouped_stored_linear(x, w, s, True, tiles, order, top_k=top)
-    got = grouped_stored_linear(
-        x, w, s, True, tiles, order, top_k=top, swiglu=SwiGLU(LIMIT, weights)
-    )
-    assert_codes_match(got, plain, weights.flatten()[order])
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    gate_up = (torch.randn(12, 2 * 64, generator=g) * 3).to(DEVICE, dtype)
+    weights = torch.rand(6, 2, generator=g).to(DEVICE)
+    at = torch.randperm(12, generator=g).to(DEVICE)
+    got = swiglu_codes(gate_up, 4.0, weights, weight_at=at)
+    want = swiglu_codes(gate_up, 4.0, weights.flatten()[at])
+    for a, b in zip(got[:2], want[:2], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_a_swiglu_needs_whole_blocks_of_gate_and_up_rows() -> None:
-    stored, scale = quant.fp8_weight(torch.randn(2 * 48, 64))
-    with pytest.raises(ValueError, match="whole 32-blocks"):
-        stored_linear(torch.randn(2, 64).to(DEVICE), stored.to(DEVICE), scale.to(DEVICE), False,
-                      swiglu=SwiGLU(LIMIT))  # fmt: skip
+def test_rows_past_the_weighted_take_no_weight() -> None:
+    """``weighted``: the routed rows (first) take their weights, the shared expert's after them
+    none, in one launch: each part the same bits as its own launch."""
+    g = torch.Generator().manual_seed(8)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    gate_up = (torch.randn(11, 2 * 96, generator=g) * 3).to(DEVICE, dtype)
+    weights = torch.rand(4, 2, generator=g).to(DEVICE)
+    at = torch.randperm(8, generator=g).to(DEVICE)
+    got = swiglu_codes(gate_up, 4.0, weights, at, values=True, weighted=8)
+    routed = swiglu_codes(gate_up[:8], 4.0, weights, at, values=True)
+    shared = swiglu_codes(gate_up[8:], 4.0, values=True)
+    for a, b, c in zip(got, routed, shared, strict=True):
+        assert torch.equal(a[:8].view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(a[8:].view(torch.uint8), c.view(torch.uint8))

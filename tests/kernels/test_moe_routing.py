@@ -1,8 +1,6 @@
 """V4.1's MoE routing kernels (``engramrt.kernels.moe_routing``) against the torch path they
 replace on CUDA: ``route`` against ``route_logits`` (``V41MoE.route`` after the gate's logits),
-``expert_rows`` against ``ExpertPairs``' sort and ``group_tiles``, and ``gate_route`` (all three
-in one launch) against the gate's product in float64, ``route_logits`` of its own logits and the
-sort of its ids.
+``expert_rows`` against ``ExpertPairs``' sort and ``group_tiles``.
 
 Ties are made on purpose: duplicated logits and biases, equal biased scores from different raw
 scores (``sqrt`` of exact squares above softplus's threshold, so both sides compute them
@@ -27,7 +25,7 @@ import triton
 import triton.language as tl
 
 from engramrt.kernels import moe_routing
-from engramrt.kernels.moe_routing import ONE_LAUNCH_TOKENS, expert_rows, gate_route, route
+from engramrt.kernels.moe_routing import expert_rows, route
 from engramrt.kernels.stored_linear import group_tile_rows, group_tiles
 from engramrt.models.deepseek_v41.moe import ExpertPairs, route_logits
 
@@ -187,80 +185,3 @@ def test_scores_are_torch_bitwise_for_every_fp32() -> None:
         same = (out.view(torch.int32) == want.view(torch.int32)) | (out.isnan() & want.isnan())
         bad += int((~same).sum())
     assert bad == 0
-
-
-def check_gate_route(x, gate, bias, k, bias_vl=None, image=None) -> None:
-    """``gate_route`` against the gate's product in float64 (its logits are fp32 sums of K),
-    the torch router of those logits and the sort of its ids; and each token's logits the
-    same bits routed alone."""
-    experts = len(gate)
-    tile_rows = group_tile_rows(len(x) * k, experts)
-    on = [t if t is None else t.to(DEVICE) for t in (x, gate, bias, bias_vl, image)]
-    got = gate_route(on[0], on[1], on[2], k, 1.5, tile_rows, on[3], on[4])
-    want = x.double() @ gate.double().T
-    tol = 4 * 2**-24 * (x.double().abs() @ gate.double().abs().T)  # K sums' rounding, bounded
-    assert ((got.logits.cpu().double() - want).abs() <= tol * x.shape[1] ** 0.5).all()
-    want_w, want_ids = route_logits(got.logits, on[2], k, 1.5, on[3], on[4])
-    assert torch.equal(got.ids, want_ids)
-    if DEVICE == "cuda":
-        assert same_bits(got.weights, want_w)
-    else:
-        torch.testing.assert_close(got.weights, want_w, rtol=2**-20, atol=0)
-    pairs = ExpertPairs(got.ids.cpu(), experts, tile_rows)  # on the CPU: torch's sort
-    for name in ("order", "counts", "by_id", "tiles"):
-        assert torch.equal(getattr(got.rows, name).cpu(), getattr(pairs, name)), name
-    for t in {0, len(x) // 2, len(x) - 1}:
-        img = None if on[4] is None else on[4][t : t + 1]
-        alone = gate_route(on[0][t : t + 1], on[1], on[2], k, 1.5, tile_rows, on[3], img)
-        assert same_bits(alone.logits, got.logits[t : t + 1])
-
-
-def tied_gate(g: torch.Generator, experts: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate [experts, dim], bias): random rows, with experts 1, 5 and 6 the same row and the
-    same bias (equal logits, bit for bit: tied picks), and expert 3 the negation of 4."""
-    gate = torch.randn(experts, dim, generator=g) / dim**0.5
-    bias = torch.randn(experts, generator=g) * 0.1
-    gate[5] = gate[6] = gate[1]
-    bias[5] = bias[6] = bias[1]
-    gate[3] = -gate[4]
-    return gate, bias
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize(
-    ("experts", "dim", "tokens", "k"),
-    [(16, 512, 1, 6), (16, 512, ONE_LAUNCH_TOKENS, 6), (24, 320, 5, 3), (8, 256, 7, 1),
-     (64, 1024, 9, 8), (12, 96, 3, 2)],
-)  # fmt: skip
-def test_gate_route_is_the_product_the_router_and_the_rows(
-    experts: int, dim: int, tokens: int, k: int
-) -> None:
-    """Splits of K (and a K not a whole number of steps), tied experts, a token repeated (its
-    logits the same bits at two places in a step), and image tokens with their own bias."""
-    g = torch.Generator().manual_seed(experts + dim + tokens + k)
-    gate, bias = tied_gate(g, experts, dim)
-    x = torch.randn(tokens, dim, generator=g)
-    x[-1] = x[0]
-    check_gate_route(x, gate, bias, k)
-    image = torch.rand(tokens, generator=g) < 0.5
-    check_gate_route(x, gate, bias, k, torch.randn(experts, generator=g), image)
-
-
-def test_gate_route_refuses_what_it_cannot_route() -> None:
-    gate, bias = torch.zeros(8, 64), torch.zeros(8)
-    with pytest.raises(ValueError, match="up to"):
-        gate_route(torch.zeros(ONE_LAUNCH_TOKENS + 1, 64), gate, bias, 2, 1.0, 16)
-    with pytest.raises(ValueError, match="k <= min"):
-        gate_route(torch.zeros(2, 64), gate, bias, 9, 1.0, 16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("experts", "tokens"), [(384, 1), (384, 16), (16, 1), (16, 16)])
-def test_gate_route_on_cuda_at_flash_size(experts: int, tokens: int) -> None:
-    """Flash's router (4,096 inputs, 384 experts, top-6) and ``v41-wide``'s 16 experts at one
-    token and the most one launch takes: torch's bits for the router of its logits."""
-    g = torch.Generator().manual_seed(experts + tokens)
-    gate, bias = tied_gate(g, experts, 4096)
-    x = torch.randn(tokens, 4096, generator=g)
-    check_gate_route(x, gate, bias, 6)
-    check_gate_route(x, gate, bias, 6, torch.randn(experts, generator=g), torch.rand(tokens) < 0.5)

@@ -115,26 +115,3 @@ def test_a_tokens_bits_ignore_its_step(dtype: torch.dtype, monkeypatch) -> None:
     for i in (0, 5, 9):
         alone = [on[0][i : i + 1], *on[1:4], on[4][i : i + 1], *[x[i : i + 1] for x in on[5:9]]]
         assert torch.equal(attend([*alone, on[9]]), together[i : i + 1]), i
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("spread", [True, False])
-def test_the_output_turned_back_in_the_launch_is_rope_quants(
-    dtype: torch.dtype, spread: bool, monkeypatch
-) -> None:
-    """``rot``: each head's output rotated back on its last dims in the launch that made it,
-    bit for bit what ``rope_quant(inverse=True)`` gives of the plain output (its adjacent pairs,
-    unfused multiplies, one rounding), by a tile's last program or by one program."""
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("the interpreter's dot on bf16 is not the GPU's")
-    from engramrt.kernels.rope_quant import rope_quant
-
-    if not spread:
-        monkeypatch.setattr(module, "SPREAD_BELOW", 0)
-    on = inputs(dtype, k=150, seed=2)
-    angles = torch.randn(len(on[0]), D // 4, generator=torch.Generator().manual_seed(3)) * 3
-    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
-    plain = sparse_attention(*on, D**-0.5, W, W)
-    turned = sparse_attention(*on, D**-0.5, W, W, (cos, sin))
-    assert torch.equal(turned, rope_quant(plain, cos, sin, inverse=True))
-    assert torch.equal(turned[..., : D // 2], plain[..., : D // 2])  # the head's unrotated part

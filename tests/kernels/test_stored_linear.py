@@ -13,7 +13,6 @@ import torch
 from engramrt.kernels import stored_linear as module
 from engramrt.kernels.stored_linear import (
     Added,
-    Rope,
     group_tile_rows,
     group_tiles,
     grouped_stored_linear,
@@ -264,31 +263,6 @@ def test_added_rows_are_the_moe_combine_after_the_product(spread: bool, monkeypa
         assert torch.equal(rounded, want.to(_dtype()))
     with pytest.raises(ValueError, match="added rows"):
         stored_linear(x, stored, scale, False, out, Added(routed[:, :8], pairs.by_id))
-
-
-@pytest.mark.parametrize("spread", [True, False])
-@pytest.mark.parametrize(("heads", "head_dim", "half_rot"), [(3, 64, 8), (2, 256, 32)])
-def test_a_rotated_output_is_rope_quant_of_the_product(heads, head_dim, half_rot, spread,
-                                                        monkeypatch) -> None:  # fmt: skip
-    """``Rope``: the product rotated in the launch (heads across and within feature tiles, a
-    partial last tile), bit for bit ``rope_quant`` of the plain product, by a split's last
-    program and by one program."""
-    from engramrt.kernels.rope_quant import rope_quant
-
-    if not spread:
-        monkeypatch.setattr(module, "SPREAD_BELOW", 0)
-    g = torch.Generator().manual_seed(head_dim + heads)
-    k = 256
-    stored, scale = quant.fp8_weight(torch.randn(heads * head_dim, k, generator=g) / 16)
-    stored, scale = stored.to(DEVICE), scale.to(DEVICE)
-    x = torch.randn(19, k, generator=g).to(DEVICE, _dtype())
-    angles = torch.randn(19, half_rot, generator=g) * 3
-    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
-    got = stored_linear(x, stored, scale, False, rope=Rope(cos, sin, head_dim))
-    plain = stored_linear(x, stored, scale, False).unflatten(-1, (heads, head_dim))
-    assert torch.equal(got, rope_quant(plain, cos, sin).flatten(1))
-    with pytest.raises(ValueError, match="angles"):
-        stored_linear(x, stored, scale, False, rope=Rope(cos[:3], sin[:3], head_dim))
 
 
 def _dtype() -> torch.dtype:

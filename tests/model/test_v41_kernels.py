@@ -60,11 +60,11 @@ def test_kernels_equal_the_torch_path_on_every_call(v41_small: Path, monkeypatch
             got[fin].float() / scale, want[fin].float() / scale, rtol=0, atol=tol
         )
 
-    def both(self, q, kv, comp, rows, step, cache, rot):
+    def both(self, q, kv, comp, rows, step, cache):
         monkeypatch.setattr(v41_attention, "use_triton", lambda device: True)
-        got = attend(self, q, kv, comp, rows, step, cache, rot)
+        got = attend(self, q, kv, comp, rows, step, cache)
         monkeypatch.setattr(v41_attention, "use_triton", lambda device: False)
-        want = attend(self, q, kv, comp, rows, step, cache, rot)
+        want = attend(self, q, kv, comp, rows, step, cache)
         calls.append((self.role.kind, rows is not None and bool((rows >= 0).any())))
         scale = want.float().abs().amax().clamp_min(1e-6)
         tol = 1e-5 if q.dtype == torch.float32 else 2e-2  # bf16 probabilities, another max

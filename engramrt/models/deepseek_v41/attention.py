@@ -524,11 +524,11 @@ class V41Attention(nn.Module):
         if self.role.kind != WINDOW:
             comp = cache.compressed[self.role.kv_source]
             rows = step.picked_rows(cache, self.role.ratio)
-        out = self.attend(q, kv, comp, rows, step, cache, rot)
+        out = self.attend(q, kv, comp, rows, step, cache)
         # after attending: a run's own latents may overwrite ring rows its first tokens read
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
         ring.index_copy_(0, step.ring_rows(cache), kv)
-        return self.output(out)
+        return self.output(out, rot)
 
     def project(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], inputs=None):
         """(qr, q, kv) of ``x``: the queries' low rank as the linears after it read it (``wq_b``
@@ -555,15 +555,8 @@ class V41Attention(nn.Module):
 
         return stored_linear(xs, w, scale, False).split([len(a.weight), len(b.weight)], -1)
 
-    def queries(self, qr, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The rotated queries ``[T, heads, head_dim]``: on a GPU (``qr`` codes) rotated in
-        ``wq_b``'s launch, bit for bit ``rope_quant`` of its product."""
-        if isinstance(qr, torch.Tensor):
-            return rope_quant(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), rot)
-        from engramrt.kernels.stored_linear import Rope
-
-        q = self.wq_b(qr, Rope(*rot, self.head_dim))
-        return q.unflatten(-1, (self.heads, self.head_dim))
+    def queries(self, qr: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return rope_quant(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), rot)
 
     def latents(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The window latents (K and V) ``[T, D]``: rotated, FP8 round-tripped."""
@@ -572,10 +565,9 @@ class V41Attention(nn.Module):
     def _window_latents(self, low: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]):
         return rope_quant(low, rot, ACT, norm=self.kv_norm)
 
-    def output(self, out: torch.Tensor) -> torch.Tensor:
-        """The attention's output (rotated back: ``attend``) through the grouped ``wo_a`` and
-        ``wo_b`` (all-reduced under TP)."""
-        o = out.flatten(1).unflatten(-1, (self.groups, -1))
+    def output(self, out: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotated back, through the grouped ``wo_a`` and ``wo_b`` (all-reduced under TP)."""
+        o = rope_quant(out, rot, inverse=True).flatten(1).unflatten(-1, (self.groups, -1))
         u = linear(o, self.wo_a.weight.unflatten(0, (self.groups, self.rank)))
         y = self.wo_b(u.flatten(1))
         return y if self.tp.solo else self.tp.all_reduce(y.float()).to(y.dtype)
@@ -637,13 +629,12 @@ class V41Attention(nn.Module):
             step.candidates = cands[0] if len(cands) == 1 else torch.cat(cands)
         step.topk = picks[0] if len(picks) == 1 else torch.cat(picks)  # (a decode: one chunk)
 
-    def attend(self, q, kv, comp, rows, step: StepRuns, cache: V41Cache, rot) -> torch.Tensor:
+    def attend(self, q, kv, comp, rows, step: StepRuns, cache: V41Cache) -> torch.Tensor:
         """Each query over its window (positions ``p - window + 1 .. p``, this run's latents
         from ``kv``, earlier ones from the ring) and the rows ``rows`` [T, k] of ``comp`` (-1:
         none; None: no such rows): fp32 scores, the sink's ``exp`` in the denominator only,
         probabilities in the activation dtype (as the reference's kernel casts them) before
-        they weigh the rows; the output rotated back by ``rot`` (the queries' angles: on a GPU
-        in the same launch)."""
+        they weigh the rows."""
         w, dev = self.window, q.device
         ring = cache.window[self.layer_id].view(-1, self.head_dim)
         if use_triton(dev):  # the same, one launch, no rows gathered into memory
@@ -663,7 +654,6 @@ class V41Attention(nn.Module):
                 self.softmax_scale,
                 w,
                 cache.ring_len,
-                rot,
             )
         out = torch.empty_like(q)
         span = torch.arange(w, device=dev)
@@ -691,4 +681,4 @@ class V41Attention(nn.Module):
             denom = p.sum(-1) + torch.exp(self.attn_sink.float() - top.squeeze(-1))
             o = torch.einsum("mhr,mrd->mhd", p.to(q.dtype).float(), both.float())
             out[c] = (o / denom.unsqueeze(-1)).to(q.dtype)
-        return rotate_tail(out, *rot, inverse=True)
+        return out

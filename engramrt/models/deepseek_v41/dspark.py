@@ -107,7 +107,8 @@ class DSparkAttention(V41Attention):
         angles = angles_at(ctx.positions, self.rope_key)
         rot = angles.cos(), angles.sin()
         _, q, kv = self.project(x, rot, inputs)
-        return self.output(self.attend(q, kv, kv, ctx.rows, ctx.runs, ctx.kv, rot))
+        out = self.attend(q, kv, kv, ctx.rows, ctx.runs, ctx.kv)
+        return self.output(out, rot)
 
 
 class MarkovHead(nn.Module):

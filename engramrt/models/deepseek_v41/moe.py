@@ -14,8 +14,7 @@ FP8) and dequantised per use.
   shared expert's, then cast to the input's dtype.
 
 On CUDA the router after its logits and the grouping of the (token, expert) pairs by expert are
-Triton launches (``engramrt.kernels.moe_routing``) that give the torch ops' bits; a step of a few
-tokens makes its logits too in the same one launch.
+Triton launches (``engramrt.kernels.moe_routing``) that give the torch ops' bits.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engramrt.kernels import NORM_VALUES, batch_invariant, use_triton
+from engramrt.kernels import NORM_VALUES, use_triton
 from engramrt.kernels.linear import linear
 from engramrt.model.layers import take_rows
 from engramrt.models.deepseek_v41 import quant
@@ -100,20 +99,13 @@ class ExpertPairs:
     sync). On CUDA one Triton launch builds them without a sort (``moe_routing.expert_rows``);
     elsewhere torch sorts, the kernel's oracle."""
 
-    def __init__(self, ids: torch.Tensor, experts: int, tile_rows: int | None = None, rows=None):
-        """``rows``: the ``moe_routing.ExpertRows`` of ``ids``, made with them (one launch)."""
+    def __init__(self, ids: torch.Tensor, experts: int, tile_rows: int | None = None):
         self.shape = ids.shape
-        if rows is None and use_triton(ids.device):
+        if use_triton(ids.device):
             from engramrt.kernels.moe_routing import expert_rows
 
-            rows = expert_rows(ids, experts, tile_rows)
-        if rows is not None:
-            self.order, self.counts, self.by_id, self.tiles = (
-                rows.order,
-                rows.counts,
-                rows.by_id,
-                rows.tiles,
-            )
+            r = expert_rows(ids, experts, tile_rows)
+            self.order, self.counts, self.by_id, self.tiles = r.order, r.counts, r.by_id, r.tiles
             return
         sort = torch.sort(ids.flatten(), stable=True)
         self.order = sort.indices
@@ -161,19 +153,19 @@ class V41MoE(nn.Module):
         weights: torch.Tensor,
         ids: torch.Tensor,
         inputs=None,
-        pairs: ExpertPairs | None = None,
     ) -> torch.Tensor:
-        """The experts as ``Expert.forward`` computes them, without a host sync, in four
+        """The experts as ``Expert.forward`` computes them, without a host sync, in five
         launches: the routed experts' gate/up projection grouped over the (token, expert) pairs
-        sorted by expert (``x`` quantised once for every expert), the shared expert's, each
-        ending in the SwiGLU, routing weight and quantisation for the down projection; the
-        routed down projection grouped; the shared one, whose epilogue adds each token's routed
-        outputs in ascending expert id and then its own (the torch path's order). Out: fp32
-        sums (``x``'s dtype on one rank: the sums rounded once). ``inputs``: ``x``'s codes and
-        values from the norm's launch; ``pairs``: the pairs' rows when routing made them."""
+        sorted by expert (``x`` quantised once for every expert), the shared expert's; one
+        launch of the SwiGLU, routing weight and the down projections' quantisation for both;
+        the routed down projection grouped; the shared one, whose epilogue adds each token's
+        routed outputs in ascending expert id and then its own (the torch path's order). Out:
+        fp32 sums (``x``'s dtype on one rank: the sums rounded once). ``inputs``: ``x``'s codes
+        and values from the norm's launch."""
+        from engramrt.kernels.moe_epilogues import swiglu_codes
         from engramrt.kernels.stored_linear import (
             Added,
-            SwiGLU,
+            Codes,
             group_tile_rows,
             grouped_stored_linear,
             stored_linear,
@@ -181,17 +173,21 @@ class V41MoE(nn.Module):
 
         w13, s13, w2, s2, shared13, shared_s13 = self._stacked()
         q = quant.shared_input(x, inputs, values=True)  # codes: shared expert; values: routed
-        if pairs is None:
-            experts = len(self.experts)
-            pairs = ExpertPairs(ids, experts, group_tile_rows(ids.numel(), experts))
-        k, shared, limit = ids.shape[1], self.shared_experts, self.shared_experts.limit
-        glu = SwiGLU(limit, weights)
-        h = grouped_stored_linear(q, w13, s13, True, pairs.tiles, pairs.order, k, k, glu)
+        experts = len(self.experts)
+        pairs = ExpertPairs(ids, experts, group_tile_rows(ids.numel(), experts))
+        (tokens, k), shared, limit = ids.shape, self.shared_experts, self.shared_experts.limit
+        p = tokens * k  # the routed rows, then the shared expert's
+        h = torch.empty(p + tokens, w13.shape[1], dtype=x.dtype, device=x.device)
+        grouped_stored_linear(q, w13, s13, True, pairs.tiles, pairs.order, k, top_k=k, out=h[:p])
+        stored_linear(q, shared13, shared_s13, False, out=h[p:])
+        codes, scale, values = swiglu_codes(h, limit, weights, pairs.order, True, weighted=p)
+        h = Codes(codes[:p], scale[:p], x.dtype, values[:p])
         routed = grouped_stored_linear(h, w2, s2, True, pairs.tiles, None, k)
-        h = stored_linear(q, shared13, shared_s13, False, swiglu=SwiGLU(limit))
         # one rank's sums are the output: stored in x's dtype (ranks add theirs in fp32)
-        dtype = x.dtype if self.tp.size == 1 else torch.float32
-        y = torch.empty(x.shape, dtype=dtype, device=x.device)
+        y = torch.empty(
+            x.shape, dtype=x.dtype if self.tp.size == 1 else torch.float32, device=x.device
+        )
+        h = Codes(codes[p:], scale[p:], x.dtype)
         return stored_linear(
             h, shared.w2.weight, shared.w2.scale, False, y, Added(routed, pairs.by_id)
         )
@@ -239,43 +235,16 @@ class V41MoE(nn.Module):
     def route(
         self, x: torch.Tensor, image: torch.Tensor | None = None, wide: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) of each token (``_route``)."""
-        return self._route(x, image, wide)[:2]
-
-    def _route(
-        self, x: torch.Tensor, image: torch.Tensor | None = None, wide: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, ExpertPairs | None]:
-        """The gate's fp32 logits, then ``route_logits`` (on CUDA its kernel,
-        ``moe_routing.route``: one launch, the same bits), and on CUDA for a step of a few
-        tokens all of it and the pairs' rows in one launch (``moe_routing.gate_route``: its
-        logits summed in an order of its own, fixed, so not under ``--batch-invariant``, whose
-        every step sums them as ``dense_linear`` does). ``wide``: ``x`` in fp32 already (the
-        norm's launch made it)."""
-        gate, wide = self.gate, x.float() if wide is None else wide
-        if not use_triton(x.device):
-            logits = linear(wide, gate.weight.float())
-            return *route_logits(
-                logits, gate.bias, self.k, self.route_scale, gate.bias_vl, image
-            ), None
-        from engramrt.kernels import moe_routing
-        from engramrt.kernels.stored_linear import group_tile_rows
-
-        if moe_routing.one_launch(len(x), self.k) and not batch_invariant(x.device):
-            experts = len(self.experts)
-            r = moe_routing.gate_route(
-                wide,
-                gate.weight,
-                gate.bias,
-                self.k,
-                self.route_scale,
-                group_tile_rows(len(x) * self.k, experts),
-                gate.bias_vl,
-                image,
-            )
-            return r.weights, r.ids, ExpertPairs(r.ids, experts, rows=r.rows)
-        logits = linear(wide, gate.weight.float())
-        w, ids = moe_routing.route(logits, gate.bias, self.k, self.route_scale, gate.bias_vl, image)
-        return w, ids, None
+        """(weights ``[T, k]`` fp32, expert ids ``[T, k]``) of each token: the gate's fp32
+        logits, then ``route_logits`` (on CUDA its kernel, ``moe_routing.route``: one launch, the
+        same bits). ``wide``: ``x`` in fp32 already (the norm's launch made it)."""
+        gate = self.gate
+        logits = linear(x.float() if wide is None else wide, gate.weight.float())
+        if use_triton(x.device):
+            from engramrt.kernels.moe_routing import route as routed
+        else:
+            routed = route_logits
+        return routed(logits, gate.bias, self.k, self.route_scale, gate.bias_vl, image)
 
     @property
     def grouped_tokens(self) -> int:
@@ -306,10 +275,10 @@ class V41MoE(nn.Module):
     ) -> torch.Tensor:
         """``x`` ``[T, dim]``; ``image`` ``[T]`` bool (image-span tokens) or None; ``inputs``:
         ``x``'s codes, values and fp32 row from the norm's launch (``norm_inputs``)."""
-        weights, ids, pairs = self._route(x, image, None if inputs is None else inputs.wide)
+        weights, ids = self.route(x, image, None if inputs is None else inputs.wide)
         # a GPU: grouped launches of any size (no host sync, graph-safe); the torch path loops
         if use_triton(x.device):
-            y = self._grouped(x, weights, ids, inputs, pairs)
+            y = self._grouped(x, weights, ids, inputs)
         else:
             y = self._looped(x, weights, ids) + self.shared_experts(x)
         return self.tp.all_reduce(y).to(x.dtype)

@@ -365,16 +365,15 @@ class StoredLinear(nn.Module):
             self._kept = (key, w)
         return w
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        """``x`` [..., K], or on a GPU its ``shared_input`` codes [T, K]; with codes, ``rope``
-        (``stored_linear.Rope``): the output rotated in the same launch."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., K], or on a GPU its ``shared_input`` codes [T, K]."""
         from engramrt.kernels.stored_linear import Codes, stored_linear  # the bytes as held
 
         if not isinstance(x, Codes) and (not use_triton(x.device) or self.master is not None):
             return quantized_linear(x, self.dequantized(x.dtype))
         self.pair()
         if isinstance(x, Codes):
-            return stored_linear(x, self.weight, self.scale, self.fp4, rope=rope)
+            return stored_linear(x, self.weight, self.scale, self.fp4)
         shape = x.shape
         y = stored_linear(x.reshape(-1, shape[-1]), self.weight, self.scale, self.fp4)
         return y.view(*shape[:-1], -1)
