@@ -2,11 +2,14 @@
 63 random others, without drafts and with n-gram or DSpark drafts (a verify run computes its
 rows beside drafts where a decode step computes one): V4.1's FP8/FP4 linears are batch-invariant
 by construction and the flag routes every dense product through ``dense_linear``; the attention,
-norm, mHC and Engram kernels compute a row by itself. ``v41-small`` and the bundled model."""
+norm, mHC and Engram kernels compute a row by itself. ``v41-small``, the bundled model and
+``v41-wide`` (Flash's widths: the shapes whose launch settings come from the sweep; written once
+where the benchmarks keep it)."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,9 +31,19 @@ BATCH, TOKENS, PICKED = 64, 48, (0, 21, 42, 63)
 METHODS = {"plain": None, "ngram": SpecConfig(4), "dspark": SpecConfig(3, method="dspark")}
 
 
-@pytest.fixture(scope="module", params=["v41-small", "bundled"])
+def _model_dir(request) -> Path:
+    if request.param == "bundled":
+        return DEFAULT_MODEL_DIR
+    if request.param == "v41-wide":
+        from benchmarks.cases import ensure_preset
+
+        return ensure_preset("v41-wide", Path("/tmp/engramrt-models"), "cuda")
+    return request.getfixturevalue("v41_small")
+
+
+@pytest.fixture(scope="module", params=["v41-small", "bundled", "v41-wide"])
 def model(request) -> tuple[StageRunner, list[list[int]]]:
-    path = DEFAULT_MODEL_DIR if request.param == "bundled" else request.getfixturevalue("v41_small")
+    path = _model_dir(request)
     set_batch_invariant(True)
     runner = StageRunner.load(
         path, num_slots=BATCH, max_len=256, device="cuda", dtype="bfloat16", dspark=True

@@ -236,6 +236,34 @@ def test_tiles_and_split_programs_do_the_same_operations(fp4: bool, monkeypatch)
     assert torch.equal(stored_linear(x, stored, scale, fp4), few)
 
 
+@pytest.mark.parametrize("fp4", [True, False])
+def test_grouped_rows_give_the_same_bits_in_16_and_64_row_tiles(fp4: bool) -> None:
+    """A few rows of each expert take 16-row tiles, many take 64-row ones (a verify step's rows
+    beside a decode step's): each row's bits are the same in either."""
+    g = torch.Generator().manual_seed(31 + fp4)
+    e, n, k, rows = 2, 48, 256, 80
+    stored = [
+        (quant.fp4_weight if fp4 else quant.fp8_weight)(torch.randn(n, k, generator=g) / 16)
+        for _ in range(e)
+    ]
+    w = held(torch.stack([s[0] for s in stored]), fp4).to(DEVICE)
+    s = torch.stack([s[1] for s in stored]).to(DEVICE)
+    expert = torch.randint(0, e, (rows,), generator=g).sort().values
+    x = torch.randn(rows, k, generator=g).to(DEVICE, _dtype())
+
+    def run(pick: torch.Tensor) -> torch.Tensor:
+        counts = torch.bincount(expert[pick], minlength=e)
+        bm = group_tile_rows(len(pick), e)
+        tiles = group_tiles(counts, len(pick), bm).to(DEVICE)
+        return grouped_stored_linear(x[pick.to(DEVICE)], w, s, fp4, tiles), bm
+
+    many, bm_many = run(torch.arange(rows))
+    few_rows = torch.cat([torch.nonzero(expert == i).flatten()[:5] for i in range(e)])
+    few, bm_few = run(few_rows)
+    assert (bm_few, bm_many) == (16, 64)
+    assert torch.equal(few, many[few_rows.to(DEVICE)])
+
+
 @pytest.mark.parametrize("spread", [True, False])
 def test_added_rows_are_the_moe_combine_after_the_product(spread: bool, monkeypatch) -> None:
     """``Added``: each output row the fp32 sum of its routed rows in ascending expert id, then
