@@ -1012,6 +1012,11 @@ def engine_args(model: str | Path, device: str, *flags: str) -> argparse.Namespa
     return p.parse_args(["--model", str(model), "--device", device, *flags])
 
 
+def batch_invariant_off() -> None:
+    """``--batch-invariant`` is process-wide (an engine's build sets it): off for what follows."""
+    kernels.set_batch_invariant(False)
+
+
 def engine(args: argparse.Namespace, max_len: int, engram: bool = True) -> Any:
     """The engine of ``args`` for requests of ``max_len`` tokens, every stage in this process;
     ``engram=False``: every Engram layer skipped (an ablation: what the Engram costs)."""

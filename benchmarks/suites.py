@@ -287,18 +287,22 @@ def v41_prefill(rec: Record, ctx: Context) -> bool:
 
 def dspark(rec: Record, ctx: Context) -> bool:
     """DSpark on the trained bundled model: acceptance on held-out text and decode tokens/s
-    with and without it, the same prompts through both engines (as ``dspark_accept`` did)."""
+    with and without it, the same prompts through both engines (as ``dspark_accept`` did);
+    at the largest batch, how many outputs equal plain decoding's under ``--batch-invariant``."""
     model = ctx.model or cases.BUNDLED_MODEL
     k = 5
     sizes = (2,) if ctx.tiny else (1, 16)
     per_kind, max_tokens = (1, 3) if ctx.tiny else (8, 48)
     spec = json.dumps({"method": "dspark", "num_speculative_tokens": k})
-    engines = {}
-    for name, cfg in (("plain", None), ("dspark", spec)):
-        flags = ["--max-num-seqs", str(max(sizes))]
+    arms = (("plain", None), ("dspark", spec))
+
+    def build(cfg: str | None, *extra: str) -> Any:
+        flags = ["--max-num-seqs", str(max(sizes)), *extra]
         flags += ["--kv-cache-memory-bytes", str(2**30)] if ctx.device == "cuda" else []
         flags += ["--speculative-config", cfg] if cfg else []
-        engines[name] = cases.engine(cases.engine_args(model, ctx.device, *flags), 512)
+        return cases.engine(cases.engine_args(model, ctx.device, *flags), 512)
+
+    engines = {name: build(cfg) for name, cfg in arms}
     prompts = cases.held_out_prompts(model, engines["plain"].tokenizer, per_kind)
     prompts = prompts[:2] if ctx.tiny else prompts
     rec["engine"] = {"model": str(model), "k": k, "prompts": len(prompts), "max_tokens": max_tokens}
@@ -353,6 +357,37 @@ def dspark(rec: Record, ctx: Context) -> bool:
             )
     engines.clear()
     free()
+    # the largest batch again under --batch-invariant (a process-wide switch: one arm's engines
+    # at a time), in CUDA graphs and eagerly as the GPU tests run: equal outputs are its promise
+    bs = max(sizes)
+    for eager in (False, True) if ctx.device == "cuda" else (True,):
+        outputs = {}
+        for name, cfg in arms:
+            engine = build(cfg, "--batch-invariant", *(["--enforce-eager"] if eager else []))
+            outputs[name] = [
+                o
+                for lo in range(0, len(prompts), bs)
+                for o in cases.greedy(engine, prompts[lo : lo + bs], max_tokens)[0]
+            ]
+            del engine
+            free()
+        same = sum(a == b for a, b in zip(outputs["plain"], outputs["dspark"], strict=True))
+        how = "eagerly" if eager else "in CUDA graphs"
+        rec.row(
+            batch=bs,
+            prompts=len(prompts),
+            batch_invariant=True,
+            graphs=not eager,
+            same_outputs=same,
+        )
+        print(f"--batch-invariant, {how}: {same}/{len(prompts)} equal", flush=True)
+        rec.headline(
+            f"DSpark (K = {k}) on the bundled model under --batch-invariant, bs {bs}, {how}",
+            same,
+            f"of {len(prompts)} outputs",
+            "equal to plain decoding under the same flag, the same prompts",
+        )
+    cases.batch_invariant_off()
     return True
 
 
