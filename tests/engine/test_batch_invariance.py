@@ -35,9 +35,9 @@ def _model_dir(request) -> Path:
     if request.param == "bundled":
         return DEFAULT_MODEL_DIR
     if request.param == "v41-wide":
-        from benchmarks.cases import ensure_preset
+        from benchmarks.suites import Context
 
-        return ensure_preset("v41-wide", Path("/tmp/engramrt-models"), "cuda")
+        return Context("cuda").preset("v41-wide", DEFAULT_MODEL_DIR)
     return request.getfixturevalue("v41_small")
 
 

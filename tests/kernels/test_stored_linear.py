@@ -253,7 +253,7 @@ def test_grouped_rows_give_the_same_bits_in_16_and_64_row_tiles(fp4: bool) -> No
     expert = torch.randint(0, e, (rows,), generator=g).sort().values
     x = torch.randn(rows, k, generator=g).to(DEVICE, _dtype())
 
-    def run(pick: torch.Tensor) -> torch.Tensor:
+    def run(pick: torch.Tensor) -> tuple[torch.Tensor, int]:
         counts = torch.bincount(expert[pick], minlength=e)
         bm = group_tile_rows(len(pick), e)
         tiles = group_tiles(counts, len(pick), bm).to(DEVICE)
