@@ -1,11 +1,9 @@
-"""The two steps of DeepSeek-V4.1's MoE between and after its grouped projections, one launch
-each (the torch path took some twenty small launches a layer for them):
-
-- ``swiglu_codes``: the clamped SwiGLU of a ``[gate | up]`` row times its routing weight,
-  rounded to the activation dtype and quantised (``act_quant``) for the down projection: the
-  E4M3 codes and scales the FP8 tensor cores take.
-- ``combine``: each token's expert outputs added in fp32 in ascending expert id, then the shared
-  expert's: the torch path's additions in its order (bitwise).
+"""The step of DeepSeek-V4.1's MoE between its grouped projections, one launch (the torch path
+took some twenty small launches a layer for it): ``swiglu_codes``, the clamped SwiGLU of a
+``[gate | up]`` row times its routing weight, rounded to the activation dtype and quantised
+(``act_quant``) for the down projection: the E4M3 codes and scales the FP8 tensor cores take.
+The routed experts' rows and the shared expert's go through one launch. (The combine after the
+down projections is the shared expert's epilogue: ``stored_linear.Added``.)
 
 ``moe.clamped_swiglu`` is the formula: silu as torch's CUDA kernel computes it,
 ``x / (1 + exp(-x))`` with an accurate exp and a correctly rounded division.
@@ -19,12 +17,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from engramrt.kernels.common import interpreted
-from engramrt.kernels.quant_roundtrip import act_codes_of
+from engramrt.kernels.quant_roundtrip import store_act_codes
 
 NB = 8  # 32-wide blocks a program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["W_ROWS"])
 def _swiglu_codes_kernel(
     x_ptr,  # [R, 2 * I]: gate then up
     w_ptr,  # fp32 routing weights (HAS_W): row r's at w_at[r]
@@ -34,6 +32,7 @@ def _swiglu_codes_kernel(
     values_ptr,  # bf16 [R, I] (VALUES)
     INTER,
     LIMIT,
+    W_ROWS,  # rows from here on take no weight
     HAS_W: tl.constexpr,
     VALUES: tl.constexpr,
     NB: tl.constexpr,
@@ -51,13 +50,11 @@ def _swiglu_codes_kernel(
     e = libdevice.exp(-gate) if LIBDEVICE else tl.exp(-gate)  # CUDA's expf, as torch's silu
     h = tl.div_rn(gate, 1.0 + e) * up
     if HAS_W:
-        h = tl.load(w_ptr + tl.load(w_at_ptr + r)) * h
+        if r < W_ROWS:
+            h = tl.load(w_ptr + tl.load(w_at_ptr + r)) * h
     h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # the activation dtype, as the torch path
-    codes, scale, values = act_codes_of(h)
-    tl.store(codes_ptr + r * INTER + cols, codes, mask=mask)
-    tl.store(scale_ptr + r * (INTER // 32) + blk, scale, mask=blk < INTER // 32)
-    if VALUES:
-        tl.store(values_ptr + r * INTER + cols, values, mask=mask)
+    at = r * (INTER // 32) + blk
+    store_act_codes(h, at, blk < INTER // 32, codes_ptr, scale_ptr, values_ptr, VALUES)
 
 
 def swiglu_codes(
@@ -66,11 +63,14 @@ def swiglu_codes(
     weight: torch.Tensor | None = None,
     weight_at: torch.Tensor | None = None,
     values: bool = False,
+    weighted: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``gate_up`` [R, 2 I] -> (E4M3 codes [R, I], fp32 scales [R, I / 32], with ``values``
     the round trip's bf16 values [R, I] or None: what FP4 weights multiply) of
     ``act_quant(clamped_swiglu(gate, up, limit, weight).to(gate_up.dtype))``; ``weight`` [R],
-    or with ``weight_at`` [R] ``weight.flatten()[weight_at]`` (read in the kernel)."""
+    or with ``weight_at`` [R] ``weight.flatten()[weight_at]`` (read in the kernel), for the first
+    ``weighted`` rows (all by default: the MoE's routed rows come first, the shared expert's
+    after them, unweighted)."""
     rows, width = gate_up.shape
     inter = width // 2
     if inter % 32:
@@ -93,42 +93,10 @@ def swiglu_codes(
             out if values else scale,
             inter,
             limit,
+            rows if weighted is None else weighted,
             HAS_W=weight is not None,
             VALUES=values,
             NB=NB,
             LIBDEVICE=not interpreted(),
         )
     return codes, scale, out
-
-
-@triton.jit
-def _combine_kernel(out_ptr, by_id_ptr, shared_ptr, y_ptr, D, K: tl.constexpr, BLOCK: tl.constexpr):
-    t, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    cols = j * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < D
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(K):
-        row = tl.load(by_id_ptr + t * K + s).to(tl.int64)
-        acc += tl.load(out_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    acc += tl.load(shared_ptr + t * D + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * D + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def combine(
-    out: torch.Tensor,
-    by_id: torch.Tensor,
-    shared: torch.Tensor,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Sorted expert rows ``out`` [T * k, D]; ``by_id`` [T, k] each token's rows in ascending
-    expert id; ``shared`` [T, D]: each token's fp32 sum, experts first, then the shared one,
-    stored in ``dtype`` (fp32 where ranks add their sums)."""
-    tokens, k = by_id.shape
-    d = out.shape[-1]
-    y = torch.empty(tokens, d, dtype=dtype, device=out.device)
-    if tokens:
-        block = 1024
-        _combine_kernel[(tokens, triton.cdiv(d, block))](
-            out.contiguous(), by_id.contiguous(), shared.contiguous(), y, d, K=k, BLOCK=block
-        )
-    return y

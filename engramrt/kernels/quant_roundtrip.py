@@ -114,9 +114,8 @@ def act_codes_of(g):
 def store_act_codes(g, blk, live, codes_ptr, scale_ptr, values_ptr, VALUES: tl.constexpr):
     """``act_codes_of(g)`` stored where ``act_codes`` keeps it: blocks ``g`` [NB, 32] are the
     flat blocks ``blk`` [NB] of a ``[..., K]`` tensor (stored where ``live``), their codes (and
-    with ``VALUES`` the bf16 values) at ``blk * 32 ..``, their scales at ``blk``: ``act_codes``,
-    the RMSNorm's codes and the mHC norm's inputs store through here (the MoE's SwiGLU still
-    stores on its own)."""
+    with ``VALUES`` the bf16 values) at ``blk * 32 ..``, their scales at ``blk``. Every launch
+    that quantises for the linears after it stores through here."""
     codes, scale, values = act_codes_of(g)
     offs = blk[:, None].to(tl.int64) * 32 + tl.arange(0, 32)[None, :]
     mask = live[:, None] & (offs >= 0)

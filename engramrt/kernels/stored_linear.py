@@ -251,6 +251,25 @@ def _partial(parts, p, programs, stride, omask):
     return tl.load(parts + p * stride, mask=ok, other=0.0, cache_modifier=".cg")
 
 
+@triton.jit
+def _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K,
+               ADD: tl.constexpr):  # fmt: skip
+    """The tile's sums ``total`` [BN, BM] as the output's rows ``rm``; ``ADD``: rounded to the
+    added rows' dtype, after the fp32 sum of each row's ``TOP_K`` added rows (``by_id``'s, in
+    order; the MoE's combine: the routed experts' outputs in ascending id, then the shared
+    one's)."""
+    if ADD:
+        own = total.to(add_ptr.dtype.element_ty).to(tl.float32)
+        total = tl.zeros(total.shape, tl.float32)
+        for s in range(TOP_K):
+            row = tl.load(by_id_ptr + rm.to(tl.int64) * TOP_K + s, mask=live, other=0)
+            rows = add_ptr + row[None, :].to(tl.int64) * N + rn[:, None]
+            total += tl.load(rows, mask=omask, other=0.0).to(tl.float32)
+        total += own
+    outs = out_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
+    tl.store(outs, total.to(out_ptr.dtype.element_ty), mask=omask)
+
+
 # the row count varies by step (and by routing): specialising on it compiled variants while
 # serving
 @triton.jit(do_not_specialize=["M", "R", "SPLITS", "PROGRAMS", "TOP_K"])
@@ -264,6 +283,8 @@ def _stored_linear_kernel(
     count_ptr,  # int32 arrival counters, zero between launches
     rows_ptr,  # GATHER: the activation row of each output row, times TOP_K
     tiles_ptr,  # GROUPED: (expert, lo, hi) a row tile
+    add_ptr,  # ADD: rows added to the output's, [P, N]
+    by_id_ptr,  # ADD: each output row's TOP_K added rows, [M, TOP_K]
     M,
     R,
     N,
@@ -277,6 +298,7 @@ def _stored_linear_kernel(
     FP4: tl.constexpr,
     GROUPED: tl.constexpr,
     GATHER: tl.constexpr,
+    ADD: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     G: tl.constexpr,
@@ -328,10 +350,9 @@ def _stored_linear_kernel(
             G,
             ASM,
         )
-    outs = out_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
     omask = live[None, :] & nmask[:, None]
     if PROGRAMS == 1:
-        tl.store(outs, total.to(out_ptr.dtype.element_ty), mask=omask)
+        _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K, ADD)
     else:
         # each split's sum to memory; the last to arrive adds them in split order
         parts = part_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
@@ -350,7 +371,7 @@ def _stored_linear_kernel(
                 p2 = _partial(parts, p + 2, PROGRAMS, M * N, omask)
                 p3 = _partial(parts, p + 3, PROGRAMS, M * N, omask)
                 total = (((total + p0) + p1) + p2) + p3
-            tl.store(outs, total.to(out_ptr.dtype.element_ty), mask=omask)
+            _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K, ADD)
             tl.atomic_xchg(count_ptr + tile, 0)
 
 
@@ -399,6 +420,8 @@ def _launch(
     tiles: torch.Tensor | None = None,
     bm: int | None = None,
     top_k: int = 1,
+    out: torch.Tensor | None = None,
+    added: Added | None = None,
 ) -> torch.Tensor:
     """``tiles`` (grouped) come with their row count ``bm``; else the rows pick it."""
     codes, sa, dtype = q.codes, q.scale, q.dtype
@@ -417,7 +440,17 @@ def _launch(
     blocks = k // 32
     per = triton.cdiv(triton.cdiv(blocks, splits), g) * g
     splits = triton.cdiv(blocks, per)
-    out = torch.empty(rows_out, n, dtype=dtype, device=codes.device)
+    if out is None:
+        out = torch.empty(rows_out, n, dtype=dtype, device=codes.device)
+    elif out.shape != (rows_out, n) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{rows_out}, {n}], got {list(out.shape)}")
+    if added is not None:
+        top_k = added.by_id.shape[1]
+        if added.by_id.shape[0] != rows_out or added.rows.shape[1] != n:
+            raise ValueError(
+                f"added rows for [{rows_out}, {n}], got {list(added.rows.shape)} by "
+                f"{list(added.by_id.shape)}"
+            )
     if rows_out == 0:
         return out
     # a program a split while the tiles alone leave multiprocessors idle
@@ -440,6 +473,8 @@ def _launch(
         arrival_counters(codes.device),
         rows if rows is not None else sa,
         tiles if tiles is not None else sa,
+        added.rows.contiguous() if added is not None else sa,
+        added.by_id.contiguous() if added is not None else sa,
         rows_out,
         len(codes),
         n,
@@ -453,6 +488,7 @@ def _launch(
         FP4=fp4,
         GROUPED=tiles is not None,
         GATHER=rows is not None,
+        ADD=added is not None,
         BM=bm,
         BN=bn,
         G=g,
@@ -461,6 +497,16 @@ def _launch(
         num_stages=stages,
     )
     return out
+
+
+class Added(NamedTuple):
+    """Rows added to a linear's output rows, each row's sum in fp32 from zero: output row
+    ``t``'s ``rows[by_id[t, 0]] + rows[by_id[t, 1]] + ...`` and then its own product rounded
+    to ``rows``' dtype (the MoE's combine: the routed experts' outputs in ascending id, then
+    the shared expert's)."""
+
+    rows: torch.Tensor  # [P, N]
+    by_id: torch.Tensor  # int64 [M, k]
 
 
 class Codes(NamedTuple):
@@ -486,16 +532,23 @@ def quantize(x: torch.Tensor | Codes, values: bool = False) -> Codes:
 
 
 def stored_linear(
-    x: torch.Tensor | Codes, weight: torch.Tensor, scale: torch.Tensor, fp4: bool
+    x: torch.Tensor | Codes,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    fp4: bool,
+    out: torch.Tensor | None = None,
+    added: Added | None = None,
 ) -> torch.Tensor:
     """``x`` [M, K] through ``act_quant`` (or its ``Codes``) times the stored weight (``weight``
     E4M3 ``[N, K]`` with 32 x 32 scales, or I8 ``[N, K / 2]`` paired by ``quant.pair_fp4``
     (the checkpoint's order would give a wrong product) with a scale per 32; scales as E8M0
     bytes); out ``[M, N]`` in ``x``'s dtype. ``x`` may already be on ``act_quant``'s grid
-    (a round trip of it is exact)."""
+    (a round trip of it is exact). ``out``: where the output goes (its dtype); ``added``:
+    rows summed in before each output row (``Added``)."""
     q = quantize(x, fp4)
     n, k = weight.shape[0], q.codes.shape[-1]
-    return _launch(q, weight, scale, fp4, len(q.codes), settings(fp4, n, k))
+    config = settings(fp4, n, k)
+    return _launch(q, weight, scale, fp4, len(q.codes), config, out=out, added=added)
 
 
 def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:
@@ -531,6 +584,7 @@ def grouped_stored_linear(
     rows: torch.Tensor | None = None,
     experts_hint: int = 8,
     top_k: int = 1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows sorted by expert times their expert's stored weight (``weight`` [E, N, ...], FP4
     paired as ``stored_linear`` takes it, ``scale`` [E, ...]) in one launch. The rows are ``x``
@@ -539,7 +593,8 @@ def grouped_stored_linear(
     expert) pairs, ``token * top_k + slot``). ``tiles``: the rows' (expert, lo, hi) tiles of
     ``group_tile_rows(P, E)`` rows (``group_tiles``, or on CUDA ``moe_routing.expert_rows``:
     built once, read by both of a layer's launches). Out ``[P, N]``. ``experts_hint``: the
-    experts a launch is expected to touch (sets the split, never from the routing)."""
+    experts a launch is expected to touch (sets the split, never from the routing); ``out``:
+    where the output goes."""
     q = quantize(x, fp4)
     p = len(rows) if rows is not None else len(q.codes)
     experts, n, k = weight.shape[0], weight.shape[-2], q.codes.shape[-1]
@@ -549,4 +604,4 @@ def grouped_stored_linear(
             f"tiles of {bm} rows for {p} rows and {experts} experts, got {list(tiles.shape)}"
         )
     config = settings(fp4, n, k, experts_hint)
-    return _launch(q, weight, scale, fp4, p, config, rows, tiles, bm, top_k)
+    return _launch(q, weight, scale, fp4, p, config, rows, tiles, bm, top_k, out)

@@ -1,15 +1,15 @@
-"""The MoE's fused epilogues (``engramrt.kernels.moe_epilogues``) against the torch path they
-replace (``moe.clamped_swiglu`` then ``act_quant``; ``ExpertPairs.combine`` plus the shared
-expert): random rows past the clamps, with and without routing weights, odd widths of blocks."""
+"""The MoE's fused SwiGLU (``engramrt.kernels.moe_epilogues``) against the torch path it
+replaces (``moe.clamped_swiglu`` then ``act_quant``): random rows past the clamps, with and
+without routing weights, odd widths of blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engramrt.kernels.moe_epilogues import combine, swiglu_codes
+from engramrt.kernels.moe_epilogues import swiglu_codes
 from engramrt.models.deepseek_v41 import quant
-from engramrt.models.deepseek_v41.moe import ExpertPairs, clamped_swiglu
+from engramrt.models.deepseek_v41.moe import clamped_swiglu
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,20 +60,17 @@ def test_routing_weights_read_through_an_index() -> None:
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_combine_is_the_torch_paths_sum_in_its_order() -> None:
-    """Each token's expert rows added in ascending expert id, then the shared expert's: the same
-    fp32 additions in the same order as ``ExpertPairs.combine`` and the add after it."""
-    g = torch.Generator().manual_seed(3)
-    tokens, experts, k, d = 9, 7, 3, 130
-    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
-    pairs = ExpertPairs(ids, experts)
-    out = torch.randn(tokens * k, d, generator=g).bfloat16()
-    shared = torch.randn(tokens, d, generator=g).bfloat16()
-    want = pairs.combine(out) + shared
-    got = combine(out.to(DEVICE), pairs.by_id.to(DEVICE), shared.to(DEVICE)).cpu()
-    assert torch.equal(got, want)
-    rounded = combine(out.to(DEVICE), pairs.by_id.to(DEVICE), shared.to(DEVICE), torch.bfloat16)
-    if DEVICE == "cuda":  # stored in bf16: the sums rounded once, to nearest
-        assert torch.equal(rounded.cpu(), want.bfloat16())
-    else:  # the interpreter's bf16 conversion truncates
-        torch.testing.assert_close(rounded.cpu().float(), want, rtol=2**-7, atol=0)
+def test_rows_past_the_weighted_take_no_weight() -> None:
+    """``weighted``: the routed rows (first) take their weights, the shared expert's after them
+    none, in one launch: each part the same bits as its own launch."""
+    g = torch.Generator().manual_seed(8)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    gate_up = (torch.randn(11, 2 * 96, generator=g) * 3).to(DEVICE, dtype)
+    weights = torch.rand(4, 2, generator=g).to(DEVICE)
+    at = torch.randperm(8, generator=g).to(DEVICE)
+    got = swiglu_codes(gate_up, 4.0, weights, at, values=True, weighted=8)
+    routed = swiglu_codes(gate_up[:8], 4.0, weights, at, values=True)
+    shared = swiglu_codes(gate_up[8:], 4.0, values=True)
+    for a, b, c in zip(got, routed, shared, strict=True):
+        assert torch.equal(a[:8].view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(a[8:].view(torch.uint8), c.view(torch.uint8))

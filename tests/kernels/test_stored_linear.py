@@ -12,12 +12,14 @@ import torch
 
 from engramrt.kernels import stored_linear as module
 from engramrt.kernels.stored_linear import (
+    Added,
     group_tile_rows,
     group_tiles,
     grouped_stored_linear,
     stored_linear,
 )
 from engramrt.models.deepseek_v41 import quant
+from engramrt.models.deepseek_v41.moe import ExpertPairs
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -232,6 +234,35 @@ def test_tiles_and_split_programs_do_the_same_operations(fp4: bool, monkeypatch)
     monkeypatch.setattr(module, "LARGE_ROWS", 0)
     monkeypatch.setattr(module, "SPREAD_BELOW", 0)
     assert torch.equal(stored_linear(x, stored, scale, fp4), few)
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_added_rows_are_the_moe_combine_after_the_product(spread: bool, monkeypatch) -> None:
+    """``Added``: each output row the fp32 sum of its routed rows in ascending expert id, then
+    its own product rounded to their dtype, as ``ExpertPairs.combine`` and the add after it
+    (the MoE's torch path), bit for bit; by the program of each split's last arrival and by
+    one program summing the splits in turn; stored in fp32 (TP ranks) or the activation dtype
+    (rounded once)."""
+    if not spread:
+        monkeypatch.setattr(module, "SPREAD_BELOW", 0)
+    g = torch.Generator().manual_seed(13)
+    tokens, experts, k, n, d = 9, 7, 3, 130, 256
+    stored, scale = quant.fp8_weight(torch.randn(n, d, generator=g) / 16)
+    stored, scale = stored.to(DEVICE), scale.to(DEVICE)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    pairs = ExpertPairs(ids, experts)
+    routed = torch.randn(tokens * k, n, generator=g).to(_dtype())
+    x = torch.randn(tokens, d, generator=g).to(DEVICE, _dtype())
+    want = pairs.combine(routed) + stored_linear(x, stored, scale, False).cpu().float()
+    added = Added(routed.to(DEVICE), pairs.by_id.to(DEVICE))
+    out = torch.empty(tokens, n, device=DEVICE)
+    assert stored_linear(x, stored, scale, False, out, added) is out
+    assert torch.equal(out.cpu(), want)
+    rounded = stored_linear(x, stored, scale, False, torch.empty_like(x[:, :n]), added).cpu()
+    if DEVICE == "cuda":  # rounded once, to nearest
+        assert torch.equal(rounded, want.to(_dtype()))
+    with pytest.raises(ValueError, match="added rows"):
+        stored_linear(x, stored, scale, False, out, Added(routed[:, :8], pairs.by_id))
 
 
 def _dtype() -> torch.dtype:

@@ -148,17 +148,23 @@ class V41MoE(nn.Module):
         self.norm_inputs = NORM_VALUES
 
     def _grouped(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, inputs=None
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        inputs=None,
     ) -> torch.Tensor:
-        """The experts as ``Expert.forward`` computes them, the routed ones in two grouped
-        launches over the (token, expert) pairs sorted by expert, without a host sync: ``x``
-        quantised once for every expert, the SwiGLU, routing weight and the down projection's
-        quantisation in one launch, and each token's outputs added in ascending expert id and
-        then the shared expert's (the torch path's order) in one. Out: fp32 sums (``x``'s dtype
-        on one rank: the sums rounded once). ``inputs``: ``x``'s codes and values from the
-        norm's launch."""
-        from engramrt.kernels.moe_epilogues import combine, swiglu_codes
+        """The experts as ``Expert.forward`` computes them, without a host sync, in five
+        launches: the routed experts' gate/up projection grouped over the (token, expert) pairs
+        sorted by expert (``x`` quantised once for every expert), the shared expert's; one
+        launch of the SwiGLU, routing weight and the down projections' quantisation for both;
+        the routed down projection grouped; the shared one, whose epilogue adds each token's
+        routed outputs in ascending expert id and then its own (the torch path's order). Out:
+        fp32 sums (``x``'s dtype on one rank: the sums rounded once). ``inputs``: ``x``'s codes
+        and values from the norm's launch."""
+        from engramrt.kernels.moe_epilogues import swiglu_codes
         from engramrt.kernels.stored_linear import (
+            Added,
             Codes,
             group_tile_rows,
             grouped_stored_linear,
@@ -169,17 +175,22 @@ class V41MoE(nn.Module):
         q = quant.shared_input(x, inputs, values=True)  # codes: shared expert; values: routed
         experts = len(self.experts)
         pairs = ExpertPairs(ids, experts, group_tile_rows(ids.numel(), experts))
-        k, shared, limit = ids.shape[1], self.shared_experts, self.shared_experts.limit
-        h = grouped_stored_linear(q, w13, s13, True, pairs.tiles, pairs.order, k, top_k=k)
-        codes, scale, values = swiglu_codes(h, limit, weights, pairs.order, values=True)
-        h = Codes(codes, scale, x.dtype, values)
+        (tokens, k), shared, limit = ids.shape, self.shared_experts, self.shared_experts.limit
+        p = tokens * k  # the routed rows, then the shared expert's
+        h = torch.empty(p + tokens, w13.shape[1], dtype=x.dtype, device=x.device)
+        grouped_stored_linear(q, w13, s13, True, pairs.tiles, pairs.order, k, top_k=k, out=h[:p])
+        stored_linear(q, shared13, shared_s13, False, out=h[p:])
+        codes, scale, values = swiglu_codes(h, limit, weights, pairs.order, True, weighted=p)
+        h = Codes(codes[:p], scale[:p], x.dtype, values[:p])
         routed = grouped_stored_linear(h, w2, s2, True, pairs.tiles, None, k)
-        codes, scale, _ = swiglu_codes(stored_linear(q, shared13, shared_s13, False), limit)
-        h = Codes(codes, scale, x.dtype)
-        shared_out = stored_linear(h, shared.w2.weight, shared.w2.scale, False)
         # one rank's sums are the output: stored in x's dtype (ranks add theirs in fp32)
-        dtype = x.dtype if self.tp.size == 1 else torch.float32
-        return combine(routed, pairs.by_id, shared_out, dtype)
+        y = torch.empty(
+            x.shape, dtype=x.dtype if self.tp.size == 1 else torch.float32, device=x.device
+        )
+        h = Codes(codes[p:], scale[p:], x.dtype)
+        return stored_linear(
+            h, shared.w2.weight, shared.w2.scale, False, y, Added(routed, pairs.by_id)
+        )
 
     def _looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The torch path: each routed expert over its tokens' rows (ascending, as ``_grouped``
