@@ -225,11 +225,9 @@ def test_tiles_and_split_programs_do_the_same_operations(fp4: bool, monkeypatch)
     and a program a range: a row's bits are the same either way (what lets a prefill's rows
     equal a decode step's)."""
     g = torch.Generator().manual_seed(21 + fp4)
-    stored, scale = (quant.fp4_weight if fp4 else quant.fp8_weight)(
-        torch.randn(80, 256, generator=g) / 16
-    )
+    stored, scale = (quant.fp4_weight if fp4 else quant.fp8_weight)(_tiling_values(80, 256, g))
     stored, scale = held(stored, fp4).to(DEVICE), scale.to(DEVICE)
-    x = torch.randn(20, 256, generator=g).to(DEVICE, _dtype())
+    x = _tiling_values(20, 256, g).to(DEVICE, _dtype())
     few = stored_linear(x, stored, scale, fp4)  # 16-row tiles, a program a split
     monkeypatch.setattr(module, "LARGE_ROWS", 0)
     monkeypatch.setattr(module, "SPREAD_BELOW", 0)
@@ -269,6 +267,17 @@ def _dtype() -> torch.dtype:
     return torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
+def _tiling_values(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """Inputs for a test that one row's bits do not depend on its tile. On a GPU random ones:
+    the tensor cores sum a block in an order fixed by the instruction. On a CPU small integers,
+    whose every sum is exact: Triton's interpreter takes a block's product from numpy, whose
+    order of sums follows the tile's shape (an ulp apart on some machines), so there the test
+    holds the rows, blocks and splits each tile reads, not their order."""
+    if DEVICE == "cuda":
+        return torch.randn(rows, cols, generator=g) / 16
+    return torch.randint(-7, 8, (rows, cols), generator=g).float()
+
+
 @pytest.mark.parametrize("fp4", [True, False])
 def test_grouped_rows_give_the_same_bits_in_16_and_64_row_tiles(fp4: bool) -> None:
     """A few rows of each expert take 16-row tiles, many take 64-row ones (a verify step's rows
@@ -276,13 +285,12 @@ def test_grouped_rows_give_the_same_bits_in_16_and_64_row_tiles(fp4: bool) -> No
     g = torch.Generator().manual_seed(31 + fp4)
     e, n, k, rows = 2, 48, 256, 80
     stored = [
-        (quant.fp4_weight if fp4 else quant.fp8_weight)(torch.randn(n, k, generator=g) / 16)
-        for _ in range(e)
+        (quant.fp4_weight if fp4 else quant.fp8_weight)(_tiling_values(n, k, g)) for _ in range(e)
     ]
     w = held(torch.stack([s[0] for s in stored]), fp4).to(DEVICE)
     s = torch.stack([s[1] for s in stored]).to(DEVICE)
     expert = torch.randint(0, e, (rows,), generator=g).sort().values
-    x = torch.randn(rows, k, generator=g).to(DEVICE, _dtype())
+    x = _tiling_values(rows, k, g).to(DEVICE, _dtype())
 
     def run(pick: torch.Tensor) -> tuple[torch.Tensor, int]:
         counts = torch.bincount(expert[pick], minlength=e)
