@@ -170,6 +170,9 @@ def test_the_suites_make_a_tiny_run(tmp_path: Path) -> None:
         assert data["options"]["tiny"]
         assert name == "kernels" or data["headline"]
     assert {r["kind"] for r in files["serving"]["rows"]} == {"offline", "latency", "serve"}
+    # a CPU step is batch-invariant: under the flag every output equals its request alone
+    (inv,) = [r for r in files["dspark"]["rows"] if r.get("batch_invariant")]
+    assert inv["plain_equal_alone"] == inv["dspark_equal_alone"] == inv["prompts"] > 0
 
 
 def test_the_decode_floor_counts_what_a_batch_reads() -> None:
