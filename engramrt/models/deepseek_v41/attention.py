@@ -515,7 +515,12 @@ class V41Attention(nn.Module):
         cache: V41Cache = ctx.kv
         step = StepRuns.of(ctx, self.plan)
         rot = step.rotation(self.rope_key)
-        qr, q, kv = self.project(x, rot, inputs)
+        ring = cache.window[self.layer_id].view(-1, self.head_dim), step.ring_rows(cache)
+        # a decode or verify step's runs are no longer than the ring's slack + 1, so its writes
+        # land on no ring row its tokens read: the latents go to the ring as they are made (no
+        # launch of their own); a longer run's would, so they go after attending
+        early = ctx.decode or ctx.token_rows
+        qr, q, kv = self.project(x, rot, inputs, ring if early else None)
         comp, rows = None, None
         if self.role.kind == SOURCE:
             self._compress(x, step, cache)
@@ -525,17 +530,18 @@ class V41Attention(nn.Module):
             comp = cache.compressed[self.role.kv_source]
             rows = step.picked_rows(cache, self.role.ratio)
         out = self.attend(q, kv, comp, rows, step, cache)
-        # after attending: a run's own latents may overwrite ring rows its first tokens read
-        ring = cache.window[self.layer_id].view(-1, self.head_dim)
-        ring.index_copy_(0, step.ring_rows(cache), kv)
+        if not early:  # after attending: a run's latents may overwrite rows its first tokens read
+            ring[0].index_copy_(0, ring[1], kv)
         return self.output(out, rot)
 
-    def project(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], inputs=None):
+    def project(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], inputs=None,
+                ring=None):  # fmt: skip
         """(qr, q, kv) of ``x``: the queries' low rank as the linears after it read it (``wq_b``
-        and the indexer's), the rotated queries and the window latents."""
+        and the indexer's), the rotated queries and the window latents (also written to
+        ``ring``: (the ring rows, each token's row), if given)."""
         q_low, kv_low = self.low_ranks(quant.shared_input(x, inputs))
         qr = quant.normed_input(q_low, self.q_norm)
-        return qr, self.queries(qr, rot), self._window_latents(kv_low, rot)
+        return qr, self.queries(qr, rot), self._window_latents(kv_low, rot, ring)
 
     def low_ranks(self, xs) -> tuple[torch.Tensor, torch.Tensor]:
         """``wq_a``'s and ``wkv``'s products of one input (``shared_input``'s): on a GPU in one
@@ -558,12 +564,14 @@ class V41Attention(nn.Module):
     def queries(self, qr: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return rope_quant(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), rot)
 
-    def latents(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The window latents (K and V) ``[T, D]``: rotated, FP8 round-tripped."""
-        return self._window_latents(self.wkv(x), rot)
+    def latents(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], ring=None):
+        """The window latents (K and V) ``[T, D]``: rotated, FP8 round-tripped (and written to
+        ``ring``, as ``project``)."""
+        return self._window_latents(self.wkv(x), rot, ring)
 
-    def _window_latents(self, low: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]):
-        return rope_quant(low, rot, ACT, norm=self.kv_norm)
+    def _window_latents(self, low: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], ring):
+        at = ring or (None, None)
+        return rope_quant(low, rot, ACT, cache=at[0], rows=at[1], norm=self.kv_norm)
 
     def output(self, out: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotated back, through the grouped ``wo_a`` and ``wo_b`` (all-reduced under TP)."""

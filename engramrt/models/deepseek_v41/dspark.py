@@ -99,9 +99,8 @@ class DSparkAttention(V41Attention):
     """Ratio-0 window attention over the target's latents (``seed``) and the draft block."""
 
     def seed(self, main_x: torch.Tensor, step: StepRuns, cache: V41Cache) -> None:
-        kv = self.latents(main_x, step.rotation(self.rope_key))
-        ring = cache.window[self.layer_id].view(-1, self.head_dim)
-        ring.index_copy_(0, step.ring_rows(cache), kv)
+        ring = cache.window[self.layer_id].view(-1, self.head_dim), step.ring_rows(cache)
+        self.latents(main_x, step.rotation(self.rope_key), ring)
 
     def forward(self, x: torch.Tensor, ctx: DraftContext, inputs=None) -> torch.Tensor:
         angles = angles_at(ctx.positions, self.rope_key)
