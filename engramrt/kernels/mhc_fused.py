@@ -1,4 +1,4 @@
-"""The mHC glue around one sublayer in two launches: one before it, one after.
+"""The mHC glue around one sublayer in three launches: two before it, one after.
 
 In torch, one sublayer's glue is dozens of small fp32 kernels (the mixes matmul, the rsqrt, the
 split, a collapse loop, the RMSNorm, a bmm and FMAs for the expand); at decode sizes each reads
@@ -10,12 +10,12 @@ a few KiB and the step is launch-bound. Here:
   ``(2 + hc) * hc`` rows of ``fn`` and the partial sum of squares, as plain fp32 FMAs (Triton's
   fp32 ``tl.dot`` was 3-4x slower here, and a tensor-core dot would not be fp32). The chunk count
   depends on ``T`` alone (many at decode sizes, to spread the read of ``fn`` over the GPU, few
-  at prefill sizes), never on data. The last mixes program of a token block to arrive (an
-  arrival counter, no atomics on values) adds the block's partials in chunk order, applies the
-  per-token rsqrt and runs the Sinkhorn split (``mhc_sinkhorn.split_tile``, the same code as
-  the stand-alone split): results are deterministic. Collapse programs, one per token: collapse
-  the stream with the *lagged* pre, round to the stream dtype, RMS-normalise the rounded row.
-  Without mixes programs it is the final collapse + norm.
+  at prefill sizes), never on data; no atomics, so results are deterministic. Collapse programs,
+  one per token: collapse the stream with the *lagged* pre, round to the stream dtype,
+  RMS-normalise the rounded row. Without mixes programs it is the final collapse + norm.
+- ``_split_kernel``, one program (one warp) per token: adds the partials in a fixed order,
+  applies the per-token rsqrt and runs the Sinkhorn split (``mhc_sinkhorn.split_tile``, the same
+  code as the stand-alone split).
 - ``_post_kernel``, grid ``(T, cdiv(D, BLOCK_D))``: ``out_k = post_k * y + sum_j comb[j][k] *
   residual_j`` in fp32, rounded once.
 
@@ -33,14 +33,14 @@ import triton
 import triton.language as tl
 
 from engramrt.kernels import NORM_VALUES, batch_invariant
-from engramrt.kernels.common import MAX_TILES, arrival_counters
 from engramrt.kernels.mhc_sinkhorn import split_tile
 from engramrt.kernels.quant_roundtrip import store_act_codes
 
 TARGET_PROGRAMS = 512  # mixes programs to aim for: a few per SM of a large GPU
-MAX_SPLITS = 64  # chunks per token at most: a token block's last program adds them
+MAX_SPLITS = 64  # chunks per token at most: the split kernel adds them one program per token
 MAX_BLOCK_D = 8192  # a collapsed row up to this long stays in registers (else: a second pass)
-SPLIT_BLOCK = 8  # chunks' partials added per step of the split
+SPLIT_BLOCK = 8  # partials added per step of the split kernel
+SPLIT_WARPS = 1
 
 
 class MixesPlan(NamedTuple):
@@ -85,58 +85,6 @@ def _mixes_part(
     out = tl.where(p[None, :] == MIX, tl.sum(sq, axis=1)[:, None], tl.sum(acc, axis=2))
     dst = (t.to(tl.int64)[:, None] * SPLITS + s) * P + p[None, :]
     tl.store(part_ptr + dst, out, mask=tm[:, None])
-
-
-@triton.jit
-def _split_block(
-    part_ptr,
-    block,
-    num_tokens,
-    K,
-    SPLITS,
-    norm_eps,
-    hc_scale_ptr,
-    hc_base_ptr,
-    iters,
-    hc_eps,
-    pre_ptr,
-    post_ptr,
-    comb_ptr,
-    HC: tl.constexpr,
-    MIX: tl.constexpr,
-    P: tl.constexpr,
-    BT: tl.constexpr,
-    SB: tl.constexpr,
-):
-    """Token block ``block``'s partials added in chunk order (``SB`` chunks a step, each
-    lane's sums then added across lanes), the rsqrt and the Sinkhorn split, stored."""
-    t = block * BT + tl.arange(0, BT)
-    tm = t < num_tokens
-    t = t.to(tl.int64)
-    c = tl.arange(0, P)
-    acc = tl.zeros((BT, SB, P), dtype=tl.float32)
-    for s0 in range(0, SPLITS, SB):
-        s = s0 + tl.arange(0, SB)
-        rows = part_ptr + (t[:, None] * SPLITS + s[None, :]) * P  # [BT, SB]
-        live = tm[:, None, None] & (s < SPLITS)[None, :, None]
-        acc += tl.load(rows[:, :, None] + c[None, None, :], mask=live, other=0)
-    # the sums go to the block's first chunk, read back in the split's shapes
-    row = part_ptr + t * SPLITS * P  # [BT]
-    tl.debug_barrier()  # every partial read before the first chunk's row is overwritten
-    tl.store(row[:, None] + c[None, :], tl.sum(acc, axis=1), mask=tm[:, None])
-    tl.debug_barrier()
-    j = tl.arange(0, HC)
-    off = j[:, None] * HC + j[None, :]
-    r = tl.rsqrt(tl.load(row + MIX, mask=tm, other=0) / K + norm_eps)
-    zp = tl.load(row[:, None] + j[None, :], mask=tm[:, None], other=0) * r[:, None]
-    zq = tl.load(row[:, None] + HC + j[None, :], mask=tm[:, None], other=0) * r[:, None]
-    lm = tm[:, None, None]
-    zl = tl.load(row[:, None, None] + 2 * HC + off[None, :, :], mask=lm, other=0)
-    zl = zl * r[:, None, None]
-    pre, post, comb = split_tile(zp, zq, zl, hc_scale_ptr, hc_base_ptr, iters, hc_eps, HC)
-    tl.store(pre_ptr + t[:, None] * HC + j[None, :], pre, mask=tm[:, None])
-    tl.store(post_ptr + t[:, None] * HC + j[None, :], post, mask=tm[:, None])
-    tl.store(comb_ptr + t[:, None, None] * HC * HC + off[None, :, :], comb, mask=lm)
 
 
 @triton.jit
@@ -237,7 +185,7 @@ def _collapse_norm(
             tl.store(o_row + d, (c * rr * w).to(dtype), mask=m)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "CHUNK", "SPLITS", "MIX_PROGRAMS", "iters"])
+@triton.jit(do_not_specialize=["num_tokens", "CHUNK", "SPLITS", "MIX_PROGRAMS"])
 def _mixes_collapse_kernel(
     x_ptr,
     fn_ptr,
@@ -257,20 +205,11 @@ def _mixes_collapse_kernel(
     scale_ptr,
     values_ptr,
     wide_ptr,
-    count_ptr,  # int32 arrival counters, zero between launches
-    hc_scale_ptr,
-    hc_base_ptr,
-    iters,
-    hc_eps,
-    pre_ptr,
-    post_ptr,
-    comb_ptr,
     HC: tl.constexpr,
     MIX: tl.constexpr,
     P: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
-    SB: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SINGLE: tl.constexpr,
     STORE_C: tl.constexpr,
@@ -279,20 +218,62 @@ def _mixes_collapse_kernel(
     pid = tl.program_id(0)
     if pid < MIX_PROGRAMS:
         _mixes_part(x_ptr, fn_ptr, part_ptr, pid, num_tokens, K, CHUNK, SPLITS, MIX, P, BT, BK)
-        block = pid // SPLITS
-        tl.debug_barrier()  # this program's partials stored before it counts itself in
-        if tl.atomic_add(count_ptr + block, 1, sem="acq_rel") == SPLITS - 1:
-            _split_block(
-                part_ptr, block, num_tokens, K, SPLITS, norm_eps, hc_scale_ptr, hc_base_ptr,
-                iters, hc_eps, pre_ptr, post_ptr, comb_ptr, HC, MIX, P, BT, SB,
-            )  # fmt: skip
-            tl.atomic_xchg(count_ptr + block, 0)
     else:
         t = (pid - MIX_PROGRAMS).to(tl.int64)
         _collapse_norm(
             x_ptr, prev_ptr, w_ptr, coll_ptr, out_ptr, t, D, norm_eps, HC, BLOCK_D, SINGLE,
             STORE_C, codes_ptr, scale_ptr, values_ptr, wide_ptr, QUANT,
         )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["SPLITS"])
+def _split_kernel(
+    part_ptr,
+    scale_ptr,
+    base_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    SPLITS,
+    K,
+    iters,
+    hc_eps,
+    norm_eps,
+    HC: tl.constexpr,
+    P: tl.constexpr,
+    SB: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, HC)
+    off = j[:, None] * HC + j[None, :]
+    sq = tl.zeros((SB,), dtype=tl.float32)
+    zp = tl.zeros((SB, HC), dtype=tl.float32)
+    zq = tl.zeros((SB, HC), dtype=tl.float32)
+    zl = tl.zeros((SB, HC, HC), dtype=tl.float32)
+    for s0 in range(0, SPLITS, SB):
+        s = s0 + tl.arange(0, SB)
+        sm = s < SPLITS
+        row = part_ptr + (t * SPLITS + s) * P  # [SB]: this token's partials, split by split
+        sq += tl.load(row + (2 + HC) * HC, mask=sm, other=0)
+        zp += tl.load(row[:, None] + j[None, :], mask=sm[:, None], other=0)
+        zq += tl.load(row[:, None] + HC + j[None, :], mask=sm[:, None], other=0)
+        zl += tl.load(
+            row[:, None, None] + 2 * HC + off[None, :, :], mask=sm[:, None, None], other=0
+        )
+    r = tl.rsqrt(tl.sum(sq, axis=0) / K + norm_eps)
+    pre, post, comb = split_tile(
+        (tl.sum(zp, axis=0) * r)[None, :],
+        (tl.sum(zq, axis=0) * r)[None, :],
+        (tl.sum(zl, axis=0) * r)[None, :, :],
+        scale_ptr,
+        base_ptr,
+        iters,
+        hc_eps,
+        HC,
+    )
+    tl.store(pre_ptr + t * HC + j[None, :], pre)
+    tl.store(post_ptr + t * HC + j[None, :], post)
+    tl.store(comb_ptr + t * HC * HC + off[None, :, :], comb)
 
 
 @triton.jit
@@ -353,34 +334,23 @@ def post_block_d(tokens: int) -> int:
     return 64 if tokens <= 16 else 128 if tokens <= 128 else 256
 
 
-class Mixes(NamedTuple):
-    """What the mixes programs project the stream with and split by (``mhc_pre``'s)."""
-
-    fn: torch.Tensor
-    scale: torch.Tensor
-    base: torch.Tensor
-    iters: int
-    hc_eps: float
-
-
-def _launch(
+def _first_launch(
     x: torch.Tensor,
     pre_prev: torch.Tensor,
     norm_weight: torch.Tensor,
     norm_eps: float,
     keep_collapsed: bool,
-    mixes: Mixes | None,
+    fn: torch.Tensor | None,
     quant: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None, NormInputs | None]:
-    """(normed, collapsed or None, (pre, post, comb) or None, the normed rows' ``NormInputs``
-    or None): the collapse programs always, the mixes programs when ``mixes`` is given;
-    ``quant``: ``NORM_CODES`` or ``NORM_VALUES`` (rows held whole in registers and whole scale
-    blocks only, else None)."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, NormInputs | None]:
+    """(normed, collapsed or None, partials or None, the normed rows' ``NormInputs`` or None):
+    the collapse programs always, the mixes programs when ``fn`` is given; ``quant``:
+    ``NORM_CODES`` or ``NORM_VALUES`` (rows held whole in registers and whole scale blocks
+    only, else None)."""
     x = x.contiguous()
     tokens, hc, dim = x.shape
     k = hc * dim
-    dev = x.device
-    normed = torch.empty(tokens, dim, dtype=x.dtype, device=dev)
+    normed = torch.empty(tokens, dim, dtype=x.dtype, device=x.device)
     collapsed = torch.empty_like(normed) if keep_collapsed else None
     block_d = min(MAX_BLOCK_D, triton.next_power_of_2(dim))
     single = dim <= block_d
@@ -389,7 +359,7 @@ def _launch(
         wide = quant >= NORM_VALUES
         inputs = NormInputs(
             *(
-                torch.empty(tokens, n, dtype=dt, device=dev) if made else None
+                torch.empty(tokens, n, dtype=dt, device=x.device) if made else None
                 for n, dt, made in (
                     (dim, torch.float8_e4m3fn, True),
                     (dim // 32, torch.float32, True),
@@ -400,33 +370,22 @@ def _launch(
         )
     mix = (2 + hc) * hc
     p = triton.next_power_of_2(mix + 1)  # the mixes, then the sum of squares
-    plan = mixes_plan(tokens, k, batch_invariant(dev))
-    split, mix_programs, part = None, 0, normed
-    if mixes is not None:
-        blocks = triton.cdiv(tokens, plan.block_t)
-        if blocks > MAX_TILES:
-            raise ValueError(f"{blocks} token blocks exceed the {MAX_TILES} counters")
-        mix_programs = blocks * plan.splits
-        part = torch.empty(tokens, plan.splits, p, dtype=torch.float32, device=dev)
-        pre = torch.empty(tokens, hc, dtype=torch.float32, device=dev)
-        split = (
-            pre,
-            torch.empty_like(pre),
-            torch.empty(tokens, hc, hc, dtype=pre.dtype, device=dev),
-        )
+    plan = mixes_plan(tokens, k, batch_invariant(x.device))
+    if fn is None:
+        part, mix_programs = None, 0
+    else:
+        mix_programs = triton.cdiv(tokens, plan.block_t) * plan.splits
+        part = torch.empty(tokens, plan.splits, p, dtype=torch.float32, device=x.device)
     # the rounded row goes to memory when asked for, or to be read back when it is too long
     if collapsed is not None:
         c_buf = collapsed
     else:
         c_buf = normed if single else torch.empty_like(normed)  # normed: never written as c
     if tokens:
-        # without mixes programs their arguments are unread: any tensor
-        m = mixes or Mixes(normed, normed, normed, 0, 0.0)
-        f32 = [t if mixes is None else t.float().contiguous() for t in (m.fn, m.scale, m.base)]
         _mixes_collapse_kernel[(mix_programs + tokens,)](
             x,
-            f32[0],
-            part,
+            normed if fn is None else fn.float().contiguous(),
+            normed if part is None else part,
             pre_prev.float().contiguous(),
             norm_weight.contiguous(),
             c_buf,
@@ -439,24 +398,18 @@ def _launch(
             mix_programs,
             norm_eps,
             *(normed if t is None else t for t in inputs or (None,) * 4),
-            arrival_counters(dev),
-            *f32[1:],
-            m.iters,
-            m.hc_eps,
-            *(split or (normed,) * 3),
             HC=hc,
             MIX=mix,
             P=p,
             BT=plan.block_t,
             BK=plan.block_k,
-            SB=SPLIT_BLOCK,
             BLOCK_D=block_d,
             SINGLE=single,
             STORE_C=collapsed is not None or not single,
             QUANT=0 if inputs is None else quant,
             num_warps=plan.warps,
         )
-    return normed, collapsed, split, inputs
+    return normed, collapsed, part, inputs
 
 
 def mhc_pre(
@@ -475,22 +428,41 @@ def mhc_pre(
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, NormInputs | None
 ]:
-    """``engramrt.model.mhc.mhc_pre`` for a power-of-two ``hc``, in one launch:
-    (normed, pre, post, comb, collapsed or None, ``NormInputs`` or None: ``_launch``)."""
-    if x.shape[1] != hc:
-        raise ValueError(f"the stream has {x.shape[1]} copies, not hc = {hc}")
-    mixes = Mixes(fn, scale, base, iters, hc_eps)
-    normed, collapsed, split, inputs = _launch(
-        x, pre_prev, norm_weight, norm_eps, keep_collapsed, mixes, quant
+    """``engramrt.model.mhc.mhc_pre`` for a power-of-two ``hc``, in two launches:
+    (normed, pre, post, comb, collapsed or None, ``NormInputs`` or None: ``_first_launch``)."""
+    normed, collapsed, part, inputs = _first_launch(
+        x, pre_prev, norm_weight, norm_eps, keep_collapsed, fn, quant
     )
-    return normed, *split, collapsed, inputs
+    tokens = x.shape[0]
+    pre = torch.empty(tokens, hc, dtype=torch.float32, device=x.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=x.device)
+    if tokens:
+        _split_kernel[(tokens,)](
+            part,
+            scale.float().contiguous(),
+            base.float().contiguous(),
+            pre,
+            post,
+            comb,
+            part.shape[1],
+            hc * x.shape[2],
+            iters,
+            hc_eps,
+            norm_eps,
+            HC=hc,
+            P=part.shape[2],
+            SB=SPLIT_BLOCK,
+            num_warps=SPLIT_WARPS,
+        )
+    return normed, pre, post, comb, collapsed, inputs
 
 
 def collapse_norm(
     x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float
 ) -> torch.Tensor:
     """``engramrt.model.mhc.collapse_norm`` in one launch (collapse programs only)."""
-    return _launch(x, pre, norm_weight, norm_eps, False, None)[0]
+    return _first_launch(x, pre, norm_weight, norm_eps, False, None)[0]
 
 
 def mhc_post(

@@ -78,7 +78,7 @@ PRE_CASES = [
 
 @pytest.mark.parametrize(("tokens", "dim", "dtype"), PRE_CASES)
 def test_mhc_pre_matches_reference(tokens: int, dim: int, dtype: torch.dtype) -> None:
-    """Mixes + rsqrt + Sinkhorn split + lagged collapse + RMSNorm in one launch equal the
+    """Mixes + rsqrt + Sinkhorn split + lagged collapse + RMSNorm in two launches equal the
     reference composition: fp32 mixing weights to fp32 rounding, the rows to an ulp or two."""
     inputs = pre_inputs(tokens * dim, tokens, 4, dim, dtype)
     want = mhc.mhc_pre(*inputs, 4, ITERS, HC_EPS, NORM_EPS, keep_collapsed=True)
