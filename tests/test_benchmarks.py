@@ -329,4 +329,6 @@ def test_the_step_census_counts_every_layer_of_a_decode_step() -> None:
     }
     assert not any(p in ("other", "unattributed") for _, p in c.parts)
     assert c.ops["triton:_sparse_attention_kernel"] == len(layers)
+    # a decode step's window latents reach the ring in their rope launch (no copy of their own)
+    assert [c.parts[layer, "attn.kv"] for layer in layers] == [1] * len(layers)
     assert all(site.split(" <- ")[0].rsplit(":", 1)[1].isdigit() for site, _ in c.sites)
