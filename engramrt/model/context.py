@@ -194,6 +194,23 @@ class ForwardContext:
             self.step_cache[key] = rope_tables(self.positions, head_dim, theta)
         return self.step_cache[key]
 
+    def full_table(self) -> torch.Tensor:
+        """``block_table`` ``[B, W]`` with its rows ``W`` apart, for code that indexes it by its
+        columns. A graph's step copies the host's table into the prefix of the graph's buffer,
+        rows ``table_width`` apart: narrower for a decode graph (the paged-attention kernels
+        read that stride), so there the view's row ``b > 0`` is not run ``b``'s blocks. Once a
+        step, spread to ``W`` columns on the device; the view itself elsewhere."""
+        table = self.block_table
+        if not self.padded:
+            return table
+        if "full_table" not in self.step_cache:
+            b, w = table.shape
+            cols = torch.arange(w, device=table.device)
+            at = torch.arange(b, device=table.device).unsqueeze(1) * self.table_width + cols
+            spread = torch.where(cols < self.table_width, table.reshape(-1)[at], 0)
+            self.step_cache["full_table"] = spread
+        return self.step_cache["full_table"]
+
     def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A mixed step's one-token runs: token rows, block tables, context lengths."""
         if "decode_rows" not in self.step_cache:

@@ -20,6 +20,7 @@ from engramrt.engine.block_manager import BlockManager
 from engramrt.engine.build import EngineOptions, check, kv_blocks
 from engramrt.engine.request import SamplingParams
 from engramrt.model.checkpoint import CheckpointError, load_model
+from engramrt.model.context import ForwardContext, GraphShape
 from engramrt.models import model_config
 from engramrt.models.deepseek_v41 import cache as v41_cache
 from engramrt.models.deepseek_v41 import quant
@@ -121,6 +122,51 @@ def test_batched_runs_equal_runs_alone(runner: StageRunner) -> None:
         got = dict(zip([[1, 2], [2, 1], [1, 2]][step], both[step], strict=True))
         torch.testing.assert_close(got[1], alone[0][step][0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[2], alone[1][step][0], rtol=1e-5, atol=1e-5)
+
+
+class ReplayedOnCpu:
+    """``StepGraphs`` without CUDA: a decode step of ``shape`` runs as its graph would, the
+    stage's forward on a context built as a capture builds it (no runs, the graph's table
+    width, padding) into whose buffer the host's step is copied, as ``replay`` copies it."""
+
+    def __init__(self, runner: StageRunner, shape: GraphShape):
+        self.runner, self.shape, self.width = runner, shape, runner.slots.blocks.per_seq
+        self.replays = 0
+
+    def shape_for(self, run_lens, full_logits, tracer, drafts=None) -> GraphShape | None:
+        return self.shape if drafts is None and self.shape.fits(run_lens) else None
+
+    def replay(self, host: ForwardContext, shape: GraphShape, carry):
+        r = self.runner
+        ctx = ForwardContext.for_runs(
+            [], [], [], r.kv, r.slots.blocks, "cpu", self.width, shape, last_rows=True
+        )
+        ctx.flat[: host.flat.numel()].copy_(host.flat)
+        out = r.forward(ctx, carry)
+        self.replays += 1
+        return out[: len(host.slots)], list(ctx.engram_ran)
+
+
+def test_decode_steps_replayed_as_a_graph_equal_eager_steps(runner, monkeypatch) -> None:
+    """Two requests decode three steps eagerly and as a 4-request decode graph replays them
+    (whose table is wider than the host's: the host's rows land closer together): the same
+    logits and caches, bit for bit. A replay once read the second run's blocks at the graph's
+    row stride: its compressed entries and index keys went to the first run's rows. (The
+    kernels' side: ``test_v41_kernels.test_graphs_replay_the_eager_steps`` on a GPU.)"""
+    a, b = prompt(14, 5), prompt(9, 6)  # a's last steps close groups of 2 and 4
+    steps = [[(1, a[:-3]), (2, b[:-3])]]
+    steps += [[(1, [a[i]]), (2, [b[i]])] for i in range(-3, 0)]
+    eager = run_steps(runner, steps)
+    want = caches(runner, 1, len(a)), caches(runner, 2, len(b))
+    graphs = ReplayedOnCpu(runner, GraphShape(True, 4, 4))
+    monkeypatch.setattr(runner, "graphs", graphs)
+    replayed = run_steps(runner, steps)
+    assert graphs.replays == 3
+    for got, ref in zip(replayed, eager, strict=True):
+        assert torch.equal(got, ref)
+    for slot, n, ref in ((1, len(a), want[0]), (2, len(b), want[1])):
+        for name, value in caches(runner, slot, n).items():
+            assert torch.equal(value, ref[name]), (slot, name)
 
 
 def test_preemption_by_recompute_gives_identical_outputs(runner: StageRunner) -> None:

@@ -112,15 +112,16 @@ def test_graphs_replay_the_eager_steps(v41_small: Path) -> None:
     capacity, give the eager steps' greedy tokens and logits (float32: padded GEMMs may round
     differently): a prefill of three prompts and, later, a newcomer's prompt in two chunks beside
     three decoding requests (mixed graphs), decode steps of three in a graph of four. The padded
-    row writes only the spare ring slot, never an unused slot's."""
+    row writes only the spare ring slot, never an unused slot's. The graphs' tables are twice
+    as wide as the steps' (a decode step's host table lands in them rows closer together)."""
     from engramrt.runner.batch import StepBatch
 
     runners = [
-        StageRunner.load(v41_small, num_slots=4, max_len=128, device="cuda", dtype="float32")
+        StageRunner.load(v41_small, num_slots=4, max_len=256, device="cuda", dtype="float32")
         for _ in range(2)
     ]
     for r in runners:
-        r.allocate_kv(4, 128, 16, 32)
+        r.allocate_kv(4, 256, 16, 32)
     runners[1].capture_graphs(4, 64)
     graphs, replayed = runners[1].graphs, []
     replay = graphs.replay

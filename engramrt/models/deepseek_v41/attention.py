@@ -362,7 +362,7 @@ class StepRuns:
                     ctx.slot_ids[req],
                     ctx.slot_mapping >= 0,
                     req,
-                    ctx.block_table,
+                    ctx.full_table(),
                     max(ends, default=0),
                 )
             ctx.step_cache["v41"] = runs
@@ -382,7 +382,7 @@ class StepRuns:
             ctx.query_start,
             ctx.slot_ids,
             ctx.slot_mapping,
-            ctx.block_table,
+            ctx.full_table(),
             sizes,
             consts,
             freqs,
@@ -390,7 +390,7 @@ class StepRuns:
         n = got.ints
         runs = cls(
             ctx.positions, n[k.RUN], n[k.Q0], n[k.END], n[k.SLOT], got.real, ctx.token_req,
-            ctx.block_table, max_end,
+            ctx.full_table(), max_end,
         )  # fmt: skip
         runs.memo["ring"] = n[k.RING]
         runs.memo["tail"] = n[k.TAIL_READ], n[k.TAIL_WRITE]
