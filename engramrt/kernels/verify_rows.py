@@ -188,6 +188,7 @@ def shift(ctx, rejected: torch.Tensor) -> None:
     dec_lens = ctx.dec_lens if n_dec else ctx.context_lens  # (not read: n_dec is 0)
     dec_req = ctx.dec_req if n_dec else ctx.token_req
     most, block = max(len(ctx.slot_ids), len(ctx.positions), n_dec), 128
+    table = ctx.full_table()  # a decode graph's step is narrower than its buffer
     _shift_kernel[(triton.cdiv(most, block),)](
         ctx.lag,
         rejected,
@@ -198,8 +199,8 @@ def shift(ctx, rejected: torch.Tensor) -> None:
         ctx.positions,
         ctx.slot_mapping,
         ctx.token_req,
-        ctx.block_table,
-        ctx.block_table.stride(0),
+        table,
+        table.stride(0),
         len(ctx.positions),
         ctx.kv.block_size,
         dec_lens,

@@ -98,7 +98,7 @@ class Verifier:
         real = ctx.slot_mapping >= 0
         ctx.positions.sub_(torch.where(real, back[ctx.token_req], 0))
         bs, pos = ctx.kv.block_size, ctx.positions
-        rows = ctx.block_table[ctx.token_req, pos // bs] * bs + pos % bs
+        rows = ctx.full_table()[ctx.token_req, pos // bs] * bs + pos % bs
         ctx.slot_mapping.copy_(torch.where(real, rows, -1))
         if ctx.dec_lens is not None:  # decode rows of a mixed or verify graph
             ctx.dec_lens.sub_(torch.where(ctx.dec_lens > 0, back[ctx.dec_req], 0))

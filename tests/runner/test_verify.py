@@ -57,29 +57,43 @@ def test_a_lagging_run_moves_back_to_its_true_start(pad, kernels) -> None:
     as accepted), moved back on the device by the drafts their slots rejected (the torch
     statement, or the one launch of ``kernels.verify_rows.shift``), equal the runs built from
     their true starts: positions, cache rows, context lengths, starts, decode lengths; padding
-    (a graph's) untouched."""
+    (a graph's) untouched. A decode graph's step is narrower than the graph's table: each run's
+    blocks are read where the step put them."""
     from engramrt.kernels import verify_rows
 
     rng = np.random.default_rng(1)
     dev = kernel_device() if kernels else "cpu"
     kv = GQACache([0], 96, 4, 1, 8, torch.float32, dev, 48, 8)
-    tables = kv.fixed_tables()
+    tables = kv.fixed_tables()  # each slot 8 of its 12 blocks, out of order
+    tables.set(list(range(8)), None, rng.permutation(96)[:64].reshape(8, 8).tolist())
     n = pad.requests - 1 if pad is not None else 5
     run = 1 if pad is not None and pad.decode else 5
     slots = rng.permutation(8)[:n].tolist()
-    true = rng.integers(0, 36, n).tolist()
+    true = rng.integers(0, 23, n).tolist()
     lag = rng.integers(0, 2, n).tolist()
     verifier = Verifier(8, 4, lambda *a: None, None, None, torch.device(dev))
     verifier.rejected[:8] = torch.from_numpy(rng.integers(0, 5, 8))
     rejected = verifier.rejected.tolist()
     start = [t + lg * rejected[s] for t, lg, s in zip(true, lag, slots, strict=True)]
     runs = [run] * n
-    built = ForwardContext.for_runs(slots, runs, start, kv, tables, dev, 12, pad, lag=lag)
+
+    def step(starts: list[int], lags: list[int]) -> ForwardContext:
+        """Built as the stage builds it (a decode graph's step at its own width, the others'
+        at the graph's) and, for a graph, copied into a context built as a capture builds it."""
+        width = None if pad is not None and pad.decode else 12
+        host = ForwardContext.for_runs(slots, runs, starts, kv, tables, dev, width, pad, lag=lags)
+        if pad is None:
+            return host
+        ctx = ForwardContext.for_runs([], [], [], kv, tables, dev, 12, pad, lag=[])
+        ctx.flat[: host.flat.numel()].copy_(host.flat)
+        return ctx
+
+    built = step(start, lag)
     if kernels:
         verify_rows.shift(built, verifier.rejected)
     else:
         verifier.shift(built)
-    want = ForwardContext.for_runs(slots, runs, true, kv, tables, dev, 12, pad, lag=[0] * n)
+    want = step(true, [0] * n)
     for name in ("positions", "slot_mapping", "context_lens", "start_pos_t", "dec_lens", "flat"):
         if getattr(want, name) is None:
             continue
