@@ -30,6 +30,7 @@ from engramrt.runner.stage import StageRunner
 from tests.engine.test_engine import assert_idle, drain, run
 from tests.engine.test_speculative import _run
 from tests.support.engine_factory import build_engine
+from tests.support.graph_replay import replayed_context
 
 BLOCK = 16
 
@@ -126,8 +127,7 @@ def test_batched_runs_equal_runs_alone(runner: StageRunner) -> None:
 
 class ReplayedOnCpu:
     """``StepGraphs`` without CUDA: a decode step of ``shape`` runs as its graph would, the
-    stage's forward on a context built as a capture builds it (no runs, the graph's table
-    width, padding) into whose buffer the host's step is copied, as ``replay`` copies it."""
+    stage's forward on the graph's context with the host's step in it (``replayed_context``)."""
 
     def __init__(self, runner: StageRunner, shape: GraphShape):
         self.runner, self.shape, self.width = runner, shape, runner.slots.blocks.per_seq
@@ -138,10 +138,7 @@ class ReplayedOnCpu:
 
     def replay(self, host: ForwardContext, shape: GraphShape, carry):
         r = self.runner
-        ctx = ForwardContext.for_runs(
-            [], [], [], r.kv, r.slots.blocks, "cpu", self.width, shape, last_rows=True
-        )
-        ctx.flat[: host.flat.numel()].copy_(host.flat)
+        ctx = replayed_context(host, r.kv, r.slots.blocks, self.width, shape, last_rows=True)
         out = r.forward(ctx, carry)
         self.replays += 1
         return out[: len(host.slots)], list(ctx.engram_ran)

@@ -18,6 +18,7 @@ from engramrt.models.gqa.cache import GQACache
 from engramrt.runner.batch import StepBatch
 from engramrt.runner.slots import SlotTable
 from engramrt.runner.verify import Verifier, ngram_drafts
+from tests.support.graph_replay import replayed_context
 from tests.support.kernel_env import kernel_device, triton_runs
 
 
@@ -79,14 +80,10 @@ def test_a_lagging_run_moves_back_to_its_true_start(pad, kernels) -> None:
 
     def step(starts: list[int], lags: list[int]) -> ForwardContext:
         """Built as the stage builds it (a decode graph's step at its own width, the others'
-        at the graph's) and, for a graph, copied into a context built as a capture builds it."""
+        at the graph's) and, for a graph, as the graph sees it."""
         width = None if pad is not None and pad.decode else 12
         host = ForwardContext.for_runs(slots, runs, starts, kv, tables, dev, width, pad, lag=lags)
-        if pad is None:
-            return host
-        ctx = ForwardContext.for_runs([], [], [], kv, tables, dev, 12, pad, lag=[])
-        ctx.flat[: host.flat.numel()].copy_(host.flat)
-        return ctx
+        return host if pad is None else replayed_context(host, kv, tables, 12, pad, lag=[])
 
     built = step(start, lag)
     if kernels:
