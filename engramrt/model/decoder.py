@@ -232,7 +232,6 @@ class EngramMHCModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this model's layers, then fail closed if an Engram layer among them did not run."""
         ran_before = len(ctx.engram_ran)
-        ctx.step_cache.clear()  # computed anew in each forward (and inside each captured graph)
         for block in self.layers.values():
             x, pre = block(x, pre, ctx)
         expected = self.engram_layer_ids if self.engram_enabled else []
@@ -250,6 +249,7 @@ class EngramMHCModel(nn.Module):
         return self.tp.gather(head_logits(y, self.head.weight), self.cfg.vocab_size)
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        ctx.step_cache.clear()  # this step's alone (``StageRunner.forward`` does the same)
         x, pre = self.embed_tokens(tokens)
         return self.logits(*self.forward_layers(x, pre, ctx))
 

@@ -407,7 +407,10 @@ class StageRunner:
     def forward(self, ctx: ForwardContext, carry: Carry | None) -> torch.Tensor | Carry:
         """The step on device tensors only: what a CUDA graph captures. The first stage hashes
         once where the token ids are and embeds; runs behind a verify run in flight first move
-        to where they start (``Verifier.shift``)."""
+        to where they start (``Verifier.shift``). What the step caches (``ctx.step_cache``) is
+        computed anew: a graph's context is forwarded at its warm-up and again at its capture,
+        with another step in it (the capture once moved lagging runs by the warm-up's table)."""
+        ctx.step_cache.clear()
         if self.verifier is not None:
             self.verifier.shift(ctx)
         if carry is None:

@@ -166,6 +166,35 @@ def test_decode_steps_replayed_as_a_graph_equal_eager_steps(runner, monkeypatch)
             assert torch.equal(value, ref[name]), (slot, name)
 
 
+def test_a_graph_context_forwarded_again_moves_its_own_runs(v41_small: Path) -> None:
+    """A graph's context is forwarded at its warm-up and again at its capture, with another
+    step in it: runs behind a verify run in flight are moved back by the blocks of the step
+    they are in. The capture once moved them by the table its warm-up's layers had cached
+    (an illegal address on the GPU in the verify-graph test, wrong rows here)."""
+    r = StageRunner.load(v41_small, num_slots=4, max_len=256, dtype="float32")
+    r.allocate_kv(4, 256, BLOCK, 64, slack=4)
+    r.speculate(4, (4, 2))
+    tables, shape = r.slots.blocks, GraphShape(True, 4, 4)
+    tables.set([0, 1, 2, 3], None, [blocks_for(s, 48) for s in range(4)])
+    r.verifier.rejected[:4] = torch.tensor([2, 1, 3, 1])
+
+    def step(slots: list[int], starts: list[int], lags: list[int]) -> ForwardContext:
+        runs = [1] * len(slots)
+        return ForwardContext.for_runs(
+            slots, runs, starts, r.kv, tables, "cpu", None, shape, last_rows=True, lag=lags
+        )
+
+    ctx = replayed_context(step([0, 1], [20, 30], [1, 1]), r.kv, tables, tables.per_seq, shape,
+                           last_rows=True, lag=[])  # fmt: skip
+    r.forward(ctx, None)  # the warm-up
+    second = step([2, 3], [25, 17], [1, 1])
+    ctx.flat[: second.flat.numel()].copy_(second.flat)
+    r.forward(ctx, None)  # the capture, another step in the buffer
+    want = step([2, 3], [22, 16], [0, 0])
+    assert torch.equal(ctx.positions, want.positions)
+    assert torch.equal(ctx.slot_mapping, want.slot_mapping)
+
+
 def test_preemption_by_recompute_gives_identical_outputs(runner: StageRunner) -> None:
     """Four requests in a cache too small for all of them: some are preempted (their blocks
     freed, their caches recomputed from the start) and still generate what they do alone."""
