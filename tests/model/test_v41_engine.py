@@ -30,7 +30,7 @@ from engramrt.runner.stage import StageRunner
 from tests.engine.test_engine import assert_idle, drain, run
 from tests.engine.test_speculative import _run
 from tests.support.engine_factory import build_engine
-from tests.support.graph_replay import replayed_context
+from tests.support.graph_replay import load_step, replayed_context
 
 BLOCK = 16
 
@@ -187,8 +187,7 @@ def test_a_graph_context_forwarded_again_moves_its_own_runs(v41_small: Path) -> 
     ctx = replayed_context(step([0, 1], [20, 30], [1, 1]), r.kv, tables, tables.per_seq, shape,
                            last_rows=True, lag=[])  # fmt: skip
     r.forward(ctx, None)  # the warm-up
-    second = step([2, 3], [25, 17], [1, 1])
-    ctx.flat[: second.flat.numel()].copy_(second.flat)
+    load_step(ctx, step([2, 3], [25, 17], [1, 1]))
     r.forward(ctx, None)  # the capture, another step in the buffer
     want = step([2, 3], [22, 16], [0, 0])
     assert torch.equal(ctx.positions, want.positions)

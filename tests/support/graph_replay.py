@@ -20,5 +20,10 @@ def replayed_context(
     """``host`` (built with ``pad=shape``) as the graph of ``shape`` and ``width`` sees it;
     ``kw``: ``for_runs``'s options the capture passes (``last_rows``, ``lag``)."""
     ctx = ForwardContext.for_runs([], [], [], kv, tables, host.flat.device, width, shape, **kw)
-    ctx.flat[: host.flat.numel()].copy_(host.flat)
+    load_step(ctx, host)
     return ctx
+
+
+def load_step(ctx: ForwardContext, host: ForwardContext) -> None:
+    """The host's step into the graph's buffer, as ``StepGraphs.replay`` copies it."""
+    ctx.flat[: host.flat.numel()].copy_(host.flat)
