@@ -28,7 +28,7 @@ ROWS = (1, 16, 64)
 
 # (BN, G, warps, stages, splits): features a program, blocks an iteration (FP4: 2 or 4, a load
 # holds two), warps, pipeline stages, K splits
-OPTIONS = ((64, 128, 256), (1, 2, 4), (4, 8), (3, 4), (1, 2, 4, 8, 16))
+OPTIONS = ((64, 128, 256), (1, 2, 4), (4, 8), (3, 4, 6), (1, 2, 4, 8, 16))
 
 
 def configs(quick: bool, fp4: bool) -> list[tuple[int, int, int, int, int]]:

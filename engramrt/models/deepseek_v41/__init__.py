@@ -180,7 +180,7 @@ class DeepSeekV41(ModelFamily):
                 f"an FP8 weight {[out_f, in_f]} needs E8M0 scales {list(layer.scale.shape)}, "
                 f"got {scale.dtype} {list(scale.shape)}"
             )
-        layer.weight, layer.scale = weight, scale.view(torch.float8_e8m0fnu)
+        layer.weight, layer.scale = quant.on_16_bytes(weight), scale.view(torch.float8_e8m0fnu)
         return layer
 
     def unrun_reason(self, name: str, dspark: bool) -> str | None:

@@ -400,9 +400,19 @@ def _saved_as_stored(module: StoredLinear, state: dict, prefix: str, local_metad
 
 
 def _loaded_as_held(module: StoredLinear, state: dict, prefix: str, *rest) -> None:
-    """A checkpoint's FP4 weight loaded into a paired layer is paired first."""
-    if module.paired and prefix + "weight" in state:
-        state[prefix + "weight"] = pair_fp4(state[prefix + "weight"])
+    """A checkpoint's FP4 weight loaded into a paired layer is paired first, and on 16 bytes."""
+    name = prefix + "weight"
+    if name not in state:
+        return
+    if module.paired:
+        state[name] = pair_fp4(state[name])
+    state[name] = on_16_bytes(state[name])
+
+
+def on_16_bytes(weight: torch.Tensor) -> torch.Tensor:
+    """``weight``, or a copy where it does not start on 16 bytes (a CPU's view into a
+    safetensors file): the kernel reads stored weights by TMA (``stored_linear``)."""
+    return weight.clone() if weight.data_ptr() % 16 else weight
 
 
 def shared_input(x: torch.Tensor, inputs=None, values: bool = False):
