@@ -303,3 +303,27 @@ def test_grouped_rows_give_the_same_bits_in_16_and_64_row_tiles(fp4: bool) -> No
     few, bm_few = run(few_rows)
     assert (bm_few, bm_many) == (16, 64)
     assert torch.equal(few, many[few_rows.to(DEVICE)])
+
+
+def test_a_weight_off_16_bytes_is_refused_and_a_loaded_one_copied_onto_them() -> None:
+    """The kernel reads weights by TMA, which needs them to start on 16 bytes: a weight that
+    does not is refused with an error saying so, and one loaded into a ``StoredLinear`` (a
+    CPU's view into a safetensors file may start anywhere) is copied onto 16 bytes, the same
+    bytes; an aligned one is kept as it is (no copy of a GPU's weights)."""
+    gen = torch.Generator().manual_seed(5)
+    raw = torch.randint(0, 120, (8 + 64 * 64,), dtype=torch.uint8, generator=gen).to(DEVICE)
+    off = raw[8:].view(64, 64).view(torch.float8_e4m3fn)
+    assert off.data_ptr() % 16
+    scale = torch.full((2, 2), 127, dtype=torch.uint8, device=DEVICE)
+    x = torch.randn(2, 64, generator=gen).to(DEVICE)
+    with pytest.raises(ValueError, match="16 bytes"):
+        stored_linear(x, off, scale, False)
+    layer = quant.StoredLinear(64, 64).to(DEVICE)
+    layer.load_state_dict({"weight": off, "scale": scale.view(torch.float8_e8m0fnu)}, assign=True)
+    assert layer.weight.data_ptr() % 16 == 0
+    assert torch.equal(layer.weight.view(torch.uint8), off.view(torch.uint8))
+    aligned = off.clone()
+    layer.load_state_dict(
+        {"weight": aligned, "scale": scale.view(torch.float8_e8m0fnu)}, assign=True
+    )
+    assert layer.weight.data_ptr() == aligned.data_ptr()
