@@ -139,6 +139,8 @@ def _stored_linear(p: dict, dev: str) -> Built:
     from engramrt.kernels.stored_linear import stored_linear
 
     n, k, m, fp4 = p["n"], p["k"], p["m"], p["fp4"]
+    if p.get("groups", 1) > 1:
+        return _grouped_output(p, dev)
     g = _gen(dev, n + k + m)
     w = torch.randn(n, k, device=dev, generator=g) / k**0.5
     stored, scale = quant.fp4_weight(w) if fp4 else quant.fp8_weight(w)
@@ -157,6 +159,26 @@ def _stored_linear(p: dict, dev: str) -> Built:
         w16 = dequant(stored, scale, torch.bfloat16)
         built.baselines["bf16 cuBLAS, weight dequantised beforehand"] = lambda: a @ w16.T
     return built
+
+
+def _grouped_output(p: dict, dev: str) -> Built:
+    """``wo_a``: bf16 rows as they are through each group's rows of an FP8 weight, against
+    the reference's einsum over the weight dequantised (what the model ran before it read the
+    weight as stored), which cuBLAS runs reading twice the bytes."""
+    from engramrt.kernels.stored_linear import grouped_values_linear
+
+    n, k, m, groups = p["n"], p["k"], p["m"], p["groups"]
+    g = _gen(dev, n + k + m)
+    stored, scale = quant.fp8_weight(torch.randn(n, k, device=dev, generator=g) / k**0.5)
+    x = torch.randn(m, groups, k, device=dev, generator=g).to(_dtype(dev))
+    w = quant.dequant_fp8_weight(stored, scale, x.dtype).unflatten(0, (groups, -1))
+    return Built(
+        kernel=lambda: grouped_values_linear(x, stored, scale, groups),
+        reference=lambda: torch.einsum("mgk,gnk->mgn", x, w),
+        bytes=_nbytes(stored, scale, x) + m * n * x.element_size(),
+        flops=2 * m * n * k,
+        tol=1e-2 if dev == "cuda" else 1e-5,
+    )
 
 
 def _grouped_experts(p: dict, dev: str) -> Built:
@@ -245,11 +267,12 @@ def _swiglu_codes(p: dict, dev: str) -> Built:
 
 
 def stored_linear_sweep(
-    fp4: bool, n: int, k: int, experts: int, top_k: int, m: int, dev: str
+    fp4: bool, n: int, k: int, experts: int, top_k: int, m: int, dev: str, groups: int = 1
 ) -> tuple[Callable[[tuple], torch.Tensor], int, tuple]:
     """``benchmarks/linear_sweep.py``'s case: (a launch of the stored-format linear with given
     settings on ``m`` rows, the bytes its work must move, the settings it takes now); ``experts``:
-    a stack that many deep, each row routed to ``top_k`` of them (0: one dense weight)."""
+    a stack that many deep, each row routed to ``top_k`` of them (0: one dense weight);
+    ``groups``: FP8 features in groups over the activation's bf16 values (``wo_a``)."""
     from engramrt.kernels import stored_linear as sl
 
     g = torch.Generator(device=dev).manual_seed(n + k + m)
@@ -271,14 +294,14 @@ def stored_linear_sweep(
         w = quant.pair_fp4(w) if fp4 else w
         rows = tiles = bm = None
         bytes_ = w.numel() + s.numel()
-    x = torch.randn(m, k, device=dev, generator=g).bfloat16()
-    q = sl.quantize(x, values=fp4)
+    x = torch.randn(m, k * groups, device=dev, generator=g).bfloat16()
+    q = sl.quantize(x, values=fp4) if groups == 1 else sl.Codes(None, None, x.dtype, x)
     p = len(rows) if rows is not None else m
-    read = q.values.nbytes if fp4 else q.codes.nbytes + q.scale.nbytes
+    read = q.codes.nbytes + q.scale.nbytes if q.codes is not None and not fp4 else x.nbytes
     bytes_ += read + p * n * 2
 
     def run(config):
-        return sl._launch(q, w, s, fp4, p, config, rows, tiles, bm)
+        return sl._launch(q, w, s, fp4, p, config, rows, tiles, bm, groups=groups)
 
     return run, bytes_, sl.settings(fp4, n, k, top_k if experts else 1)
 
@@ -301,19 +324,21 @@ def save_stored_linear_settings(picks: dict[tuple[bool, int, int], tuple]) -> Pa
     return sl.TUNED_FILE
 
 
-# V4.1's decode linears at Flash's widths (v41-wide's): (name, FP4, N, K, experts in the stack);
-# the sweep (``benchmarks/linear_sweep.py``) tunes each, the kernels suite times each
+# V4.1's decode linears at Flash's widths (v41-wide's): (name, FP4, N, K, experts in the stack,
+# feature groups: ``wo_a``'s 8, each over its own K of the activation's bf16 values); the sweep
+# (``benchmarks/linear_sweep.py``) tunes each, the kernels suite times each
 FLASH_LINEARS = (
-    ("wq_a", False, 1280, 5120, 0),
-    ("wq_b", False, 32768, 1280, 0),
-    ("wkv", False, 512, 5120, 0),
-    ("wq_a|wkv", False, 1792, 5120, 0),  # the two stacked: one launch (``low_ranks``)
-    ("wo_b", False, 5120, 8192, 0),
-    ("index.wq_b", False, 4096, 1280, 0),
-    ("shared.w13", False, 4608, 5120, 0),  # w1 above w3: one launch
-    ("shared.w2", False, 5120, 2304, 0),
-    ("experts.w13", True, 4608, 5120, 16),
-    ("experts.w2", True, 5120, 2304, 16),
+    ("wq_a", False, 1280, 5120, 0, 1),
+    ("wq_b", False, 32768, 1280, 0, 1),
+    ("wkv", False, 512, 5120, 0, 1),
+    ("wq_a|wkv", False, 1792, 5120, 0, 1),  # the two stacked: one launch (``low_ranks``)
+    ("wo_a", False, 8192, 4096, 0, 8),
+    ("wo_b", False, 5120, 8192, 0, 1),
+    ("index.wq_b", False, 4096, 1280, 0, 1),
+    ("shared.w13", False, 4608, 5120, 0, 1),  # w1 above w3: one launch
+    ("shared.w2", False, 5120, 2304, 0, 1),
+    ("experts.w13", True, 4608, 5120, 16, 1),
+    ("experts.w2", True, 5120, 2304, 16, 1),
 )
 
 
@@ -321,12 +346,12 @@ def _linear_shapes() -> tuple[Shape, ...]:
     """Each of ``FLASH_LINEARS`` as one weight on one row; 16 and 64 rows for the widest FP8
     and the FP4 expert."""
     out = []
-    for name, fp4, n, k, _ in FLASH_LINEARS:
-        for m in (1, 16, 64) if name in ("wq_b", "experts.w13") else (1,):
+    for name, fp4, n, k, _, groups in FLASH_LINEARS:
+        for m in (1, 16, 64) if name in ("wq_b", "experts.w13", "wo_a") else (1,):
             out.append(
                 Shape(
                     f"{'FP4' if fp4 else 'FP8'} {name} {n}x{k}, {m} row{'s' * (m > 1)}",
-                    {"n": n, "k": k, "m": m, "fp4": fp4},
+                    {"n": n, "k": k, "m": m, "fp4": fp4, "groups": groups},
                     headline=m == 1 and name in ("wq_b", "experts.w13"),
                 )
             )
@@ -800,6 +825,10 @@ KERNEL_CASES: tuple[KernelCase, ...] = (
         (
             Shape("FP8 70x96, 1 row", {"n": 70, "k": 96, "m": 1, "fp4": False}),
             Shape("FP8 40x1024, 3 rows", {"n": 40, "k": 1024, "m": 3, "fp4": False}),
+            Shape(
+                "FP8 wo_a 2 groups 128x96, 3 rows",
+                {"n": 128, "k": 96, "m": 3, "fp4": False, "groups": 2},
+            ),
             Shape("FP4 48x128, 1 row", {"n": 48, "k": 128, "m": 1, "fp4": True}),
             Shape("FP4 64x1088, 2 rows", {"n": 64, "k": 1088, "m": 2, "fp4": True}),
         ),

@@ -64,13 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     gbs = copy_gbs(dev)
     report, tuned, started = [], {}, time.time()
     only = args.only.split(",") if args.only else None
-    for name, fp4, n, k, experts in cases.FLASH_LINEARS:
+    for name, fp4, n, k, experts, groups in cases.FLASH_LINEARS:
         if only is not None and name not in only:
             continue
         times: dict[tuple, list[float]] = {}
         floors = []
         for m in ROWS:
-            run, bytes_, now = cases.stored_linear_sweep(fp4, n, k, experts, TOP_K, m, dev)
+            run, bytes_, now = cases.stored_linear_sweep(fp4, n, k, experts, TOP_K, m, dev, groups)
             floors.append(bytes_ / gbs / 1e3)
             want = run(now).float()
             for c in near(now, fp4) if args.near else configs(args.quick, fp4):

@@ -108,13 +108,13 @@ def _bf16_factor(raw, ASM: tl.constexpr):
 
 
 @triton.jit
-def _scaled_dot(acc, w, a_ptr, src, K, blk, aok, sw, sa):
+def _scaled_dot(acc, w, a_ptr, src, stride, blk, aok, sw, sa):
     """``acc`` plus ``w`` [BN, 32] E4M3 times the activation's 32 codes of block ``blk`` (rows
-    read where ``aok``), scaled by the features' ``sw`` [BN] and the rows' ``sa`` [BM]. One
-    FP8 tensor-core product."""
+    ``stride`` apart, read where ``aok``), scaled by the features' ``sw`` [BN] and the rows'
+    ``sa`` [BM]. One FP8 tensor-core product."""
     c32 = tl.arange(0, 32)
     amask = aok[:, None] & (c32[None, :] < 32)
-    a = tl.load(a_ptr + src[:, None] * K + blk * 32 + c32[None, :], mask=amask, other=0.0)
+    a = tl.load(a_ptr + src[:, None] * stride + blk * 32 + c32[None, :], mask=amask, other=0.0)
     # an explicit FMA: whether the compiler fuses the scaling into the sum must not depend on
     # the tile's shape (it did for the mHC expand)
     return tl.fma(tl.dot(w, tl.trans(a)), sw[:, None] * sa[None, :], acc)
@@ -132,9 +132,9 @@ def _scales(ptr, rows, ok, blocks, kb, kb_stop, G: tl.constexpr, other):
 
 
 @triton.jit
-def _row_scales(ptr, src, live, blocks, kb, kb_stop, G: tl.constexpr, FP4: tl.constexpr):
-    """The rows' ``_scales`` (FP8); FP4 activations come as values, scaled already: none."""
-    if FP4:
+def _row_scales(ptr, src, live, blocks, kb, kb_stop, G: tl.constexpr, VALUES: tl.constexpr):
+    """The rows' ``_scales`` (codes); activations that come as values have none."""
+    if VALUES:
         return tl.zeros([src.shape[0], G], dtype=tl.float32)
     return _scales(ptr, src, live, blocks, kb, kb_stop, G, 0.0)
 
@@ -156,14 +156,14 @@ def _column(tile, j: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _value_dot(acc, w, a_ptr, src, K, at, width, aok, ASM: tl.constexpr):
+def _value_dot(acc, w, a_ptr, src, stride, at, width, aok, ASM: tl.constexpr):
     """``acc`` plus ``w`` [BN, 32] (scaled values) times the activation's bf16 values from
-    column ``at`` (``width`` of them; zeros past), accumulated in the product: one bf16
-    tensor-core product (fp32 at full precision in the interpreter, whose bf16 product is
-    wrong; the values are exact in either)."""
+    column ``at`` (``width`` of them; zeros past; rows ``stride`` apart), accumulated in the
+    product: one bf16 tensor-core product (fp32 at full precision in the interpreter, whose
+    bf16 product is wrong; the values are exact in either)."""
     c32 = tl.arange(0, 32)
     amask = aok[:, None] & (c32[None, :] < width)
-    a = tl.load(a_ptr + src[:, None] * K + at + c32[None, :], mask=amask, other=0.0)
+    a = tl.load(a_ptr + src[:, None] * stride + at + c32[None, :], mask=amask, other=0.0)
     if ASM:
         acc = tl.dot(w, tl.trans(a), acc)
     else:
@@ -197,21 +197,25 @@ def _blocks_sum(
     rn,
     nmask,
     K,
+    A_STRIDE,
     kb0,
     kb_stop,
     FP4: tl.constexpr,
+    VALUES: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     G: tl.constexpr,
     ASM: tl.constexpr,
     GROUPED: tl.constexpr,
 ):
-    """``[BN, BM]``: K blocks ``[kb0, kb_stop)`` in ascending order, summed in fp32 from zero.
-    FP8: each an FP8 tensor-core product of 32 codes scaled by its two scales. FP4 (``a_ptr``
-    the activation's bf16 values): weights come paired (``quant.pair_fp4``): a 32-byte load
-    holds two blocks, the low nibbles one and the high the next, each already in element
-    order (no shuffle between decoding and the product); a K whose blocks are odd ends in one
-    block split the same way in halves."""
+    """``[BN, BM]``: K blocks ``[kb0, kb_stop)`` in ascending order, summed in fp32 from zero
+    (activation rows ``A_STRIDE`` apart). FP8: each an FP8 tensor-core product of 32 codes
+    scaled by its two scales; with ``VALUES`` (the activation's bf16 values, not codes) the
+    weight's codes times their scale as bf16 values (exact) in a bf16 product instead. FP4
+    (``VALUES`` always): weights come paired (``quant.pair_fp4``): a 32-byte load holds two
+    blocks, the low nibbles one and the high the next, each already in element order (no
+    shuffle between decoding and the product); a K whose blocks are odd ends in one block
+    split the same way in halves."""
     blocks = K // 32
     rn64 = rn.to(tl.int64)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
@@ -219,11 +223,11 @@ def _blocks_sum(
     # groups' and the rows')
     sw_rows = rn64 if FP4 else rn64 // 32
     next_sw = _scales(sw_ptr, sw_rows, nmask, blocks, kb0, kb_stop, G, 127)
-    next_sa = _row_scales(sa_ptr, src, live, blocks, kb0, kb_stop, G, FP4)
+    next_sa = _row_scales(sa_ptr, src, live, blocks, kb0, kb_stop, G, VALUES)
     for kb in range(kb0, kb_stop, G):
         sw_tile, sa_tile = next_sw, next_sa
         next_sw = _scales(sw_ptr, sw_rows, nmask, blocks, kb + G, kb_stop, G, 127)
-        next_sa = _row_scales(sa_ptr, src, live, blocks, kb + G, kb_stop, G, FP4)
+        next_sa = _row_scales(sa_ptr, src, live, blocks, kb + G, kb_stop, G, VALUES)
         if FP4:
             for g in tl.static_range(0, G, 2):  # kb, G and every split's start are even
                 b = kb + g
@@ -240,16 +244,21 @@ def _blocks_sum(
                     tl.broadcast_to(f_hi[:, None], [BN, 32]),
                     ASM,
                 )
-                acc = _value_dot(acc, lo, a_ptr, src, K, b * 32, half, aok, ASM)
-                acc = _value_dot(acc, hi, a_ptr, src, K, b * 32 + half, half, aok, ASM)
+                acc = _value_dot(acc, lo, a_ptr, src, A_STRIDE, b * 32, half, aok, ASM)
+                acc = _value_dot(acc, hi, a_ptr, src, A_STRIDE, b * 32 + half, half, aok, ASM)
         else:
             for g in tl.static_range(G):
                 b = kb + g
                 aok = live & (src * 0 + b < kb_stop)
                 w = _weight_tile(w_desc, e, n0, b * 32, BN, GROUPED).to(tl.float8e4nv, bitcast=True)
                 sw = _e8m0(_column(sw_tile, g, G))
-                sa = _column(sa_tile, g, G)
-                acc = _scaled_dot(acc, w, a_ptr, src, K, b, aok, sw, sa)
+                if VALUES:
+                    wv = w.to(tl.float32) * sw[:, None]  # a code times a power of two: exact
+                    wv = wv.to(tl.bfloat16) if ASM else wv
+                    acc = _value_dot(acc, wv, a_ptr, src, A_STRIDE, b * 32, 32, aok, ASM)
+                else:
+                    sa = _column(sa_tile, g, G)
+                    acc = _scaled_dot(acc, w, a_ptr, src, A_STRIDE, b, aok, sw, sa)
     return acc
 
 
@@ -283,7 +292,7 @@ def _store_out(total, out_ptr, rm, rn, live, omask, N, add_ptr, by_id_ptr, TOP_K
 # serving
 @triton.jit(do_not_specialize=["M", "R", "SPLITS", "PROGRAMS", "TOP_K"])
 def _stored_linear_kernel(
-    a_ptr,  # E4M3 codes [R, K]; FP4: bf16 values [R, K]
+    a_ptr,  # E4M3 codes [R, K]; VALUES: bf16 values [R, K] (rows A_STRIDE apart)
     sa_ptr,  # fp32 scales [R, K / 32] (FP8)
     w_desc,  # the weight's bytes [N, K or K / 2] ([E, N, ..] GROUPED), tiles of [BN, 32]
     sw_ptr,
@@ -298,12 +307,15 @@ def _stored_linear_kernel(
     R,
     N,
     K,
+    A_STRIDE,
+    GROUP_N,
     BLOCKS_SPLIT,
     S_STRIDE,
     SPLITS,
     PROGRAMS,
     TOP_K,
     FP4: tl.constexpr,
+    VALUES: tl.constexpr,
     GROUPED: tl.constexpr,
     GATHER: tl.constexpr,
     ADD: tl.constexpr,
@@ -318,7 +330,8 @@ def _stored_linear_kernel(
     partials (``PROGRAMS == SPLITS``, few rows), or by one program in turn (``PROGRAMS == 1``,
     many rows): the same operations, so the same bits. ``GROUPED``: row tile ``pid_m`` is
     ``tiles[pid_m]`` against its expert's weight (scales ``S_STRIDE`` apart); an empty
-    tile reads nothing."""
+    tile reads nothing. Features come in groups of ``GROUP_N``, each reading its own ``K``
+    columns of the activation's rows (V4.1's grouped ``wo_a``; one group: all of them)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if GROUPED:
         e = tl.load(tiles_ptr + 3 * pid_m).to(tl.int32)
@@ -331,6 +344,7 @@ def _stored_linear_kernel(
     src = tl.load(rows_ptr + rm, mask=live, other=0) // TOP_K if GATHER else rm
     src = src.to(tl.int64)
     n0 = pid_n * BN
+    a_ptr += (n0 // GROUP_N) * K  # a tile lies in one group
     rn = n0 + tl.arange(0, BN)
     nmask = rn < N
     blocks = K // 32
@@ -352,9 +366,11 @@ def _stored_linear_kernel(
             rn,
             nmask,
             K,
+            A_STRIDE,
             kb0,
             kb_stop,
             FP4,
+            VALUES,
             BM,
             BN,
             G,
@@ -433,16 +449,24 @@ def _launch(
     top_k: int = 1,
     out: torch.Tensor | None = None,
     added: Added | None = None,
+    groups: int = 1,
 ) -> torch.Tensor:
-    """``tiles`` (grouped) come with their row count ``bm``; else the rows pick it."""
-    codes, sa, dtype = q.codes, q.scale, q.dtype
-    if fp4 and q.values is None:
+    """``tiles`` (grouped) come with their row count ``bm``; else the rows pick it. ``q``
+    without codes: its bf16 values meet the weight (FP8 too); ``groups``: the weight's features
+    in that many groups, each over its own slice of an activation row (values only)."""
+    values = fp4 or q.codes is None
+    a, sa, dtype = (q.values if values else q.codes), q.scale, q.dtype
+    if values and a is None:
         raise ValueError("FP4 weights meet the activation's bf16 values: quantize(x, values=True)")
-    k = codes.shape[-1]
+    if groups > 1 and not values:
+        raise ValueError("grouped features read the activation's values, not codes")
+    k = a.shape[-1] // groups
     n = weight.shape[-2]
     bn, g, warps, stages, splits = config
     if g not in ((2, 4) if fp4 else (1, 2, 4)):
         raise ValueError(f"{'FP4' if fp4 else 'FP8'} blocks a step: G of {g} not taken")
+    while (n // groups) % bn:  # a feature tile within one group
+        bn //= 2
     if tiles is None:
         bm = BM if rows_out <= LARGE_ROWS else BM_LARGE
         grid_m = triton.cdiv(rows_out, bm)
@@ -452,7 +476,7 @@ def _launch(
     per = triton.cdiv(triton.cdiv(blocks, splits), g) * g
     splits = triton.cdiv(blocks, per)
     if out is None:
-        out = torch.empty(rows_out, n, dtype=dtype, device=codes.device)
+        out = torch.empty(rows_out, n, dtype=dtype, device=a.device)
     elif out.shape != (rows_out, n) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{rows_out}, {n}], got {list(out.shape)}")
     if added is not None:
@@ -470,32 +494,36 @@ def _launch(
     if programs > 1 and grid[0] * grid[1] > MAX_TILES:
         raise ValueError(f"{grid[0] * grid[1]} tiles exceed the {MAX_TILES} counters")
     part = (
-        torch.empty(splits, rows_out, n, dtype=torch.float32, device=codes.device)
+        torch.empty(splits, rows_out, n, dtype=torch.float32, device=a.device)
         if programs > 1
         else out
     )
+    sa = a if values else sa  # (no scales to read)
     _stored_linear_kernel[grid](
-        q.values if fp4 else codes,
+        a,
         sa,
         _weight_tiles(weight, bn),
         scale.view(torch.uint8),
         out,
         part,
-        arrival_counters(codes.device),
+        arrival_counters(a.device),
         rows if rows is not None else sa,
         tiles if tiles is not None else sa,
         added.rows.contiguous() if added is not None else sa,
         added.by_id.contiguous() if added is not None else sa,
         rows_out,
-        len(codes),
+        len(a),
         n,
         k,
+        a.stride(0),
+        n // groups,
         per,
         scale[0].numel() if tiles is not None else 0,
         splits,
         programs,
         top_k,
         FP4=fp4,
+        VALUES=values,
         GROUPED=tiles is not None,
         GATHER=rows is not None,
         ADD=added is not None,
@@ -533,10 +561,11 @@ class Added(NamedTuple):
 class Codes(NamedTuple):
     """An activation through ``act_quant`` (E4M3 codes [R, K], fp32 scales [R, K / 32]), the
     dtype products of it come out in, and for FP4 weights its round trip's bf16 values [R, K]
-    (exact): quantised once, read by every linear it feeds."""
+    (exact): quantised once, read by every linear it feeds. Without codes: bf16 values as they
+    are (``grouped_values_linear``)."""
 
-    codes: torch.Tensor
-    scale: torch.Tensor
+    codes: torch.Tensor | None
+    scale: torch.Tensor | None
     dtype: torch.dtype
     values: torch.Tensor | None = None
 
@@ -570,6 +599,30 @@ def stored_linear(
     n, k = weight.shape[0], q.codes.shape[-1]
     config = settings(fp4, n, k)
     return _launch(q, weight, scale, fp4, len(q.codes), config, out=out, added=added)
+
+
+def grouped_values_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """``x`` [M, G, K] as it is (no ``act_quant``: bf16 values; fp32 in the interpreter) times
+    an FP8 weight ``[G * N, K]`` with 32 x 32 scales, each group's slice of ``x`` through its
+    ``N`` features: out ``[M, G, N]``, ``einsum('mgk,gnk->mgn')`` over the dequantised weight
+    (V4.1's ``wo_a``, which the reference dequantises for it). The products are exact, so only
+    the order of the fp32 sums differs from that einsum's, and it is fixed."""
+    n, k = weight.shape
+    if x.dim() != 3 or x.shape[1:] != (groups, k) or n % groups or (n // groups) % 32:
+        raise ValueError(
+            f"x [M, {groups}, {k}] and {groups} groups of whole 32-feature scale blocks, got x "
+            f"{list(x.shape)} and a weight of {n} features"
+        )
+    if not interpreted() and x.dtype != torch.bfloat16:
+        raise ValueError(f"the activation meets the weight in bf16 products, got {x.dtype}")
+    m = len(x)
+    x2 = x.reshape(m, groups * k)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    q = Codes(None, None, x.dtype, x2)
+    out = _launch(q, weight, scale, False, m, settings(False, n, k), groups=groups)
+    return out.view(m, groups, n // groups)
 
 
 def group_tiles(counts: torch.Tensor, rows: int, bm: int) -> torch.Tensor:

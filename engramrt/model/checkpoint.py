@@ -133,6 +133,26 @@ def _skip_unrun(
         print(f"engramrt: skipped {n} tensors of {why}", file=sys.stderr, flush=True)
 
 
+def _hold_or_dequantise(model: EngramMHCModel, state: dict[str, torch.Tensor], scale: str):
+    """An FP8 weight given with its scales for a dense layer (``_optional_scales``): the layer
+    replaced by one that holds it as stored where the family reads it so
+    (``ModelFamily.stored_linear``: half the bytes), else dequantised once."""
+    name = scale.removesuffix(".scale")
+    weight = state[name + ".weight"]
+    held = None
+    if weight.dtype == torch.float8_e4m3fn:
+        try:
+            held = model.cfg.family.stored_linear(weight, state[scale])
+        except ValueError as exc:
+            raise CheckpointError(f"tensor {scale}: {exc}") from exc
+    if held is None:
+        _dequantise_at_load(state, scale)
+        return
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, held)
+    del state[name + ".weight"], state[scale]
+
+
 def _dequantise_at_load(state: dict[str, torch.Tensor], scale: str) -> None:
     """An FP8 weight the model holds dequantised (``_optional_scales``), with its 32 x 32 E8M0
     block scales: dequantised once, here."""
@@ -238,7 +258,7 @@ def load_model(
     state.update(_read(where, names, model_dir, slices))
     _install_engram(model, state, dtype, host, slices)
     for scale in [n for n in state if n.endswith(".scale") and n not in meta]:
-        _dequantise_at_load(state, scale)
+        _hold_or_dequantise(model, state, scale)
     for name, t in state.items():
         want = meta[name].dtype  # as the model holds it: stored formats stay as stored
         if want.itemsize == 1 or not want.is_floating_point:
@@ -404,10 +424,8 @@ def _install_engram(
     host: HostMapping | None = None,
     slices: Slices | None = None,
 ) -> None:
-    """Tables keep their stored format (fp8 + e8m0 or plain); an fp8 wkv stays so where the
-    family holds such weights stored (``ModelFamily.stored_linear``), else is dequantised once.
-    ``host``: the mapping the tables were streamed into, where they stay; ``slices``: the rows
-    a tensor-parallel rank holds."""
+    """Tables keep their stored format (fp8 + e8m0 or plain). ``host``: the mapping the tables
+    were streamed into, where they stay; ``slices``: the rows a tensor-parallel rank holds."""
     for i in model.engram_layer_ids:
         engram = model.layers[str(i)].engram
         prefix = f"layers.{i}.engram"
@@ -428,15 +446,6 @@ def _install_engram(
         except ValueError as exc:
             named = f"{prefix}.embed.scale" if scale is not None else f"{prefix}.embed.weight"
             raise CheckpointError(f"tensor {named}: {exc}") from exc
-        wkv, wkv_scale = f"{prefix}.wkv.weight", f"{prefix}.wkv.scale"
-        if wkv_scale in state and state[wkv].dtype == torch.float8_e4m3fn:
-            try:
-                held = model.cfg.family.stored_linear(state[wkv], state[wkv_scale])
-            except ValueError as exc:
-                raise CheckpointError(f"tensor {wkv_scale}: {exc}") from exc
-            if held is not None:  # read as stored (half the bytes of a dequantised copy)
-                engram.wkv = held
-                del state[wkv], state[wkv_scale]
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

@@ -131,12 +131,13 @@ class ModelFamily:
 
     # -- checkpoints ----------------------------------------------------------------------
     def optional_scales(self, model: EngramMHCModel) -> set[str]:
-        """Scales a checkpoint may give for weights this family holds dequantised."""
+        """Scales a checkpoint may give for weights this family builds as dense layers."""
         return set()
 
     def stored_linear(self, weight: torch.Tensor, scale: torch.Tensor) -> nn.Module | None:
-        """An FP8 weight with its 32 x 32 E8M0 scales, held as stored by a layer of this family
-        (the Engram's ``wkv``), or None: dequantised at load."""
+        """An FP8 weight with its 32 x 32 E8M0 scales given for a dense layer (the Engram's
+        ``wkv``, an ``optional_scales`` weight): the layer that replaces it holding the weight
+        as stored, or None: dequantised at load."""
         return None
 
     def unrun_reason(self, name: str, dspark: bool) -> str | None:

@@ -16,6 +16,7 @@ from engramrt.kernels.stored_linear import (
     group_tile_rows,
     group_tiles,
     grouped_stored_linear,
+    grouped_values_linear,
     stored_linear,
 )
 from engramrt.models.deepseek_v41 import quant
@@ -327,3 +328,42 @@ def test_a_weight_off_16_bytes_is_refused_and_a_loaded_one_copied_onto_them() ->
         {"weight": aligned, "scale": scale.view(torch.float8_e8m0fnu)}, assign=True
     )
     assert layer.weight.data_ptr() == aligned.data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("m", "groups", "n", "k"),
+    [(1, 2, 64, 96), (5, 3, 32, 1024), (70, 2, 96, 160), (2, 8, 128, 256)],
+)
+def test_grouped_values_are_each_groups_exact_product(m, groups, n, k) -> None:
+    """V4.1's ``wo_a`` read as stored: the activation's values as they are (bf16 on a GPU,
+    fp32 in the interpreter) through each group's own rows of an FP8 weight, against the
+    float64 einsum over the dequantised weight (the reference's bf16 copy holds the same
+    values): equal up to the order of fp32 sums (products of 8- and 4-bit significands are
+    exact); and a row's bits alone are its bits among the others (in a 64-row tile too on a
+    GPU; the interpreter's fp32 products of other shapes may sum in another order)."""
+    gen = torch.Generator().manual_seed(m + groups + n + k)
+    w = torch.randn(groups * n, k, generator=gen) * torch.logspace(-2, 1, k) / k**0.5
+    stored, scale = quant.fp8_weight(w)
+    x = (torch.randn(m, groups, k, generator=gen) * 3).to(_dtype())
+    deq = quant.dequant_fp8_weight(stored, scale, torch.float64).unflatten(0, (groups, n))
+    exact = torch.einsum("mgk,gnk->mgn", x.double(), deq)
+    stored, scale = stored.to(DEVICE), scale.to(DEVICE)
+    got = grouped_values_linear(x.to(DEVICE), stored, scale, groups).cpu()
+    assert got.shape == (m, groups, n) and got.dtype == x.dtype
+    bound = torch.einsum("mgk,gnk->mgn", x.double().abs(), deq.abs()) * 2**-16
+    if DEVICE == "cuda":  # and the bf16 output's rounding
+        bound = bound + exact.abs() * 2**-8
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    for i in {0, m // 2, m - 1} if DEVICE == "cuda" or m <= 64 else ():
+        alone = grouped_values_linear(x[i : i + 1].to(DEVICE), stored, scale, groups).cpu()
+        assert torch.equal(alone, got[i : i + 1])
+
+
+def test_grouped_values_refuse_a_misfit_input() -> None:
+    """An activation whose groups or width do not fit the weight is an error naming both."""
+    stored, scale = quant.fp8_weight(torch.randn(128, 64))
+    stored, scale = stored.to(DEVICE), scale.to(DEVICE)
+    for shape in ((2, 4, 64), (2, 2, 32), (2, 128)):
+        x = torch.randn(shape).to(DEVICE, _dtype())
+        with pytest.raises(ValueError, match="groups of whole 32-feature scale blocks"):
+            grouped_values_linear(x, stored, scale, 2)

@@ -333,15 +333,17 @@ def test_kv_sizing_counts_compressed_entries_and_rings(v41_small: Path, runner) 
 
 
 def test_released_format_loads_and_broken_tensors_are_named(v41_small: Path, tmp_path, capsys):
-    """``wo_a`` is dequantised at load (FP8 in the file), FP8/FP4 weights stay as stored, the
-    DSpark and vision tensors a released checkpoint carries are skipped with a log line; a
-    missing or misshaped tensor is an error naming it."""
+    """FP8/FP4 weights stay as stored, ``wo_a`` too (a dense layer in the model, replaced at
+    load by one holding the file's bytes), the DSpark and vision tensors a released checkpoint
+    carries are skipped with a log line; a missing or misshaped tensor is an error naming
+    it."""
     model = load_model(v41_small, "float32")
     state = load_file(v41_small / "model.safetensors")
-    wo_a = quant.dequant_fp8_weight(
-        state["layers.2.attn.wo_a.weight"], state["layers.2.attn.wo_a.scale"], torch.float32
-    )
-    assert torch.equal(model.layers["2"].attn.wo_a.weight, wo_a)
+    wo_a = model.layers["2"].attn.wo_a
+    assert isinstance(wo_a, quant.StoredLinear)
+    for part in ("weight", "scale"):
+        stored = state[f"layers.2.attn.wo_a.{part}"]
+        assert torch.equal(getattr(wo_a, part).view(torch.uint8), stored.view(torch.uint8))
     stored = model.layers["2"].ffn.experts[0].w1
     assert stored.weight.dtype == torch.int8 and stored.scale.dtype == torch.float8_e8m0fnu
     assert model.layers["2"].attn.wq_b.weight.dtype == torch.float8_e4m3fn

@@ -68,8 +68,8 @@ def test_rank_slices_reassemble_the_model(
     """Every checkpoint tensor is whole on each rank or split along its shard dimension, the
     ranks' parts in order (a KV head replicated below ``size`` heads: its copies equal); each
     rank reads only its slices of the file, host-memory tables included (its rows only). V4.1:
-    FP8/FP4 weights and their scales sliced on whole scale blocks, ``wo_a`` dequantised from
-    its slice, the latent, compressor and indexer replicated."""
+    FP8/FP4 weights and their scales sliced on whole scale blocks (``wo_a``'s held as stored
+    from its slice), the latent, compressor and indexer replicated."""
     model_dir = {"default": GQA_MODEL_DIR, "moe": moe_dir, "v41": v41_small}[which]
     full = load_model(model_dir, torch.float32)
     ranks = _ranks(model_dir, size, table_memory=tables)

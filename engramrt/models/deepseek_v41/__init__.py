@@ -166,13 +166,15 @@ class DeepSeekV41(ModelFamily):
 
     # -- checkpoints ----------------------------------------------------------------------
     def optional_scales(self, model) -> set[str]:
-        """The grouped output projection ``wo_a``: FP8 as released, bf16 in memory."""
+        """The grouped output projection ``wo_a``: FP8 as released (held so: ``stored_linear``),
+        dense in a checkpoint that gives it without scales (the bundled model's)."""
         stages = {f"mtp.{s}.attn.wo_a.scale" for s in range(len(model.mtp or []))}
         return stages | {f"layers.{i}.attn.wo_a.scale" for i in model.layer_ids}
 
     def stored_linear(self, weight: torch.Tensor, scale: torch.Tensor) -> nn.Module:
-        """As the released checkpoint stores it (the Engram's ``wkv``: FP8 read by the
-        stored-format kernel on a GPU, ``act_quant`` first as the reference does)."""
+        """As the released checkpoint stores it: the Engram's ``wkv`` (FP8 read by the
+        stored-format kernel on a GPU, ``act_quant`` first as the reference does) and ``wo_a``
+        (its bf16 input as it is: ``quant.grouped_linear``)."""
         out_f, in_f = weight.shape
         layer = quant.StoredLinear(out_f, in_f)
         if scale.element_size() != 1 or scale.shape != layer.scale.shape:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engramrt.kernels import NORM_CODES, use_triton
-from engramrt.kernels.linear import Linear, linear
+from engramrt.kernels.linear import Linear
 from engramrt.model.context import ForwardContext
 from engramrt.model.layers import RMSNorm, take_rows
 from engramrt.models.deepseek_v41 import quant
@@ -483,8 +483,8 @@ class V41Attention(nn.Module):
         self.wq_b = StoredLinear(cfg.n_heads * d, cfg.q_lora_rank, rows=tp_span(tp, h0 * d, h1 * d))
         self.wkv = StoredLinear(d, cfg.dim)
         self.kv_norm = RMSNorm(d, cfg.norm_eps, dtype)
-        # block-diagonal over the output groups: kept dequantised (the checkpoint's FP8 scale is
-        # applied at load)
+        # block-diagonal over the output groups: a dense layer, which a checkpoint's FP8 weight
+        # with its scales replaces at load (``quant.grouped_linear`` reads either)
         group_in = cfg.n_heads * d // cfg.o_groups
         self.wo_a = nn.Linear(group_in, self.groups * rank, bias=False, dtype=dtype)
         self.wo_b = StoredLinear(
@@ -576,7 +576,7 @@ class V41Attention(nn.Module):
     def output(self, out: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotated back, through the grouped ``wo_a`` and ``wo_b`` (all-reduced under TP)."""
         o = rope_quant(out, rot, inverse=True).flatten(1).unflatten(-1, (self.groups, -1))
-        u = linear(o, self.wo_a.weight.unflatten(0, (self.groups, self.rank)))
+        u = quant.grouped_linear(o, self.wo_a, self.groups)
         y = self.wo_b(u.flatten(1))
         return y if self.tp.solo else self.tp.all_reduce(y.float()).to(y.dtype)
 

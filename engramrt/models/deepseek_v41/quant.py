@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from engramrt.kernels import use_triton
+from engramrt.kernels.linear import linear
 from engramrt.model.fp8 import decode_e8m0, dequant_fp8_weight
 
 E4M3_MAX = 448.0
@@ -413,6 +414,21 @@ def on_16_bytes(weight: torch.Tensor) -> torch.Tensor:
     """``weight``, or a copy where it does not start on 16 bytes (a CPU's view into a
     safetensors file): the kernel reads stored weights by TMA (``stored_linear``)."""
     return weight.clone() if weight.data_ptr() % 16 else weight
+
+
+def grouped_linear(x: torch.Tensor, layer: nn.Module, groups: int) -> torch.Tensor:
+    """``x`` [T, G, K] through ``layer``'s weight [G * N, K] a group at a time: V4.1's
+    ``wo_a``, an einsum over a bf16 weight in the reference (its ``convert.py`` dequantises
+    the released FP8). A dense layer's weight as it is; a ``StoredLinear``'s (FP8 as released,
+    ``ModelFamily.stored_linear``) read as stored on a GPU, half the bytes: the same exact
+    products, summed in a fixed order whatever the step's rows; dequantised elsewhere."""
+    if not isinstance(layer, StoredLinear):
+        return linear(x, layer.weight.unflatten(0, (groups, -1)))
+    if use_triton(x.device) and x.dtype == torch.bfloat16 and not _training(x):
+        from engramrt.kernels.stored_linear import grouped_values_linear
+
+        return grouped_values_linear(x, layer.weight, layer.scale, groups)
+    return linear(x, layer.dequantized(x.dtype).unflatten(0, (groups, -1)))
 
 
 def shared_input(x: torch.Tensor, inputs=None, values: bool = False):
