@@ -133,10 +133,13 @@ def _scales(ptr, rows, ok, blocks, kb, kb_stop, G: tl.constexpr, other):
 
 @triton.jit
 def _row_scales(ptr, src, live, blocks, kb, kb_stop, G: tl.constexpr, VALUES: tl.constexpr):
-    """The rows' ``_scales`` (codes); activations that come as values have none."""
+    """The rows' ``_scales`` (codes); activations that come as values have none (``ptr`` is
+    then a placeholder, unread)."""
     if VALUES:
-        return tl.zeros([src.shape[0], G], dtype=tl.float32)
-    return _scales(ptr, src, live, blocks, kb, kb_stop, G, 0.0)
+        out = tl.zeros([src.shape[0], G], dtype=tl.float32)
+    else:
+        out = _scales(ptr, src, live, blocks, kb, kb_stop, G, 0.0)
+    return out
 
 
 @triton.jit
@@ -498,7 +501,7 @@ def _launch(
         if programs > 1
         else out
     )
-    sa = a if values else sa  # (no scales to read)
+    sa = a if sa is None else sa  # (values: no scales to read)
     _stored_linear_kernel[grid](
         a,
         sa,
