@@ -36,8 +36,11 @@ def test_every_mode_compiles_for_hopper_on_wgmma_without_local_memory() -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
     run = subprocess.run(
         [sys.executable, str(HELPER), *map(json.dumps, MODES.values())],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     reports = [json.loads(line) for line in run.stdout.splitlines()]
     assert len(reports) == len(MODES)

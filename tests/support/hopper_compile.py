@@ -39,13 +39,30 @@ def _args(mode: dict, bn: int) -> dict:
     f32, i64, i32 = (torch.zeros(4, dtype=t) for t in (torch.float32, torch.int64, torch.int32))
     bf16, u8 = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.uint8)
     scales = f32 if not values or fp4 else a  # as ``_launch`` passes them
-    return dict(
-        a_ptr=a, sa_ptr=scales, w_desc=desc, sw_ptr=u8, out_ptr=bf16, part_ptr=f32,
-        count_ptr=i32, rows_ptr=i64 if grouped else scales, tiles_ptr=i64 if grouped else scales,
-        add_ptr=bf16 if mode.get("add") else scales, by_id_ptr=i64 if mode.get("add") else scales,
-        M=5, R=5, N=n, K=k, A_STRIDE=k * groups, GROUP_N=n // groups, BLOCKS_SPLIT=7,
-        S_STRIDE=3, SPLITS=5, PROGRAMS=5, TOP_K=1,
-    )  # fmt: skip
+    return {
+        "a_ptr": a,
+        "sa_ptr": scales,
+        "w_desc": desc,
+        "sw_ptr": u8,
+        "out_ptr": bf16,
+        "part_ptr": f32,
+        "count_ptr": i32,
+        "rows_ptr": i64 if grouped else scales,
+        "tiles_ptr": i64 if grouped else scales,
+        "add_ptr": bf16 if mode.get("add") else scales,
+        "by_id_ptr": i64 if mode.get("add") else scales,
+        "M": 5,
+        "R": 5,
+        "N": n,
+        "K": k,
+        "A_STRIDE": k * groups,
+        "GROUP_N": n // groups,
+        "BLOCKS_SPLIT": 7,
+        "S_STRIDE": 3,
+        "SPLITS": 5,
+        "PROGRAMS": 5,
+        "TOP_K": 1,
+    }
 
 
 def compile_mode(mode: dict) -> dict:
@@ -53,11 +70,17 @@ def compile_mode(mode: dict) -> dict:
     while (mode["n"] // mode.get("groups", 1)) % bn:
         bn //= 2
     args = _args(mode, bn)
-    consts = dict(
-        FP4=mode["fp4"], VALUES=mode["fp4"] or mode.get("values", False),
-        GROUPED=mode.get("grouped", False), GATHER=mode.get("grouped", False),
-        ADD=mode.get("add", False), BM=mode.get("bm", 16), BN=bn, G=g, ASM=True,
-    )  # fmt: skip
+    consts = {
+        "FP4": mode["fp4"],
+        "VALUES": mode["fp4"] or mode.get("values", False),
+        "GROUPED": mode.get("grouped", False),
+        "GATHER": mode.get("grouped", False),
+        "ADD": mode.get("add", False),
+        "BM": mode.get("bm", 16),
+        "BN": bn,
+        "G": g,
+        "ASM": True,
+    }
     names = list(inspect.signature(sl._stored_linear_kernel.fn).parameters)
     sig = {p: "constexpr" if p in consts else mangle_type(args[p]) for p in names}
     src = ASTSource(
