@@ -468,7 +468,7 @@ def _launch(
     bn, g, warps, stages, splits = config
     if g not in ((2, 4) if fp4 else (1, 2, 4)):
         raise ValueError(f"{'FP4' if fp4 else 'FP8'} blocks a step: G of {g} not taken")
-    while (n // groups) % bn:  # a feature tile within one group
+    while groups > 1 and (n // groups) % bn:  # a feature tile within one group (>= 32 wide)
         bn //= 2
     if tiles is None:
         bm = BM if rows_out <= LARGE_ROWS else BM_LARGE

@@ -67,7 +67,7 @@ def _args(mode: dict, bn: int) -> dict:
 
 def compile_mode(mode: dict) -> dict:
     bn, g, warps, stages, _ = sl.settings(mode["fp4"], mode["n"], mode["k"])
-    while (mode["n"] // mode.get("groups", 1)) % bn:
+    while mode.get("groups", 1) > 1 and (mode["n"] // mode["groups"]) % bn:
         bn //= 2
     args = _args(mode, bn)
     consts = {
