@@ -470,6 +470,8 @@ def _launch(
         raise ValueError(f"{'FP4' if fp4 else 'FP8'} blocks a step: G of {g} not taken")
     while groups > 1 and (n // groups) % bn:  # a feature tile within one group (>= 32 wide)
         bn //= 2
+    if bn < 16:  # the interpreter runs narrower tiles; the GPU faults on their TMA copies
+        raise ValueError(f"a feature tile of {bn} is under the tensor cores' 16")
     if tiles is None:
         bm = BM if rows_out <= LARGE_ROWS else BM_LARGE
         grid_m = triton.cdiv(rows_out, bm)

@@ -367,3 +367,13 @@ def test_grouped_values_refuse_a_misfit_input() -> None:
         x = torch.randn(shape).to(DEVICE, _dtype())
         with pytest.raises(ValueError, match="groups of whole 32-feature scale blocks"):
             grouped_values_linear(x, stored, scale, 2)
+
+
+def test_a_tile_narrower_than_the_tensor_cores_is_refused(monkeypatch) -> None:
+    """Tiles of fewer than 16 features run in the interpreter and fault on a GPU (a weight of
+    70 features once got 2-feature tiles): the launch refuses them here, where the tests run."""
+    stored, scale = quant.fp8_weight(torch.randn(70, 96))
+    x = torch.randn(2, 96).to(DEVICE, _dtype())
+    monkeypatch.setattr(module, "settings", lambda *a: (8, 1, 4, 3, 1))
+    with pytest.raises(ValueError, match="feature tile of 8"):
+        stored_linear(x, stored.to(DEVICE), scale.to(DEVICE), False)
