@@ -82,7 +82,8 @@ def _torchrun_worker(rank: int, world: int, opts: ServeOptions) -> None:
     if engine is None:
         serve_stage(pipe, opts)
         return
-    client = EngineClient.in_thread(engine, engine.tokenizer, describe(pipe, engine, opts))
+    on_cpu = pipe.runner.device.type == "cpu"
+    client = EngineClient.in_thread(engine, engine.tokenizer, describe(pipe, engine, opts), on_cpu)
     watch = StageWatch(opts.stage_timeout, client.fail) if world > 1 else None
     try:
         code = _serve_http(opts, client, PromptEncoder.load(opts.model_dir, engine.tokenizer))
@@ -221,9 +222,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--step-timeout",
         type=float,
         default=60.0,
-        help="seconds one engine step may run, while its heartbeat goes on, before the engine "
-        "counts as hung (503s, exit 1); the bound grows to 4 times the longest step so far, so a "
-        "slow machine is not taken for a hung one (default 60, as vLLM's iteration timeout)",
+        help="seconds one engine step may go without progress, while its heartbeat goes on, "
+        "before the engine counts as hung (503s, exit 1); the bound grows to 4 times the longest "
+        "step so far, and on the CPU a step still computing makes progress, so a slow machine is "
+        "not taken for a hung one (default 60, as vLLM's iteration timeout)",
     )
 
 

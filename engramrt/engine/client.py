@@ -120,7 +120,7 @@ class EngineClient:
         self._outbox: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # the engine's last beat and when it came (``watch``)
-        self._beat, self._beat_at = Beat(0.0, 0.0), time.monotonic()
+        self._beat, self._beat_at = Beat(0.0, 0.0, 0.0), time.monotonic()
         self._reader = threading.Thread(target=self._read, name="engramrt-outputs", daemon=True)
         self._reader.start()
         self._sender = threading.Thread(target=self._write, name="engramrt-sends", daemon=True)
@@ -129,12 +129,14 @@ class EngineClient:
     # --- starting the loop -----------------------------------------------------------------
 
     @classmethod
-    def in_thread(cls, engine: Steps, tokenizer=None, description: str = "") -> EngineClient:
-        """The loop on a thread of this process, over a pipe."""
+    def in_thread(
+        cls, engine: Steps, tokenizer=None, description: str = "", on_cpu: bool = True
+    ) -> EngineClient:
+        """The loop on a thread of this process, over a pipe (``run_core``'s ``on_cpu``)."""
         mine, theirs = Pipe()
         worker = threading.Thread(
             target=_serve_then_close,
-            args=(engine, theirs, description),
+            args=(engine, theirs, description, on_cpu),
             name="engramrt-engine",
             daemon=True,
         )
@@ -258,10 +260,11 @@ class EngineClient:
     def watch(self, timeout: float, step_timeout: float) -> None:
         """Declare the engine dead (``fail``) once it has sent no beat for ``timeout`` seconds
         (its process stopped, wedged or gone without a word: the beat comes from a thread of its
-        own, which a long step does not hold up), or once it has been on one step for longer
-        than both ``step_timeout`` and ``SLOW_STEP_FACTOR`` times its longest step so far (its
-        loop deadlocked: a slow step is no hang). Running requests then fail with a 503 instead
-        of hanging, and ``/health`` says so."""
+        own, which a long step does not hold up), or once one step has gone without progress
+        (``Beat``) for longer than both ``step_timeout`` and ``SLOW_STEP_FACTOR`` times its
+        longest step so far (its loop deadlocked: a slow step is no hang, and on the CPU a step
+        still computing is none however long it takes). Running requests then fail with a 503
+        instead of hanging, and ``/health`` says so."""
 
         def run() -> None:
             while self.error is None and not self._stopping:
@@ -273,11 +276,12 @@ class EngineClient:
                         f"the engine stopped answering: no heartbeat for {timeout:g} s "
                         "(--stage-timeout); its process is stopped or wedged"
                     )
-                elif beat.working > bound:
+                elif beat.stalled > bound:
                     self.fail(
-                        f"the engine is hung: one step has run for {beat.working:.0f} s, past "
-                        f"--step-timeout {step_timeout:g} s and {SLOW_STEP_FACTOR:g} times its "
-                        f"longest step so far ({beat.longest:.1f} s)"
+                        f"the engine is hung: one step has gone {beat.stalled:.0f} s without "
+                        f"progress ({beat.working:.0f} s on it), past --step-timeout "
+                        f"{step_timeout:g} s and {SLOW_STEP_FACTOR:g} times its longest step so "
+                        f"far ({beat.longest:.1f} s)"
                     )
 
         threading.Thread(target=run, name="engramrt-engine-watch", daemon=True).start()
@@ -368,9 +372,9 @@ class EngineClient:
             self._deliver_all([(rid, exc) for rid in list(self._queues)])
 
 
-def _serve_then_close(engine: Steps, conn: Connection, description: str) -> None:
+def _serve_then_close(engine: Steps, conn: Connection, description: str, on_cpu: bool) -> None:
     try:
-        run_core(engine, conn, description)
+        run_core(engine, conn, description, on_cpu)
     finally:
         conn.close()  # the client's reader sees the end
 

@@ -76,17 +76,24 @@ class Died(msgspec.Struct, tag=True):
 class Beat(msgspec.Struct, tag=True):
     """Sent every ``BEAT_S`` from a thread of the loop's process, whatever the loop is doing: a
     process that is stopped (SIGSTOP), wedged or gone sends none. ``working`` (seconds the loop
-    has spent on its current step; 0 while it waits for requests) and ``longest`` (its longest
-    step so far) tell the server a loop that no longer finishes steps (a deadlock) from one that
-    is merely slow (``EngineClient.watch``)."""
+    has spent on its current step; 0 while it waits for requests), ``stalled`` (how much of that
+    it made no progress) and ``longest`` (its longest step so far) tell the server a loop that no
+    longer finishes steps (a deadlock) from one that is merely slow (``EngineClient.watch``).
+
+    Progress is the loop thread's CPU time where the step's work is the CPU's: a step computing
+    on a loaded machine gets some, a loop blocked on a lock or a receive none. On a GPU the host
+    thread spins in a synchronisation whether or not the device moves, so there ``stalled`` is
+    ``working``."""
 
     working: float
+    stalled: float
     longest: float
 
 
 ToEngine = Add | Abort | Stop
 FromEngine = Ready | Outputs | Rejected | Died | Beat
 BEAT_S = 0.5
+CPU_MOVED_S = 1e-3  # a thread that got less CPU than this between two beats did not run
 ENCODER = msgspec.msgpack.Encoder()
 TO_ENGINE = msgspec.msgpack.Decoder(ToEngine)
 FROM_ENGINE = msgspec.msgpack.Decoder(FromEngine)
@@ -108,15 +115,16 @@ class Steps(Protocol):
 # --- the loop ------------------------------------------------------------------------------
 
 
-def run_core(engine: Steps, conn: Connection, description: str = "") -> None:
+def run_core(engine: Steps, conn: Connection, description: str = "", on_cpu: bool = True) -> None:
     """Serve ``conn`` until the client says stop or goes away. A step of the loop applies every
     message waiting (all of them: validating and queueing a request costs microseconds, and a
     server whose sends filled the connection then waits for one step at most), runs one engine
     step when there is work and sends the outputs; with nothing to run the loop sleeps in
     ``poll``. An exception is sent to the client (``Died``) before it propagates. A thread beats
-    (``Beat``) with the loop's progress until the loop ends."""
+    (``Beat``) with the loop's progress until the loop ends; ``on_cpu``: the engine computes on
+    the CPU, so the loop thread's CPU time is its progress."""
     send = _sender(conn)
-    progress = Progress()
+    progress = Progress(_thread_clock() if on_cpu else None)
     done = threading.Event()
     threading.Thread(
         target=_beat, args=(send, progress, done), name="engramrt-engine-beat", daemon=True
@@ -153,8 +161,11 @@ def run_core(engine: Steps, conn: Connection, description: str = "") -> None:
 class Progress:
     """The loop's progress, written by the loop and read by its beat (a float each: no lock)."""
 
+    clock: int | None = None  # the loop thread's CPU clock (``Beat``), where it counts
     since: float | None = None  # when the current step began; None: waiting for requests
     longest: float = 0.0  # seconds
+    cpu: float = 0.0  # the clock's reading when it last moved, and when that was seen
+    ran_at: float = 0.0
 
     def finished(self) -> None:
         since, self.since = self.since, None
@@ -162,8 +173,22 @@ class Progress:
             self.longest = max(self.longest, time.monotonic() - since)
 
     def beat(self) -> Beat:
-        since = self.since
-        return Beat(0.0 if since is None else time.monotonic() - since, self.longest)
+        since, now = self.since, time.monotonic()
+        if since is None:
+            return Beat(0.0, 0.0, self.longest)
+        if self.clock is not None:
+            cpu = time.clock_gettime(self.clock)
+            if cpu - self.cpu > CPU_MOVED_S:
+                self.cpu, self.ran_at = cpu, now
+        return Beat(now - since, now - max(since, self.ran_at), self.longest)
+
+
+def _thread_clock() -> int | None:
+    """The calling thread's CPU clock, where the platform has one (Linux; not macOS)."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None
 
 
 def _beat(send, progress: Progress, done: threading.Event) -> None:
@@ -250,7 +275,7 @@ def _rank_main(rank: int, world: int, opts, address, authkey: bytes) -> None:
 
     watch = StageWatch(opts.stage_timeout, hung) if opts.dist.world > 1 else None
     try:
-        run_core(engine, conn, describe(pipe, engine, opts))
+        run_core(engine, conn, describe(pipe, engine, opts), pipe.runner.device.type == "cpu")
     finally:
         if watch is not None:
             watch.stop()

@@ -1,13 +1,19 @@
 """The server's watch over the engine loop (``EngineClient.watch``): an engine that sends no
-beat is stopped; one that beats but stays on one step past the bound is hung; one whose steps
-are merely slow (asleep in C, or spinning in Python with the GIL) is neither, however far past
-the beat's timeout they run, and the bound grows with the longest step seen."""
+beat is stopped; one that beats but stays on one step past the bound without progress is hung;
+one whose steps are merely slow (asleep in C, or spinning in Python with the GIL) is neither,
+however far past the beat's timeout they run, and the bound grows with the longest step seen.
+On the CPU a step still computing is progress however long it takes (the first step of a loaded
+machine has no longest step to grow the bound); a GPU engine's host thread spins in its
+synchronisations whether or not the device moves, so there time alone decides."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+
+import pytest
+import torch
 
 from engramrt.engine import core
 from engramrt.engine.client import EngineClient, EngineDead
@@ -88,6 +94,44 @@ def test_a_stalled_engine_is_declared_hung_within_the_bound(monkeypatch) -> None
         took = time.monotonic() - start
         assert isinstance(error, EngineDead) and "--step-timeout 1" in str(error), error
         assert 1.0 <= took < 1.0 + 2.0
+    finally:
+        engine.release.set()
+        client.shutdown()
+
+
+class ComputesThenBlocks(Deadlocked):
+    """A first step that computes (a torch product over and over: the CPU's work, the GIL
+    free) for ``compute`` seconds, then blocks for good."""
+
+    def __init__(self, compute: float):
+        super().__init__()
+        self.compute = compute
+
+    def step(self) -> list:
+        a, end = torch.ones(64, 64), time.monotonic() + self.compute
+        while time.monotonic() < end:
+            a = (a @ a).clamp_(max=1.0)
+        return super().step()
+
+
+@pytest.mark.skipif(core._thread_clock() is None, reason="no per-thread CPU clock here")
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_a_long_first_step_is_hung_only_once_it_stops_computing(monkeypatch, on_cpu) -> None:
+    """A first step (no longest step yet: the bound is --step-timeout alone, 1 s) that computes
+    for 3 s and then blocks: on the CPU it counts as progress, so the engine is declared hung a
+    bound after the computing ends and not before; on a GPU (``on_cpu`` False) the host
+    thread's CPU time says nothing, and the hang is declared at the bound."""
+    monkeypatch.setattr(core, "BEAT_S", 0.1)
+    engine = ComputesThenBlocks(3.0)
+    client = EngineClient.in_thread(engine, on_cpu=on_cpu)
+    client.watch(0.5, 1.0)
+    try:
+        start = time.monotonic()
+        _, error = asyncio.run(collect(client, "r"))
+        took = time.monotonic() - start
+        assert isinstance(error, EngineDead) and "without progress" in str(error), error
+        low = 3.0 + 1.0 if on_cpu else 1.0
+        assert low <= took < low + 3.0, took
     finally:
         engine.release.set()
         client.shutdown()
