@@ -145,3 +145,20 @@ def test_vision_config_from_a_checkpoint() -> None:
     assert VisionConfig.from_json({**released, "num_hidden_layers": 0}) is None
     with pytest.raises(ValueError, match="max_image_tokens"):
         VisionConfig.from_json({**released, "max_image_tokens": 3})
+    # DeepSeek's inference/config.json spells them flat, beside the language model's keys
+    flat = {
+        "dim": 4096,
+        "vision_n_layers": 32,
+        "vision_dim": 1024,
+        "vision_n_heads": 16,
+        "vision_inter_dim": 2816,
+        "vision_patch_size": 14,
+        "vision_rope_theta": 10000.0,
+        "vision_downsample_ratio": 3,
+        "vision_max_n_token": 1024,
+        "vision_min_pixels": 295936,
+        "vision_max_wh_ratio": None,
+    }
+    assert VisionConfig.from_json(flat) == RELEASED
+    assert VisionConfig.from_json({**flat, "vision_n_layers": 0}) is None
+    assert VisionConfig.from_json({**flat, "vision_max_n_token": 64}).max_image_tokens == 64

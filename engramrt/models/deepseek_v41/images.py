@@ -22,6 +22,21 @@ TEXT, IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = -1, 0, 1, 2, 3
 PAD_COLOR = (127, 127, 127)  # what the reference pads with: 0 after normalisation, nearly
 
 
+# the reference's flat config keys, by the HF vision_config names used here
+FLAT = {
+    "vision_n_layers": "num_hidden_layers",
+    "vision_dim": "hidden_size",
+    "vision_n_heads": "num_attention_heads",
+    "vision_inter_dim": "intermediate_size",
+    "vision_patch_size": "patch_size",
+    "vision_rope_theta": "rope_theta",
+    "vision_downsample_ratio": "downsample_ratio",
+    "vision_max_n_token": "max_image_tokens",
+    "vision_min_pixels": "min_pixels",
+    "vision_max_wh_ratio": "max_wh_ratio",
+}
+
+
 @dataclass(frozen=True)
 class VisionConfig:
     """``vision_config`` of a V4.1 checkpoint (the released values as defaults)."""
@@ -39,8 +54,11 @@ class VisionConfig:
 
     @classmethod
     def from_json(cls, raw: dict | None) -> VisionConfig | None:
-        """None where the checkpoint has no tower (no ``vision_config``, or 0 layers)."""
-        if not raw or int(raw.get("num_hidden_layers", 0)) == 0:
+        """None where the checkpoint has no tower (no vision fields, or 0 layers). ``raw`` is
+        a ``vision_config`` (HF's names) or a whole config with the reference's flat
+        ``vision_*`` keys (DeepSeek's ``inference/config.json``)."""
+        raw = {FLAT.get(k, k): v for k, v in (raw or {}).items()}
+        if int(raw.get("num_hidden_layers") or 0) == 0:
             return None
         fields = {k: raw[k] for k in cls.__dataclass_fields__ if raw.get(k) is not None}
         cfg = cls(**fields)
