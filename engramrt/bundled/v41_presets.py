@@ -77,6 +77,21 @@ V41_TINY = {
         "beta_slow": 1,
     },
 }
+# v41-small sees (``models/deepseek_v41/vision.py``): a two-block tower at small widths, with
+# Flash's patch and cell sizes and a budget that keeps a test image's span short
+V41_SMALL_VISION = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 96,
+    "patch_size": 14,
+    "rope_theta": 10000,
+    "downsample_ratio": 3,
+    "max_image_tokens": 64,
+    "min_pixels": 42 * 42,
+    "max_wh_ratio": None,
+}
+V41_VISION = {"v41-small": V41_SMALL_VISION}
 V41_PRESETS = {  # fields, engram layers, engram head dim, prime search start
     "v41-tiny": (V41_TINY, [1, 3], 32, 4096),
     "v41-small": (V41_SMALL, [1, 3], 32, 4096),
@@ -121,6 +136,8 @@ def v41_preset_config(name: str) -> dict:
         engram_num_embeddings=[0] * len(engram_layers),
     )
     raw["image_token_id"] = load_json(GQA_MODEL_DIR)["image_token_id"]
+    if name in V41_VISION:
+        raw["vision_config"] = dict(V41_VISION[name])
     raw.pop("_comment", None)
     primes = search_primes(engram_config(raw))
     text["engram_num_embeddings"] = [sum(map(sum, layer)) for layer in primes]

@@ -63,9 +63,14 @@ def seeded_model(
 
 
 def kept_fp32(name: str) -> bool:
-    """A V4.1 tensor stored in fp32 (hc mixes, attention sinks, routing biases); the rest of
-    the unquantised ones are bf16."""
-    return ".hc_" in name or name.endswith(("attn_sink", "gate.bias"))
+    """A V4.1 tensor stored in fp32 (hc mixes, attention sinks, routing biases, the vision
+    tower's norms); the rest of the unquantised ones are bf16."""
+    vision_norm = name.startswith("vision.") and name.endswith(("norm1.weight", "norm2.weight"))
+    return (
+        ".hc_" in name
+        or name.endswith(("attn_sink", "gate.bias", "gate.bias_vl", "vision.norm.weight"))
+        or vision_norm
+    )
 
 
 def seeded_v41_state(raw: dict, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
@@ -93,7 +98,7 @@ def seeded_v41_state(raw: dict, device: str = "cpu", seed: int = 0) -> dict[str,
             continue
         if name.endswith(("norm.weight", "_scale", "_base", "_fn")):
             value = _init(name, t.shape, cfg.hc_mult, cpu_gen)
-        elif name.endswith(("attn_sink", "gate.bias")):
+        elif name.endswith(("attn_sink", "gate.bias", "gate.bias_vl")):
             value = torch.randn(t.shape, generator=cpu_gen) * (0.5 if "sink" in name else 0.01)
         elif name.endswith(("embed.weight", "q_weight", "k_weight")):
             value = torch.randn(t.shape, generator=gen, device=device)

@@ -117,6 +117,9 @@ class ForwardContext:
     lag: torch.Tensor | None = None
     hash_ids: torch.Tensor | None = None  # [T, L, (N-1)*H]
     dead: torch.Tensor | None = None  # [T] image tokens
+    # ([T] each token's row of the image-span rows or -1, the rows [N, D]): an image's span
+    # embedded by the family's encoder (``EngramMHCModel.embed_tokens``); None: text only
+    images: tuple[torch.Tensor, torch.Tensor] | None = None
     tracer: Tracer | None = None
     engram_ran: list[int] = field(default_factory=list)
     # layer id -> (Engram rows, the event that marks them ready): ``engramrt.engram.prefetch``

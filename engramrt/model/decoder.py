@@ -121,7 +121,8 @@ class Block(nn.Module):
         f = self._pre(
             x, a.pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm, self.ffn
         )
-        x = mhc_post(self._run(self.ffn, f), x, f.post, f.comb)
+        routed = (ctx.dead,) if getattr(self.ffn, "routes_images", False) else ()
+        x = mhc_post(self._run(self.ffn, f, *routed), x, f.post, f.comb)
         return x, f.pre
 
 
@@ -151,6 +152,8 @@ class EngramMHCModel(nn.Module):
         d, last = cfg.hidden_size, cfg.num_layers - 1 in ids
         # DSpark embeds its draft blocks with the same table, on the last stage
         self.embed = nn.Embedding(v1 - v0, d, dtype=dtype) if 0 in ids or dspark else None
+        if 0 in ids:
+            cfg.family.attach_images(self, dtype)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, dtype, tp) for i in ids})
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if last else None
         head_dtype = cfg.family.head_dtype(dtype)
@@ -213,10 +216,14 @@ class EngramMHCModel(nn.Module):
         for block in self.layers.values():
             block.engram_enabled = not disabled
 
-    def embed_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def embed_tokens(
+        self, tokens: torch.Tensor, images: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream ``[T, hc, D]`` (the embedding in every copy) and the first pre-mix. Under
         tensor parallelism each rank embeds the tokens of its vocabulary slice and -0.0 for the
-        others (the additive identity), so the all-reduce rebuilds each row bit for bit."""
+        others (the additive identity), so the all-reduce rebuilds each row bit for bit.
+        ``images``: (``[T]`` each token's row of ``[N, D]`` image-span rows, or -1; the rows),
+        which replace those tokens' embeddings (``ForwardContext.images``)."""
         if self.tp.solo:
             x = self.embed(tokens)
         else:
@@ -224,6 +231,9 @@ class EngramMHCModel(nn.Module):
             owned = (local >= 0) & (local < self.embed.num_embeddings)
             x = self.embed(torch.where(owned, local, 0)).masked_fill(~owned[:, None], -0.0)
             x = self.tp.all_reduce(x)
+        if images is not None:
+            at, rows = images
+            x = torch.where((at >= 0)[:, None], rows[at.clamp(min=0)], x)
         hc = self.cfg.hc_mult
         return x[:, None, :].expand(-1, hc, -1).contiguous(), first_pre(len(tokens), hc, x.device)
 
@@ -250,7 +260,7 @@ class EngramMHCModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         ctx.step_cache.clear()  # this step's alone (``StageRunner.forward`` does the same)
-        x, pre = self.embed_tokens(tokens)
+        x, pre = self.embed_tokens(tokens, ctx.images)
         return self.logits(*self.forward_layers(x, pre, ctx))
 
 

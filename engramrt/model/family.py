@@ -18,6 +18,7 @@ from torch import nn
 
 from engramrt.config import ModelConfig
 from engramrt.model.context import ForwardContext, PagedCache
+from engramrt.runner.batch import ImageRef
 from engramrt.tensor_parallel import TensorParallel
 
 EngramMHCModel = nn.Module  # the decoder (``engramrt.model.decoder``), which reads its family
@@ -158,6 +159,14 @@ class ModelFamily:
     def refuses_images(self) -> bool:
         """Whether an image placeholder in a text prompt is refused (a vision family's)."""
         return False
+
+    def attach_images(self, model: EngramMHCModel, dtype: torch.dtype) -> None:
+        """On the stage that embeds the prompt: what turns an image into its span's rows
+        (``EngramMHCModel.embed_tokens``), under the checkpoint's names (default: nothing)."""
+
+    def encode_image(self, model: EngramMHCModel, ref: ImageRef) -> torch.Tensor:
+        """An image's span as embedding rows ``[ref.length, D]`` (``runner.images``)."""
+        raise ValueError(f"the {self.name} family takes no images")
 
     def capture_limit(self, model: EngramMHCModel, max_tokens: int) -> int | None:
         """The largest mixed step CUDA graphs may capture (None: decode eagerly)."""

@@ -44,6 +44,21 @@ class SampleRow:
 
 
 @dataclass
+class ImageRef:
+    """An image of a request's prompt as the first stage encodes it: its span takes positions
+    ``start`` .. ``start + length`` of the request's tokens (each one the image token id);
+    ``pixels`` are its RGB bytes (uint8, ``height x width x 3``) fitted to the family's grid
+    (``grid``, the family's numbers: for V4.1 ``images.ImageGrid``'s fields); ``key``: a hash
+    of them, which the stage's encoder cache and prefix caching key the span by."""
+
+    start: int
+    length: int
+    key: str
+    grid: list[int]
+    pixels: bytes
+
+
+@dataclass
 class NewRequest:
     """A request taking a slot this step (fresh, a prefix-cache hit, resumed after preemption),
     whole: what the stages keep per slot until it leaves (``engramrt.runner.slots``). It crosses
@@ -57,6 +72,7 @@ class NewRequest:
     sampling: SampleRow = field(default_factory=SampleRow)  # its parameters (``index`` unused)
     controls: Controls | None = None  # its logit controls (None: none asked)
     snapshot: int | None = None  # a V4.1 prefix hit: the window snapshot its rings start from
+    images: list[ImageRef] = field(default_factory=list)  # its prompt's, in order
 
     @property
     def needs_tokens_on_last_stage(self) -> bool:

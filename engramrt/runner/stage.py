@@ -34,6 +34,7 @@ from engramrt.model.trace import Tracer
 from engramrt.runner.batch import DeviceResult, SampleRow, StepBatch, StepResult
 from engramrt.runner.carry import Carry
 from engramrt.runner.graphs import StepGraphs, batch_sizes
+from engramrt.runner.images import ImageSpans
 from engramrt.runner.kv_budget import MemoryProfile
 from engramrt.runner.sampler import Sampler, sample_tokens
 from engramrt.runner.slots import SlotTable
@@ -84,11 +85,14 @@ class StageRunner:
     slots: SlotTable = field(init=False)
     # reads the host tables' rows ahead at forward entry (CUDA, host tables; None: off)
     prefetcher: prefetch.Prefetch | None = field(init=False, default=None)
+    images: ImageSpans | None = field(init=False, default=None)  # the first stage's
 
     def __post_init__(self) -> None:
         if self.device.type == "cuda" and prefetch.host_engrams(self.model):
             self.prefetcher = prefetch.Prefetch(self.model, self.device)
         self.slots = SlotTable(self.device, self.hasher, self.model.head is not None, self.is_first)
+        if self.is_first:
+            self.images = ImageSpans(self.model, self.device)
         if self.kv is not None:
             self.slots.size_for(self.kv)
         if self.model.head is not None:
@@ -374,7 +378,12 @@ class StageRunner:
             self._commit_verified(batch.commits)
         self.slots.admit(batch.admitted, self.model.cfg.vocab_size)
         self.slots.advance(batch)
-        graphs, shape = self.graphs, self._shape(batch, last_only)
+        images = None
+        if self.images is not None:
+            self.images.admit(batch.admitted)
+            images = self.images.step(batch)
+        # a step with image rows runs eagerly (a graph reads no such rows)
+        graphs, shape = self.graphs, None if images is not None else self._shape(batch, last_only)
         drafts = batch.drafts if batch.drafts is not None and any(batch.drafts) else None
         lag = None
         if self.verifier is not None and self.verifier.rows is not None:
@@ -394,6 +403,7 @@ class StageRunner:
             drafts=drafts,
             lag=lag,
         )
+        ctx.images = images
         if shape is not None:
             out, ran = graphs.replay(ctx, shape, carry)
         else:
@@ -416,7 +426,7 @@ class StageRunner:
         if carry is None:
             t = self.slots.token_ids(ctx)
             ids, dead = self._hash(ctx, t)
-            x, pre = self.model.embed_tokens(t)
+            x, pre = self.model.embed_tokens(t, ctx.images)
             carry = Carry(x, pre, ids, dead)
         ctx.hash_ids, ctx.dead = carry.hash_ids, carry.dead
         if self.prefetcher is not None:

@@ -334,9 +334,9 @@ def test_kv_sizing_counts_compressed_entries_and_rings(v41_small: Path, runner) 
 
 def test_released_format_loads_and_broken_tensors_are_named(v41_small: Path, tmp_path, capsys):
     """FP8/FP4 weights stay as stored, ``wo_a`` too (a dense layer in the model, replaced at
-    load by one holding the file's bytes), the DSpark and vision tensors a released checkpoint
-    carries are skipped with a log line; a missing or misshaped tensor is an error naming
-    it."""
+    load by one holding the file's bytes), the DSpark tensors a released checkpoint carries
+    are skipped with a log line (with DSpark, the stages' image routing biases); the vision
+    tower loads as the model's; a missing or misshaped tensor is an error naming it."""
     model = load_model(v41_small, "float32")
     state = load_file(v41_small / "model.safetensors")
     wo_a = model.layers["2"].attn.wo_a
@@ -361,19 +361,19 @@ def test_released_format_loads_and_broken_tensors_are_named(v41_small: Path, tmp
         (out / "model.safetensors.index.json").write_text(json.dumps(index))
         return out
 
-    extra = variant(
-        "extra",
-        lambda t: t.update(
-            {
-                "mtp.0.attn.wq_a.weight": torch.zeros(2, 2),
-                "vision.blocks.0.norm1.weight": torch.ones(4),
-                "layers.0.ffn.gate.bias_vl": torch.zeros(8),
-            }
-        ),
-    )
+    extra = variant("extra", lambda t: t.update({"mtp.0.ffn.gate.bias_vl": torch.zeros(4)}))
     load_model(extra, "float32")
-    err = capsys.readouterr().err
-    assert "DSpark" in err and "vision tower" in err and "routing biases" in err
+    assert "DSpark" in capsys.readouterr().err
+    load_model(extra, "float32", dspark=True)  # the stages route as text, as the reference's
+    assert "the DSpark stages' image-span routing biases" in capsys.readouterr().err
+    # v41-small sees: its tower, aligner, span rows and routing biases are the model's own
+    assert model.vision.blocks[1].mlp.w2.weight.shape == (64, 96)
+    torch.testing.assert_close(
+        model.layers["0"].ffn.gate.bias_vl, state["layers.0.ffn.gate.bias_vl"].float()
+    )
+    blind = variant("blind", lambda t: t.pop("vision.blocks.1.mlp.w2.weight"))
+    with pytest.raises(CheckpointError, match="vision.blocks.1.mlp.w2.weight"):
+        load_model(blind, "float32")
     missing = variant("missing", lambda t: t.pop("layers.4.attn.attn_sink"))
     with pytest.raises(CheckpointError, match="layers.4.attn.attn_sink"):
         load_model(missing, "float32")

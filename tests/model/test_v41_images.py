@@ -140,11 +140,13 @@ def test_vision_config_from_a_checkpoint() -> None:
         "min_pixels": 295936,
         "max_wh_ratio": None,
     }
-    assert VisionConfig.from_json(released) == RELEASED
-    assert VisionConfig.from_json(None) is None
-    assert VisionConfig.from_json({**released, "num_hidden_layers": 0}) is None
+    text = {"num_hidden_layers": 43, "hidden_size": 4096}  # the language model's, beside it
+    assert VisionConfig.from_config({**text, "vision_config": released}) == RELEASED
+    assert VisionConfig.from_config(text) is None
+    off = {**released, "num_hidden_layers": 0}
+    assert VisionConfig.from_config({**text, "vision_config": off}) is None
     with pytest.raises(ValueError, match="max_image_tokens"):
-        VisionConfig.from_json({**released, "max_image_tokens": 3})
+        VisionConfig.from_config({"vision_config": {**released, "max_image_tokens": 3}})
     # DeepSeek's inference/config.json spells them flat, beside the language model's keys
     flat = {
         "dim": 4096,
@@ -159,6 +161,6 @@ def test_vision_config_from_a_checkpoint() -> None:
         "vision_min_pixels": 295936,
         "vision_max_wh_ratio": None,
     }
-    assert VisionConfig.from_json(flat) == RELEASED
-    assert VisionConfig.from_json({**flat, "vision_n_layers": 0}) is None
-    assert VisionConfig.from_json({**flat, "vision_max_n_token": 64}).max_image_tokens == 64
+    assert VisionConfig.from_config({**text, **flat}) == RELEASED
+    assert VisionConfig.from_config({**flat, "vision_n_layers": 0}) is None
+    assert VisionConfig.from_config({**flat, "vision_max_n_token": 64}).max_image_tokens == 64

@@ -24,7 +24,8 @@ from engramrt.engram.hashing import EngramHasher
 from engramrt.engram.layout import EngramLayout
 from engramrt.engram.token_map import build_token_map, load_tokenizer
 from engramrt.kernels.row_invariant import row_invariant
-from engramrt.runner.batch import StepBatch
+from engramrt.models.deepseek_v41.images import plan_grid
+from engramrt.runner.batch import ImageRef, NewRequest, StepBatch
 from engramrt.runner.stage import StageRunner
 
 BF, E4M3, INF = torch.bfloat16, torch.float8_e4m3fn, math.inf
@@ -288,10 +289,14 @@ class Reference:
         keep = torch.zeros_like(blk, dtype=torch.bool).scatter_(-1, top, blk.gather(-1, top) > -INF)
         return keep.repeat_interleave(bs, -1)[:, :width]
 
-    def moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, i: int, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        """``image``: [T] the image-span positions, which select with ``bias_vl``."""
         W, pf, c = self.W, f"layers.{i}.ffn.", self.c
         sc = F.softplus(F.linear(x.float(), W[pf + "gate.weight"].float())).sqrt()
-        ids = topk_low_first(sc + W[pf + "gate.bias"], c["num_experts_per_tok"])
+        bias = W[pf + "gate.bias"]
+        if image is not None:
+            bias = torch.where(image[:, None], W[pf + "gate.bias_vl"], bias)
+        ids = topk_low_first(sc + bias, c["num_experts_per_tok"])
         wts = sc.gather(1, ids)
         wts = wts / (wts.sum(-1, keepdim=True) + 1e-20) * c["routed_scaling_factor"]
         self.rec["route", i] = wts, ids
@@ -308,7 +313,7 @@ class Reference:
         h = F.silu(g) * self.lin(x, pf + "w3").float().clamp(-lim, lim)
         return self.lin((h if weight is None else weight * h).to(x.dtype), pf + "w2")
 
-    def engram(self, i, h, ids):
+    def engram(self, i, h, ids, image=None):
         W, pf, hc, D, eps = self.W, f"layers.{i}.engram.", self.hc, self.D, self.eps
         tab = W[pf + "embed.weight"].view(torch.uint8)[ids].view(E4M3).float()
         rows = (tab.unflatten(-1, (-1, 32)) * e8m0(W[pf + "embed.scale"])[ids][..., None]).to(BF)
@@ -318,6 +323,8 @@ class Reference:
         rstd = torch.rsqrt(hf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
         dot = (hf * wgt * key).sum(-1) * rstd * D**-0.5
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        if image is not None:  # an image position takes no memory
+            gate = gate.masked_fill(image[:, None], 0)
         return (hf + gate[..., None] * value[:, None]).to(BF)
 
     def mixes(self, h, pf):
@@ -337,15 +344,23 @@ class Reference:
             cm = cm / (cm.sum(-2, keepdim=True) + e)
         return pre, post, cm
 
-    def forward(self, tokens: list[int], p: int) -> torch.Tensor:
-        """fp32 logits [T, V] of a prefill (p == 0) or of one decode token."""
+    def forward(self, tokens: list[int], p: int, image=None) -> torch.Tensor:
+        """fp32 logits [T, V] of a prefill (p == 0) or of one decode token. ``image``: (its
+        span's first position, the span's rows [n, D]) in a prefill: the rows replace those
+        positions' embeddings, which route with ``bias_vl`` and take no Engram memory."""
         W, hc, T, one, eng = self.W, self.hc, len(tokens), torch.tensor, self.c["engram_layer_ids"]
         ids = self.hasher.extend(one(tokens), one([0]), one([T]), one([p]))
-        h, pre = W["embed.weight"][tokens][:, None].repeat(1, hc, 1), torch.eye(hc)[[0] * T]
+        emb, mask = W["embed.weight"][tokens], None
+        if image is not None:
+            start, rows = image
+            emb[start : start + len(rows)] = rows
+            mask = torch.zeros(T, dtype=torch.bool)
+            mask[start : start + len(rows)] = True
+        h, pre = emb[:, None].repeat(1, hc, 1), torch.eye(hc)[[0] * T]
         for i in range(len(self.ratios)):
             pf = f"layers.{i}."
             if i in eng:
-                h = self.engram(i, h, ids[:, eng.index(i)])
+                h = self.engram(i, h, ids[:, eng.index(i)], mask)
             a_pre, a_post, a_comb = self.mixes(h, pf + "hc_attn")
             x = self.rec["attn_in", i] = rms(hc_pre(h, pre), W[pf + "attn_norm.weight"], self.eps)
             if ("attn", i) in self.forced:  # from the same state, then restored
@@ -356,7 +371,7 @@ class Reference:
             x = self.rec["ffn_in", i] = rms(hc_pre(h, a_pre), W[pf + "ffn_norm.weight"], self.eps)
             if ("ffn", i) in self.forced:
                 self.rec["forced_ffn", i] = self.moe(i, self.forced["ffn", i]), self.rec["route", i]
-            h, pre = hc_post(self.moe(i, x), h, f_post, f_comb), f_pre
+            h, pre = hc_post(self.moe(i, x, mask), h, f_post, f_comb), f_pre
         y = rms(hc_pre(h, pre), W["norm.weight"], self.eps)
         return F.linear(y.float(), W["head.weight"].float())  # the head in fp32
 
@@ -508,3 +523,65 @@ def test_literal_reference_index_slot_is_a_known_deviation(model_dir, run):
     ref.forward([int(steps[0]["eng"][-1].argmax())], PROMPT)
     picks, got = ref.rec["picks", 1][0][0], steps[1]["cap"]["picks", 1][0]
     assert set(picks.tolist()) != set(got[got >= 0].tolist())
+
+
+def _image_prompt(eng: StageRunner, seed: int) -> tuple[list[int], ImageRef]:
+    """Text, an image's span of random pixels (a plan for a 100 x 60 image), text."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = eng.model.cfg.body.vision
+    grid = plan_grid(100, 60, cfg)
+    pixels = torch.randint(0, 256, (grid.height, grid.width, 3), generator=g, dtype=torch.uint8)
+    head = torch.randint(6, 1000, (7,), generator=g).tolist()
+    tail = torch.randint(6, 1000, (9,), generator=g).tolist()
+    image_id = eng.model.cfg.engram.image_token_id
+    fields = [grid.height, grid.width, grid.rows, grid.cols, grid.patch]
+    ref = ImageRef(len(head), grid.tokens, f"random-{seed}", fields, pixels.numpy().tobytes())
+    return head + [image_id] * grid.tokens + tail, ref
+
+
+def _admit(prompt: list[int], image: ImageRef, chunk: int) -> StepBatch:
+    new = NewRequest(0, prompt, len(prompt), 0, blocks=BLOCK_TABLE, images=[image])
+    return StepBatch(prompt[:chunk], [0], [chunk], [0], admitted=[new])
+
+
+def test_an_image_span_matches_the_reference(model_dir):
+    """A prompt with an image's span (issue 54), prefilled and decoded for 4 greedy steps:
+    engramrt's logits equal the restatement's, which puts the span's rows (engramrt's encoder,
+    checked against a float64 restatement in ``test_v41_vision``) in place of those positions'
+    embeddings, routes them with ``bias_vl`` (made far from ``bias`` here, so that a router
+    ignoring it picks other experts) and gives them no Engram memory. The span is encoded once,
+    and a prefill chunked inside the span gives the same logits (the reference takes images in
+    one chunk only)."""
+    eng = StageRunner.load(model_dir, num_slots=2, max_len=256, dtype="bfloat16")
+    ref = Reference(model_dir)
+    g = torch.Generator().manual_seed(5)
+    for name, blk in eng.model.layers.items():
+        vl = torch.randn(blk.ffn.gate.bias_vl.shape, generator=g)
+        blk.ffn.gate.bias_vl.copy_(vl)
+        ref.W[f"layers.{name}.ffn.gate.bias_vl"] = vl
+    prompt, image = _image_prompt(eng, 0)
+    rows = eng.model.cfg.family.encode_image(eng.model, image)
+    assert rows.shape == (image.length, eng.model.cfg.hidden_size)
+    got = eng.compute(_admit(prompt, image, len(prompt)), last_only=False)
+    want = ref.forward(prompt, 0, (image.start, rows))
+    assert eng.images.encoded == 1
+    tokens = []
+    for _ in range(4):
+        diff = (got - want).abs().max().item()
+        assert diff <= 1e-5 * want.abs().max().item(), (len(tokens), diff)
+        tokens.append(int(got[-1].argmax()))
+        pos = len(prompt) + len(tokens) - 1
+        got = eng.compute(StepBatch(tokens[-1:], [0], [1], [pos]), last_only=False)
+        want = ref.forward(tokens[-1:], pos)
+
+    chunked = StageRunner.load(model_dir, num_slots=2, max_len=256, dtype="bfloat16")
+    chunked.model.load_state_dict(eng.model.state_dict())
+    cut = image.start + image.length // 2  # inside the span
+    first = chunked.compute(_admit(prompt, image, cut), last_only=False)
+    rest = chunked.compute(
+        StepBatch(prompt[cut:], [0], [len(prompt) - cut], [cut]), last_only=False
+    )
+    single = StageRunner.load(model_dir, num_slots=2, max_len=256, dtype="bfloat16")
+    single.model.load_state_dict(eng.model.state_dict())
+    once = single.compute(_admit(prompt, image, len(prompt)), last_only=False)
+    assert torch.equal(torch.cat([first, rest]), once)

@@ -17,23 +17,15 @@ from torch import nn
 from engramrt.config import ConfigError, ModelConfig, int_field, shared_config
 from engramrt.config_base import text_config
 from engramrt.model.family import ModelFamily
-from engramrt.models.deepseek_v41 import attention, dspark, quant
+from engramrt.models.deepseek_v41 import attention, dspark, images, quant, vision
 from engramrt.models.deepseek_v41 import cache as v41_cache
 from engramrt.models.deepseek_v41.attention import V41Attention
 from engramrt.models.deepseek_v41.config import V41Config, v41_config
 from engramrt.models.deepseek_v41.moe import V41MoE
 from engramrt.tensor_parallel import TensorParallel
 
-# stored tensors that text-only serving does not run: DSpark stages (unless it drafts with
-# them), the vision tower and its image-span pieces, and the image-span routing bias
+# stored tensors nothing runs: DSpark stages (unless it drafts with them)
 DSPARK = "DSpark draft stages (mtp.*): no --speculative-config method 'dspark'"
-UNRUN = {
-    "mtp.": DSPARK,
-    "vision.": "the vision tower: text-only serving",
-    "aligner.": "the vision tower: text-only serving",
-    "image_": "the vision tower: text-only serving",
-    ".ffn.gate.bias_vl": "image-span routing biases: text-only serving",
-}
 # training scores a whole step's queries at once (a python loop over the serving default's
 # 256-query chunks dominated a training step's time on a GPU)
 TRAIN_QUERY_CHUNK = 1 << 16
@@ -68,7 +60,8 @@ class DeepSeekV41(ModelFamily):
                 dspark.DSparkAttention(v, v.role(layer_id), dtype, tp),
                 V41MoE(v.stage_moe(), tp=tp),
             )
-        return V41Attention(v, v.roles[layer_id], dtype, tp), V41MoE(v, tp=tp)
+        moe = V41MoE(v, image_bias=v.vision is not None, tp=tp)
+        return V41Attention(v, v.roles[layer_id], dtype, tp), moe
 
     def head_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32  # as the reference: logits straight out in fp32
@@ -186,14 +179,17 @@ class DeepSeekV41(ModelFamily):
         return layer
 
     def unrun_reason(self, name: str, dspark: bool) -> str | None:
-        """The DSpark stages' copies of the shared embedding and head (``mtp.i.embed``,
-        ``mtp.i.head``: the reference registers them, its converter skips them) always."""
-        if name.startswith("mtp.") and name.split(".")[2] in ("embed", "head"):
+        """The DSpark stages without DSpark; with it, their copies of the shared embedding and
+        head (``mtp.i.embed``, ``mtp.i.head``: the reference registers them, its converter
+        skips them) and their image-span routing biases."""
+        if not name.startswith("mtp."):
+            return None
+        if not dspark:
+            return DSPARK
+        if name.split(".")[2] in ("embed", "head"):
             return "the DSpark stages' copies of the shared embedding and head"
-        for key, why in UNRUN.items():
-            hit = name.startswith(key) or (key[0] == "." and key in name)
-            if hit and not (dspark and why == DSPARK):
-                return why
+        if name.endswith(".ffn.gate.bias_vl"):  # the reference's drafts route as text
+            return "the DSpark stages' image-span routing biases (drafts are text)"
         return None
 
     # -- start-up -------------------------------------------------------------------------
@@ -212,6 +208,22 @@ class DeepSeekV41(ModelFamily):
 
     def refuses_images(self) -> bool:
         return True
+
+    def attach_images(self, model, dtype: torch.dtype) -> None:
+        """The vision tower, its aligner and the span's learned rows, where the config has a
+        tower (``vision.attach``)."""
+        if model.cfg.body.vision is not None:
+            vision.attach(model, model.cfg.body.vision, dtype)
+
+    def encode_image(self, model, ref) -> torch.Tensor:
+        """The fitted pixels cut into patches, through the tower and the aligner, between the
+        span's learned rows (``vision.encode``)."""
+        if getattr(model, "vision", None) is None:
+            raise ValueError("this V4.1 checkpoint has no vision tower (no vision_config)")
+        grid = images.ImageGrid(*ref.grid)
+        pixels = torch.frombuffer(bytearray(ref.pixels), dtype=torch.uint8)
+        pixels = pixels.view(grid.height, grid.width, 3).to(model.image_start.device)
+        return vision.encode(model, images.to_patches(pixels, grid.patch), grid)
 
     def capture_limit(self, model, max_tokens: int) -> int | None:
         """V4.1's steps are captured up to ``V41MoE.grouped_tokens`` tokens (the grouped

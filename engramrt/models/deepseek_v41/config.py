@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engramrt.config_base import ConfigError, text_config
+from engramrt.models.deepseek_v41.images import VisionConfig
 
 WINDOW, SOURCE, REINDEX, REUSE = "window", "source", "reindex", "reuse"
 
@@ -154,6 +155,7 @@ class V41Config:
     dspark_markov_rank: int = 256
     dspark_n_routed_experts: int = 0  # 0: the backbone's counts
     dspark_n_activated_experts: int = 0
+    vision: VisionConfig | None = None  # the vision tower (``vision``); None: text only
 
     @property
     def dspark_stages(self) -> list[int]:
@@ -249,6 +251,7 @@ def v41_config(raw: Mapping[str, Any]) -> V41Config:
         },
         dspark_markov_rank=_int(c, "dspark_markov_rank", default=256),
         dspark_target_layer_ids=tuple(_field(c, "dspark_target_layer_ids", [])[1]),
+        vision=VisionConfig.from_config(dict(raw)),
     )
     _check_widths(cfg)
     return replace(cfg, roles=_roles(cfg))

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engramrt.config_base import ConfigError
+
 # token types of an image span (the reference's); text is -1
 TEXT, IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = -1, 0, 1, 2, 3
 PAD_COLOR = (127, 127, 127)  # what the reference pads with: 0 after normalisation, nearly
@@ -53,17 +55,21 @@ class VisionConfig:
     max_wh_ratio: int | None = None
 
     @classmethod
-    def from_json(cls, raw: dict | None) -> VisionConfig | None:
-        """None where the checkpoint has no tower (no vision fields, or 0 layers). ``raw`` is
-        a ``vision_config`` (HF's names) or a whole config with the reference's flat
-        ``vision_*`` keys (DeepSeek's ``inference/config.json``)."""
-        raw = {FLAT.get(k, k): v for k, v in (raw or {}).items()}
+    def from_config(cls, raw: dict) -> VisionConfig | None:
+        """The tower a model config asks for: its ``vision_config`` (HF's names) or, without
+        one, the reference's flat ``vision_*`` keys (DeepSeek's ``inference/config.json``);
+        None where it has no tower (no vision fields, or 0 layers)."""
+        nested = raw.get("vision_config")
+        if isinstance(nested, dict):
+            raw = nested
+        else:
+            raw = {FLAT[k]: v for k, v in raw.items() if k in FLAT}
         if int(raw.get("num_hidden_layers") or 0) == 0:
             return None
         fields = {k: raw[k] for k in cls.__dataclass_fields__ if raw.get(k) is not None}
         cfg = cls(**fields)
         if cfg.patch_size < 1 or cfg.downsample_ratio < 1 or cfg.max_image_tokens < 5:
-            raise ValueError(
+            raise ConfigError(
                 "vision_config: patch_size and downsample_ratio must be >= 1 and "
                 f"max_image_tokens >= 5 (one row of one token), got {cfg}"
             )
@@ -168,11 +174,10 @@ def decode(data: bytes, max_pixels: int):
         raise ValueError(f"not a decodable image: {exc}") from None
 
 
-def patches(image, grid: ImageGrid, cfg: VisionConfig) -> torch.Tensor:
-    """``image`` (RGB) at the grid's size as the ViT reads it: ``[patch_rows * patch_cols, 3,
-    p, p]`` in reading order, values ``(x / 255 - 0.5) / 0.5`` in fp32 (the model rounds them
-    to its dtype, as the reference to bf16). Padded to the size, centred, in ``PAD_COLOR``; an
-    image wider than ``max_wh_ratio`` heights is stretched to it instead."""
+def fit(image, grid: ImageGrid, cfg: VisionConfig):
+    """``image`` (RGB) at the grid's size as uint8 ``[height, width, 3]``: padded to it,
+    centred, in ``PAD_COLOR`` (Pillow's bicubic fit), or stretched to it where the image is
+    ``max_wh_ratio`` heights wide or more."""
     import numpy as np
     from PIL import ImageOps
 
@@ -181,7 +186,21 @@ def patches(image, grid: ImageGrid, cfg: VisionConfig) -> torch.Tensor:
         image = image.resize(size)
     else:
         image = ImageOps.pad(image, size, color=PAD_COLOR)
-    x = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 255
+    return np.asarray(image, dtype=np.uint8)
+
+
+def to_patches(pixels: torch.Tensor, patch: int) -> torch.Tensor:
+    """Fitted pixels (uint8 ``[height, width, 3]``) as the ViT reads them: ``[rows * cols, 3,
+    p, p]`` in reading order, values ``(x / 255 - 0.5) / 0.5`` in fp32 (the model rounds them
+    to its dtype, as the reference to bf16)."""
+    h, w, _ = pixels.shape
+    x = pixels.permute(2, 0, 1).float() / 255
     x = (x - 0.5) / 0.5
-    p, rows, cols = grid.patch, grid.patch_rows, grid.patch_cols
-    return x.reshape(3, rows, p, cols, p).permute(1, 3, 0, 2, 4).reshape(rows * cols, 3, p, p)
+    rows, cols = h // patch, w // patch
+    x = x.reshape(3, rows, patch, cols, patch).permute(1, 3, 0, 2, 4)
+    return x.reshape(rows * cols, 3, patch, patch)
+
+
+def patches(image, grid: ImageGrid, cfg: VisionConfig) -> torch.Tensor:
+    """``image`` (RGB) as the ViT reads it: ``fit``, then ``to_patches``."""
+    return to_patches(torch.from_numpy(fit(image, grid, cfg).copy()), grid.patch)

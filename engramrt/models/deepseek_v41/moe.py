@@ -144,6 +144,7 @@ class V41MoE(nn.Module):
         )
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, False, cfg.swiglu_limit, span)
         self.stack: tuple[torch.Tensor, ...] | None = None  # ``_stacked``
+        self.routes_images = image_bias  # the block passes the step's image-span mask
         # the norm before makes the experts' codes and values and the router's fp32 row
         self.norm_inputs = NORM_VALUES
 

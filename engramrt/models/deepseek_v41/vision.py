@@ -139,3 +139,24 @@ class Aligner(nn.Module):
         x = F.pad(x, (0, -w % d, 0, -h % d))
         cells = F.unfold(x[None], d, stride=d)[0].T  # [rows * cols, channels * d * d]
         return self.w2(F.gelu(self.w1(cells)))
+
+
+def attach(model: nn.Module, cfg: VisionConfig, dtype: torch.dtype) -> None:
+    """``model``'s tower (``vision``), aligner (``aligner``) and the span's learned rows
+    (``image_start``, ``image_end``, ``image_newline``), under the checkpoint's names."""
+    dim = model.cfg.hidden_size
+    model.vision = VisionTower(cfg, dtype)
+    model.aligner = Aligner(cfg, dim, dtype)
+    for name in ("image_start", "image_end", "image_newline"):
+        setattr(model, name, nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False))
+
+
+def encode(model: nn.Module, patches: torch.Tensor, grid: ImageGrid) -> torch.Tensor:
+    """One image's span as the prompt's embedding rows [``grid.tokens``, dim] in the model's
+    dtype: the learned start, newline and end rows around the aligner's rows in reading order
+    (``ImageGrid.types``)."""
+    rows = model.aligner(model.vision(patches, grid), grid)
+    cols = grid.cols
+    start, newline, end = model.image_start, model.image_newline, model.image_end
+    lines = torch.cat([rows.view(grid.rows, cols, -1), newline.expand(grid.rows, 1, -1)], dim=1)
+    return torch.cat([start[None], lines.flatten(0, 1), end[None]]).to(model.dtype)
