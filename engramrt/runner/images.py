@@ -37,13 +37,13 @@ class ImageSpans:
         if rows is None:
             rows = self.model.cfg.family.encode_image(self.model, ref)
             self.encoded += 1
-            if rows.shape[0] != ref.length:
-                raise ValueError(
-                    f"image {ref.key[:12]}: its span has {ref.length} positions, the encoder "
-                    f"gave {rows.shape[0]} rows"
-                )
             self.cache[ref.key] = rows
             self._evict()
+        if rows.shape[0] != ref.length:
+            raise ValueError(
+                f"image {ref.key[:12]}: its span has {ref.length} positions, its rows "
+                f"{rows.shape[0]}"
+            )
         self.cache.move_to_end(ref.key)
         return rows
 
