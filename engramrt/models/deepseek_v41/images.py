@@ -5,8 +5,9 @@ prompt spells ``[IMAGE_START] + ([IMAGE] * w + [IMAGE_NEW_LINE]) * h + [IMAGE_EN
 position of the span carries the image token id; the types tell them apart, and the IMAGE slots
 take the aligner's rows in reading order.
 
-The first piece of the vision path (issue 54): what a request's image becomes before the model;
-the tower, the span's assembly and the engine come after it.
+What a request's image becomes before the model (``vision.py`` is the tower; the first stage's
+``runner/images.py`` puts its rows in the prompt). The one deliberate difference from the
+reference: the EXIF orientation is applied (the reference reads the stored pixels as they are).
 """
 
 from __future__ import annotations
