@@ -88,10 +88,11 @@ class DSparkReference(Reference):
             self.feats.append(h.mean(1))  # bf16, over the hc copies
         return super().mixes(h, pf)
 
-    def moe(self, i, x):
-        """A stage's MoE: the backbone's, with the stage's expert count and top-k."""
+    def moe(self, i, x, image=None):
+        """A stage's MoE: the backbone's, with the stage's expert count and top-k (and, as the
+        reference's drafts, no image routing)."""
         if i < self.L:
-            return super().moe(i, x)
+            return super().moe(i, x, image)
         c = self.c
         self.c = {
             **c,
