@@ -11,15 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from engramrt.config import ModelConfig
 from engramrt.model.context import ForwardContext, PagedCache
-from engramrt.runner.batch import ImageRef
 from engramrt.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from engramrt.runner.batch import ImageRef  # the wire's: what the stage hands the family
 
 EngramMHCModel = nn.Module  # the decoder (``engramrt.model.decoder``), which reads its family
 

@@ -326,9 +326,9 @@ def test_health_answers_while_a_burst_waits_on_a_long_step() -> None:
     no message until the step ends: the event loop must not wait on that connection. Served as
     ``serve`` serves, a stub engine holds its first step while 100 requests of 2,000 prompt
     ids arrive (about 600 kB of messages, some three times what the connection holds); /health
-    answers within a second all along and each request is admitted (the ones the connection
-    has no room for wait on the sender thread); once the step ends every request gets its
-    200, and the server's shutdown ends the sender thread."""
+    answers within 2 s all along (a loop that waited would time out at 3 s) and each request
+    is admitted (the ones the connection has no room for wait on the sender thread); once the
+    step ends every request gets its 200, and the server's shutdown ends the sender thread."""
     tokenizer = PromptEncoder.load(GQA_MODEL_DIR).tokenizer
     limits = RequestLimits(tokenizer.get_vocab_size(), None, 4096, 512, 16, None)
     engine = Held(limits, tokenizer)
@@ -368,7 +368,9 @@ def test_health_answers_while_a_burst_waits_on_a_long_step() -> None:
 
     try:
         waits, admitted, overflowed, codes = asyncio.run(main())
-        assert max(waits) < 1.0, waits
+        # a loop that waited on the connection would answer only after the step: each /health
+        # would time out (3 s); 2 s leaves a loaded 2-core machine its parsing of the burst
+        assert max(waits) < 2.0, waits
         assert admitted, "the burst was not admitted during the step"
         assert overflowed, "the burst fitted in the connection: make it larger"
         assert codes == [200] * (burst + 1)
